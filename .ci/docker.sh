@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs and starts what the container tests need on a fresh Debian machine with no container
+# registry: the Docker engine (Debian's docker.io) and a locally built image holding PostgreSQL 15
+# and Redis (built with mmdebstrap from Debian packages, then `docker import`ed).
+#
+# Sourced by .ci/run; also usable alone: `bash .ci/docker.sh` prepares a developer machine.
+# Exports the harness's environment (see README "How the tests find services").
+set -euo pipefail
+
+IMAGE="${IDEMPOTENCY_TEST_IMAGE:-idempotency-services:bookworm}"
+
+need_pkg() { dpkg -s "$1" >/dev/null 2>&1 || MISSING="$MISSING $1"; }
+MISSING=""
+command -v dockerd >/dev/null 2>&1 || need_pkg docker.io
+command -v mmdebstrap >/dev/null 2>&1 || need_pkg mmdebstrap
+if [ -n "$MISSING" ]; then
+  echo "==> installing:$MISSING"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q $MISSING
+fi
+
+# The engine: no bridge and no iptables on these machines (TESTING.md); containers use the host
+# network and the harness passes each service a free port on 127.0.0.1.
+if ! docker info >/dev/null 2>&1; then
+  echo "==> starting dockerd"
+  nohup dockerd --bridge=none --iptables=false --ip-masq=false --storage-driver=overlay2 \
+    >/var/log/idempotency-dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do
+    docker info >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  docker info >/dev/null 2>&1 || { echo "dockerd did not start:"; tail -50 /var/log/idempotency-dockerd.log; exit 1; }
+fi
+
+# Containers leaked by an earlier run killed with SIGKILL (the harness labels what it starts).
+leftovers=$(docker ps -aq --filter label=io.idempotency.test=1)
+[ -z "$leftovers" ] || docker rm -f $leftovers >/dev/null
+
+if ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  echo "==> building $IMAGE with mmdebstrap (Debian bookworm, postgresql-15, redis)"
+  tarball=$(mktemp /tmp/idempotency-rootfs.XXXXXX.tar)
+  mmdebstrap --variant=minbase --aptopt='APT::Install-Recommends "false"' \
+    --include=postgresql-15,redis-server,redis-tools bookworm "$tarball" </dev/null
+  docker import "$tarball" "$IMAGE"
+  rm -f "$tarball"
+fi
+
+export IDEMPOTENCY_TEST_IMAGE="$IMAGE"
+export IDEMPOTENCY_TEST_NETWORK=host

@@ -1,0 +1,34 @@
+//! The vocabulary and protocol of the idempotency framework.
+//!
+//! A client sends one `Idempotency-Key` per logical operation. The first request with a key
+//! executes and its [`Outcome`] is stored; every retry with the same key gets the stored
+//! outcome instead of executing again. This crate holds what every backend and front end
+//! shares:
+//!
+//! - [`IdempotencyKey`], [`Scope`] and [`RecordId`]: what names a record;
+//! - [`Fingerprint`]: what makes two requests "the same";
+//! - [`Outcome`]: what a replay returns, with the binary encoding every store uses;
+//! - [`Store`]: the record state machine (`begin` → `Execute` / `Replay` / `InFlight` /
+//!   `Mismatch`, then `complete` or `release`, fenced by a [`LeaseToken`]);
+//! - [`Policy`]: lease, retention and which statuses are stored;
+//! - [`MemoryStore`]: the in-process store (single process only);
+//! - [`spawn_purger`]: batched deletion of expired records for any store.
+//!
+//! Backends live in their own crates (`idempotency-postgres`, `idempotency-redis`, …); most
+//! applications depend on the `idempotency` facade instead of this crate.
+
+mod fingerprint;
+mod key;
+mod memory;
+mod outcome;
+mod policy;
+mod purge;
+mod store;
+
+pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
+pub use memory::MemoryStore;
+pub use outcome::{DecodeError, Outcome};
+pub use policy::{Policy, default_cacheable};
+pub use purge::{PurgeHandle, spawn_purger};
+pub use store::{Begin, BoxError, Error, LeaseToken, Result, Store};

@@ -1,0 +1,167 @@
+//! What a replay returns, and the one binary encoding every store shares.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+/// The stored result of an operation: a status, headers in order (repeated names kept), and
+/// the body bytes.
+///
+/// Non-HTTP users put their own status convention and serialised result in it (the
+/// executor in this crate stores a serde value in the body).
+///
+/// ```
+/// use idempotency_core::Outcome;
+///
+/// let outcome = Outcome::new(201)
+///     .with_header("content-type", "application/json")
+///     .with_header("set-cookie", "a=1")
+///     .with_header("set-cookie", "b=2")
+///     .with_body(r#"{"id":"ch_1"}"#);
+/// let bytes = outcome.encode();
+/// assert_eq!(Outcome::decode(&bytes).unwrap(), outcome);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Outcome {
+    /// The status (an HTTP status code for the HTTP layer).
+    pub status: u16,
+    /// Header names and values in their original order; a name may repeat.
+    pub headers: Vec<(String, Bytes)>,
+    /// The body.
+    pub body: Bytes,
+}
+
+/// The encoded outcome could not be read back: a store returned bytes this version does not
+/// understand, or that were cut short.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("corrupt stored outcome: {0}")]
+pub struct DecodeError(&'static str);
+
+/// First byte of every encoding. A new layout takes a new number, and `decode` keeps reading
+/// the old ones, so records written by the previous release replay after an upgrade.
+const VERSION_1: u8 = 1;
+
+impl Outcome {
+    /// An outcome with a status and no headers or body.
+    pub fn new(status: u16) -> Self {
+        Self {
+            status,
+            ..Self::default()
+        }
+    }
+
+    /// Appends a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the body.
+    pub fn with_body(mut self, body: impl Into<Bytes>) -> Self {
+        self.body = body.into();
+        self
+    }
+
+    /// Encodes as `version u8 | status u16 | n u32 | n × (name_len u16, name, value_len u32,
+    /// value) | body_len u32 | body`, all big-endian.
+    pub fn encode(&self) -> Bytes {
+        let headers_len: usize = self
+            .headers
+            .iter()
+            .map(|(n, v)| 6 + n.len() + v.len())
+            .sum();
+        let mut buf = BytesMut::with_capacity(1 + 2 + 4 + headers_len + 4 + self.body.len());
+        buf.put_u8(VERSION_1);
+        buf.put_u16(self.status);
+        buf.put_u32(self.headers.len() as u32);
+        for (name, value) in &self.headers {
+            buf.put_u16(name.len() as u16);
+            buf.put_slice(name.as_bytes());
+            buf.put_u32(value.len() as u32);
+            buf.put_slice(value);
+        }
+        buf.put_u32(self.body.len() as u32);
+        buf.put_slice(&self.body);
+        buf.freeze()
+    }
+
+    /// Decodes what [`Outcome::encode`] wrote.
+    pub fn decode(mut bytes: &[u8]) -> Result<Self, DecodeError> {
+        fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Result<&'a [u8], DecodeError> {
+            if bytes.len() < n {
+                return Err(DecodeError("truncated"));
+            }
+            let (head, tail) = bytes.split_at(n);
+            *bytes = tail;
+            Ok(head)
+        }
+        fn need(bytes: &[u8], n: usize) -> Result<(), DecodeError> {
+            if bytes.len() < n {
+                Err(DecodeError("truncated"))
+            } else {
+                Ok(())
+            }
+        }
+        need(bytes, 1)?;
+        if bytes.get_u8() != VERSION_1 {
+            return Err(DecodeError("unknown encoding version"));
+        }
+        need(bytes, 6)?;
+        let status = bytes.get_u16();
+        let count = bytes.get_u32() as usize;
+        // Each header takes at least 6 bytes: refuse counts the input cannot hold before
+        // allocating for them.
+        if count > bytes.len() / 6 {
+            return Err(DecodeError("header count exceeds input"));
+        }
+        let mut headers = Vec::with_capacity(count);
+        for _ in 0..count {
+            need(bytes, 2)?;
+            let name_len = bytes.get_u16() as usize;
+            let name = std::str::from_utf8(take(&mut bytes, name_len)?)
+                .map_err(|_| DecodeError("header name is not UTF-8"))?
+                .to_owned();
+            need(bytes, 4)?;
+            let value_len = bytes.get_u32() as usize;
+            let value = Bytes::copy_from_slice(take(&mut bytes, value_len)?);
+            headers.push((name, value));
+        }
+        need(bytes, 4)?;
+        let body_len = bytes.get_u32() as usize;
+        let body = Bytes::copy_from_slice(take(&mut bytes, body_len)?);
+        if !bytes.is_empty() {
+            return Err(DecodeError("trailing bytes"));
+        }
+        Ok(Self {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_binary_and_repeated_headers() {
+        let body: Vec<u8> = (0..=255u8).cycle().take(1 << 20).collect();
+        let outcome = Outcome::new(200)
+            .with_header("x-a", &b"\x00\xff"[..])
+            .with_header("x-a", "second")
+            .with_body(body);
+        assert_eq!(Outcome::decode(&outcome.encode()).unwrap(), outcome);
+    }
+
+    #[test]
+    fn rejects_garbage_without_panicking() {
+        let good = Outcome::new(201)
+            .with_header("a", "b")
+            .with_body("c")
+            .encode();
+        for cut in 0..good.len() {
+            assert!(Outcome::decode(&good[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(Outcome::decode(&[2, 0, 200]).is_err());
+        assert!(Outcome::decode(&[1, 0, 200, 0xff, 0xff, 0xff, 0xff]).is_err());
+    }
+}

@@ -1,0 +1,100 @@
+//! How long leases and records live, and which outcomes are stored.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+/// Lease length, retention and the cache rule, shared by the HTTP layer and the executor.
+///
+/// The default caches 2xx, 3xx and 4xx outcomes except 408, 409, 425 and 429, and never 5xx:
+/// those statuses say "try again", so storing them would lock the key into a transient failure.
+/// An uncacheable outcome releases the key and the retry runs again.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::Policy;
+///
+/// let policy = Policy::default();
+/// assert!(policy.is_cacheable(201));
+/// assert!(policy.is_cacheable(404));
+/// assert!(!policy.is_cacheable(429));
+/// assert!(!policy.is_cacheable(503));
+///
+/// let strict = Policy::default()
+///     .with_retention(Duration::from_secs(7 * 24 * 3600))
+///     .with_cacheable(|status| (200..300).contains(&status));
+/// assert!(!strict.is_cacheable(404));
+/// ```
+#[derive(Clone)]
+pub struct Policy {
+    lease: Duration,
+    retention: Duration,
+    cacheable: Arc<dyn Fn(u16) -> bool + Send + Sync>,
+}
+
+/// Statuses in the cacheable ranges that still mean "not done, try again".
+const RETRYABLE_4XX: [u16; 4] = [408, 409, 425, 429];
+
+/// The default cache rule of DESIGN.md.
+pub fn default_cacheable(status: u16) -> bool {
+    (200..500).contains(&status) && !RETRYABLE_4XX.contains(&status)
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            cacheable: Arc::new(default_cacheable),
+        }
+    }
+}
+
+impl fmt::Debug for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Policy")
+            .field("lease", &self.lease)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Policy {
+    /// How long one attempt holds the key before a retry may take it over (default 30 s).
+    /// Long operations keep it by renewing every third of it while they run.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a completed outcome is replayed (default 24 h).
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Replaces the rule deciding which statuses are stored.
+    pub fn with_cacheable(mut self, rule: impl Fn(u16) -> bool + Send + Sync + 'static) -> Self {
+        self.cacheable = Arc::new(rule);
+        self
+    }
+
+    /// The lease length.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retention period.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// How often a running operation renews its lease: a third of the lease, so two renewals
+    /// can fail before it is lost.
+    pub fn renew_every(&self) -> Duration {
+        (self.lease / 3).max(Duration::from_millis(10))
+    }
+
+    /// Whether an outcome with this status is stored and replayed.
+    pub fn is_cacheable(&self, status: u16) -> bool {
+        (self.cacheable)(status)
+    }
+}

@@ -1,0 +1,199 @@
+//! The `Store` trait: the record state machine every backend implements.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use crate::{Fingerprint, Outcome, RecordId};
+
+/// A boxed error from a backend client.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong talking to a store.
+///
+/// The HTTP layer maps `Unavailable` to 503 (the operation does not run unguarded) and
+/// `LeaseLost` / `Corrupt` to 500.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store could not be reached or did not answer within its budget. Nothing is known
+    /// to have changed; the caller must not run the operation.
+    #[error("idempotency store unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// The token no longer owns the record: its lease expired and another attempt took over
+    /// (or completed). Nothing was changed.
+    #[error("lease lost: the record is owned by another attempt or no longer exists")]
+    LeaseLost,
+    /// The store returned a record this version cannot read.
+    #[error("corrupt idempotency record: {0}")]
+    Corrupt(String),
+    /// The store refused its configuration (for example an evicting Redis).
+    #[error("invalid idempotency store configuration: {0}")]
+    Config(String),
+}
+
+impl Error {
+    /// Wraps a backend error as [`Error::Unavailable`].
+    pub fn unavailable(source: impl Into<BoxError>) -> Self {
+        Self::Unavailable(source.into())
+    }
+}
+
+/// Proof of ownership of an in-flight record: the fencing token.
+///
+/// Every `begin` that returns `Execute` mints a new random token; `complete`, `release` and
+/// `renew` succeed only while the record still carries it. A worker that stalled past its
+/// lease therefore cannot overwrite the outcome of the attempt that took over.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken(Uuid);
+
+impl LeaseToken {
+    /// A fresh random token.
+    pub fn generate() -> Self {
+        Self(Uuid::new_v4())
+    }
+
+    /// Wraps a token read back from a store.
+    pub fn from_uuid(uuid: Uuid) -> Self {
+        Self(uuid)
+    }
+
+    /// The token as a UUID.
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseToken({})", self.0)
+    }
+}
+
+impl fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// The answer of [`Store::begin`]: exactly one of four.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// The caller owns the key and must run the operation, then `complete` or `release`.
+    Execute(LeaseToken),
+    /// The operation completed earlier with the same fingerprint: return this outcome.
+    Replay(Outcome),
+    /// Another attempt holds a live lease; try again after about `retry_after`.
+    InFlight {
+        /// The lease's remaining time, as the store's clock sees it.
+        retry_after: Duration,
+    },
+    /// The key was used with a different fingerprint (in flight or completed).
+    Mismatch,
+}
+
+/// A place that records, per record id, whether an operation ran and what it returned.
+///
+/// The state machine every implementation follows (DESIGN.md):
+///
+/// ```text
+/// absent/expired --begin--> InFlight{token, lease_until} --complete(token)--> Completed{outcome}
+///                                |  \--release(token)--> absent
+///                                \--lease expired, begin--> InFlight{new token}
+/// ```
+///
+/// - `begin` on an absent record, on a record whose lease expired, or on a completed record
+///   past its retention, claims it and returns `Execute` with a new token.
+/// - On a live record with another fingerprint it returns `Mismatch`; with the same
+///   fingerprint `Replay` when completed and `InFlight` while leased.
+/// - `complete`, `release` and `renew` succeed only while the token owns the record, and
+///   otherwise return [`Error::LeaseLost`] and change nothing.
+/// - Times come from the store's own clock, never the caller's.
+///
+/// The trait is object safe: applications pick a store at run time and hold an
+/// `Arc<dyn Store>`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{Begin, Fingerprint, IdempotencyKey, MemoryStore, Outcome, RecordId, Scope, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotency_core::Error> {
+/// let store = MemoryStore::new();
+/// let id = RecordId::new(&Scope::new("acct_1"), &IdempotencyKey::new("order-42").unwrap());
+/// let fp = Fingerprint::of(b"amount=100");
+/// let lease = Duration::from_secs(30);
+///
+/// let Begin::Execute(token) = store.begin(&id, &fp, lease).await? else { unreachable!() };
+/// // ... run the operation once ...
+/// store.complete(&id, token, &Outcome::new(201).with_body("ch_1"), Duration::from_secs(3600)).await?;
+///
+/// // A retry gets the stored outcome instead of running again.
+/// let Begin::Replay(outcome) = store.begin(&id, &fp, lease).await? else { unreachable!() };
+/// assert_eq!(outcome.body, "ch_1");
+/// # Ok(()) }
+/// ```
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims the record, or says why not. See the trait docs for the state machine.
+    async fn begin(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin>;
+
+    /// Stores the outcome and keeps it for `retention`, if `token` still owns the record.
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()>;
+
+    /// Gives the key up without an outcome (an uncacheable result, an error, a panic), so the
+    /// next `begin` executes, if `token` still owns the record.
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()>;
+
+    /// Extends the lease to `lease` from now (store clock), if `token` still owns the record.
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()>;
+
+    /// Deletes up to `batch` records that are past their retention or whose lease expired;
+    /// returns how many. Stores whose records expire by themselves return 0.
+    async fn purge_expired(&self, batch: usize) -> Result<u64>;
+
+    /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).
+    fn name(&self) -> &'static str;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for Arc<S> {
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        (**self).begin(id, fp, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        (**self).complete(id, token, outcome, retention).await
+    }
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        (**self).release(id, token).await
+    }
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        (**self).renew(id, token, lease).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64> {
+        (**self).purge_expired(batch).await
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+}

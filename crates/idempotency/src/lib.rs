@@ -1,0 +1,32 @@
+//! An operation runs once per idempotency key, even when a gateway retries, a client
+//! disconnects, a worker crashes or Redis dies.
+//!
+//! This is the crate applications depend on. It re-exports the core types and, behind
+//! features, the backends:
+//!
+//! | feature    | enables                                                     | default |
+//! |------------|-------------------------------------------------------------|---------|
+//! | (none)     | core types, the `Store` trait, [`MemoryStore`] (one process) | yes     |
+//!
+//! ```
+//! use std::time::Duration;
+//! use idempotency::{Begin, Fingerprint, IdempotencyKey, MemoryStore, Outcome, RecordId, Scope, Store};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotency::Error> {
+//! let store = MemoryStore::new();
+//! let id = RecordId::new(&Scope::new("acct_1"), &IdempotencyKey::new("charge-1").unwrap());
+//! let fp = Fingerprint::of(br#"{"amount":1000}"#);
+//! match store.begin(&id, &fp, Duration::from_secs(30)).await? {
+//!     Begin::Execute(token) => {
+//!         let outcome = Outcome::new(201).with_body("ch_1"); // charge the card once
+//!         store.complete(&id, token, &outcome, Duration::from_secs(86_400)).await?;
+//!     }
+//!     Begin::Replay(outcome) => println!("already charged: {:?}", outcome.body),
+//!     Begin::InFlight { retry_after } => println!("retry in {retry_after:?}"),
+//!     Begin::Mismatch => println!("key reused for another request"),
+//! }
+//! # Ok(()) }
+//! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub use idempotency_core::*;
