@@ -350,7 +350,7 @@ pub async fn concurrent_begins_execute_once(store: Arc<dyn Store>) {
 /// was told to skip service-backed tests). Each test runs on the binary's shared runtime, so
 /// the store's pooled connections and containers outlive single tests.
 ///
-/// ```ignore
+/// ```text
 /// idempotency_test::conformance_tests!(async {
 ///     Some(std::sync::Arc::new(idempotency_core::MemoryStore::new()) as std::sync::Arc<dyn idempotency_core::Store>)
 /// });

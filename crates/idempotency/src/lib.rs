@@ -7,6 +7,7 @@
 //! | feature    | enables                                                     | default |
 //! |------------|-------------------------------------------------------------|---------|
 //! | (none)     | core types, the `Store` trait, [`MemoryStore`] (one process) | yes     |
+//! | `postgres` | [`postgres::PostgresStore`]: the unique-constraint key table  | no      |
 //!
 //! ```
 //! use std::time::Duration;
@@ -30,3 +31,10 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idempotency_core::*;
+
+/// The Postgres store: the guarantee (see the `idempotency-postgres` crate).
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres {
+    pub use idempotency_postgres::*;
+}

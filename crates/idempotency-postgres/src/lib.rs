@@ -1,0 +1,31 @@
+//! The Postgres store of the idempotency framework: the guarantee.
+//!
+//! One table, `idempotency_keys`, keyed by the record id. Its primary key decides every race
+//! (`INSERT … ON CONFLICT DO NOTHING`), its lease columns recover the keys of crashed workers,
+//! and every time comes from Postgres `now()`, so clock skew between application hosts cannot
+//! expire a lease early.
+//!
+//! - [`PostgresStore`] implements [`Store`](idempotency_core::Store);
+//! - [`PostgresStore::complete_in`] completes a record inside the application's own
+//!   transaction: the business effect and the stored outcome commit together;
+//! - [`migrator`] embeds the migrations (`_idempotency_migrations` table);
+//! - purge expired rows with [`idempotency_core::spawn_purger`] (batched, `SKIP LOCKED`).
+//!
+//! ```no_run
+//! use std::{sync::Arc, time::Duration};
+//! use idempotency_core::{spawn_purger, Store};
+//! use idempotency_postgres::PostgresStore;
+//!
+//! # async fn run() -> Result<(), idempotency_core::Error> {
+//! let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
+//! store.migrate().await?;
+//! let store = Arc::new(store);
+//! let purger = spawn_purger(store.clone(), Duration::from_secs(60), 1_000);
+//! // ... serve traffic with `store` ...
+//! purger.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+mod store;
+
+pub use store::{PostgresStore, PostgresStoreBuilder, migrator};

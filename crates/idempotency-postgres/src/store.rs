@@ -1,0 +1,418 @@
+//! `PostgresStore`: the record state machine in one table, every race decided by Postgres.
+
+use std::{future::Future, time::Duration};
+
+use async_trait::async_trait;
+use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use sqlx::{
+    PgConnection, PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+
+/// How many times `begin` re-runs when the row it saw vanished or was taken over between two
+/// statements. Each retry means another client made progress, so the loop cannot spin long.
+const MAX_BEGIN_ROUNDS: usize = 8;
+
+/// A [`Store`] on one Postgres table, `idempotency_keys` (see `migrations/`).
+///
+/// The table's primary key is the record id, so exactly one `INSERT` per key can succeed: the
+/// guarantee does not depend on any cache or clock outside Postgres. No transaction stays open
+/// while the operation runs: `begin` commits its claim, the operation runs, then `complete` /
+/// `release` fence on the lease token in their own statements. A pool of N connections
+/// therefore serves any number of in-flight operations.
+///
+/// Round trips on the common path: `begin` 1 (insert, or conflict and read the live row, in
+/// one statement), `complete` 1, `release` 1, `renew` 1. A race with a concurrent insert
+/// costs one more read; taking over an expired lease one more compare-and-set.
+///
+/// ```no_run
+/// use idempotency_postgres::PostgresStore;
+///
+/// # async fn run() -> Result<(), idempotency_core::Error> {
+/// let store = PostgresStore::builder("postgres://app@127.0.0.1/app")
+///     .max_connections(16)
+///     .connect()
+///     .await?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    call_timeout: Duration,
+}
+
+/// Configures and connects a [`PostgresStore`].
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    url: String,
+    max_connections: u32,
+    acquire_timeout: Duration,
+    statement_timeout: Duration,
+    call_timeout: Duration,
+}
+
+impl PostgresStoreBuilder {
+    /// Pool size (default 10).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// How long a call waits for a pooled connection (default 2 s).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Postgres `statement_timeout` for the store's connections (default 2 s).
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// The hard budget of one store call, connection included (default 3 s). Past it the call
+    /// returns [`Error::Unavailable`]: a hung database costs at most this, never a hang.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// Builds the pool. Connections open lazily, so this succeeds while the database is down;
+    /// the first call then reports [`Error::Unavailable`].
+    pub async fn connect(self) -> Result<PostgresStore> {
+        let options: PgConnectOptions = self
+            .url
+            .parse()
+            .map_err(|e| Error::Config(format!("invalid Postgres URL: {e}")))?;
+        let options = options.options([(
+            "statement_timeout",
+            self.statement_timeout.as_millis().to_string(),
+        )]);
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.acquire_timeout)
+            .connect_lazy_with(options);
+        Ok(PostgresStore {
+            pool,
+            call_timeout: self.call_timeout,
+        })
+    }
+}
+
+/// The embedded migrations (the top-level `migrations/` directory), recorded in their own
+/// table `_idempotency_migrations` so they never collide with the application's.
+pub fn migrator() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("../../migrations");
+    migrator.dangerous_set_table_name("_idempotency_migrations");
+    migrator
+}
+
+fn db_error(error: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &error {
+        // undefined_table: the migrations have not run. No retry will fix that.
+        if db.code().as_deref() == Some("42P01") {
+            return Error::Config(format!(
+                "{db}: run PostgresStore::migrate (or idempotency_postgres::migrator()) first"
+            ));
+        }
+    }
+    Error::unavailable(error)
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// What `BEGIN_SQL` returns: inserted, or the live row's columns.
+type BeginRow = (
+    bool,
+    Option<Vec<u8>>,
+    Option<i16>,
+    Option<Vec<u8>>,
+    Option<f64>,
+);
+
+/// The live row as `begin` reads it.
+type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
+
+/// Claims the key, or reads the live row, in one statement. The second SELECT runs in the
+/// statement's snapshot, so it sees rows committed before the statement started (the usual
+/// replay) but not a row whose concurrent insert made ours conflict: that case returns no
+/// row and `begin` reads again in a new statement.
+const BEGIN_SQL: &str = "
+WITH ins AS (
+    INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at)
+    VALUES ($1, $2, 0, $3, now() + $4 * interval '1 millisecond')
+    ON CONFLICT (record_id) DO NOTHING
+    RETURNING record_id
+)
+SELECT true, NULL::bytea, NULL::smallint, NULL::bytea, NULL::float8 FROM ins
+UNION ALL
+SELECT false, fingerprint, state, response,
+       (extract(epoch FROM expires_at - now()) * 1000)::float8
+FROM idempotency_keys WHERE record_id = $1 AND NOT EXISTS (SELECT 1 FROM ins)";
+
+const READ_SQL: &str = "
+SELECT fingerprint, state, response, (extract(epoch FROM expires_at - now()) * 1000)::float8
+FROM idempotency_keys WHERE record_id = $1";
+
+/// Compare-and-set takeover of an expired row. Under READ COMMITTED a concurrent takeover
+/// blocks on the row lock, re-checks `expires_at <= now()` against the new version and
+/// updates nothing: exactly one taker wins.
+const TAKEOVER_SQL: &str = "
+UPDATE idempotency_keys
+SET fingerprint = $2, state = 0, lease_token = $3, expires_at = now() + $4 * interval '1 millisecond',
+    status = NULL, response = NULL, created_at = now(), completed_at = NULL
+WHERE record_id = $1 AND expires_at <= now()";
+
+/// Every write below is fenced: the token must own a live in-flight row.
+const COMPLETE_SQL: &str = "
+UPDATE idempotency_keys
+SET state = 1, status = $3, response = $4, completed_at = now(),
+    expires_at = now() + $5 * interval '1 millisecond'
+WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+
+const RELEASE_SQL: &str = "
+DELETE FROM idempotency_keys
+WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+
+const RENEW_SQL: &str = "
+UPDATE idempotency_keys SET expires_at = now() + $3 * interval '1 millisecond'
+WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+
+/// Bounded and `SKIP LOCKED`: two purgers split the work, and rows a live `begin` or
+/// `complete` is updating are skipped rather than waited on.
+const PURGE_SQL: &str = "
+DELETE FROM idempotency_keys WHERE record_id IN (
+    SELECT record_id FROM idempotency_keys WHERE expires_at < now()
+    LIMIT $1 FOR UPDATE SKIP LOCKED
+)";
+
+impl PostgresStore {
+    /// Starts configuring a store for `url`.
+    pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.into(),
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(2),
+            statement_timeout: Duration::from_secs(2),
+            call_timeout: Duration::from_secs(3),
+        }
+    }
+
+    /// A store on an existing pool (the application's own, for example). Configure the pool's
+    /// acquire timeout yourself; the call budget is 3 s.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self {
+            pool,
+            call_timeout: Duration::from_secs(3),
+        }
+    }
+
+    /// The pool, for the application's own queries and transactions.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies the embedded migrations. Safe to run twice and from several processes at once
+    /// (a Postgres advisory lock serialises them).
+    pub async fn migrate(&self) -> Result<()> {
+        migrator().run(&self.pool).await.map_err(Error::unavailable)
+    }
+
+    async fn timed<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::unavailable(format!(
+                "Postgres did not answer within {:?}",
+                self.call_timeout
+            ))),
+        }
+    }
+
+    /// Completes the record inside the caller's transaction, so the application's own writes
+    /// and the stored outcome commit or roll back together.
+    ///
+    /// Use it when the operation's effect lives in the same database: a crash between "charge
+    /// row written" and "outcome stored" is then impossible, because both are one commit. If
+    /// the transaction rolls back, the record stays in flight until its lease expires (or the
+    /// caller releases it) and a retry executes again, finding no business row.
+    ///
+    /// The row stays locked until the transaction ends; a concurrent `begin` on the same key
+    /// sees it in flight meanwhile.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use idempotency_core::{LeaseToken, Outcome, RecordId};
+    /// # use idempotency_postgres::PostgresStore;
+    /// # async fn run(store: &PostgresStore, id: RecordId, token: LeaseToken) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO charges (id, record_id, amount) VALUES ('ch_1', $1, 1000)")
+    ///     .bind(&id.as_bytes()[..])
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// let outcome = Outcome::new(201).with_body(r#"{"id":"ch_1"}"#);
+    /// PostgresStore::complete_in(&mut tx, &id, token, &outcome, Duration::from_secs(86_400)).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_in(
+        conn: &mut PgConnection,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        let done = sqlx::query(COMPLETE_SQL)
+            .bind(&id.as_bytes()[..])
+            .bind(token.as_uuid())
+            .bind(outcome.status as i16)
+            .bind(&outcome.encode()[..])
+            .bind(millis(retention))
+            .execute(conn)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected())
+    }
+
+    fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<Begin>> {
+        let (stored_fp, state, response, remaining_ms) = row;
+        if remaining_ms <= 0.0 {
+            return Ok(None); // expired: take it over
+        }
+        if stored_fp != fp.as_bytes() {
+            return Ok(Some(Begin::Mismatch));
+        }
+        if state == 1 {
+            let response =
+                response.ok_or_else(|| Error::Corrupt("completed row without response".into()))?;
+            let outcome = Outcome::decode(&response).map_err(|e| Error::Corrupt(e.to_string()))?;
+            return Ok(Some(Begin::Replay(outcome)));
+        }
+        Ok(Some(Begin::InFlight {
+            retry_after: Duration::from_millis(remaining_ms.ceil() as u64),
+        }))
+    }
+
+    async fn begin_inner(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let id_bytes = &id.as_bytes()[..];
+        let fp_bytes = &fp.as_bytes()[..];
+        for _ in 0..MAX_BEGIN_ROUNDS {
+            let token = LeaseToken::generate();
+            let row: Option<BeginRow> = sqlx::query_as(BEGIN_SQL)
+                .bind(id_bytes)
+                .bind(fp_bytes)
+                .bind(token.as_uuid())
+                .bind(millis(lease))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            let view = match row {
+                Some((true, ..)) => return Ok(Begin::Execute(token)),
+                Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
+                Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
+                // Conflict with a row our snapshot cannot see: read it in a new statement.
+                None => sqlx::query_as::<_, RowView>(READ_SQL)
+                    .bind(id_bytes)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(db_error)?,
+            };
+            let Some(view) = view else {
+                continue; // released or purged in between: insert again
+            };
+            if let Some(decision) = Self::decide(fp, view)? {
+                return Ok(decision);
+            }
+            let taken = sqlx::query(TAKEOVER_SQL)
+                .bind(id_bytes)
+                .bind(fp_bytes)
+                .bind(token.as_uuid())
+                .bind(millis(lease))
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            if taken.rows_affected() == 1 {
+                tracing::info!(record = %id, "took over an expired idempotency lease");
+                return Ok(Begin::Execute(token));
+            }
+            // Another attempt took it over first: its row decides, in the next round.
+        }
+        Err(Error::unavailable(
+            "begin did not settle: the record changed on every read",
+        ))
+    }
+}
+
+fn fenced(rows: u64) -> Result<()> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(Error::LeaseLost)
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        self.timed(self.begin_inner(id, fp, lease)).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        self.timed(async {
+            let mut conn = self.pool.acquire().await.map_err(db_error)?;
+            Self::complete_in(&mut conn, id, token, outcome, retention).await
+        })
+        .await
+    }
+
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        self.timed(async {
+            let done = sqlx::query(RELEASE_SQL)
+                .bind(&id.as_bytes()[..])
+                .bind(token.as_uuid())
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            fenced(done.rows_affected())
+        })
+        .await
+    }
+
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        self.timed(async {
+            let done = sqlx::query(RENEW_SQL)
+                .bind(&id.as_bytes()[..])
+                .bind(token.as_uuid())
+                .bind(millis(lease))
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            fenced(done.rows_affected())
+        })
+        .await
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64> {
+        self.timed(async {
+            let done = sqlx::query(PURGE_SQL)
+                .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            Ok(done.rows_affected())
+        })
+        .await
+    }
+
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+}

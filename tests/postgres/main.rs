@@ -1,0 +1,335 @@
+//! The Postgres store against a real Postgres: conformance, races, the transactional
+//! completion of the seed scenario, pool starvation, outages and purging.
+
+use std::{sync::Arc, time::Duration};
+
+use idempotency_core::{Begin, Error, Outcome, Store};
+use idempotency_postgres::PostgresStore;
+use idempotency_test::{
+    block_on,
+    conformance::{LONG, PAST_SHORT, SHORT, execute, fp, fresh_id},
+    services,
+};
+use tokio::sync::OnceCell;
+
+/// The store shared by this binary's tests, migrated once.
+async fn store() -> Option<Arc<PostgresStore>> {
+    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
+    let pg = services::postgres().await?;
+    Some(
+        STORE
+            .get_or_init(|| async {
+                let store = PostgresStore::builder(pg.url())
+                    .max_connections(80)
+                    .connect()
+                    .await
+                    .expect("store");
+                store.migrate().await.expect("migrate");
+                Arc::new(store)
+            })
+            .await
+            .clone(),
+    )
+}
+
+idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
+
+#[test]
+fn migrations_are_idempotent_and_concurrent_safe() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let runs = (0..4).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        });
+        for run in futures::future::join_all(runs).await {
+            run.expect("task").expect("migrate");
+        }
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM _idempotency_migrations")
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(n as usize, idempotency_postgres::migrator().iter().count());
+    });
+}
+
+#[test]
+fn concurrent_begins_from_separate_connections_execute_once_per_key() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        for _ in 0..100 {
+            let id = fresh_id();
+            let attempts = (0..64).map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+            });
+            let executes = futures::future::join_all(attempts)
+                .await
+                .into_iter()
+                .map(|r| r.expect("task").expect("begin"))
+                .filter(|b| matches!(b, Begin::Execute(_)))
+                .count();
+            assert_eq!(executes, 1);
+        }
+    });
+}
+
+async fn charges_table(store: &PostgresStore) -> String {
+    let table = idempotency_test::unique("charges");
+    // The record id under a unique constraint: even a takeover after a crash between the
+    // charge and the completion cannot insert a second charge for the same key.
+    let ddl = format!(
+        "CREATE TABLE {table} (id text PRIMARY KEY, record_id bytea NOT NULL UNIQUE, amount bigint NOT NULL)"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(ddl))
+        .execute(store.pool())
+        .await
+        .expect("create");
+    table
+}
+
+/// The seed scenario through the transactional completion API: one charge row, the same
+/// charge id for both requests.
+#[test]
+fn the_same_request_twice_charges_once() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = charges_table(&store).await;
+        let id = fresh_id();
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            match store
+                .begin(&id, &fp("charge 1000 eur"), LONG)
+                .await
+                .expect("begin")
+            {
+                Begin::Execute(token) => {
+                    let charge_id = format!("ch_{}", uuid::Uuid::new_v4().simple());
+                    let mut tx = store.pool().begin().await.expect("tx");
+                    let insert = format!(
+                        "INSERT INTO {table} (id, record_id, amount) VALUES ($1, $2, 1000)"
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&charge_id)
+                        .bind(&id.as_bytes()[..])
+                        .execute(&mut *tx)
+                        .await
+                        .expect("insert charge");
+                    let outcome = Outcome::new(201).with_body(charge_id.clone());
+                    PostgresStore::complete_in(&mut tx, &id, token, &outcome, LONG)
+                        .await
+                        .expect("complete_in");
+                    tx.commit().await.expect("commit");
+                    answers.push(charge_id);
+                }
+                Begin::Replay(outcome) => {
+                    answers.push(String::from_utf8(outcome.body.to_vec()).expect("utf8"));
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(answers[0], answers[1]);
+        let count = format!("SELECT count(*) FROM {table}");
+        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(count))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(n, 1);
+    });
+}
+
+/// A rolled-back transaction leaves neither the business row nor a completed record; the
+/// retry (after the lease is released) executes and finds nothing to undo.
+#[test]
+fn a_rolled_back_completion_leaves_nothing() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = charges_table(&store).await;
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        let mut tx = store.pool().begin().await.expect("tx");
+        let insert =
+            format!("INSERT INTO {table} (id, record_id, amount) VALUES ('ch_x', $1, 1000)");
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(&id.as_bytes()[..])
+            .execute(&mut *tx)
+            .await
+            .expect("insert");
+        PostgresStore::complete_in(&mut tx, &id, token, &Outcome::new(201), LONG)
+            .await
+            .expect("complete_in");
+        tx.rollback().await.expect("rollback");
+
+        let count = format!("SELECT count(*) FROM {table}");
+        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(count))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(n, 0);
+        let (state,): (i16,) =
+            sqlx::query_as("SELECT state FROM idempotency_keys WHERE record_id = $1")
+                .bind(&id.as_bytes()[..])
+                .fetch_one(store.pool())
+                .await
+                .expect("row");
+        assert_eq!(state, 0, "the record is still in flight, not completed");
+        store.release(&id, token).await.expect("release");
+        execute(&*store, &id, &fp("a"), LONG).await;
+    });
+}
+
+/// No transaction is held while the operation runs: 50 operations of 200 ms each, holding
+/// leases at once, all complete through a pool of 2 connections.
+#[test]
+fn a_pool_of_two_serves_fifty_concurrent_operations() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        store().await; // migrated
+        let small = Arc::new(
+            PostgresStore::builder(pg.url())
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(30))
+                .call_timeout(Duration::from_secs(60))
+                .connect()
+                .await
+                .expect("store"),
+        );
+        let ops = (0..50).map(|i| {
+            let store = small.clone();
+            tokio::spawn(async move {
+                let id = fresh_id();
+                let token = execute(&*store, &id, &fp("a"), LONG).await;
+                tokio::time::sleep(Duration::from_millis(200)).await; // the operation
+                let outcome = Outcome::new(201).with_body(format!("op {i}"));
+                store
+                    .complete(&id, token, &outcome, LONG)
+                    .await
+                    .expect("complete");
+                store.begin(&id, &fp("a"), LONG).await.expect("begin")
+            })
+        });
+        for op in futures::future::join_all(ops).await {
+            assert!(matches!(op.expect("task"), Begin::Replay(_)));
+        }
+    });
+}
+
+/// A stopped Postgres yields `Unavailable` (never a hang, never an `Execute`), and the same
+/// store value works again once Postgres is back.
+#[test]
+fn a_stopped_postgres_is_unavailable_then_recovers() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::start_postgres().await;
+        let store = PostgresStore::builder(pg.url())
+            .acquire_timeout(Duration::from_millis(500))
+            .call_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let id = fresh_id();
+        let token = execute(&store, &id, &fp("a"), LONG).await;
+
+        pg.stop().await;
+        // The guard only turns a hang into a failure message; the store's own budget is 1 s.
+        let guard = Duration::from_secs(20);
+        let begin = tokio::time::timeout(guard, store.begin(&fresh_id(), &fp("a"), LONG))
+            .await
+            .expect("begin must not hang");
+        assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
+        let complete =
+            tokio::time::timeout(guard, store.complete(&id, token, &Outcome::new(201), LONG))
+                .await
+                .expect("complete must not hang");
+        assert!(
+            matches!(complete, Err(Error::Unavailable(_))),
+            "{complete:?}"
+        );
+
+        pg.start().await;
+        // The lease is still live on the server: the same store completes it.
+        store
+            .complete(&id, token, &Outcome::new(201), LONG)
+            .await
+            .expect("complete after restart");
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(Outcome::new(201))
+        );
+    });
+}
+
+/// Purging while new records are inserted deletes exactly the expired rows.
+#[test]
+fn purge_under_concurrent_inserts_removes_only_expired_rows() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let mut expired = Vec::new();
+        for _ in 0..300 {
+            let id = fresh_id();
+            let token = execute(&*store, &id, &fp("a"), LONG).await;
+            store
+                .complete(&id, token, &Outcome::new(201), SHORT)
+                .await
+                .expect("complete");
+            expired.push(id);
+        }
+        tokio::time::sleep(PAST_SHORT).await;
+
+        let writer = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut live = Vec::new();
+                for _ in 0..300 {
+                    let id = fresh_id();
+                    let token = execute(&*store, &id, &fp("a"), LONG).await;
+                    store
+                        .complete(&id, token, &Outcome::new(201), LONG)
+                        .await
+                        .expect("complete");
+                    live.push(id);
+                }
+                live
+            })
+        };
+        let purgers = (0..2).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut total = 0;
+                loop {
+                    let n = store.purge_expired(50).await.expect("purge");
+                    total += n;
+                    if n == 0 {
+                        return total;
+                    }
+                }
+            })
+        });
+        futures::future::join_all(purgers).await;
+        let live = writer.await.expect("writer");
+
+        let ids = |v: &[idempotency_core::RecordId]| {
+            v.iter()
+                .map(|id| id.as_bytes().to_vec())
+                .collect::<Vec<_>>()
+        };
+        let count = "SELECT count(*) FROM idempotency_keys WHERE record_id = ANY($1)";
+        let (left,): (i64,) = sqlx::query_as(count)
+            .bind(ids(&expired))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(left, 0, "every expired row is purged");
+        let (kept,): (i64,) = sqlx::query_as(count)
+            .bind(ids(&live))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(kept, 300, "no live row is purged");
+    });
+}
