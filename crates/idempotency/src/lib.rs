@@ -8,6 +8,8 @@
 //! |------------|-------------------------------------------------------------|---------|
 //! | (none)     | core types, the `Store` trait, [`MemoryStore`] (one process) | yes     |
 //! | `postgres` | [`postgres::PostgresStore`]: the unique-constraint key table  | no      |
+//! | `redis`    | [`redis::RedisStore`]: Lua-script leases and cached outcomes  | no      |
+//! | `redis-cluster` | Redis Cluster support for the Redis store                | no      |
 //!
 //! ```
 //! use std::time::Duration;
@@ -37,4 +39,11 @@ pub use idempotency_core::*;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
     pub use idempotency_postgres::*;
+}
+
+/// The Redis store: the fast path (see the `idempotency-redis` crate).
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis {
+    pub use idempotency_redis::*;
 }

@@ -1,0 +1,29 @@
+//! The Redis store of the idempotency framework: the fast path.
+//!
+//! [`RedisStore`] implements [`Store`](idempotency_core::Store) with one Lua script per
+//! operation (atomic, one round trip, `EVALSHA` with reload on `NOSCRIPT`). A record is one
+//! hash at `{prefix}:{<record id hex>}`; the braces are a cluster hash tag. Lease and retention
+//! are TTLs kept by Redis, so no application clock is involved.
+//!
+//! On its own, Redis is a best-effort guarantee: a record lost to eviction, `FLUSHALL`, a
+//! restart without persistence or a failover executes again. The store refuses an evicting
+//! `maxmemory-policy` at start for that reason; for payments put Postgres behind it with the
+//! hybrid store, which also uses [`RedisStore::peek`], [`RedisStore::cache_in_flight`] and
+//! [`RedisStore::cache_completed`].
+//!
+//! | feature   | enables                                      | default |
+//! |-----------|----------------------------------------------|---------|
+//! | `cluster` | [`RedisStore::cluster_builder`] (Redis Cluster) | no      |
+//!
+//! ```no_run
+//! use idempotency_redis::RedisStore;
+//!
+//! # async fn run() -> Result<(), idempotency_core::Error> {
+//! let store = RedisStore::builder("redis://127.0.0.1:6379/").connect().await?;
+//! # Ok(()) }
+//! ```
+
+mod scripts;
+mod store;
+
+pub use store::{EvictionCheck, Peek, RedisStore, RedisStoreBuilder};

@@ -1,0 +1,492 @@
+//! `RedisStore`: the record state machine as Lua scripts, one round trip per operation.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use redis::{
+    Cmd, Pipeline, RedisFuture, Script, Value,
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+};
+
+use crate::scripts;
+
+/// What the read-only [`RedisStore::peek`] finds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peek {
+    /// No record (never written, expired, evicted or flushed).
+    Absent,
+    /// A record that answers `begin` by itself: `Replay`, `InFlight` or `Mismatch`.
+    Found(Begin),
+}
+
+/// Connection to a standalone Redis or a cluster, both cheap to clone.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+struct Scripts {
+    begin: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+    peek: Script,
+    cache_in_flight: Script,
+    cache_completed: Script,
+}
+
+/// A [`Store`] on Redis: the fast path.
+///
+/// Every operation is one Lua script, so one round trip and atomic. Lease and retention are
+/// key TTLs counted by Redis. Calls are bounded three ways: a connect timeout, a response
+/// timeout, and a hard budget per call, so a hung Redis costs at most the budget and then
+/// [`Error::Unavailable`].
+///
+/// **Redis alone is not a guarantee.** An evicted, flushed or lost key is a forgotten record,
+/// and the next retry executes again. [`RedisStoreBuilder::connect`] therefore refuses a Redis
+/// whose `maxmemory-policy` evicts (anything but `noeviction`) unless told to accept it, and
+/// persistence/failover loss remains. For money, put Postgres behind it (the hybrid store).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotency_redis::RedisStore;
+///
+/// # async fn run() -> Result<(), idempotency_core::Error> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6379/")
+///     .prefix("payments")
+///     .call_budget(Duration::from_millis(250))
+///     .connect()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    prefix: Arc<str>,
+    budget: Duration,
+    scripts: Arc<Scripts>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("budget", &self.budget)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What to do about a Redis whose `maxmemory-policy` may evict records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictionCheck {
+    /// Refuse to start (the default for a Redis-only store).
+    Refuse,
+    /// Log a warning and start: the caller accepts that evicted records execute again.
+    Warn,
+    /// Do not check (the hybrid store, where Postgres decides and eviction costs latency only).
+    Skip,
+}
+
+/// Configures and connects a [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    urls: Vec<String>,
+    cluster: bool,
+    prefix: String,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    budget: Duration,
+    eviction: EvictionCheck,
+}
+
+impl RedisStoreBuilder {
+    /// Key prefix (default `idem`). Keys are `{prefix}:{<record id hex>}`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// TCP connect timeout (default 250 ms).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Per-command response timeout (default 250 ms).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// The hard budget of one store call, reconnects included (default 500 ms).
+    pub fn call_budget(mut self, budget: Duration) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// What to do when `maxmemory-policy` evicts (default [`EvictionCheck::Refuse`]).
+    pub fn eviction_check(mut self, check: EvictionCheck) -> Self {
+        self.eviction = check;
+        self
+    }
+
+    /// Connects (lazily for a standalone Redis, so the store can start while Redis is down
+    /// when the eviction check is skipped), then checks the eviction policy.
+    pub async fn connect(self) -> Result<RedisStore> {
+        let conn = if self.cluster {
+            self.connect_cluster().await?
+        } else {
+            let client = redis::Client::open(self.urls[0].as_str())
+                .map_err(|e| Error::Config(format!("invalid Redis URL: {e}")))?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.connect_timeout))
+                .set_response_timeout(Some(self.response_timeout))
+                // Reconnects happen on the next call; a call never sleeps through retries
+                // longer than its budget allows.
+                .set_number_of_retries(1)
+                .set_max_delay(self.connect_timeout);
+            Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(Error::unavailable)?,
+            )
+        };
+        let store = RedisStore {
+            conn,
+            prefix: self.prefix.into(),
+            budget: self.budget,
+            scripts: Arc::new(Scripts {
+                begin: scripts::begin(),
+                complete: scripts::complete(),
+                release: scripts::release(),
+                renew: scripts::renew(),
+                peek: scripts::peek(),
+                cache_in_flight: scripts::cache_in_flight(),
+                cache_completed: scripts::cache_completed(),
+            }),
+        };
+        match self.eviction {
+            EvictionCheck::Skip => {}
+            check => store.check_eviction_policy(check).await?,
+        }
+        Ok(store)
+    }
+
+    #[cfg(feature = "cluster")]
+    async fn connect_cluster(&self) -> Result<Conn> {
+        let client = redis::cluster::ClusterClient::builder(self.urls.clone())
+            .connection_timeout(self.connect_timeout)
+            .response_timeout(self.response_timeout)
+            .retries(1)
+            .build()
+            .map_err(|e| Error::Config(format!("invalid Redis Cluster nodes: {e}")))?;
+        let conn = tokio::time::timeout(self.budget * 4, client.get_async_connection())
+            .await
+            .map_err(|_| Error::unavailable("Redis Cluster did not answer"))?
+            .map_err(Error::unavailable)?;
+        Ok(Conn::Cluster(conn))
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    async fn connect_cluster(&self) -> Result<Conn> {
+        Err(Error::Config(
+            "Redis Cluster needs the `cluster` feature of idempotency-redis".into(),
+        ))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn decode_outcome(bytes: &[u8]) -> Result<Outcome> {
+    Outcome::decode(bytes).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+/// Parses the `{'x'}` / `{'r', out}` / `{'i', pttl}` / `{'m'}` / `{'a'}` replies.
+fn parse_answer(value: Value, token: Option<LeaseToken>) -> Result<Peek> {
+    let Value::Array(items) = value else {
+        return Err(Error::Corrupt(format!("unexpected script reply {value:?}")));
+    };
+    let tag = match items.first() {
+        Some(Value::BulkString(tag)) => tag.as_slice(),
+        _ => return Err(Error::Corrupt("script reply without tag".into())),
+    };
+    Ok(match (tag, items.get(1)) {
+        (b"a", _) => Peek::Absent,
+        (b"x", _) => Peek::Found(Begin::Execute(
+            token.ok_or_else(|| Error::Corrupt("execute reply to a read".into()))?,
+        )),
+        (b"m", _) => Peek::Found(Begin::Mismatch),
+        (b"r", Some(Value::BulkString(out))) => Peek::Found(Begin::Replay(decode_outcome(out)?)),
+        (b"i", Some(Value::Int(pttl))) => Peek::Found(Begin::InFlight {
+            retry_after: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0).max(1)),
+        }),
+        _ => return Err(Error::Corrupt("malformed script reply".into())),
+    })
+}
+
+impl RedisStore {
+    /// Starts configuring a store on a standalone Redis.
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            urls: vec![url.into()],
+            cluster: false,
+            prefix: "idem".into(),
+            connect_timeout: Duration::from_millis(250),
+            response_timeout: Duration::from_millis(250),
+            budget: Duration::from_millis(500),
+            eviction: EvictionCheck::Refuse,
+        }
+    }
+
+    /// Starts configuring a store on a Redis Cluster, given some of its nodes
+    /// (needs the `cluster` feature).
+    pub fn cluster_builder(
+        nodes: impl IntoIterator<Item = impl Into<String>>,
+    ) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            urls: nodes.into_iter().map(Into::into).collect(),
+            cluster: true,
+            ..Self::builder(String::new())
+        }
+    }
+
+    /// The Redis key of a record: the id is a hash tag, so a record's keys share one slot.
+    pub fn key(&self, id: &RecordId) -> String {
+        format!("{}:{{{}}}", self.prefix, id.to_hex())
+    }
+
+    async fn timed<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Result<T> {
+        match tokio::time::timeout(self.budget, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(Error::unavailable(error)),
+            Err(_) => Err(Error::unavailable(format!(
+                "Redis did not answer within {:?}",
+                self.budget
+            ))),
+        }
+    }
+
+    async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let reply: redis::RedisResult<Vec<String>> = self
+            .timed(async {
+                Ok(redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("maxmemory-policy")
+                    .query_async(&mut conn)
+                    .await)
+            })
+            .await?;
+        let policy = match reply {
+            Ok(pair) if pair.len() == 2 => pair[1].clone(),
+            // Managed Redis often disables CONFIG: we cannot know, so say so and go on.
+            Ok(_) | Err(_) => {
+                tracing::warn!(
+                    "cannot read Redis maxmemory-policy (CONFIG disabled?): make sure it is `noeviction`, \
+                     or an evicted idempotency record will execute again"
+                );
+                return Ok(());
+            }
+        };
+        if policy == "noeviction" {
+            return Ok(());
+        }
+        let why = format!(
+            "Redis maxmemory-policy is `{policy}`: under memory pressure Redis silently deletes idempotency \
+             records, and the retry of an evicted key executes a second time (a double charge). Set \
+             `maxmemory-policy noeviction`, put Postgres behind Redis (the hybrid store), or accept the risk \
+             with EvictionCheck::Warn"
+        );
+        match check {
+            EvictionCheck::Refuse => Err(Error::Config(why)),
+            _ => {
+                tracing::warn!("{why}");
+                Ok(())
+            }
+        }
+    }
+
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        id: &RecordId,
+        args: &[&[u8]],
+    ) -> Result<T> {
+        let mut invocation = script.key(self.key(id));
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut conn = self.conn.clone();
+        self.timed(invocation.invoke_async(&mut conn)).await
+    }
+
+    /// Reads a record without changing it: what the hybrid store asks before Postgres.
+    pub async fn peek(&self, id: &RecordId, fp: &Fingerprint) -> Result<Peek> {
+        let value: Value = self
+            .run(&self.scripts.peek, id, &[&fp.as_bytes()[..]])
+            .await?;
+        parse_answer(value, None)
+    }
+
+    /// Mirrors a lease granted elsewhere (Postgres), so live duplicates are answered here.
+    pub async fn cache_in_flight(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<()> {
+        let token = token.to_string();
+        let lease = millis(lease).to_string();
+        let _: i64 = self
+            .run(
+                &self.scripts.cache_in_flight,
+                id,
+                &[&fp.as_bytes()[..], token.as_bytes(), lease.as_bytes()],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Caches an outcome stored elsewhere (Postgres) for `ttl`.
+    pub async fn cache_completed(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        outcome: &Outcome,
+        ttl: Duration,
+    ) -> Result<()> {
+        let ttl = millis(ttl).to_string();
+        let _: i64 = self
+            .run(
+                &self.scripts.cache_completed,
+                id,
+                &[&fp.as_bytes()[..], &outcome.encode()[..], ttl.as_bytes()],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Sends `PING`: how the hybrid store's breaker probes.
+    pub async fn ping(&self) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let _: String = self
+            .timed(redis::cmd("PING").query_async(&mut conn))
+            .await?;
+        Ok(())
+    }
+
+    fn fenced(done: i64) -> Result<()> {
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(Error::LeaseLost)
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let token = LeaseToken::generate();
+        let token_text = token.to_string();
+        let lease = millis(lease).to_string();
+        let value: Value = self
+            .run(
+                &self.scripts.begin,
+                id,
+                &[&fp.as_bytes()[..], token_text.as_bytes(), lease.as_bytes()],
+            )
+            .await?;
+        match parse_answer(value, Some(token))? {
+            Peek::Found(begin) => Ok(begin),
+            Peek::Absent => Err(Error::Corrupt("begin answered absent".into())),
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        let token = token.to_string();
+        let retention = millis(retention).to_string();
+        let done: i64 = self
+            .run(
+                &self.scripts.complete,
+                id,
+                &[
+                    token.as_bytes(),
+                    &outcome.encode()[..],
+                    retention.as_bytes(),
+                ],
+            )
+            .await?;
+        Self::fenced(done)
+    }
+
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        let token = token.to_string();
+        let done: i64 = self
+            .run(&self.scripts.release, id, &[token.as_bytes()])
+            .await?;
+        Self::fenced(done)
+    }
+
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        let token = token.to_string();
+        let lease = millis(lease).to_string();
+        let done: i64 = self
+            .run(
+                &self.scripts.renew,
+                id,
+                &[token.as_bytes(), lease.as_bytes()],
+            )
+            .await?;
+        Self::fenced(done)
+    }
+
+    /// Redis expires records by itself (key TTLs): nothing to purge.
+    async fn purge_expired(&self, _batch: usize) -> Result<u64> {
+        Ok(0)
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}

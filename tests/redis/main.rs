@@ -1,0 +1,220 @@
+//! The Redis store against a real Redis and a real 3-master Redis Cluster: conformance,
+//! races, hung and stopped Redis, and the eviction-policy check.
+
+use std::{sync::Arc, time::Duration};
+
+use idempotency_core::{Begin, Error, Outcome, Store};
+use idempotency_redis::{EvictionCheck, RedisStore};
+use idempotency_test::{
+    block_on,
+    conformance::{LONG, PAST_SHORT, SHORT, execute, fp, fresh_id},
+    services::{self, RedisOptions},
+};
+use tokio::sync::OnceCell;
+
+async fn store() -> Option<Arc<RedisStore>> {
+    static STORE: OnceCell<Arc<RedisStore>> = OnceCell::const_new();
+    let redis = services::redis().await?;
+    Some(
+        STORE
+            .get_or_init(|| async {
+                let store = RedisStore::builder(redis.url())
+                    .prefix(idempotency_test::unique("t"))
+                    .connect()
+                    .await
+                    .expect("store");
+                Arc::new(store)
+            })
+            .await
+            .clone(),
+    )
+}
+
+idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
+
+/// The same suite on a Redis Cluster of three masters: every script touches one hash-tagged
+/// key, so every call routes to one slot.
+mod cluster {
+    use super::*;
+
+    pub(crate) async fn cluster_store() -> Option<Arc<RedisStore>> {
+        static CLUSTER: OnceCell<services::Service> = OnceCell::const_new();
+        static STORE: OnceCell<Arc<RedisStore>> = OnceCell::const_new();
+        if services::skipping() {
+            return None;
+        }
+        let cluster = CLUSTER
+            .get_or_init(|| async { services::start_redis_cluster().await.expect("cluster") })
+            .await;
+        Some(
+            STORE
+                .get_or_init(|| async {
+                    Arc::new(
+                        RedisStore::cluster_builder(cluster.node_urls())
+                            .call_budget(Duration::from_secs(2))
+                            .connect()
+                            .await
+                            .expect("cluster store"),
+                    )
+                })
+                .await
+                .clone(),
+        )
+    }
+
+    idempotency_test::conformance_tests!(async {
+        cluster_store().await.map(|s| s as Arc<dyn Store>)
+    });
+}
+
+#[test]
+fn concurrent_begins_execute_once_per_key() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        for _ in 0..100 {
+            let id = fresh_id();
+            let attempts = (0..64).map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+            });
+            let executes = futures::future::join_all(attempts)
+                .await
+                .into_iter()
+                .map(|r| r.expect("task").expect("begin"))
+                .filter(|b| matches!(b, Begin::Execute(_)))
+                .count();
+            assert_eq!(executes, 1);
+        }
+    });
+}
+
+#[test]
+fn a_stale_owner_cannot_touch_the_new_owners_record() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let id = fresh_id();
+        let stale = execute(&*store, &id, &fp("a"), SHORT).await;
+        tokio::time::sleep(PAST_SHORT).await;
+        let owner = execute(&*store, &id, &fp("a"), LONG).await;
+        let mine = Outcome::new(201).with_body("new owner");
+        store
+            .complete(&id, owner, &mine, LONG)
+            .await
+            .expect("complete");
+        let theirs = Outcome::new(201).with_body("stale owner");
+        assert!(matches!(
+            store.complete(&id, stale, &theirs, LONG).await,
+            Err(Error::LeaseLost)
+        ));
+        assert!(matches!(
+            store.release(&id, stale).await,
+            Err(Error::LeaseLost)
+        ));
+        assert!(matches!(
+            store.renew(&id, stale, LONG).await,
+            Err(Error::LeaseLost)
+        ));
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(mine)
+        );
+    });
+}
+
+/// Every call on a hung (paused) or stopped Redis returns `Unavailable` within the store's
+/// budget, and the same store value works again once Redis is back.
+#[test]
+fn a_hung_or_stopped_redis_is_unavailable_then_recovers() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let store = RedisStore::builder(redis.url())
+            .call_budget(Duration::from_millis(400))
+            .connect()
+            .await
+            .expect("store");
+        let id = fresh_id();
+        let token = execute(&store, &id, &fp("a"), LONG).await;
+        // A guard that turns a hang into a failure message; the budget under test is 400 ms.
+        let guard = Duration::from_secs(20);
+        let all_unavailable = |store: RedisStore| async move {
+            let other = fresh_id();
+            let calls: Vec<Result<(), Error>> = vec![
+                store.begin(&other, &fp("a"), LONG).await.map(|_| ()),
+                store.complete(&id, token, &Outcome::new(201), LONG).await,
+                store.renew(&id, token, LONG).await,
+                store.release(&id, token).await,
+                store.peek(&id, &fp("a")).await.map(|_| ()),
+            ];
+            for call in calls {
+                assert!(matches!(call, Err(Error::Unavailable(_))), "{call:?}");
+            }
+        };
+
+        redis.pause().await;
+        tokio::time::timeout(guard, all_unavailable(store.clone()))
+            .await
+            .expect("no hang while paused");
+        redis.unpause().await;
+        store
+            .complete(&id, token, &Outcome::new(201), LONG)
+            .await
+            .expect("works after unpause");
+
+        redis.stop().await;
+        tokio::time::timeout(guard, all_unavailable(store.clone()))
+            .await
+            .expect("no hang while stopped");
+        redis.start().await;
+        // Redis came back empty (no persistence): the record is gone, the store works.
+        let mut recovered = false;
+        for _ in 0..50 {
+            if let Ok(Begin::Execute(_)) = store.begin(&fresh_id(), &fp("a"), LONG).await {
+                recovered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(recovered, "the same store value works after Redis restarts");
+    });
+}
+
+#[test]
+fn an_evicting_redis_is_refused_unless_accepted() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let lru = services::start_redis(RedisOptions {
+            args: ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]
+                .map(String::from)
+                .to_vec(),
+        })
+        .await;
+        let refused = RedisStore::builder(lru.url()).connect().await;
+        match refused {
+            Err(Error::Config(why)) => {
+                assert!(
+                    why.contains("allkeys-lru") && why.contains("noeviction"),
+                    "{why}"
+                );
+            }
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+        RedisStore::builder(lru.url())
+            .eviction_check(EvictionCheck::Warn)
+            .connect()
+            .await
+            .expect("accepted explicitly");
+
+        let Some(noeviction) = services::redis().await else {
+            return;
+        };
+        RedisStore::builder(noeviction.url())
+            .connect()
+            .await
+            .expect("noeviction starts");
+    });
+}
