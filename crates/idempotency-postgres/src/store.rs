@@ -171,7 +171,8 @@ const COMPLETE_SQL: &str = "
 UPDATE idempotency_keys
 SET state = 1, status = $3, response = $4, completed_at = now(),
     expires_at = now() + $5 * interval '1 millisecond'
-WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()
+RETURNING fingerprint";
 
 const RELEASE_SQL: &str = "
 DELETE FROM idempotency_keys
@@ -264,38 +265,93 @@ impl PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        let done = sqlx::query(COMPLETE_SQL)
+        Self::complete_returning(conn, id, token, outcome, retention)
+            .await
+            .map(|_| ())
+    }
+
+    /// Completes and returns the record's fingerprint (one statement): what a cache in front
+    /// of Postgres needs to store the outcome under.
+    pub async fn complete_with_fingerprint(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<Fingerprint> {
+        self.timed(async {
+            let mut conn = self.pool.acquire().await.map_err(db_error)?;
+            Self::complete_returning(&mut conn, id, token, outcome, retention).await
+        })
+        .await
+    }
+
+    async fn complete_returning(
+        conn: &mut PgConnection,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<Fingerprint> {
+        let row: Option<(Vec<u8>,)> = sqlx::query_as(COMPLETE_SQL)
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
             .bind(outcome.status as i16)
             .bind(&outcome.encode()[..])
             .bind(millis(retention))
-            .execute(conn)
+            .fetch_optional(conn)
             .await
             .map_err(db_error)?;
-        fenced(done.rows_affected())
+        let (fp,) = row.ok_or(Error::LeaseLost)?;
+        let fp: [u8; 32] = fp
+            .try_into()
+            .map_err(|_| Error::Corrupt("fingerprint is not 32 bytes".into()))?;
+        Ok(Fingerprint::from_bytes(fp))
     }
 
-    fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<Begin>> {
+    /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
+    fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<(Begin, Option<Duration>)>> {
         let (stored_fp, state, response, remaining_ms) = row;
         if remaining_ms <= 0.0 {
             return Ok(None); // expired: take it over
         }
+        let remaining = Duration::from_millis(remaining_ms.ceil() as u64);
         if stored_fp != fp.as_bytes() {
-            return Ok(Some(Begin::Mismatch));
+            return Ok(Some((Begin::Mismatch, None)));
         }
         if state == 1 {
             let response =
                 response.ok_or_else(|| Error::Corrupt("completed row without response".into()))?;
             let outcome = Outcome::decode(&response).map_err(|e| Error::Corrupt(e.to_string()))?;
-            return Ok(Some(Begin::Replay(outcome)));
+            return Ok(Some((Begin::Replay(outcome), Some(remaining))));
         }
-        Ok(Some(Begin::InFlight {
-            retry_after: Duration::from_millis(remaining_ms.ceil() as u64),
-        }))
+        Ok(Some((
+            Begin::InFlight {
+                retry_after: remaining,
+            },
+            Some(remaining),
+        )))
     }
 
-    async fn begin_inner(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+    /// [`Store::begin`], plus how long the record lives from now on Postgres' clock: the
+    /// lease for `Execute`, the rest of the lease for `InFlight`, the rest of the retention for
+    /// `Replay` (`None` for `Mismatch`). A cache in front of Postgres uses it so its copy never
+    /// outlives the row.
+    pub async fn begin_with_ttl(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+    ) -> Result<(Begin, Option<Duration>)> {
+        self.timed(self.begin_inner(id, fp, lease)).await
+    }
+
+    async fn begin_inner(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+    ) -> Result<(Begin, Option<Duration>)> {
         let id_bytes = &id.as_bytes()[..];
         let fp_bytes = &fp.as_bytes()[..];
         for _ in 0..MAX_BEGIN_ROUNDS {
@@ -309,7 +365,7 @@ impl PostgresStore {
                 .await
                 .map_err(db_error)?;
             let view = match row {
-                Some((true, ..)) => return Ok(Begin::Execute(token)),
+                Some((true, ..)) => return Ok((Begin::Execute(token), Some(lease))),
                 Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
                 Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
                 // Conflict with a row our snapshot cannot see: read it in a new statement.
@@ -335,7 +391,7 @@ impl PostgresStore {
                 .map_err(db_error)?;
             if taken.rows_affected() == 1 {
                 tracing::info!(record = %id, "took over an expired idempotency lease");
-                return Ok(Begin::Execute(token));
+                return Ok((Begin::Execute(token), Some(lease)));
             }
             // Another attempt took it over first: its row decides, in the next round.
         }
@@ -356,7 +412,7 @@ fn fenced(rows: u64) -> Result<()> {
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        self.timed(self.begin_inner(id, fp, lease)).await
+        Ok(self.begin_with_ttl(id, fp, lease).await?.0)
     }
 
     async fn complete(
@@ -366,11 +422,9 @@ impl Store for PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        self.timed(async {
-            let mut conn = self.pool.acquire().await.map_err(db_error)?;
-            Self::complete_in(&mut conn, id, token, outcome, retention).await
-        })
-        .await
+        self.complete_with_fingerprint(id, token, outcome, retention)
+            .await
+            .map(|_| ())
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {

@@ -10,6 +10,7 @@
 //! | `postgres` | [`postgres::PostgresStore`]: the unique-constraint key table  | no      |
 //! | `redis`    | [`redis::RedisStore`]: Lua-script leases and cached outcomes  | no      |
 //! | `redis-cluster` | Redis Cluster support for the Redis store                | no      |
+//! | `hybrid`   | [`hybrid::HybridStore`]: Redis first, Postgres decides (implies both) | no |
 //!
 //! ```
 //! use std::time::Duration;
@@ -46,4 +47,11 @@ pub mod postgres {
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis {
     pub use idempotency_redis::*;
+}
+
+/// The hybrid store: Redis first, Postgres decides (see the `idempotency-hybrid` crate).
+#[cfg(feature = "hybrid")]
+#[cfg_attr(docsrs, doc(cfg(feature = "hybrid")))]
+pub mod hybrid {
+    pub use idempotency_hybrid::*;
 }

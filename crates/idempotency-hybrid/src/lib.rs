@@ -1,0 +1,16 @@
+//! The hybrid store of the idempotency framework: Redis first, Postgres decides, Postgres
+//! alone whenever Redis is down.
+//!
+//! [`HybridStore`] answers replays and live duplicates from Redis without touching Postgres,
+//! decides every execution in Postgres' key table, writes completions to Postgres first and
+//! then caches them in Redis. Losing every Redis key (`FLUSHALL`, eviction, restart) costs
+//! latency, never a second execution; a failing Redis is routed around by a circuit breaker
+//! ([`BreakerConfig`]) whose state and counters are in [`HybridStore::metrics`].
+//!
+//! The whole algorithm is [`HybridStore`]'s `Store` impl, in `store.rs`, on one screen.
+
+mod breaker;
+mod store;
+
+pub use breaker::{BreakerConfig, BreakerState};
+pub use store::{HybridMetrics, HybridStore};

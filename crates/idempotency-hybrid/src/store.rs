@@ -1,0 +1,276 @@
+//! `HybridStore`: Redis first, Postgres decides, Postgres alone when Redis is down.
+
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use idempotency_postgres::PostgresStore;
+use idempotency_redis::{Peek, RedisStore};
+use tokio::time::Instant;
+
+use crate::breaker::{Breaker, BreakerConfig, BreakerState};
+
+/// A [`Store`] that answers from Redis when it can and decides in Postgres always.
+///
+/// The algorithm (each step's reason in the comments of [`HybridStore::begin`]):
+///
+/// 1. `begin` peeks in Redis. A cached outcome replays, a mirrored live lease answers
+///    `InFlight`, a different fingerprint answers `Mismatch` — no Postgres round trip.
+/// 2. Anything else (absent, evicted, flushed, Redis down) goes to Postgres, whose unique key
+///    decides. **Redis is never the reason an operation runs.**
+/// 3. What Postgres said is mirrored into Redis, best effort: a granted lease, a replayed
+///    outcome (with the TTL Postgres has left, so Redis never outlives the row).
+/// 4. `complete` / `release` / `renew` go to Postgres first, fenced; then to Redis.
+///
+/// A Redis error or timeout never fails a call: the [breaker](BreakerConfig) counts it and,
+/// after a few in a row, routes everything to Postgres alone, probing Redis with capped
+/// backoff until it answers. A Postgres failure is [`Error::Unavailable`] even when Redis is
+/// up: an operation never runs unguarded.
+///
+/// ```no_run
+/// use idempotency_hybrid::HybridStore;
+/// use idempotency_postgres::PostgresStore;
+/// use idempotency_redis::RedisStore;
+///
+/// # async fn run() -> Result<(), idempotency_core::Error> {
+/// let pg = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
+/// pg.migrate().await?;
+/// let redis = RedisStore::builder("redis://127.0.0.1:6379/");
+/// let store = HybridStore::connect(pg, redis).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct HybridStore {
+    pg: PostgresStore,
+    redis: RedisStore,
+    mirror_ttl: Duration,
+    inner: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    breaker: Breaker,
+    redis_hits: AtomicU64,
+    redis_misses: AtomicU64,
+    redis_errors: AtomicU64,
+    fallbacks: AtomicU64,
+}
+
+/// A snapshot of the hybrid store's counters, for metrics and health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HybridMetrics {
+    /// `begin`s answered by Redis alone.
+    pub redis_hits: u64,
+    /// `begin`s Redis could not answer (absent record), sent to Postgres.
+    pub redis_misses: u64,
+    /// Redis calls that failed or timed out.
+    pub redis_errors: u64,
+    /// Redis calls skipped or failed, so that Postgres served alone.
+    pub fallbacks: u64,
+    /// Times the breaker opened.
+    pub breaker_opened: u64,
+    /// Times the breaker closed again after being open.
+    pub breaker_closed: u64,
+    /// The breaker's state now.
+    pub breaker_state: BreakerState,
+}
+
+impl HybridStore {
+    /// Builds the store. The Redis side skips the eviction check (eviction costs latency
+    /// here, never a second execution) and connects lazily, so the store starts while Redis
+    /// is down.
+    pub async fn connect(
+        pg: PostgresStore,
+        redis: idempotency_redis::RedisStoreBuilder,
+    ) -> Result<Self> {
+        let redis = redis
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await?;
+        Ok(Self::new(pg, redis, BreakerConfig::default()))
+    }
+
+    /// Builds the store from connected parts.
+    pub fn new(pg: PostgresStore, redis: RedisStore, breaker: BreakerConfig) -> Self {
+        Self {
+            pg,
+            redis,
+            mirror_ttl: Duration::from_secs(2),
+            inner: Arc::new(Shared {
+                breaker: Breaker::new(breaker),
+                redis_hits: AtomicU64::new(0),
+                redis_misses: AtomicU64::new(0),
+                redis_errors: AtomicU64::new(0),
+                fallbacks: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The longest time Redis mirrors a live lease (default 2 s; the lease if shorter).
+    ///
+    /// A Redis write whose call timed out may still run later (a paused Redis executes its
+    /// queued commands when it resumes), so a mirror can land after Postgres completed or
+    /// released the record. It then answers "in flight" until it expires: never a second
+    /// execution, but 409s. The cap bounds that; past it, duplicates ask Postgres.
+    pub fn with_in_flight_mirror_ttl(mut self, ttl: Duration) -> Self {
+        self.mirror_ttl = ttl;
+        self
+    }
+
+    /// The Postgres side, for the application's transactions
+    /// ([`PostgresStore::complete_in`] completes a record of this store too).
+    pub fn postgres(&self) -> &PostgresStore {
+        &self.pg
+    }
+
+    /// The Redis side.
+    pub fn redis(&self) -> &RedisStore {
+        &self.redis
+    }
+
+    /// The counters and the breaker state.
+    pub fn metrics(&self) -> HybridMetrics {
+        let s = &self.inner;
+        HybridMetrics {
+            redis_hits: s.redis_hits.load(Ordering::Relaxed),
+            redis_misses: s.redis_misses.load(Ordering::Relaxed),
+            redis_errors: s.redis_errors.load(Ordering::Relaxed),
+            fallbacks: s.fallbacks.load(Ordering::Relaxed),
+            breaker_opened: s.breaker.opened.load(Ordering::Relaxed),
+            breaker_closed: s.breaker.closed.load(Ordering::Relaxed),
+            breaker_state: s.breaker.state(),
+        }
+    }
+
+    /// Runs a Redis call through the breaker. `None` means "Redis had nothing to say": it is
+    /// skipped (breaker open), failed or timed out. Never an error: Redis is an optimisation.
+    async fn try_redis<T>(&self, call: impl Future<Output = Result<T>>) -> Option<T> {
+        let s = &self.inner;
+        if !s.breaker.allow() {
+            s.fallbacks.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        match call.await {
+            Ok(value) => {
+                s.breaker.success();
+                Some(value)
+            }
+            Err(Error::Unavailable(error)) => {
+                s.redis_errors.fetch_add(1, Ordering::Relaxed);
+                s.fallbacks.fetch_add(1, Ordering::Relaxed);
+                s.breaker.failure();
+                tracing::debug!(%error, "Redis call failed; Postgres serves alone");
+                None
+            }
+            // Redis answered (so it is up) but with something unusable: ignore the answer.
+            Err(error) => {
+                s.breaker.success();
+                s.redis_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "unusable answer from Redis; asking Postgres");
+                None
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for HybridStore {
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        // 1. Redis holds only what Postgres decided, so whatever it finds is the answer.
+        match self.try_redis(self.redis.peek(id, fp)).await {
+            Some(Peek::Found(answer)) => {
+                self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(answer);
+            }
+            Some(Peek::Absent) => {
+                self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {}
+        }
+        // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
+        //    this round trip: the unique key still refuses a second execution.
+        let (answer, ttl) = self.pg.begin_with_ttl(id, fp, lease).await?;
+        // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
+        match (&answer, ttl) {
+            (Begin::Execute(token), _) => {
+                let mirror = lease.min(self.mirror_ttl);
+                self.try_redis(self.redis.cache_in_flight(id, fp, *token, mirror))
+                    .await;
+            }
+            (Begin::Replay(outcome), Some(ttl)) => {
+                self.try_redis(self.redis.cache_completed(id, fp, outcome, ttl))
+                    .await;
+            }
+            _ => {}
+        }
+        Ok(answer)
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        // Postgres first: once it has the outcome, a lost Redis write costs one Postgres
+        // read later. The Redis copy expires no later than the row: the row's retention
+        // started when Postgres ran the statement, which was before `sent` returned.
+        let sent = Instant::now();
+        let fp = self
+            .pg
+            .complete_with_fingerprint(id, token, outcome, retention)
+            .await?;
+        let ttl = retention.saturating_sub(sent.elapsed());
+        if !ttl.is_zero() {
+            self.try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+                .await;
+        }
+        Ok(())
+    }
+
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        self.pg.release(id, token).await?;
+        // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
+        // "in flight" until the mirror's TTL (the lease) ends, and never execute twice.
+        self.try_redis(async {
+            match self.redis.release(id, token).await {
+                Err(Error::LeaseLost) => Ok(()),
+                other => other,
+            }
+        })
+        .await;
+        Ok(())
+    }
+
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        self.pg.renew(id, token, lease).await?;
+        self.try_redis(async {
+            match self
+                .redis
+                .renew(id, token, lease.min(self.mirror_ttl))
+                .await
+            {
+                Err(Error::LeaseLost) => Ok(()),
+                other => other,
+            }
+        })
+        .await;
+        Ok(())
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64> {
+        self.pg.purge_expired(batch).await
+    }
+
+    fn name(&self) -> &'static str {
+        "hybrid"
+    }
+}

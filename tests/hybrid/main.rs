@@ -1,0 +1,562 @@
+//! The hybrid store: conformance, then fault injection into real containers.
+//!
+//! The load driver runs 8 workers over 500 keys, each key attempted 3 to 5 times (every tenth
+//! key's attempts back to back, so they race), and records every execution in a side-effect
+//! table in Postgres. A fault is injected when a quarter of the attempts are done and cleared
+//! at 60 % (or after 1.5 s). Afterwards: no key executed twice, every key replays its own
+//! outcome, and — for Redis faults — no request failed. Then the store must return to the
+//! Redis fast path (the hit counter rises again).
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use idempotency_core::{
+    Begin, Error, Fingerprint, IdempotencyKey, Outcome, RecordId, Scope, Store,
+};
+use idempotency_hybrid::{BreakerConfig, BreakerState, HybridStore};
+use idempotency_postgres::PostgresStore;
+use idempotency_redis::RedisStore;
+use idempotency_test::{
+    block_on,
+    services::{self, RedisOptions, Service},
+};
+use sqlx::PgPool;
+use tokio::sync::{Mutex, OnceCell};
+
+async fn pg_store(url: &str) -> PostgresStore {
+    let pg = PostgresStore::builder(url)
+        .max_connections(20)
+        .acquire_timeout(Duration::from_millis(500))
+        .call_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .expect("postgres store");
+    pg.migrate().await.expect("migrate");
+    pg
+}
+
+async fn hybrid(pg: PostgresStore, redis_url: &str) -> HybridStore {
+    let redis = RedisStore::builder(redis_url)
+        .prefix(idempotency_test::unique("h"))
+        .connect_timeout(Duration::from_millis(100))
+        .response_timeout(Duration::from_millis(100))
+        .call_budget(Duration::from_millis(150))
+        .eviction_check(idempotency_redis::EvictionCheck::Skip)
+        .connect()
+        .await
+        .expect("redis store");
+    HybridStore::new(pg, redis, BreakerConfig::default())
+}
+
+async fn shared_store() -> Option<Arc<HybridStore>> {
+    static STORE: OnceCell<Arc<HybridStore>> = OnceCell::const_new();
+    let pg = services::postgres().await?;
+    let redis = services::redis().await?;
+    Some(
+        STORE
+            .get_or_init(|| async { Arc::new(hybrid(pg_store(pg.url()).await, redis.url()).await) })
+            .await
+            .clone(),
+    )
+}
+
+idempotency_test::conformance_tests!(async { shared_store().await.map(|s| s as Arc<dyn Store>) });
+
+#[test]
+fn replays_and_live_duplicates_are_answered_by_redis_alone() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let id = idempotency_test::conformance::fresh_id();
+        let fp = Fingerprint::of(b"a");
+        let Begin::Execute(token) = store
+            .begin(&id, &fp, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("expected Execute")
+        };
+        let before = store.metrics().redis_hits;
+        assert!(matches!(
+            store
+                .begin(&id, &fp, Duration::from_secs(30))
+                .await
+                .expect("begin"),
+            Begin::InFlight { .. }
+        ));
+        store
+            .complete(&id, token, &Outcome::new(201), Duration::from_secs(60))
+            .await
+            .expect("complete");
+        assert_eq!(
+            store
+                .begin(&id, &fp, Duration::from_secs(30))
+                .await
+                .expect("begin"),
+            Begin::Replay(Outcome::new(201))
+        );
+        // Both answers came from Redis: the shared store's counters may rise from other tests,
+        // but by at least these two.
+        assert!(store.metrics().redis_hits >= before + 2);
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// The load driver.
+
+const KEYS: usize = 500;
+const WORKERS: usize = 8;
+const LEASE: Duration = Duration::from_secs(3);
+const RETENTION: Duration = Duration::from_secs(600);
+
+#[derive(Default, Debug)]
+struct Stats {
+    executed: AtomicU64,
+    replayed: AtomicU64,
+    in_flight: AtomicU64,
+    unavailable: AtomicU64,
+    done: AtomicUsize,
+}
+
+struct Run {
+    store: Arc<HybridStore>,
+    effects: String,
+    pool: PgPool,
+    scope: Scope,
+    /// Use the transactional completion (effect and outcome in one commit). Needed when
+    /// Postgres itself may die mid-operation: otherwise "did my effect commit?" is unknown.
+    transactional: bool,
+}
+
+fn record(scope: &Scope, key: usize) -> (RecordId, Fingerprint) {
+    let key = IdempotencyKey::new(format!("key-{key}")).expect("key");
+    (
+        RecordId::new(scope, &key),
+        Fingerprint::of(format!("charge {key:?}").as_bytes()),
+    )
+}
+
+fn schedule() -> Vec<usize> {
+    let attempts = |k: usize| 3 + k % 3;
+    let mut queue = Vec::new();
+    // Every tenth key: all attempts back to back, so several workers race on it.
+    for k in (0..KEYS).step_by(10) {
+        queue.extend(std::iter::repeat_n(k, attempts(k)));
+    }
+    for round in 0..5 {
+        for k in (0..KEYS).filter(|k| k % 10 != 0 && attempts(*k) > round) {
+            queue.push(k);
+        }
+    }
+    queue
+}
+
+impl Run {
+    async fn new(store: HybridStore, transactional: bool) -> Self {
+        let pool = store.postgres().pool().clone();
+        let effects = idempotency_test::unique("effects");
+        // No unique constraint: a second execution must show up as a second row.
+        let ddl = format!(
+            "CREATE TABLE {effects} (record_id bytea NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(&pool)
+            .await
+            .expect("effects table");
+        Self {
+            store: Arc::new(store),
+            effects,
+            pool,
+            scope: Scope::new(uuid::Uuid::new_v4().to_string()),
+            transactional,
+        }
+    }
+
+    /// The operation: "charge the card" (a row in the effects table), then store the outcome.
+    async fn operate(
+        &self,
+        id: &RecordId,
+        key: usize,
+        token: idempotency_core::LeaseToken,
+        stats: &Stats,
+    ) -> bool {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        let insert = format!("INSERT INTO {} (record_id) VALUES ($1)", self.effects);
+        let outcome = Outcome::new(201).with_body(format!("charge for key-{key}"));
+        if self.transactional {
+            let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = async {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&id.as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await?;
+                PostgresStore::complete_in(&mut tx, id, token, &outcome, RETENTION).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+            .await;
+            if result.is_err() {
+                // Effect and outcome committed together or not at all; the retry decides.
+                stats.unavailable.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            return true;
+        }
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(&id.as_bytes()[..])
+            .execute(&self.pool)
+            .await
+            .expect("effect (Postgres is up in this scenario)");
+        loop {
+            match self.store.complete(id, token, &outcome, RETENTION).await {
+                Ok(()) => return true,
+                Err(Error::Unavailable(_)) => {
+                    stats.unavailable.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("complete failed: {error} (the outcome would be lost)"),
+            }
+        }
+    }
+
+    /// One client request, retried by the client on 409 and 503 like a careful SDK.
+    async fn attempt(&self, key: usize, stats: &Stats) {
+        let (id, fp) = record(&self.scope, key);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(Instant::now() < deadline, "key-{key} never settled");
+            match self.store.begin(&id, &fp, LEASE).await {
+                Ok(Begin::Execute(token)) => {
+                    if self.operate(&id, key, token, stats).await {
+                        stats.executed.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                Ok(Begin::Replay(outcome)) => {
+                    assert_eq!(
+                        outcome.body,
+                        format!("charge for key-{key}"),
+                        "replayed another key's outcome"
+                    );
+                    stats.replayed.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Ok(Begin::InFlight { .. }) => {
+                    stats.in_flight.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Ok(Begin::Mismatch) => panic!("mismatch for key-{key}"),
+                Err(Error::Unavailable(_)) => {
+                    stats.unavailable.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("begin failed: {error}"),
+            }
+        }
+    }
+
+    async fn drive(self: &Arc<Self>, stats: &Arc<Stats>) -> tokio::task::JoinHandle<()> {
+        let queue = Arc::new(schedule());
+        let next = Arc::new(AtomicUsize::new(0));
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let (run, stats, queue, next) =
+                    (self.clone(), stats.clone(), queue.clone(), next.clone());
+                tokio::spawn(async move {
+                    while let Some(&key) = queue.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        run.attempt(key, &stats).await;
+                        stats.done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        tokio::spawn(async move {
+            for worker in workers {
+                worker.await.expect("worker panicked");
+            }
+        })
+    }
+
+    /// Every key executed exactly once and replays its own outcome.
+    async fn verify(&self) -> (usize, usize) {
+        let sql = format!(
+            "SELECT record_id, count(*) FROM {} GROUP BY record_id",
+            self.effects
+        );
+        let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await
+            .expect("effects");
+        let counts: HashMap<Vec<u8>, i64> = rows.into_iter().collect();
+        let twice = counts.values().filter(|n| **n > 1).count();
+        let mut lost = 0;
+        for key in 0..KEYS {
+            let (id, fp) = record(&self.scope, key);
+            assert_eq!(
+                counts.get(id.as_bytes().as_slice()).copied().unwrap_or(0),
+                1,
+                "key-{key} executions"
+            );
+            match self.store.begin(&id, &fp, LEASE).await.expect("begin") {
+                Begin::Replay(o) if o.body == format!("charge for key-{key}") => {}
+                other => {
+                    lost += 1;
+                    eprintln!("key-{key}: no stored outcome ({other:?})");
+                }
+            }
+        }
+        (twice, lost)
+    }
+
+    /// Waits until Redis answers again (a hit with the breaker closed), replaying a few
+    /// completed keys if the driver has finished, and returns how long that took.
+    async fn recovers_fast_path(&self, since: Instant, hits_at_clear: u64) -> Duration {
+        for round in 0..400 {
+            let m = self.store.metrics();
+            if m.redis_hits > hits_at_clear && m.breaker_state == BreakerState::Closed {
+                return since.elapsed();
+            }
+            // The same few keys again and again: the first visit after a Redis restart is a
+            // miss that re-warms the key, the next one a hit.
+            let (id, fp) = record(&self.scope, round % 10);
+            self.store.begin(&id, &fp, LEASE).await.expect("begin");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "the store never returned to the Redis fast path: {:?}",
+            self.store.metrics()
+        );
+    }
+}
+
+/// Fault scenarios run one at a time: they share two cores and measure recovery.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+enum Fault {
+    RedisStopped,
+    RedisPaused,
+    Flushall,
+    Evicting,
+    RedisRestartedEmpty,
+    PostgresStopped,
+}
+
+async fn scenario(fault: Fault) {
+    if services::skipping() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let redis = services::start_redis(RedisOptions::default()).await;
+    let own_pg: Option<Service> = match fault {
+        Fault::PostgresStopped => Some(services::start_postgres().await),
+        _ => None,
+    };
+    let pg_url = match &own_pg {
+        Some(pg) => pg.url().to_owned(),
+        None => services::postgres()
+            .await
+            .expect("postgres")
+            .url()
+            .to_owned(),
+    };
+    let store = hybrid(pg_store(&pg_url).await, redis.url()).await;
+    let run = Arc::new(Run::new(store, matches!(fault, Fault::PostgresStopped)).await);
+    let stats = Arc::new(Stats::default());
+    let total = schedule().len();
+    let driver = run.drive(&stats).await;
+
+    while stats.done.load(Ordering::Relaxed) < total / 4 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let injected = Instant::now();
+    let admin = || async {
+        let client = redis::Client::open(redis.url()).expect("client");
+        client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("admin connection")
+    };
+    match fault {
+        Fault::RedisStopped => redis.stop().await,
+        Fault::RedisPaused => redis.pause().await,
+        Fault::Flushall => {
+            let _: () = redis::cmd("FLUSHALL")
+                .query_async(&mut admin().await)
+                .await
+                .expect("flushall");
+        }
+        Fault::Evicting => {
+            let mut conn = admin().await;
+            let info: String = redis::cmd("INFO")
+                .arg("memory")
+                .query_async(&mut conn)
+                .await
+                .expect("info");
+            let used: u64 = info
+                .lines()
+                .find_map(|l| l.strip_prefix("used_memory:"))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("used_memory");
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory-policy")
+                .arg("allkeys-lru")
+                .query_async(&mut conn)
+                .await
+                .expect("policy");
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory")
+                .arg(used + 64 * 1024)
+                .query_async(&mut conn)
+                .await
+                .expect("maxmemory");
+        }
+        Fault::RedisRestartedEmpty => {
+            redis.stop().await;
+            redis.start().await;
+        }
+        Fault::PostgresStopped => own_pg.as_ref().expect("own postgres").stop().await,
+    }
+    let paused_latency = if matches!(fault, Fault::RedisPaused) {
+        // Latency of requests while Redis hangs: the first pay the Redis budget, then the
+        // breaker opens and they cost what Postgres costs.
+        let (id, fp) = record(&Scope::new("probe"), 0);
+        let mut samples = Vec::new();
+        for _ in 0..20 {
+            let t = Instant::now();
+            let _ = run.store.begin(&id, &fp, LEASE).await;
+            samples.push(t.elapsed());
+        }
+        Some(samples)
+    } else {
+        None
+    };
+    while stats.done.load(Ordering::Relaxed) < total * 6 / 10
+        && injected.elapsed() < Duration::from_millis(1500)
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let cleared = Instant::now();
+    let hits_at_clear = run.store.metrics().redis_hits;
+    let run_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let run = run.clone();
+        let run_done = run_done.clone();
+        tokio::spawn(async move {
+            // Poll the counters while the driver goes on: recovery is the first Redis hit
+            // with the breaker closed after the fault cleared.
+            loop {
+                let m = run.store.metrics();
+                if m.redis_hits > hits_at_clear && m.breaker_state == BreakerState::Closed {
+                    return Some(cleared.elapsed());
+                }
+                if run_done.load(Ordering::Relaxed) {
+                    return None;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    match fault {
+        Fault::RedisStopped => redis.start().await,
+        Fault::RedisPaused => redis.unpause().await,
+        Fault::PostgresStopped => own_pg.as_ref().expect("own postgres").start().await,
+        Fault::Flushall | Fault::Evicting | Fault::RedisRestartedEmpty => {}
+    }
+    driver.await.expect("driver");
+    run_done.store(true, Ordering::Relaxed);
+    let fault_window = cleared.duration_since(injected);
+
+    let recovery = match watcher.await.expect("watcher") {
+        Some(recovery) => recovery,
+        None => run.recovers_fast_path(cleared, hits_at_clear).await,
+    };
+    let (twice, lost) = run.verify().await;
+    let m = run.store.metrics();
+    eprintln!(
+        "fault window {fault_window:.2?}: executed={} replayed={} in_flight_answers={} unavailable={} \
+         twice={twice} lost={lost} recovery_to_redis={recovery:.2?} metrics={m:?}",
+        stats.executed.load(Ordering::Relaxed),
+        stats.replayed.load(Ordering::Relaxed),
+        stats.in_flight.load(Ordering::Relaxed),
+        stats.unavailable.load(Ordering::Relaxed),
+    );
+    if let Some(samples) = paused_latency {
+        eprintln!("latency of 20 sequential begins right after the pause: {samples:.1?}");
+    }
+    assert_eq!(twice, 0, "keys executed twice");
+    assert_eq!(lost, 0, "keys with a lost outcome");
+    assert_eq!(stats.executed.load(Ordering::Relaxed), KEYS as u64);
+    match fault {
+        Fault::PostgresStopped => {
+            assert!(
+                stats.unavailable.load(Ordering::Relaxed) > 0,
+                "Postgres down must answer Unavailable"
+            );
+        }
+        _ => assert_eq!(
+            stats.unavailable.load(Ordering::Relaxed),
+            0,
+            "requests failed because of Redis"
+        ),
+    }
+    match fault {
+        Fault::RedisStopped | Fault::RedisPaused => {
+            assert!(m.breaker_opened >= 1, "the breaker opened: {m:?}");
+            assert!(m.fallbacks > 0, "{m:?}");
+        }
+        Fault::Evicting => {
+            let info: String = redis::cmd("INFO")
+                .arg("stats")
+                .query_async(&mut admin().await)
+                .await
+                .expect("info");
+            let evicted: u64 = info
+                .lines()
+                .find_map(|l| l.strip_prefix("evicted_keys:"))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("evicted_keys");
+            eprintln!("evicted keys: {evicted}");
+            assert!(evicted > 0, "the scenario evicted nothing");
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn fault_redis_stopped_then_started() {
+    block_on(scenario(Fault::RedisStopped));
+}
+
+#[test]
+fn fault_redis_paused_then_unpaused() {
+    block_on(scenario(Fault::RedisPaused));
+}
+
+#[test]
+fn fault_flushall_mid_run() {
+    block_on(scenario(Fault::Flushall));
+}
+
+#[test]
+fn fault_redis_evicting_at_maxmemory() {
+    block_on(scenario(Fault::Evicting));
+}
+
+#[test]
+fn fault_redis_restarted_empty_with_live_leases() {
+    block_on(scenario(Fault::RedisRestartedEmpty));
+}
+
+#[test]
+fn fault_postgres_stopped() {
+    block_on(scenario(Fault::PostgresStopped));
+}
