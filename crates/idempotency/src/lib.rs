@@ -11,6 +11,7 @@
 //! | `redis`    | [`redis::RedisStore`]: Lua-script leases and cached outcomes  | no      |
 //! | `redis-cluster` | Redis Cluster support for the Redis store                | no      |
 //! | `hybrid`   | [`hybrid::HybridStore`]: Redis first, Postgres decides (implies both) | no |
+//! | `tower`    | [`tower::IdempotencyLayer`]: the tower/axum middleware (IETF draft) | no |
 //!
 //! ```
 //! use std::time::Duration;
@@ -54,4 +55,12 @@ pub mod redis {
 #[cfg_attr(docsrs, doc(cfg(feature = "hybrid")))]
 pub mod hybrid {
     pub use idempotency_hybrid::*;
+}
+
+/// The tower/axum middleware speaking the IETF Idempotency-Key draft (see the
+/// `idempotency-tower` crate).
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+pub mod tower {
+    pub use idempotency_tower::*;
 }

@@ -1,0 +1,107 @@
+//! Reading the `Idempotency-Key` header.
+
+use http::HeaderMap;
+use idempotency_core::{IdempotencyKey, KeyError};
+
+/// The header's name (lowercase, as `http` stores it).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Why a request's key was refused (400).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeyProblem {
+    Multiple,
+    Invalid(String),
+}
+
+/// Reads the key: one header line holding an RFC 8941 sf-string (`"abc-1"`), or a bare
+/// value as most clients send it (`abc-1`), both naming the same key. Lists, parameters,
+/// other item types and repeated header lines are refused.
+pub(crate) fn parse(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyProblem> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyProblem::Multiple);
+    }
+    parse_value(value.as_bytes()).map(Some)
+}
+
+pub(crate) fn parse_value(raw: &[u8]) -> Result<IdempotencyKey, KeyProblem> {
+    let invalid = |why: &str| KeyProblem::Invalid(why.to_owned());
+    let trimmed = raw.trim_ascii();
+    if trimmed.first() == Some(&b'"') {
+        let item = sfv::Parser::new(trimmed)
+            .parse_item::<sfv::Item>()
+            .map_err(|e| KeyProblem::Invalid(format!("not a structured-field string: {e}")))?;
+        if !item.params.is_empty() {
+            return Err(invalid("parameters are not allowed on the key"));
+        }
+        return match item.bare_item {
+            sfv::BareItem::String(s) => IdempotencyKey::new(s.as_str()).map_err(key_error),
+            _ => Err(invalid("the key must be a string")),
+        };
+    }
+    // A bare key. A comma means a list (two keys): refuse it rather than pick one.
+    if trimmed.contains(&b',') {
+        return Err(invalid(
+            "a list of keys is not allowed; send exactly one key",
+        ));
+    }
+    IdempotencyKey::from_bytes(trimmed).map_err(key_error)
+}
+
+#[allow(clippy::needless_pass_by_value)] // used as `map_err(key_error)`
+fn key_error(error: KeyError) -> KeyProblem {
+    KeyProblem::Invalid(error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoted_and_bare_name_one_key() {
+        let quoted = parse_value(br#""abc-1""#).unwrap();
+        let bare = parse_value(b"abc-1").unwrap();
+        assert_eq!(quoted, bare);
+        assert_eq!(
+            parse_value(b"8e03978e-40d5-43e8").unwrap().as_str(),
+            "8e03978e-40d5-43e8"
+        );
+    }
+
+    #[test]
+    fn refuses_what_is_not_one_key() {
+        for bad in [
+            &b""[..],
+            b"\"\"",
+            b"a b",
+            b"a, b",
+            b"\"a\", \"b\"",
+            b"\"a\";p=1",
+            b"\"a\" b",
+            b"\"unterminated",
+            b"\xff",
+        ] {
+            assert!(
+                parse_value(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(parse_value("x".repeat(256).as_bytes()).is_err());
+        assert!(parse_value("x".repeat(255).as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn a_bare_value_is_a_key_even_if_it_looks_like_another_item() {
+        // `?1` is an sf-boolean, but clients send keys bare: a bare value is the key.
+        assert_eq!(parse_value(b"?1").unwrap().as_str(), "?1");
+    }
+
+    #[test]
+    fn escapes_in_strings_are_decoded() {
+        assert_eq!(parse_value(br#""a\"b""#).unwrap().as_str(), "a\"b");
+    }
+}

@@ -1,0 +1,222 @@
+//! `IdempotencyLayer`: the configuration and its builder.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderName, Method, request::Parts};
+use idempotency_core::{Fingerprint, Policy, Scope, Store};
+use tower_layer::Layer;
+
+use crate::{Idempotency, Metrics};
+
+type ScopeFn = dyn Fn(&Parts) -> Scope + Send + Sync;
+type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
+
+/// How the layer decides that two requests are "the same".
+#[derive(Clone)]
+pub(crate) enum BodyFingerprint {
+    Raw,
+    CanonicalJson,
+    Custom(Arc<FingerprintFn>),
+}
+
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) policy: Policy,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) body_fingerprint: BodyFingerprint,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_body: usize,
+    pub(crate) store_set_cookie: bool,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+impl Config {
+    pub(crate) fn fingerprint(&self, parts: &Parts, body: &Bytes) -> Fingerprint {
+        if let BodyFingerprint::Custom(f) = &self.body_fingerprint {
+            return f(parts, body);
+        }
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut fp = Fingerprint::builder()
+            .method(parts.method.as_str())
+            .path_and_query(path);
+        for name in &self.fingerprint_headers {
+            for value in parts.headers.get_all(name) {
+                fp = fp.header(name.as_str(), value.as_bytes());
+            }
+        }
+        match &self.body_fingerprint {
+            BodyFingerprint::CanonicalJson => {
+                // Not JSON: fall back to the bytes (the handler will refuse it anyway).
+                match serde_json::from_slice::<serde_json::Value>(body)
+                    .ok()
+                    .and_then(|v| serde_json_canonicalizer::to_vec(&v).ok())
+                {
+                    Some(canonical) => fp.body(&canonical).finish(),
+                    None => fp.body(body).finish(),
+                }
+            }
+            _ => fp.body(body).finish(),
+        }
+    }
+}
+
+/// Applies the Idempotency-Key protocol to the requests of a service. See the
+/// [crate docs](crate) for the protocol and an example.
+///
+/// Cheap to clone; every clone shares one configuration and one [`Metrics`].
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.config.store.name())
+            .field("methods", &self.config.methods)
+            .field("require_key", &self.config.require_key)
+            .field("policy", &self.config.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with the defaults: POST and PATCH, key optional, one global scope
+    /// (single-tenant APIs only: see [`IdempotencyLayer::scope_fn`]), fingerprint of method,
+    /// path and query and body bytes, 1 MiB request and stored-body limits, the default
+    /// [`Policy`].
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store,
+                policy: Policy::default(),
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                scope: Arc::new(|_| Scope::global()),
+                body_fingerprint: BodyFingerprint::Raw,
+                fingerprint_headers: Vec::new(),
+                max_request_body: 1 << 20,
+                max_stored_body: 1 << 20,
+                store_set_cookie: false,
+                wait: None,
+                metrics: Arc::new(Metrics::default()),
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        // Builders run before the layer is cloned, so this never copies; if it was cloned,
+        // the clones keep their configuration.
+        match Arc::get_mut(&mut self.config) {
+            Some(config) => f(config),
+            None => {
+                let old = &self.config;
+                let mut config = Config {
+                    store: old.store.clone(),
+                    policy: old.policy.clone(),
+                    methods: old.methods.clone(),
+                    require_key: old.require_key,
+                    scope: old.scope.clone(),
+                    body_fingerprint: old.body_fingerprint.clone(),
+                    fingerprint_headers: old.fingerprint_headers.clone(),
+                    max_request_body: old.max_request_body,
+                    max_stored_body: old.max_stored_body,
+                    store_set_cookie: old.store_set_cookie,
+                    wait: old.wait,
+                    metrics: old.metrics.clone(),
+                };
+                f(&mut config);
+                self.config = Arc::new(config);
+            }
+        }
+        self
+    }
+
+    /// Lease, retention and which statuses are stored (default: [`Policy::default`]).
+    pub fn policy(self, policy: Policy) -> Self {
+        self.edit(|c| c.policy = policy)
+    }
+
+    /// The methods the protocol applies to (default POST and PATCH); others pass through.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.edit(|c| c.methods = methods)
+    }
+
+    /// Refuse requests without a key with 400 (default: let them pass through unprotected).
+    pub fn require_key(self, require: bool) -> Self {
+        self.edit(|c| c.require_key = require)
+    }
+
+    /// Who a key belongs to: a function of the request (tenant, account, authenticated
+    /// principal from an extension set by your auth layer).
+    ///
+    /// **Set this in any multi-tenant API.** With the default single scope, two clients that
+    /// send the same key share one record: the second gets the first one's response — a data
+    /// leak, and an easy one, since many clients use predictable keys.
+    pub fn scope_fn(self, f: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+        self.edit(|c| c.scope = Arc::new(f))
+    }
+
+    /// Fingerprint the body as canonical JSON (RFC 8785), so key order and whitespace do not
+    /// make two equal requests differ.
+    pub fn canonical_json(self) -> Self {
+        self.edit(|c| c.body_fingerprint = BodyFingerprint::CanonicalJson)
+    }
+
+    /// Also fingerprint these request headers (for example `content-type`, a tenant header).
+    pub fn fingerprint_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        let names = names.into_iter().collect();
+        self.edit(|c| c.fingerprint_headers = names)
+    }
+
+    /// Replace the fingerprint with your own function of the request parts and body.
+    pub fn fingerprint_fn(
+        self,
+        f: impl Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.body_fingerprint = BodyFingerprint::Custom(Arc::new(f)))
+    }
+
+    /// The largest request body buffered for the fingerprint (default 1 MiB); larger → 413.
+    pub fn max_request_body(self, bytes: usize) -> Self {
+        self.edit(|c| c.max_request_body = bytes)
+    }
+
+    /// The largest response body stored for replays (default 1 MiB). A larger response still
+    /// completes the record — a retry never executes again — but its replay has the stored
+    /// status and headers, an empty body and `Idempotent-Replay-Body: omitted`.
+    pub fn max_stored_body(self, bytes: usize) -> Self {
+        self.edit(|c| c.max_stored_body = bytes)
+    }
+
+    /// Store and replay `Set-Cookie` headers (default: dropped, since a replay may reach
+    /// another client session).
+    pub fn store_set_cookie(self, store: bool) -> Self {
+        self.edit(|c| c.store_set_cookie = store)
+    }
+
+    /// Instead of 409, wait up to `wait` for an in-flight attempt to finish and answer with
+    /// its replay.
+    pub fn wait_for_in_flight(self, wait: Duration) -> Self {
+        self.edit(|c| c.wait = Some(wait))
+    }
+
+    /// The counters every service of this layer updates.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.config.metrics.clone()
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::from_config(inner, self.config.clone())
+    }
+}

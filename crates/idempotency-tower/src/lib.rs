@@ -1,0 +1,127 @@
+//! A tower/axum middleware speaking the IETF draft "The Idempotency-Key HTTP Header Field".
+//!
+//! Put [`IdempotencyLayer`] in front of handlers that create or change things (`POST
+//! /charges`). The first request with a key runs and its response is stored; every retry
+//! with the same key gets the stored response, marked `Idempotent-Replayed: true`, instead
+//! of running again.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use axum::{Router, routing::post, http::request::Parts};
+//! use idempotency_core::{MemoryStore, Scope, Store};
+//! use idempotency_tower::{IdempotencyContext, IdempotencyLayer};
+//!
+//! async fn create_charge(ctx: axum::Extension<IdempotencyContext>) -> (axum::http::StatusCode, String) {
+//!     // Store ctx.record_id on the charge row under a unique constraint: exactly once even
+//!     // if the process dies between the charge and the stored outcome.
+//!     (axum::http::StatusCode::CREATED, format!("charge for record {}", ctx.record_id))
+//! }
+//!
+//! let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+//! let layer = IdempotencyLayer::new(store)
+//!     .require_key(true)
+//!     .scope_fn(|parts: &Parts| {
+//!         // Who the key belongs to: in production, the authenticated principal.
+//!         let account = parts.headers.get("x-account-id").and_then(|v| v.to_str().ok());
+//!         Scope::new(account.unwrap_or("anonymous"))
+//!     });
+//! let app: Router = Router::new().route("/charges", post(create_charge)).layer(layer);
+//! ```
+//!
+//! # The protocol
+//!
+//! | situation | answer |
+//! |---|---|
+//! | method not configured (default: anything but POST, PATCH) | passed through untouched |
+//! | no key, key optional (default) | passed through untouched |
+//! | no key, key required | 400 `urn:idempotency:problem:missing-key` |
+//! | key empty, > 255 chars, not visible ASCII, a list, a parameterised or non-string item, or several header lines | 400 `urn:idempotency:problem:invalid-key` |
+//! | body over the limit (by `Content-Length`, or while reading a chunked body) | 413 `urn:idempotency:problem:payload-too-large` |
+//! | first request | runs the handler; stores the response if cacheable |
+//! | retry after completion | the stored response + `Idempotent-Replayed: true` |
+//! | retry while the first still runs | 409 `urn:idempotency:problem:in-flight` + `Retry-After` (or, with [`IdempotencyLayer::wait_for_in_flight`], waits for the replay) |
+//! | same key, different method/path/body | 422 `urn:idempotency:problem:key-reused` |
+//! | store down | 503 `urn:idempotency:problem:store-unavailable` + `Retry-After`; the handler does not run |
+//! | handler panics | 500 `urn:idempotency:problem:internal`; the key is released |
+//!
+//! Keys are read as an RFC 8941 sf-string (`"abc"`) or a bare value (`abc`): both name the
+//! same key. Every error body is `application/problem+json` (RFC 9457).
+//!
+//! # What is stored
+//! 2xx, 3xx and 4xx responses except 408, 409, 425, 429 ([`Policy`](idempotency_core::Policy)
+//! decides; configure it with [`IdempotencyLayer::policy`]). A 5xx or one of those statuses
+//! releases the key, so the retry runs again. Hop-by-hop headers, `Content-Length`, `Date`
+//! and (by default) `Set-Cookie` are not stored.
+//!
+//! # Disconnects, panics, long operations
+//! The handler runs in its own task: a client that disconnects does not cancel it, and its
+//! outcome is stored for the retry. A panicking handler releases its lease and answers 500.
+//! A handler that runs longer than the lease renews it every third of the lease.
+//!
+//! # Handlers
+//! Handlers find the [`IdempotencyContext`] (record id, scope, key) in the request
+//! extensions.
+
+mod future;
+mod key;
+mod layer;
+mod metrics;
+mod problem;
+mod service;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
+use idempotency_core::{BoxError, IdempotencyKey, RecordId, Scope};
+
+pub use future::ResponseFuture;
+pub use key::IDEMPOTENCY_KEY;
+pub use layer::IdempotencyLayer;
+pub use metrics::{Metrics, MetricsSnapshot};
+pub use problem::Problem;
+pub use service::Idempotency;
+
+/// The body type the middleware hands to the inner service and returns.
+pub type Body = UnsyncBoxBody<Bytes, BodyError>;
+
+/// The error of a [`Body`]: whatever the wrapped body failed with.
+///
+/// A concrete type rather than a `Box<dyn Error>` in the body's type: a trait object there
+/// trips a compiler limitation (higher-ranked `Send`) when the middleware spawns the handler
+/// onto its own task.
+#[derive(Debug)]
+pub struct BodyError(BoxError);
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl BodyError {
+    pub(crate) fn new(error: impl Into<BoxError>) -> Self {
+        Self(error.into())
+    }
+}
+
+pub(crate) fn full(bytes: Bytes) -> Body {
+    Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// What a handler learns about the key of the request it runs for (a request extension).
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    /// The record id: store it on business rows under a unique constraint.
+    pub record_id: RecordId,
+    /// The scope the key belongs to.
+    pub scope: Scope,
+    /// The client's key.
+    pub key: IdempotencyKey,
+}

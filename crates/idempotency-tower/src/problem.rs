@@ -1,0 +1,92 @@
+//! `application/problem+json` (RFC 9457) responses with stable type URIs.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::Body;
+
+/// The problems this middleware answers with. `type` URIs are stable URNs: match on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: the key is required and missing.
+    MissingKey,
+    /// 400: the key is malformed, too long, a list, or sent on several header lines.
+    InvalidKey,
+    /// 409: another request with this key is in flight.
+    InFlight,
+    /// 422: this key was used for a different request.
+    Mismatch,
+    /// 413: the request body is larger than the fingerprint buffer.
+    PayloadTooLarge,
+    /// 503: the idempotency store is unavailable; the request did not run.
+    StoreUnavailable,
+    /// 500: the handler panicked or the store failed unexpectedly; the key was released.
+    Internal,
+}
+
+impl Problem {
+    /// The stable `type` URI.
+    pub fn type_uri(self) -> &'static str {
+        match self {
+            Self::MissingKey => "urn:idempotency:problem:missing-key",
+            Self::InvalidKey => "urn:idempotency:problem:invalid-key",
+            Self::InFlight => "urn:idempotency:problem:in-flight",
+            Self::Mismatch => "urn:idempotency:problem:key-reused",
+            Self::PayloadTooLarge => "urn:idempotency:problem:payload-too-large",
+            Self::StoreUnavailable => "urn:idempotency:problem:store-unavailable",
+            Self::Internal => "urn:idempotency:problem:internal",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey => StatusCode::BAD_REQUEST,
+            Self::InFlight => StatusCode::CONFLICT,
+            Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The short human-readable summary.
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::MissingKey => "Idempotency-Key header missing",
+            Self::InvalidKey => "Invalid Idempotency-Key header",
+            Self::InFlight => "A request with this Idempotency-Key is in progress",
+            Self::Mismatch => "Idempotency-Key reused for a different request",
+            Self::PayloadTooLarge => "Request body too large",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::Internal => "Internal error",
+        }
+    }
+
+    /// Builds the response; `retry_after` adds a `Retry-After` header (whole seconds, at
+    /// least 1).
+    pub fn response(self, detail: &str, retry_after: Option<Duration>) -> Response<Body> {
+        let body = serde_json::json!({
+            "type": self.type_uri(),
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": detail,
+        });
+        let mut response = Response::new(crate::full(Bytes::from(body.to_string())));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(wait) = retry_after {
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        response
+    }
+}

@@ -1,0 +1,621 @@
+//! The HTTP layer: protocol tests with `oneshot` on the memory store, then end-to-end tests
+//! over real TCP sockets on the memory, Postgres, Redis and hybrid stores.
+
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use idempotency_core::{MemoryStore, Store};
+use idempotency_test::{block_on, services};
+use support::{app, layer, post, post_and_hang_up, serve};
+use tower::ServiceExt;
+
+fn memory() -> Arc<dyn Store> {
+    Arc::new(MemoryStore::new())
+}
+
+struct Answer {
+    status: u16,
+    headers: axum::http::HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn problem_type(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{}",
+            self.body
+        );
+        let json: serde_json::Value = serde_json::from_str(&self.body).expect("problem JSON");
+        assert_eq!(json["status"], self.status, "{json}");
+        assert!(
+            json["title"].is_string() && json["detail"].is_string(),
+            "{json}"
+        );
+        json["type"].as_str().expect("type").to_owned()
+    }
+}
+
+async fn send(
+    router: &axum::Router,
+    method: &str,
+    key: Option<&str>,
+    extra: &[(&str, &str)],
+    body: impl Into<Body>,
+) -> Answer {
+    let mut request = axum::http::Request::builder()
+        .method(method)
+        .uri("/charges");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    for (n, v) in extra {
+        request = request.header(*n, *v);
+    }
+    let response = router
+        .clone()
+        .oneshot(request.body(body.into()).expect("request"))
+        .await
+        .expect("infallible");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&bytes).into_owned(),
+    }
+}
+
+#[test]
+fn a_retry_replays_the_stored_response() {
+    block_on(async {
+        let (router, calls, metrics) = app(layer(memory()));
+        let first = send(&router, "POST", Some("k1"), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        assert!(first.headers.get("idempotent-replayed").is_none());
+        let retry = send(&router, "POST", Some("k1"), &[], "{}").await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(retry.headers["content-type"], "application/json");
+        assert_eq!(first.headers.get_all("x-multi").iter().count(), 2);
+        let multi: Vec<_> = retry.headers.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["one", "two"], "repeated headers replay in order");
+        assert!(
+            retry.headers.get("set-cookie").is_none(),
+            "Set-Cookie is not stored by default"
+        );
+        assert_eq!(calls.get(), 1);
+        let m = metrics.snapshot();
+        assert_eq!((m.executions, m.replays), (1, 1));
+    });
+}
+
+#[test]
+fn quoted_and_bare_keys_name_the_same_record() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        assert_eq!(
+            send(&router, "POST", Some("\"abc-1\""), &[], "{}")
+                .await
+                .status,
+            201
+        );
+        let retry = send(&router, "POST", Some("abc-1"), &[], "{}").await;
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn bad_keys_are_400_problems() {
+    block_on(async {
+        let (router, calls, metrics) = app(layer(memory()));
+        let missing = send(&router, "POST", None, &[], "{}").await;
+        assert_eq!(missing.status, 400);
+        assert_eq!(
+            missing.problem_type(),
+            "urn:idempotency:problem:missing-key"
+        );
+        let long = "x".repeat(256);
+        for bad in [
+            "",
+            "\"\"",
+            "a, b",
+            "\"a\", \"b\"",
+            "\"a\";p=1",
+            "caf\u{e9}",
+            long.as_str(),
+        ] {
+            let mut request = axum::http::Request::post("/charges");
+            request = request.header(
+                "idempotency-key",
+                axum::http::HeaderValue::from_bytes(bad.as_bytes()).expect("value"),
+            );
+            let response = router
+                .clone()
+                .oneshot(request.body(Body::from("{}")).expect("req"))
+                .await
+                .expect("ok");
+            assert_eq!(response.status(), 400, "key {bad:?}");
+        }
+        let twice = axum::http::Request::post("/charges")
+            .header("idempotency-key", "a")
+            .header("idempotency-key", "b")
+            .body(Body::from("{}"))
+            .expect("req");
+        let response = router.clone().oneshot(twice).await.expect("ok");
+        assert_eq!(response.status(), 400);
+        assert_eq!(calls.get(), 0, "no handler ran");
+        assert_eq!(metrics.snapshot().bad_keys, 9);
+    });
+}
+
+#[test]
+fn other_methods_pass_through_untouched() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        for _ in 0..2 {
+            let get = send(&router, "GET", Some("k"), &[], Body::empty()).await;
+            assert_eq!((get.status, get.body.as_str()), (200, "list"));
+            assert!(get.headers.get("idempotent-replayed").is_none());
+            for (method, answer) in [("PUT", "put"), ("DELETE", "deleted")] {
+                let request = axum::http::Request::builder()
+                    .method(method)
+                    .uri("/charges/1")
+                    .header("idempotency-key", "k")
+                    .body(Body::empty())
+                    .expect("req");
+                let response = router.clone().oneshot(request).await.expect("ok");
+                assert_eq!(response.status(), 200);
+                assert_eq!(
+                    response
+                        .into_body()
+                        .collect()
+                        .await
+                        .expect("body")
+                        .to_bytes(),
+                    answer
+                );
+            }
+        }
+        assert_eq!(calls.get(), 6, "every pass-through request ran");
+    });
+}
+
+#[test]
+fn the_same_key_in_two_scopes_runs_twice_and_never_cross_replays() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        let a = send(
+            &router,
+            "POST",
+            Some("shared"),
+            &[("x-account-id", "acct_a")],
+            "{}",
+        )
+        .await;
+        let b = send(
+            &router,
+            "POST",
+            Some("shared"),
+            &[("x-account-id", "acct_b")],
+            "{}",
+        )
+        .await;
+        assert_eq!((a.status, b.status), (201, 201));
+        assert!(b.headers.get("idempotent-replayed").is_none());
+        assert_ne!(a.body, b.body);
+        assert_eq!(calls.get(), 2);
+        let a_again = send(
+            &router,
+            "POST",
+            Some("shared"),
+            &[("x-account-id", "acct_a")],
+            "{}",
+        )
+        .await;
+        assert_eq!(a_again.body, a.body);
+    });
+}
+
+#[test]
+fn a_reused_key_with_another_body_is_422() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        send(&router, "POST", Some("k"), &[], r#"{"amount":1}"#).await;
+        let other = send(&router, "POST", Some("k"), &[], r#"{"amount":2}"#).await;
+        assert_eq!(other.status, 422);
+        assert_eq!(other.problem_type(), "urn:idempotency:problem:key-reused");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn canonical_json_ignores_key_order_and_whitespace() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()).canonical_json());
+        send(
+            &router,
+            "POST",
+            Some("k"),
+            &[],
+            r#"{"amount":1,"currency":"eur"}"#,
+        )
+        .await;
+        let same = send(
+            &router,
+            "POST",
+            Some("k"),
+            &[],
+            r#"{ "currency": "eur", "amount": 1 }"#,
+        )
+        .await;
+        assert_eq!(same.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn a_live_duplicate_is_409_with_retry_after() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        let first = {
+            let router = router.clone();
+            tokio::spawn(async move {
+                send(&router, "POST", Some("k"), &[("x-delay-ms", "400")], "{}").await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let dup = send(&router, "POST", Some("k"), &[("x-delay-ms", "400")], "{}").await;
+        assert_eq!(dup.status, 409);
+        assert_eq!(dup.problem_type(), "urn:idempotency:problem:in-flight");
+        let retry_after: u64 = dup.headers["retry-after"]
+            .to_str()
+            .expect("ascii")
+            .parse()
+            .expect("seconds");
+        assert!(retry_after >= 1);
+        assert_eq!(first.await.expect("first").status, 201);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn wait_mode_returns_the_replay_instead_of_409() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()).wait_for_in_flight(Duration::from_secs(5)));
+        let first = {
+            let router = router.clone();
+            tokio::spawn(async move {
+                send(&router, "POST", Some("k"), &[("x-delay-ms", "300")], "{}").await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let waited = send(&router, "POST", Some("k"), &[("x-delay-ms", "300")], "{}").await;
+        let first = first.await.expect("first");
+        assert_eq!(waited.status, 201);
+        assert_eq!(waited.headers["idempotent-replayed"], "true");
+        assert_eq!(waited.body, first.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn a_5xx_is_not_stored_and_the_retry_runs_again() {
+    block_on(async {
+        let (router, calls, metrics) = app(layer(memory()));
+        let failed = send(&router, "POST", Some("k"), &[("x-fail", "503")], "{}").await;
+        assert_eq!(failed.status, 503);
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201);
+        assert!(retry.headers.get("idempotent-replayed").is_none());
+        assert_eq!(calls.get(), 2);
+        // 429 is not stored either; 404 is.
+        assert_eq!(
+            send(&router, "POST", Some("k429"), &[("x-fail", "429")], "{}")
+                .await
+                .status,
+            429
+        );
+        assert!(
+            send(&router, "POST", Some("k429"), &[("x-fail", "429")], "{}")
+                .await
+                .headers
+                .get("idempotent-replayed")
+                .is_none()
+        );
+        send(&router, "POST", Some("k404"), &[("x-fail", "404")], "{}").await;
+        assert_eq!(
+            send(&router, "POST", Some("k404"), &[("x-fail", "404")], "{}")
+                .await
+                .headers["idempotent-replayed"],
+            "true"
+        );
+        assert_eq!(metrics.snapshot().released, 3);
+    });
+}
+
+#[test]
+fn a_panicking_handler_releases_its_lease() {
+    block_on(async {
+        let (router, calls, metrics) = app(layer(memory()));
+        let panicked = send(&router, "POST", Some("k"), &[("x-panic", "1")], "{}").await;
+        assert_eq!(panicked.status, 500);
+        assert_eq!(panicked.problem_type(), "urn:idempotency:problem:internal");
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "the key was released, so the retry runs");
+        assert_eq!(calls.get(), 1);
+        assert_eq!(metrics.snapshot().panics, 1);
+    });
+}
+
+#[test]
+fn an_oversized_body_is_413_by_content_length_and_by_chunks() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()).max_request_body(1024));
+        let declared = send(&router, "POST", Some("k1"), &[], "x".repeat(2048)).await;
+        assert_eq!(declared.status, 413);
+        assert_eq!(
+            declared.problem_type(),
+            "urn:idempotency:problem:payload-too-large"
+        );
+        let chunks = futures::stream::iter(
+            (0..8).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; 512]))),
+        );
+        let chunked = send(&router, "POST", Some("k2"), &[], Body::from_stream(chunks)).await;
+        assert_eq!(chunked.status, 413);
+        assert_eq!(calls.get(), 0);
+    });
+}
+
+#[test]
+fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
+    block_on(async {
+        // A real Postgres client with nothing listening on its port.
+        let store = idempotency_postgres::PostgresStore::builder(
+            "postgres://postgres@127.0.0.1:9/postgres",
+        )
+        .acquire_timeout(Duration::from_millis(300))
+        .call_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("lazy pool");
+        let (router, calls, _) = app(layer(Arc::new(store)));
+        let answer = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(answer.status, 503);
+        assert_eq!(
+            answer.problem_type(),
+            "urn:idempotency:problem:store-unavailable"
+        );
+        assert!(answer.headers.contains_key("retry-after"));
+        assert_eq!(calls.get(), 0);
+    });
+}
+
+#[test]
+fn an_oversized_response_still_completes_the_record() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()).max_stored_body(8));
+        assert_eq!(
+            send(&router, "POST", Some("k"), &[], "{}").await.status,
+            201
+        );
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.headers["idempotent-replay-body"], "omitted");
+        assert_eq!(retry.body, "");
+        assert_eq!(calls.get(), 1, "a retry never runs again");
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// End to end over TCP, on every store.
+
+async fn end_to_end(store: Arc<dyn Store>) {
+    let (router, calls, _) = app(layer(store));
+    let addr = serve(router).await;
+    let key = |name: &str| format!("{name}-{}", uuid::Uuid::new_v4());
+
+    // Replay.
+    let k = key("replay");
+    let first = post(addr, "/charges", &[("idempotency-key", &k)], "{}").await;
+    let retry = post(addr, "/charges", &[("idempotency-key", &k)], "{}").await;
+    assert_eq!((first.status, retry.status), (201, 201));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    // 422.
+    assert_eq!(
+        post(
+            addr,
+            "/charges",
+            &[("idempotency-key", &k)],
+            "{\"other\":1}"
+        )
+        .await
+        .status,
+        422
+    );
+
+    // The double-charge scenario: the client times out and hangs up mid-handler; the handler
+    // still completes, and the retry gets the replay.
+    let before = calls.get();
+    let k = key("disconnect");
+    post_and_hang_up(
+        addr,
+        "/charges",
+        &[("idempotency-key", &k), ("x-delay-ms", "400")],
+        "{}",
+        Duration::from_millis(100),
+    )
+    .await;
+    let mut settled = None;
+    for _ in 0..100 {
+        let retry = post(
+            addr,
+            "/charges",
+            &[("idempotency-key", &k), ("x-delay-ms", "400")],
+            "{}",
+        )
+        .await;
+        if retry.status == 201 {
+            settled = Some(retry);
+            break;
+        }
+        assert_eq!(retry.status, 409, "{retry:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let retry = settled.expect("the retry settles");
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        calls.get(),
+        before + 1,
+        "the disconnected request ran exactly once"
+    );
+
+    // 50 concurrent requests with one key: one execution, the rest 409 or replays.
+    let before = calls.get();
+    let k = key("storm");
+    let requests = (0..50).map(|_| {
+        let k = k.clone();
+        tokio::spawn(async move {
+            post(
+                addr,
+                "/charges",
+                &[("idempotency-key", &k), ("x-delay-ms", "100")],
+                "{}",
+            )
+            .await
+        })
+    });
+    let replies: Vec<_> = futures::future::join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| r.expect("task"))
+        .collect();
+    let created = replies.iter().filter(|r| r.status == 201).count();
+    assert!(
+        replies.iter().all(|r| r.status == 201 || r.status == 409),
+        "{replies:?}"
+    );
+    let fresh = replies
+        .iter()
+        .filter(|r| r.status == 201 && r.header("idempotent-replayed").is_none())
+        .count();
+    assert_eq!(fresh, 1, "exactly one response came from an execution");
+    assert!(created >= 1);
+    assert_eq!(calls.get(), before + 1);
+    let conflict = replies.iter().find(|r| r.status == 409);
+    if let Some(conflict) = conflict {
+        assert_eq!(
+            conflict.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert!(conflict.header("retry-after").is_some());
+        assert_eq!(conflict.json()["type"], "urn:idempotency:problem:in-flight");
+    }
+
+    // 5xx released, panic released.
+    let k = key("fail");
+    assert_eq!(
+        post(
+            addr,
+            "/charges",
+            &[("idempotency-key", &k), ("x-fail", "502")],
+            "{}"
+        )
+        .await
+        .status,
+        502
+    );
+    assert_eq!(
+        post(addr, "/charges", &[("idempotency-key", &k)], "{}")
+            .await
+            .header("idempotent-replayed"),
+        None
+    );
+    let k = key("panic");
+    assert_eq!(
+        post(
+            addr,
+            "/charges",
+            &[("idempotency-key", &k), ("x-panic", "1")],
+            "{}"
+        )
+        .await
+        .status,
+        500
+    );
+    assert_eq!(
+        post(addr, "/charges", &[("idempotency-key", &k)], "{}")
+            .await
+            .status,
+        201
+    );
+}
+
+#[test]
+fn end_to_end_on_the_memory_store() {
+    block_on(end_to_end(memory()));
+}
+
+#[test]
+fn end_to_end_on_postgres() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let store = idempotency_postgres::PostgresStore::builder(pg.url())
+            .max_connections(20)
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        end_to_end(Arc::new(store)).await;
+    });
+}
+
+#[test]
+fn end_to_end_on_redis() {
+    block_on(async {
+        let Some(redis) = services::redis().await else {
+            return;
+        };
+        let store = idempotency_redis::RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("http"))
+            .connect()
+            .await
+            .expect("store");
+        end_to_end(Arc::new(store)).await;
+    });
+}
+
+#[test]
+fn end_to_end_on_the_hybrid_store() {
+    block_on(async {
+        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
+            return;
+        };
+        let pg = idempotency_postgres::PostgresStore::builder(pg.url())
+            .max_connections(20)
+            .connect()
+            .await
+            .expect("store");
+        pg.migrate().await.expect("migrate");
+        let redis = idempotency_redis::RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("http"));
+        let store = idempotency_hybrid::HybridStore::connect(pg, redis)
+            .await
+            .expect("hybrid");
+        end_to_end(Arc::new(store)).await;
+    });
+}
