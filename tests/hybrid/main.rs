@@ -560,3 +560,77 @@ fn fault_redis_restarted_empty_with_live_leases() {
 fn fault_postgres_stopped() {
     block_on(scenario(Fault::PostgresStopped));
 }
+
+/// The interleaving behind a once-seen flake, forced: a mirror write that timed out while
+/// Redis hung lands when it resumes, after Postgres completed the record and while the breaker
+/// skipped the completion's Redis write. The first answer after recovery must be the replay,
+/// not a stale "in flight".
+#[test]
+fn a_late_mirror_write_never_answers_after_completion() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let fp = Fingerprint::of(b"late");
+        let (a, b) = (
+            idempotency_test::conformance::fresh_id(),
+            idempotency_test::conformance::fresh_id(),
+        );
+
+        // Load the scripts first: a late EVALSHA of an unknown script would just fail.
+        let warm = idempotency_test::conformance::fresh_id();
+        let Begin::Execute(t) = store.begin(&warm, &fp, LEASE).await.expect("warm") else {
+            panic!("warm")
+        };
+        store
+            .complete(&warm, t, &Outcome::new(201), RETENTION)
+            .await
+            .expect("warm complete");
+
+        redis.pause().await;
+        // Peek and mirror of A time out (2 failures); the mirror command waits in Redis.
+        let Begin::Execute(token) = store.begin(&a, &fp, LEASE).await.expect("begin a") else {
+            panic!("execute a")
+        };
+        // B's peek is the third failure: the breaker opens.
+        store.begin(&b, &fp, LEASE).await.expect("begin b");
+        assert_eq!(store.metrics().breaker_state, BreakerState::Open);
+        // Completed in Postgres; the Redis write is skipped by the open breaker.
+        store
+            .complete(&a, token, &Outcome::new(201).with_body("a"), RETENTION)
+            .await
+            .expect("complete");
+        redis.unpause().await; // A's stale mirror lands now
+        tokio::time::sleep(Duration::from_millis(400)).await; // past the breaker's first backoff
+        {
+            let client = redis::Client::open(redis.url()).expect("client");
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("conn");
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("*")
+                .query_async(&mut conn)
+                .await
+                .expect("keys");
+            assert!(
+                keys.contains(&store.redis().key(&a)),
+                "the late mirror write landed: {keys:?}"
+            );
+        }
+
+        for _ in 0..3 {
+            assert_eq!(
+                store.begin(&a, &fp, LEASE).await.expect("begin"),
+                Begin::Replay(Outcome::new(201).with_body("a")),
+                "{:?}",
+                store.metrics()
+            );
+        }
+        assert_eq!(store.metrics().breaker_state, BreakerState::Closed);
+    });
+}

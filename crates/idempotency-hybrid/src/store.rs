@@ -57,6 +57,10 @@ pub struct HybridStore {
 #[derive(Debug)]
 struct Shared {
     breaker: Breaker,
+    /// Mirrors that may be stale: their record was completed or released in Postgres while
+    /// Redis could not be told. Fenced deletes run at the next successful Redis call.
+    repairs: std::sync::Mutex<std::collections::VecDeque<(RecordId, LeaseToken)>>,
+    repairing: tokio::sync::Mutex<()>,
     redis_hits: AtomicU64,
     redis_misses: AtomicU64,
     redis_errors: AtomicU64,
@@ -105,6 +109,8 @@ impl HybridStore {
             mirror_ttl: Duration::from_secs(2),
             inner: Arc::new(Shared {
                 breaker: Breaker::new(breaker),
+                repairs: std::sync::Mutex::new(std::collections::VecDeque::new()),
+                repairing: tokio::sync::Mutex::new(()),
                 redis_hits: AtomicU64::new(0),
                 redis_misses: AtomicU64::new(0),
                 redis_errors: AtomicU64::new(0),
@@ -157,6 +163,14 @@ impl HybridStore {
             s.fallbacks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
+        // Stale mirrors go first: on this FIFO connection the deletes run after any late
+        // write, and before the call reads.
+        if !self.repair_mirrors().await {
+            s.redis_errors.fetch_add(1, Ordering::Relaxed);
+            s.fallbacks.fetch_add(1, Ordering::Relaxed);
+            s.breaker.failure();
+            return None;
+        }
         match call.await {
             Ok(value) => {
                 s.breaker.success();
@@ -177,6 +191,73 @@ impl HybridStore {
                 None
             }
         }
+    }
+}
+
+/// The most stale mirrors remembered; past it the oldest are dropped and expire by TTL.
+const MAX_REPAIRS: usize = 100_000;
+
+impl HybridStore {
+    /// Remembers that the mirror of a lease may be stale (see [`Shared::repairs`]).
+    fn needs_repair(&self, id: &RecordId, token: LeaseToken) {
+        let mut repairs = self
+            .inner
+            .repairs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if repairs.len() >= MAX_REPAIRS {
+            repairs.pop_front();
+        }
+        repairs.push_back((*id, token));
+    }
+
+    /// Deletes mirrors whose lease ended while Redis was unreachable. A mirror write that
+    /// timed out may still have run late, when Redis resumed; this runs after it on the same
+    /// connection, and is fenced on the token, so it never touches a newer record.
+    /// Returns false when Redis failed during the repair. Callers that find repairs pending
+    /// wait for the one running them, so no read overtakes the deletes.
+    async fn repair_mirrors(&self) -> bool {
+        let s = &self.inner;
+        let pending_now = || {
+            !s.repairs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_empty()
+        };
+        if !pending_now() {
+            return true;
+        }
+        let _repairing = s.repairing.lock().await;
+        let pending = std::mem::take(
+            &mut *s
+                .repairs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let mut healthy = true;
+        if !pending.is_empty() {
+            // Concurrent: the deletes pipeline on the multiplexed connection.
+            let results = futures::future::join_all(
+                pending
+                    .iter()
+                    .map(|(id, token)| self.redis.release(id, *token)),
+            )
+            .await;
+            let failed: Vec<_> = pending
+                .into_iter()
+                .zip(results)
+                .filter(|(_, r)| matches!(r, Err(Error::Unavailable(_))))
+                .map(|(repair, _)| repair)
+                .collect();
+            if !failed.is_empty() {
+                healthy = false;
+                s.repairs
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .extend(failed);
+            }
+        }
+        healthy
     }
 }
 
@@ -229,9 +310,13 @@ impl Store for HybridStore {
             .complete_with_fingerprint(id, token, outcome, retention)
             .await?;
         let ttl = retention.saturating_sub(sent.elapsed());
-        if !ttl.is_zero() {
-            self.try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
-                .await;
+        let cached = !ttl.is_zero()
+            && self
+                .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+                .await
+                .is_some();
+        if !cached {
+            self.needs_repair(id, token);
         }
         Ok(())
     }
@@ -240,13 +325,17 @@ impl Store for HybridStore {
         self.pg.release(id, token).await?;
         // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
         // "in flight" until the mirror's TTL (the lease) ends, and never execute twice.
-        self.try_redis(async {
-            match self.redis.release(id, token).await {
-                Err(Error::LeaseLost) => Ok(()),
-                other => other,
-            }
-        })
-        .await;
+        let dropped = self
+            .try_redis(async {
+                match self.redis.release(id, token).await {
+                    Err(Error::LeaseLost) => Ok(()),
+                    other => other,
+                }
+            })
+            .await;
+        if dropped.is_none() {
+            self.needs_repair(id, token);
+        }
         Ok(())
     }
 
