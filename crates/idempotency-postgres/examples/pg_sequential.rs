@@ -1,6 +1,6 @@
 //! Measures sequential begin + complete pairs against a real Postgres.
 //!
-//! Run with: `cargo run --release -p idempotency-postgres --example sequential -- postgres://postgres@127.0.0.1:5432/postgres 1000`
+//! Run with: `cargo run --release -p idempotency-postgres --example pg_sequential -- postgres://postgres@127.0.0.1:5432/postgres 1000`
 #![allow(clippy::print_stdout)]
 
 use std::time::{Duration, Instant};

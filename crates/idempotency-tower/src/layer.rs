@@ -33,6 +33,48 @@ pub(crate) struct Config {
     pub(crate) store_set_cookie: bool,
     pub(crate) wait: Option<Duration>,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) detached: Arc<Detached>,
+}
+
+/// Counts operations running in their own tasks, so shutdown can wait for them.
+#[derive(Debug, Default)]
+pub(crate) struct Detached {
+    running: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl Detached {
+    pub(crate) fn enter(self: &Arc<Self>) -> DetachedGuard {
+        self.running
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        DetachedGuard(self.clone())
+    }
+
+    async fn drained(&self) {
+        loop {
+            let idle = self.idle.notified();
+            if self.running.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+/// Held by a running operation; dropping it (even on panic) counts the operation out.
+pub(crate) struct DetachedGuard(Arc<Detached>);
+
+impl Drop for DetachedGuard {
+    fn drop(&mut self) {
+        if self
+            .0
+            .running
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl Config {
@@ -105,6 +147,7 @@ impl IdempotencyLayer {
                 store_set_cookie: false,
                 wait: None,
                 metrics: Arc::new(Metrics::default()),
+                detached: Arc::default(),
             }),
         }
     }
@@ -129,6 +172,7 @@ impl IdempotencyLayer {
                     store_set_cookie: old.store_set_cookie,
                     wait: old.wait,
                     metrics: old.metrics.clone(),
+                    detached: old.detached.clone(),
                 };
                 f(&mut config);
                 self.config = Arc::new(config);
@@ -205,6 +249,13 @@ impl IdempotencyLayer {
     /// its replay.
     pub fn wait_for_in_flight(self, wait: Duration) -> Self {
         self.edit(|c| c.wait = Some(wait))
+    }
+
+    /// Waits until every operation started through this layer has finished and stored its
+    /// outcome — including those whose client already hung up. Call it after the server's
+    /// graceful shutdown, before the process exits.
+    pub async fn drain(&self) {
+        self.config.detached.drained().await;
     }
 
     /// The counters every service of this layer updates.

@@ -328,8 +328,10 @@ where
     let request = Request::from_parts(parts, full(body));
     let (tx, rx) = tokio::sync::oneshot::channel();
     let id = keyed.id;
+    let running = config.detached.enter();
     tokio::spawn(
         async move {
+            let _running = running;
             let result = run_detached(config, inner, request, id, token).await;
             let _ = tx.send(result); // the client may be gone: the outcome is stored anyway
         }

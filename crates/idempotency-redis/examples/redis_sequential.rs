@@ -1,7 +1,7 @@
 //! Measures sequential begin + complete pairs against a real Redis, and the memory one
 //! completed record with a 1 KiB outcome takes.
 //!
-//! Run with: `cargo run --release -p idempotency-redis --example sequential -- redis://127.0.0.1:6379/ 10000`
+//! Run with: `cargo run --release -p idempotency-redis --example redis_sequential -- redis://127.0.0.1:6379/ 10000`
 #![allow(clippy::print_stdout)]
 
 use std::time::{Duration, Instant};

@@ -1,0 +1,299 @@
+//! The gateway's routes.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Extension, Json, Router,
+    extract::{Path, Query, State},
+    http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use bytes::Bytes;
+use idempotency::{
+    Scope,
+    hybrid::HybridStore,
+    tower::{IdempotencyContext, IdempotencyLayer, Metrics},
+};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::{
+    charges::{Charges, NewCharge},
+    config::Mode,
+};
+
+pub(crate) struct App {
+    pub(crate) mode: Mode,
+    pub(crate) charges: Charges,
+    pub(crate) pool: Option<sqlx::PgPool>,
+    pub(crate) hybrid: Option<HybridStore>,
+    pub(crate) redis: Option<idempotency::redis::RedisStore>,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+/// The scope of a key: the account. A stand-in for the authenticated principal.
+pub(crate) fn scope(parts: &Parts) -> Scope {
+    Scope::new(
+        parts
+            .headers
+            .get("x-account-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .unwrap_or("anonymous"),
+    )
+}
+
+pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
+    // Only the routes that create things carry the idempotency layer (key required).
+    let keyed = Router::new()
+        .route("/charges", post(create_charge))
+        .layer(layer);
+    Router::new()
+        .route("/charges", get(list_charges))
+        .route("/charges/{id}", get(get_charge))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .merge(keyed)
+        .with_state(app)
+}
+
+pub(crate) fn problem(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response {
+    let body = json!({
+        "type": format!("urn:payments-demo:problem:{kind}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn invalid(detail: &str) -> Response {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "invalid-request",
+        "Invalid request",
+        detail,
+    )
+}
+
+fn storage_down(error: &sqlx::Error) -> Response {
+    tracing::warn!(%error, "charges storage failed");
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "storage-unavailable",
+        "Charges storage unavailable",
+        "the charge was not created; retry with the same Idempotency-Key",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChargeRequest {
+    amount: serde_json::Value,
+    currency: serde_json::Value,
+    customer: serde_json::Value,
+}
+
+fn validate(body: &Bytes) -> Result<NewCharge, Box<Response>> {
+    let request: ChargeRequest = serde_json::from_slice(body).map_err(|e| {
+        Box::new(invalid(&format!(
+            "the body must be JSON {{\"amount\": <integer>, \"currency\": \"<3 letters>\", \"customer\": \"<name>\"}}: {e}"
+        )))
+    })?;
+    let amount = request
+        .amount
+        .as_i64()
+        .filter(|a| (1..=100_000_000).contains(a))
+        .ok_or_else(|| {
+            Box::new(invalid(
+                "amount must be an integer from 1 to 100000000 (minor units)",
+            ))
+        })?;
+    let currency = request
+        .currency
+        .as_str()
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_lowercase()))
+        .ok_or_else(|| {
+            Box::new(invalid(
+                "currency must be 3 lowercase letters, e.g. \"eur\"",
+            ))
+        })?
+        .to_owned();
+    let customer = request
+        .customer
+        .as_str()
+        .filter(|c| (1..=64).contains(&c.chars().count()))
+        .ok_or_else(|| Box::new(invalid("customer must be a string of 1 to 64 characters")))?
+        .to_owned();
+    Ok(NewCharge {
+        amount,
+        currency,
+        customer,
+    })
+}
+
+async fn create_charge(
+    State(app): State<Arc<App>>,
+    Extension(ctx): Extension<IdempotencyContext>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let new = match validate(&body) {
+        Ok(new) => new,
+        Err(response) => return *response,
+    };
+    // Demo knobs, outside the fingerprint: open the in-flight window, or fail like a
+    // flaky processor.
+    if let Some(delay) = headers.get("x-demo-delay-ms") {
+        match delay
+            .to_str()
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|ms| *ms <= 10_000)
+        {
+            Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            None => return invalid("X-Demo-Delay-Ms must be an integer from 0 to 10000"),
+        }
+    }
+    if let Some(fail) = headers.get("x-demo-fail") {
+        if fail.as_bytes() != b"503" {
+            return invalid("X-Demo-Fail supports only 503");
+        }
+        let mut response = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "processor-unavailable",
+            "Payment processor unavailable",
+            "the card was not charged (X-Demo-Fail); retry with the same Idempotency-Key",
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return response;
+    }
+    match app.charges.create(&ctx.record_id, &new).await {
+        Ok(charge) => {
+            let location = format!("/charges/{}", charge.id);
+            (
+                StatusCode::CREATED,
+                [(header::LOCATION, location)],
+                Json(charge),
+            )
+                .into_response()
+        }
+        Err(error) => storage_down(&error),
+    }
+}
+
+async fn get_charge(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match app.charges.get(&id).await {
+        Ok(Some(charge)) => Json(charge).into_response(),
+        Ok(None) => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Charge not found",
+            &format!("no charge {id}"),
+        ),
+        Err(error) => storage_down(&error),
+    }
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    customer: Option<String>,
+}
+
+async fn list_charges(State(app): State<Arc<App>>, Query(query): Query<ListQuery>) -> Response {
+    match app.charges.list(query.customer.as_deref()).await {
+        Ok(data) => Json(json!({ "count": data.len(), "data": data })).into_response(),
+        Err(error) => storage_down(&error),
+    }
+}
+
+async fn healthz(State(app): State<Arc<App>>) -> Response {
+    let mut stores = serde_json::Map::new();
+    if let Some(pool) = &app.pool {
+        let up = tokio::time::timeout(
+            Duration::from_secs(1),
+            sqlx::query("SELECT 1").execute(pool),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        stores.insert("postgres".into(), json!(if up { "up" } else { "down" }));
+    }
+    if let Some(redis) = &app.redis {
+        let up = redis.ping().await.is_ok();
+        let state = match &app.hybrid {
+            Some(h) if h.metrics().breaker_state != idempotency::hybrid::BreakerState::Closed => {
+                "breaker_open"
+            }
+            _ if up => "up",
+            _ => "down",
+        };
+        stores.insert("redis".into(), json!(state));
+    }
+    if app.mode == Mode::Memory {
+        stores.insert("memory".into(), json!("up"));
+    }
+    Json(json!({ "mode": app.mode.to_string(), "stores": stores })).into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let mut text = app.metrics.render_prometheus();
+    if let Some(h) = &app.hybrid {
+        let m = h.metrics();
+        for (name, help, value) in [
+            (
+                "idempotency_redis_hits_total",
+                "begin calls answered by Redis alone.",
+                m.redis_hits,
+            ),
+            (
+                "idempotency_redis_misses_total",
+                "begin calls Redis could not answer.",
+                m.redis_misses,
+            ),
+            (
+                "idempotency_redis_errors_total",
+                "Redis calls that failed or timed out.",
+                m.redis_errors,
+            ),
+            (
+                "idempotency_redis_fallbacks_total",
+                "Calls served by Postgres alone.",
+                m.fallbacks,
+            ),
+            (
+                "idempotency_breaker_opened_total",
+                "Times the Redis breaker opened.",
+                m.breaker_opened,
+            ),
+            (
+                "idempotency_breaker_closed_total",
+                "Times the Redis breaker closed again.",
+                m.breaker_closed,
+            ),
+        ] {
+            text.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n"
+            ));
+        }
+        text.push_str("# HELP idempotency_breaker_state Redis breaker state (1 for the current one).\n# TYPE idempotency_breaker_state gauge\n");
+        for state in ["closed", "open", "half_open"] {
+            let on = u8::from(m.breaker_state.as_str() == state);
+            text.push_str(&format!(
+                "idempotency_breaker_state{{state=\"{state}\"}} {on}\n"
+            ));
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}

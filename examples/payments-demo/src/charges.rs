@@ -1,0 +1,156 @@
+//! The charges: in Postgres when `DATABASE_URL` is set, else in memory.
+
+use std::{collections::HashMap, sync::Mutex};
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use idempotency::RecordId;
+use serde::Serialize;
+use sqlx::PgPool;
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Charge {
+    pub(crate) id: String,
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+    pub(crate) customer: String,
+    pub(crate) status: String,
+    #[serde(serialize_with = "rfc3339")]
+    pub(crate) created_at: DateTime<Utc>,
+}
+
+fn rfc3339<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::Millis, true))
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct NewCharge {
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+    pub(crate) customer: String,
+}
+
+pub(crate) enum Charges {
+    Memory(Mutex<Memory>),
+    Postgres(PgPool),
+}
+
+#[derive(Default)]
+pub(crate) struct Memory {
+    by_id: HashMap<String, Charge>,
+    by_record: HashMap<RecordId, String>,
+    order: Vec<String>,
+}
+
+type Row = (String, i64, String, String, String, DateTime<Utc>);
+
+fn from_row((id, amount, currency, customer, status, created_at): Row) -> Charge {
+    Charge {
+        id,
+        amount,
+        currency,
+        customer,
+        status,
+        created_at,
+    }
+}
+
+impl Charges {
+    /// Charges once per record id: a second call for the same record returns the first
+    /// charge (the unique constraint on `record_id` decides, in Postgres).
+    pub(crate) async fn create(
+        &self,
+        record: &RecordId,
+        new: &NewCharge,
+    ) -> Result<Charge, sqlx::Error> {
+        let id = format!("ch_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]);
+        match self {
+            Charges::Memory(memory) => {
+                let mut m = memory
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(existing) = m.by_record.get(record) {
+                    return Ok(m.by_id[existing].clone());
+                }
+                let charge = Charge {
+                    id: id.clone(),
+                    amount: new.amount,
+                    currency: new.currency.clone(),
+                    customer: new.customer.clone(),
+                    status: "succeeded".into(),
+                    created_at: Utc::now(),
+                };
+                m.by_record.insert(*record, id.clone());
+                m.by_id.insert(id.clone(), charge.clone());
+                m.order.push(id);
+                Ok(charge)
+            }
+            Charges::Postgres(pool) => {
+                let inserted: Option<Row> = sqlx::query_as(
+                    "INSERT INTO charges (id, record_id, amount, currency, customer, status)
+                     VALUES ($1, $2, $3, $4, $5, 'succeeded')
+                     ON CONFLICT (record_id) DO NOTHING
+                     RETURNING id, amount, currency, customer, status, created_at",
+                )
+                .bind(&id)
+                .bind(&record.as_bytes()[..])
+                .bind(new.amount)
+                .bind(&new.currency)
+                .bind(&new.customer)
+                .fetch_optional(pool)
+                .await?;
+                if let Some(row) = inserted {
+                    return Ok(from_row(row));
+                }
+                let existing: Row = sqlx::query_as(
+                    "SELECT id, amount, currency, customer, status, created_at FROM charges WHERE record_id = $1",
+                )
+                .bind(&record.as_bytes()[..])
+                .fetch_one(pool)
+                .await?;
+                Ok(from_row(existing))
+            }
+        }
+    }
+
+    pub(crate) async fn get(&self, id: &str) -> Result<Option<Charge>, sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => {
+                let m = memory.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                Ok(m.by_id.get(id).cloned())
+            }
+            Charges::Postgres(pool) => Ok(sqlx::query_as::<_, Row>(
+                "SELECT id, amount, currency, customer, status, created_at FROM charges WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(pool)
+            .await?
+            .map(from_row)),
+        }
+    }
+
+    pub(crate) async fn list(&self, customer: Option<&str>) -> Result<Vec<Charge>, sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => {
+                let m = memory
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                Ok(m.order
+                    .iter()
+                    .map(|id| &m.by_id[id])
+                    .filter(|c| customer.is_none_or(|want| c.customer == want))
+                    .cloned()
+                    .collect())
+            }
+            Charges::Postgres(pool) => Ok(sqlx::query_as::<_, Row>(
+                "SELECT id, amount, currency, customer, status, created_at FROM charges
+                 WHERE $1::text IS NULL OR customer = $1 ORDER BY created_at, id LIMIT 10000",
+            )
+            .bind(customer)
+            .fetch_all(pool)
+            .await?
+            .into_iter()
+            .map(from_row)
+            .collect()),
+        }
+    }
+}

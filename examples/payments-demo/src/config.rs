@@ -1,0 +1,75 @@
+//! Configuration from the environment.
+
+use std::fmt;
+
+/// Which idempotency store the demo runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Memory,
+    Postgres,
+    Redis,
+    Hybrid,
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Memory => "memory",
+            Mode::Postgres => "postgres",
+            Mode::Redis => "redis",
+            Mode::Hybrid => "hybrid",
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) bind: String,
+    pub(crate) database_url: Option<String>,
+    pub(crate) redis_url: Option<String>,
+    pub(crate) mode: Mode,
+}
+
+impl Config {
+    /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL` and `IDEMPOTENCY_STORE`.
+    pub(crate) fn from_env() -> Result<Self, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let database_url = var("DATABASE_URL");
+        let redis_url = var("REDIS_URL");
+        let mode = match var("IDEMPOTENCY_STORE").as_deref() {
+            None => match (&database_url, &redis_url) {
+                (Some(_), Some(_)) => Mode::Hybrid,
+                (Some(_), None) => Mode::Postgres,
+                (None, Some(_)) => Mode::Redis,
+                (None, None) => Mode::Memory,
+            },
+            Some("memory") => Mode::Memory,
+            Some("postgres") => Mode::Postgres,
+            Some("redis") => Mode::Redis,
+            Some("hybrid") => Mode::Hybrid,
+            Some(other) => {
+                return Err(format!(
+                    "IDEMPOTENCY_STORE={other:?} is not one of memory, postgres, redis, hybrid"
+                ));
+            }
+        };
+        let needs_db = matches!(mode, Mode::Postgres | Mode::Hybrid);
+        let needs_redis = matches!(mode, Mode::Redis | Mode::Hybrid);
+        if needs_db && database_url.is_none() {
+            return Err(format!(
+                "IDEMPOTENCY_STORE={mode} needs DATABASE_URL (a Postgres URL)"
+            ));
+        }
+        if needs_redis && redis_url.is_none() {
+            return Err(format!(
+                "IDEMPOTENCY_STORE={mode} needs REDIS_URL (a Redis URL)"
+            ));
+        }
+        Ok(Self {
+            bind: var("BIND").unwrap_or_else(|| "127.0.0.1:3000".into()),
+            database_url,
+            redis_url,
+            mode,
+        })
+    }
+}

@@ -1,0 +1,175 @@
+//! A payments gateway whose `POST /charges` runs once per `Idempotency-Key`.
+//!
+//! Run with: `cargo run --release -p payments-demo` (embedded memory store, no services), or
+//! with `DATABASE_URL` and/or `REDIS_URL` for the Postgres, Redis or hybrid store. The
+//! retry-storm tool: `cargo run --release -p payments-demo -- storm --url http://127.0.0.1:3000`.
+#![allow(clippy::print_stdout)]
+
+mod app;
+mod charges;
+mod client;
+mod config;
+mod storm;
+
+use std::{process::ExitCode, sync::Arc, time::Duration};
+
+use idempotency::{
+    MemoryStore, Policy, Store, hybrid::HybridStore, postgres::PostgresStore, redis::RedisStore,
+    tower::IdempotencyLayer,
+};
+
+use crate::{
+    app::App,
+    charges::Charges,
+    config::{Config, Mode},
+};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("storm") => storm::main(&args[1..]).await,
+        Some("-h" | "--help") => {
+            println!(
+                "usage: payments-demo            serve (configured by BIND, DATABASE_URL, REDIS_URL, IDEMPOTENCY_STORE)"
+            );
+            println!(
+                "       payments-demo storm --url <base> [--charges N] [--sends M] [--client-timeout-ms T]"
+            );
+            ExitCode::SUCCESS
+        }
+        Some(other) => {
+            eprintln!("unknown command {other:?}; see --help");
+            ExitCode::from(2)
+        }
+        None => match serve().await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("payments-demo: {error}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn demo_migrator() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name("_payments_demo_migrations");
+    migrator
+}
+
+async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+    let config = Config::from_env()?;
+    tracing::info!(mode = %config.mode, bind = %config.bind, "starting payments-demo");
+
+    let postgres = match &config.database_url {
+        Some(url) => {
+            let pg = PostgresStore::builder(url.as_str())
+                .max_connections(20)
+                .connect()
+                .await?;
+            pg.migrate()
+                .await
+                .map_err(|e| format!("migrating the key table: {e}"))?;
+            demo_migrator()
+                .run(pg.pool())
+                .await
+                .map_err(|e| format!("migrating the charges table: {e}"))?;
+            Some(pg)
+        }
+        None => None,
+    };
+    let redis_builder = config.redis_url.as_ref().map(|url| {
+        RedisStore::builder(url.as_str())
+            .prefix("payments-demo")
+            .call_budget(Duration::from_millis(200))
+    });
+    let (store, hybrid, redis): (Arc<dyn Store>, _, _) = match config.mode {
+        Mode::Memory => (Arc::new(MemoryStore::new()), None, None),
+        Mode::Postgres => (
+            Arc::new(postgres.clone().ok_or("no DATABASE_URL")?),
+            None,
+            None,
+        ),
+        Mode::Redis => {
+            let redis = redis_builder.ok_or("no REDIS_URL")?.connect().await?;
+            (Arc::new(redis.clone()), None, Some(redis))
+        }
+        Mode::Hybrid => {
+            let pg = postgres.clone().ok_or("no DATABASE_URL")?;
+            let hybrid = HybridStore::connect(pg, redis_builder.ok_or("no REDIS_URL")?).await?;
+            let redis = hybrid.redis().clone();
+            (Arc::new(hybrid.clone()), Some(hybrid), Some(redis))
+        }
+    };
+    let purger = idempotency::spawn_purger(store.clone(), Duration::from_secs(60), 1000);
+
+    let layer = IdempotencyLayer::new(store)
+        .require_key(true)
+        .scope_fn(app::scope)
+        .policy(Policy::default());
+    let pool = postgres.as_ref().map(|pg| pg.pool().clone());
+    let app = Arc::new(App {
+        mode: config.mode,
+        charges: match &pool {
+            Some(pool) => Charges::Postgres(pool.clone()),
+            None => Charges::Memory(Default::default()),
+        },
+        pool,
+        hybrid,
+        redis,
+        metrics: layer.metrics(),
+    });
+    let router = app::router(app, layer.clone());
+    let listener = tokio::net::TcpListener::bind(&config.bind).await?;
+    let addr = listener.local_addr()?;
+    println!(
+        "payments-demo listening on http://{addr} (store: {})",
+        config.mode
+    );
+    println!("try:");
+    println!(
+        "  curl -i -X POST http://{addr}/charges -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' \\"
+    );
+    println!("       -d '{{\"amount\": 1000, \"currency\": \"eur\", \"customer\": \"alice\"}}'");
+    println!("  (send it again: same charge, Idempotent-Replayed: true; change the amount: 422)");
+    println!("  curl -s http://{addr}/charges?customer=alice");
+
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    // Requests whose client hung up keep running detached: let them store their outcomes.
+    tracing::info!("draining in-flight operations");
+    layer.drain().await;
+    purger.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+}

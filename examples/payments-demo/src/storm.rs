@@ -1,0 +1,229 @@
+//! `payments-demo storm`: the seed's lost-response scenario, many times over.
+//!
+//! Fires N logical charges at a running demo, each sent M times with one key: the first two
+//! sends at once (a double-click, a proxy's `proxy_next_upstream`), the rest one after the
+//! other. Every third charge asks the handler to take longer than the client waits
+//! (`X-Demo-Delay-Ms` > `--client-timeout-ms`), so the client hangs up and retries while the
+//! server is still charging. Then it counts the charges the demo recorded: exactly N, or the
+//! exit status says otherwise.
+
+use std::{
+    process::ExitCode,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::client::{self, Failure};
+
+struct Args {
+    url: String,
+    charges: u64,
+    sends: u64,
+    client_timeout: Duration,
+    concurrency: usize,
+}
+
+fn parse(args: &[String]) -> Result<Args, String> {
+    let mut parsed = Args {
+        url: String::new(),
+        charges: 100,
+        sends: 5,
+        client_timeout: Duration::from_millis(500),
+        concurrency: 32,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let number = |v: &String| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag} takes a whole number, not {v:?}"))
+        };
+        match flag.as_str() {
+            "--url" => parsed.url = value()?.clone(),
+            "--charges" => parsed.charges = number(value()?)?,
+            "--sends" => parsed.sends = number(value()?)?,
+            "--client-timeout-ms" => {
+                parsed.client_timeout = Duration::from_millis(number(value()?)?);
+            }
+            "--concurrency" => parsed.concurrency = number(value()?)?.max(1) as usize,
+            other => return Err(format!("unknown flag {other:?}")),
+        }
+    }
+    if parsed.url.is_empty() {
+        return Err("--url <base> is required, e.g. --url http://127.0.0.1:3000".into());
+    }
+    if parsed.charges == 0 || parsed.sends == 0 {
+        return Err("--charges and --sends must be at least 1".into());
+    }
+    Ok(parsed)
+}
+
+#[derive(Default)]
+struct Tally {
+    sent: AtomicU64,
+    executed: AtomicU64,
+    replayed: AtomicU64,
+    conflicts: AtomicU64,
+    timed_out: AtomicU64,
+    errors: AtomicU64,
+}
+
+pub(crate) async fn main(args: &[String]) -> ExitCode {
+    let args = match parse(args) {
+        Ok(args) => args,
+        Err(error) => {
+            eprintln!("storm: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let authority = match client::authority(&args.url) {
+        Ok(a) => a,
+        Err(error) => {
+            eprintln!("storm: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let run = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let customer = format!("storm-{run}");
+    let tally = Arc::new(Tally::default());
+    let progress = ProgressBar::new(args.charges);
+    progress.set_style(
+        ProgressStyle::with_template("{spinner} storm [{bar:40}] {pos}/{len} charges {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let limit = Arc::new(tokio::sync::Semaphore::new(args.concurrency));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..args.charges {
+        let permit = limit.clone().acquire_owned().await;
+        let (tally, authority, customer, progress) = (
+            tally.clone(),
+            authority.clone(),
+            customer.clone(),
+            progress.clone(),
+        );
+        let (sends, timeout) = (args.sends, args.client_timeout);
+        let key = format!("storm-{run}-{i}");
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            logical_charge(&authority, &key, &customer, i, sends, timeout, &tally).await;
+            progress.inc(1);
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    progress.finish_with_message(format!("in {:.1?}", started.elapsed()));
+
+    // Slow charges may still be running server-side: wait for the count to settle.
+    let recorded = settle(&authority, &customer, args.charges, args.client_timeout).await;
+    let t = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    println!();
+    println!(
+        "| requests sent | executed (fresh 201) | replayed | 409 in flight | timed out | errors | charges recorded |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| {} | {} | {} | {} | {} | {} | {} |",
+        t(&tally.sent),
+        t(&tally.executed),
+        t(&tally.replayed),
+        t(&tally.conflicts),
+        t(&tally.timed_out),
+        t(&tally.errors),
+        recorded.map_or_else(|| "?".into(), |n| n.to_string())
+    );
+    println!();
+    let recorded = recorded.unwrap_or(u64::MAX);
+    println!(
+        "recorded={} expected={}",
+        if recorded == u64::MAX {
+            "?".into()
+        } else {
+            recorded.to_string()
+        },
+        args.charges
+    );
+    if recorded == args.charges {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+async fn logical_charge(
+    authority: &str,
+    key: &str,
+    customer: &str,
+    i: u64,
+    sends: u64,
+    timeout: Duration,
+    tally: &Tally,
+) {
+    let slow = i.is_multiple_of(3);
+    let delay_ms = if slow {
+        timeout.as_millis() as u64 + 250
+    } else {
+        (i % 5) * 20
+    };
+    let body = format!(
+        r#"{{"amount": {}, "currency": "eur", "customer": "{customer}"}}"#,
+        100 + i
+    );
+    let headers = [
+        ("idempotency-key", key.to_owned()),
+        ("content-type", "application/json".to_owned()),
+        ("x-account-id", "storm-account".to_owned()),
+        ("x-demo-delay-ms", delay_ms.to_string()),
+    ];
+    let send = || async {
+        tally.sent.fetch_add(1, Ordering::Relaxed);
+        match client::request(authority, "POST", "/charges", &headers, &body, timeout).await {
+            Ok(reply) if reply.status == 201 && reply.header("idempotent-replayed").is_some() => {
+                &tally.replayed
+            }
+            Ok(reply) if reply.status == 201 => &tally.executed,
+            Ok(reply) if reply.status == 409 => &tally.conflicts,
+            Ok(reply) => {
+                tracing::warn!(status = reply.status, body = %reply.body, "unexpected answer");
+                &tally.errors
+            }
+            Err(Failure::TimedOut) => &tally.timed_out,
+            Err(Failure::Io(error)) => {
+                tracing::warn!(%error, "request failed");
+                &tally.errors
+            }
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    };
+    let burst = sends.min(2);
+    futures::future::join_all((0..burst).map(|_| send())).await;
+    for _ in burst..sends {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send().await;
+    }
+}
+
+async fn settle(authority: &str, customer: &str, expected: u64, timeout: Duration) -> Option<u64> {
+    let deadline = Instant::now() + timeout + Duration::from_secs(5);
+    let mut last = None;
+    loop {
+        let path = format!("/charges?customer={customer}");
+        if let Ok(reply) =
+            client::request(authority, "GET", &path, &[], "", Duration::from_secs(5)).await
+        {
+            last = serde_json::from_str::<serde_json::Value>(&reply.body)
+                .ok()
+                .and_then(|v| v["count"].as_u64());
+        }
+        if last == Some(expected) || Instant::now() > deadline {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

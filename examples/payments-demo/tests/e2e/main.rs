@@ -1,0 +1,401 @@
+//! The real `payments-demo` binary, started in each of its four modes against real
+//! containers, exercised over HTTP: the contract of the demo and the storm tool's invariant.
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use idempotency_test::{block_on, services};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_payments-demo");
+
+/// A running demo, stopped with SIGTERM on drop.
+struct Demo {
+    child: Child,
+    base: String,
+}
+
+impl Demo {
+    fn start(env: &[(&str, &str)]) -> Demo {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port")
+            .port();
+        let mut command = Command::new(BIN);
+        command
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
+            .env_remove("IDEMPOTENCY_STORE")
+            .env("BIND", format!("127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("spawn payments-demo");
+        let demo = Demo {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        };
+        let started = Instant::now();
+        while call(&demo.base, "GET", "/healthz", &[], "").is_none() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "payments-demo did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        demo
+    }
+
+    /// SIGTERM, then the exit status: graceful shutdown exits 0.
+    fn stop(mut self) -> i32 {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let status = self.child.wait().expect("wait");
+        std::mem::forget(self);
+        status.code().unwrap_or(-1)
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+/// A blocking HTTP/1.1 exchange on a fresh connection.
+fn call(
+    base: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<Reply> {
+    use std::io::{Read, Write};
+    let authority = base.strip_prefix("http://").expect("http");
+    let mut stream = std::net::TcpStream::connect(authority).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .ok()?;
+    let mut text = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (n, v) in headers {
+        text.push_str(&format!("{n}: {v}\r\n"));
+    }
+    text.push_str("\r\n");
+    text.push_str(body);
+    stream.write_all(text.as_bytes()).ok()?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Some(Reply {
+        status,
+        headers,
+        body: body.to_owned(),
+    })
+}
+
+fn post(demo: &Demo, key: Option<&str>, extra: &[(&str, &str)], body: &str) -> Reply {
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(key) = key {
+        headers.push(("idempotency-key", key));
+    }
+    headers.extend_from_slice(extra);
+    call(&demo.base, "POST", "/charges", &headers, body).expect("POST /charges")
+}
+
+fn assert_problem(reply: &Reply, status: u16) {
+    assert_eq!(reply.status, status, "{}", reply.body);
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/problem+json")
+    );
+    let json = reply.json();
+    assert_eq!(json["status"], status);
+    assert!(
+        json["type"].as_str().is_some_and(|t| t.starts_with("urn:")),
+        "{json}"
+    );
+}
+
+/// The contract of issue 7, in one mode.
+fn exercise(demo: &Demo, mode: &str) {
+    let health = call(&demo.base, "GET", "/healthz", &[], "").expect("healthz");
+    assert_eq!(health.status, 200);
+    assert_eq!(health.json()["mode"], mode);
+
+    let customer = format!("cust-{}", uuid::Uuid::new_v4().simple());
+    let body = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
+    let key = uuid::Uuid::new_v4().to_string();
+
+    let created = post(demo, Some(&key), &[], &body);
+    assert_eq!(created.status, 201, "{}", created.body);
+    let charge = created.json();
+    let id = charge["id"].as_str().expect("id").to_owned();
+    assert!(id.starts_with("ch_"));
+    assert_eq!(
+        created.header("location"),
+        Some(format!("/charges/{id}").as_str())
+    );
+    assert_eq!(
+        (
+            charge["amount"].as_i64(),
+            charge["currency"].as_str(),
+            charge["status"].as_str()
+        ),
+        (Some(1000), Some("eur"), Some("succeeded"))
+    );
+    assert!(chrono_like(
+        charge["created_at"].as_str().expect("created_at")
+    ));
+
+    // The retry: the same charge, replayed.
+    let replay = post(demo, Some(&key), &[], &body);
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.json()["id"], id.as_str());
+    // Another account, same key: a different charge.
+    let other = post(demo, Some(&key), &[("x-account-id", "acct_other")], &body);
+    assert_eq!(other.status, 201);
+    assert_ne!(other.json()["id"], id.as_str());
+    // Same key, different body: 422.
+    assert_problem(
+        &post(demo, Some(&key), &[], &body.replace("1000", "2000")),
+        422,
+    );
+    // Missing key, bad JSON, bad fields: 400.
+    assert_problem(&post(demo, None, &[], &body), 400);
+    assert_problem(&post(demo, Some("bad-json"), &[], "{not json"), 400);
+    assert_problem(
+        &post(
+            demo,
+            Some("bad-amount"),
+            &[],
+            r#"{"amount": 0, "currency": "eur", "customer": "x"}"#,
+        ),
+        400,
+    );
+    assert_problem(
+        &post(
+            demo,
+            Some("bad-currency"),
+            &[],
+            r#"{"amount": 1, "currency": "EUR", "customer": "x"}"#,
+        ),
+        400,
+    );
+    assert_problem(
+        &post(
+            demo,
+            Some("bad-customer"),
+            &[],
+            &format!(
+                r#"{{"amount": 1, "currency": "eur", "customer": "{}"}}"#,
+                "x".repeat(65)
+            ),
+        ),
+        400,
+    );
+
+    // In flight: 409 with Retry-After while a slow first request runs.
+    let slow_key = uuid::Uuid::new_v4().to_string();
+    let slow = {
+        let (base, key, body) = (demo.base.clone(), slow_key.clone(), body.clone());
+        std::thread::spawn(move || {
+            call(
+                &base,
+                "POST",
+                "/charges",
+                &[("idempotency-key", &key), ("x-demo-delay-ms", "800")],
+                &body,
+            )
+            .expect("slow")
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let conflict = post(demo, Some(&slow_key), &[("x-demo-delay-ms", "800")], &body);
+    assert_problem(&conflict, 409);
+    assert!(conflict.header("retry-after").is_some());
+    assert_eq!(slow.join().expect("thread").status, 201);
+
+    // A 503 from the processor is not stored: the retry charges.
+    let flaky = uuid::Uuid::new_v4().to_string();
+    assert_problem(
+        &post(demo, Some(&flaky), &[("x-demo-fail", "503")], &body),
+        503,
+    );
+    let retried = post(demo, Some(&flaky), &[], &body);
+    assert_eq!(retried.status, 201);
+    assert_eq!(retried.header("idempotent-replayed"), None);
+
+    // Reads.
+    let got = call(&demo.base, "GET", &format!("/charges/{id}"), &[], "").expect("get");
+    assert_eq!(got.status, 200);
+    assert_eq!(got.json()["id"], id.as_str());
+    assert_problem(
+        &call(&demo.base, "GET", "/charges/ch_missing", &[], "").expect("get"),
+        404,
+    );
+    let list = call(
+        &demo.base,
+        "GET",
+        &format!("/charges?customer={customer}"),
+        &[],
+        "",
+    )
+    .expect("list")
+    .json();
+    // created + other account + slow + flaky retried
+    assert_eq!(list["count"], 4, "{list}");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(4));
+
+    let metrics = call(&demo.base, "GET", "/metrics", &[], "").expect("metrics");
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics.body.contains("idempotency_replays_total"),
+        "{}",
+        metrics.body
+    );
+    if mode == "hybrid" {
+        assert!(
+            metrics
+                .body
+                .contains("idempotency_breaker_state{state=\"closed\"} 1"),
+            "{}",
+            metrics.body
+        );
+    }
+
+    // The storm tool's invariant against this mode.
+    let storm = Command::new(BIN)
+        .args([
+            "storm",
+            "--url",
+            &demo.base,
+            "--charges",
+            "40",
+            "--sends",
+            "4",
+            "--client-timeout-ms",
+            "150",
+        ])
+        .output()
+        .expect("storm");
+    let out = String::from_utf8_lossy(&storm.stdout);
+    assert!(
+        storm.status.success(),
+        "storm failed:\n{out}\n{}",
+        String::from_utf8_lossy(&storm.stderr)
+    );
+    assert_eq!(out.lines().last(), Some("recorded=40 expected=40"), "{out}");
+}
+
+fn chrono_like(t: &str) -> bool {
+    t.len() >= 20
+        && t.as_bytes()[4] == b'-'
+        && t.contains('T')
+        && (t.ends_with('Z') || t.contains('+'))
+}
+
+#[test]
+fn memory_mode() {
+    let demo = Demo::start(&[]);
+    exercise(&demo, "memory");
+    assert_eq!(demo.stop(), 0, "graceful shutdown");
+}
+
+#[test]
+fn postgres_mode() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let url = pg.url().to_owned();
+        tokio::task::spawn_blocking(move || {
+            let demo = Demo::start(&[("DATABASE_URL", &url)]);
+            exercise(&demo, "postgres");
+            assert_eq!(demo.stop(), 0);
+        })
+        .await
+        .expect("postgres mode");
+    });
+}
+
+#[test]
+fn redis_mode() {
+    block_on(async {
+        let Some(redis) = services::redis().await else {
+            return;
+        };
+        let url = redis.url().to_owned();
+        tokio::task::spawn_blocking(move || {
+            let demo = Demo::start(&[("REDIS_URL", &url)]);
+            exercise(&demo, "redis");
+            assert_eq!(demo.stop(), 0);
+        })
+        .await
+        .expect("redis mode");
+    });
+}
+
+#[test]
+fn hybrid_mode() {
+    block_on(async {
+        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
+            return;
+        };
+        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
+        tokio::task::spawn_blocking(move || {
+            let demo = Demo::start(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)]);
+            exercise(&demo, "hybrid");
+            assert_eq!(demo.stop(), 0);
+        })
+        .await
+        .expect("hybrid mode");
+    });
+}
+
+#[test]
+fn a_mode_without_its_url_is_a_clear_startup_error() {
+    let out = Command::new(BIN)
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env("IDEMPOTENCY_STORE", "hybrid")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs DATABASE_URL"), "{err}");
+}
