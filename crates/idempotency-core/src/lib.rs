@@ -12,11 +12,13 @@
 //!   `Mismatch`, then `complete` or `release`, fenced by a [`LeaseToken`]);
 //! - [`Policy`]: lease, retention and which statuses are stored;
 //! - [`MemoryStore`]: the in-process store (single process only);
-//! - [`spawn_purger`]: batched deletion of expired records for any store.
+//! - [`spawn_purger`]: batched deletion of expired records for any store;
+//! - [`Executor`]: run any async operation at most once per key (queue consumers, jobs).
 //!
 //! Backends live in their own crates (`idempotency-postgres`, `idempotency-redis`, …); most
 //! applications depend on the `idempotency` facade instead of this crate.
 
+mod executor;
 mod fingerprint;
 mod key;
 mod memory;
@@ -25,6 +27,7 @@ mod policy;
 mod purge;
 mod store;
 
+pub use executor::{Executed, Executor, RunError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;

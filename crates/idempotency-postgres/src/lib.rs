@@ -9,7 +9,8 @@
 //! - [`PostgresStore::complete_in`] completes a record inside the application's own
 //!   transaction: the business effect and the stored outcome commit together;
 //! - [`migrator`] embeds the migrations (`_idempotency_migrations` table);
-//! - purge expired rows with [`idempotency_core::spawn_purger`] (batched, `SKIP LOCKED`).
+//! - purge expired rows with [`idempotency_core::spawn_purger`] (batched, `SKIP LOCKED`);
+//! - [`StateMachine`]: guarded status transitions with a version column (optimistic locking).
 //!
 //! ```no_run
 //! use std::{sync::Arc, time::Duration};
@@ -27,5 +28,7 @@
 //! ```
 
 mod store;
+mod transitions;
 
 pub use store::{PostgresStore, PostgresStoreBuilder, migrator};
+pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};

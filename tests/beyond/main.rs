@@ -1,0 +1,300 @@
+//! Beyond HTTP, against a real Postgres: the idempotent executor over the Postgres store,
+//! and guarded state transitions.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use idempotency_core::{
+    Error, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RunError, Scope,
+};
+use idempotency_postgres::{PostgresStore, StateMachine, Transition};
+use idempotency_test::{block_on, services};
+use tokio::sync::OnceCell;
+
+async fn store() -> Option<Arc<PostgresStore>> {
+    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
+    let pg = services::postgres().await?;
+    Some(
+        STORE
+            .get_or_init(|| async {
+                let store = PostgresStore::builder(pg.url())
+                    .max_connections(60)
+                    .connect()
+                    .await
+                    .expect("store");
+                store.migrate().await.expect("migrate");
+                Arc::new(store)
+            })
+            .await
+            .clone(),
+    )
+}
+
+fn fresh() -> (Scope, IdempotencyKey) {
+    (
+        Scope::new(uuid::Uuid::new_v4().to_string()),
+        IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key"),
+    )
+}
+
+#[test]
+fn executor_repeats_return_the_stored_result() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let executor = Executor::new(store);
+        let (scope, key) = fresh();
+        let runs = AtomicUsize::new(0);
+        for replayed in [false, true, true] {
+            let done = executor
+                .run(&scope, &key, &Fingerprint::of(b"charge 10"), || async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, std::io::Error>(("ch_1".to_owned(), 10u64))
+                })
+                .await
+                .expect("run");
+            assert_eq!(done.value, ("ch_1".to_owned(), 10));
+            assert_eq!(done.replayed, replayed);
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let other = executor
+            .run(&scope, &key, &Fingerprint::of(b"charge 11"), || async {
+                Ok::<u8, ()>(1)
+            })
+            .await;
+        assert!(matches!(other, Err(RunError::Mismatch)));
+    });
+}
+
+#[test]
+fn executor_runs_concurrent_duplicates_once() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let executor = Arc::new(Executor::new(store));
+        let (scope, key) = fresh();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let attempts = (0..32).map(|_| {
+            let (executor, scope, key, runs) =
+                (executor.clone(), scope.clone(), key.clone(), runs.clone());
+            tokio::spawn(async move {
+                executor
+                    .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Ok::<_, ()>(42u32)
+                    })
+                    .await
+            })
+        });
+        let results: Vec<_> = futures::future::join_all(attempts)
+            .await
+            .into_iter()
+            .map(|r| r.expect("task"))
+            .collect();
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let ran = results
+            .iter()
+            .filter(|r| matches!(r, Ok(e) if !e.replayed))
+            .count();
+        assert_eq!(ran, 1);
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Ok(_) | Err(RunError::InFlight { .. })))
+        );
+    });
+}
+
+#[test]
+fn executor_runs_again_after_a_retryable_error() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let executor = Executor::new(store);
+        let (scope, key) = fresh();
+        let first = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                Err::<u8, _>("timeout")
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::Failed("timeout"))));
+        let second = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                Ok::<u8, &str>(5)
+            })
+            .await
+            .expect("run");
+        assert_eq!((second.value, second.replayed), (5, false));
+    });
+}
+
+/// A stalled owner whose lease expired cannot store its result over the one of the attempt
+/// that took over.
+#[test]
+fn executor_stale_owner_cannot_complete() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let executor = Arc::new(
+            Executor::new(store.clone())
+                .with_policy(Policy::default().with_lease(Duration::from_secs(30))),
+        );
+        let (scope, key) = fresh();
+        let id = RecordId::new(&scope, &key);
+        let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<()>();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let stale = {
+            let (executor, scope, key) = (executor.clone(), scope.clone(), key.clone());
+            tokio::spawn(async move {
+                executor
+                    .run(&scope, &key, &Fingerprint::of(b"p"), || async move {
+                        let _ = stalled_tx.send(());
+                        let _ = go_rx.await; // a GC pause, a partition: renewals cannot help
+                        Ok::<_, ()>("stale".to_owned())
+                    })
+                    .await
+            })
+        };
+        stalled_rx.await.expect("stalled");
+        // The stalled worker's lease runs out (as if its renewals had failed).
+        sqlx::query("UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE record_id = $1")
+            .bind(&id.as_bytes()[..])
+            .execute(store.pool())
+            .await
+            .expect("expire");
+        let owner = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                Ok::<_, ()>("owner".to_owned())
+            })
+            .await
+            .expect("takeover");
+        assert_eq!((owner.value.as_str(), owner.replayed), ("owner", false));
+        go_tx.send(()).expect("go");
+        let stale = stale.await.expect("task");
+        assert!(
+            matches!(stale, Err(RunError::Store(Error::LeaseLost))),
+            "{stale:?}"
+        );
+        let replay = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                Ok::<_, ()>("again".to_owned())
+            })
+            .await
+            .expect("replay");
+        assert_eq!((replay.value.as_str(), replay.replayed), ("owner", true));
+    });
+}
+
+async fn orders(store: &PostgresStore) -> (StateMachine, String) {
+    let table = idempotency_test::unique("orders");
+    let ddl = format!(
+        "CREATE TABLE {table} (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL)"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(ddl))
+        .execute(store.pool())
+        .await
+        .expect("create");
+    let insert = format!("INSERT INTO {table} VALUES ('o1', 'pending', 1)");
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .execute(store.pool())
+        .await
+        .expect("insert");
+    let machine = StateMachine::new(&table)
+        .expect("table")
+        .allow("pending", "processing")
+        .allow("processing", "shipped")
+        .allow("shipped", "completed")
+        .build()
+        .expect("machine");
+    (machine, table)
+}
+
+#[test]
+fn transitions_walk_forward_and_tell_repeats_from_conflicts() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (m, _) = orders(&store).await;
+        let pool = store.pool();
+        assert_eq!(
+            m.transition(pool, "o1", "processing", 1).await.expect("t"),
+            Transition::Applied { version: 2 }
+        );
+        // The same request again: already applied, no second effect.
+        assert_eq!(
+            m.transition(pool, "o1", "processing", 1).await.expect("t"),
+            Transition::AlreadyApplied { version: 2 }
+        );
+        assert_eq!(
+            m.transition(pool, "o1", "shipped", 2).await.expect("t"),
+            Transition::Applied { version: 3 }
+        );
+        // A stale version.
+        assert_eq!(
+            m.transition(pool, "o1", "completed", 2).await.expect("t"),
+            Transition::Conflict {
+                status: "shipped".into(),
+                version: 3
+            }
+        );
+        // Backwards: "processing" only follows "pending".
+        assert_eq!(
+            m.transition(pool, "o1", "processing", 3).await.expect("t"),
+            Transition::Conflict {
+                status: "shipped".into(),
+                version: 3
+            }
+        );
+        assert_eq!(
+            m.transition(pool, "o1", "completed", 3).await.expect("t"),
+            Transition::Applied { version: 4 }
+        );
+        assert_eq!(
+            m.transition(pool, "missing", "processing", 1)
+                .await
+                .expect("t"),
+            Transition::NotFound
+        );
+        assert!(
+            m.transition(pool, "o1", "pending", 4).await.is_err(),
+            "nothing leads back to pending"
+        );
+    });
+}
+
+#[test]
+fn thirty_two_concurrent_identical_transitions_apply_once() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (m, _) = orders(&store).await;
+        let m = Arc::new(m);
+        let attempts = (0..32).map(|_| {
+            let (m, store) = (m.clone(), store.clone());
+            tokio::spawn(async move {
+                m.transition(store.pool(), "o1", "processing", 1)
+                    .await
+                    .expect("transition")
+            })
+        });
+        let results: Vec<Transition> = futures::future::join_all(attempts)
+            .await
+            .into_iter()
+            .map(|r| r.expect("task"))
+            .collect();
+        assert_eq!(
+            results
+                .iter()
+                .filter(|r| matches!(r, Transition::Applied { .. }))
+                .count(),
+            1
+        );
+        assert!(
+            results.iter().all(|r| matches!(
+                r,
+                Transition::Applied { version: 2 } | Transition::AlreadyApplied { version: 2 }
+            )),
+            "{results:?}"
+        );
+    });
+}
