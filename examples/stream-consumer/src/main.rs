@@ -1,0 +1,41 @@
+//! Publishes charges (with duplicates) to a Redis stream and applies them exactly once.
+//!
+//! Run with: `DATABASE_URL=postgres://… REDIS_URL=redis://… cargo run -p stream-consumer`
+#![allow(clippy::print_stdout)]
+
+use std::sync::Arc;
+
+use idempotency::postgres::PostgresStore;
+use stream_consumer::{Consumer, publish};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let db = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
+    let redis_url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL")?;
+    let store = PostgresStore::builder(db).connect().await?;
+    store.migrate().await?;
+    let mut redis = redis::Client::open(redis_url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let mut consumer = Consumer::new(
+        redis.clone(),
+        Arc::new(store),
+        "charges",
+        "ledger",
+        "consumer-1",
+        "ledger_entries",
+    );
+    consumer.setup().await?;
+    for i in 0..10 {
+        publish(&mut redis, "charges", &format!("ch_{i}"), 100 + i).await?;
+        if i % 3 == 0 {
+            publish(&mut redis, "charges", &format!("ch_{i}"), 100 + i).await?; // a producer retry
+        }
+    }
+    let polled = consumer.poll(100).await?;
+    println!(
+        "applied {} charges, acknowledged {} duplicates without a second effect",
+        polled.applied, polled.replayed
+    );
+    Ok(())
+}
