@@ -21,11 +21,14 @@ use serde_json::json;
 use crate::{
     charges::{Charges, NewCharge},
     config::Mode,
+    orders::{Order, Orders},
 };
+use idempotency::postgres::Transition;
 
 pub(crate) struct App {
     pub(crate) mode: Mode,
     pub(crate) charges: Charges,
+    pub(crate) orders: Orders,
     pub(crate) pool: Option<sqlx::PgPool>,
     pub(crate) hybrid: Option<HybridStore>,
     pub(crate) redis: Option<idempotency::redis::RedisStore>,
@@ -48,10 +51,13 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
     // Only the routes that create things carry the idempotency layer (key required).
     let keyed = Router::new()
         .route("/charges", post(create_charge))
+        .route("/orders", post(create_order))
         .layer(layer);
     Router::new()
         .route("/charges", get(list_charges))
         .route("/charges/{id}", get(get_charge))
+        .route("/orders/{id}", get(get_order))
+        .route("/orders/{id}/transitions", post(transition_order))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .merge(keyed)
@@ -296,4 +302,145 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+fn with_etag(status: StatusCode, order: &Order) -> Response {
+    let etag = format!("\"{}\"", order.version);
+    (status, [(header::ETAG, etag)], Json(order)).into_response()
+}
+
+fn order_not_found(id: &str) -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "Order not found",
+        &format!("no order {id}"),
+    )
+}
+
+async fn create_order(
+    State(app): State<Arc<App>>,
+    Extension(ctx): Extension<IdempotencyContext>,
+    body: Bytes,
+) -> Response {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NewOrder {
+        customer: serde_json::Value,
+        amount: serde_json::Value,
+    }
+    let Ok(new) = serde_json::from_slice::<NewOrder>(&body) else {
+        return invalid("the body must be JSON {\"customer\": \"<name>\", \"amount\": <integer>}");
+    };
+    let Some(customer) = new
+        .customer
+        .as_str()
+        .filter(|c| (1..=64).contains(&c.chars().count()))
+    else {
+        return invalid("customer must be a string of 1 to 64 characters");
+    };
+    let Some(amount) = new
+        .amount
+        .as_i64()
+        .filter(|a| (1..=100_000_000).contains(a))
+    else {
+        return invalid("amount must be an integer from 1 to 100000000 (minor units)");
+    };
+    match app.orders.create(&ctx.record_id, customer, amount).await {
+        Ok(order) => {
+            let mut response = with_etag(StatusCode::CREATED, &order);
+            if let Ok(location) = HeaderValue::from_str(&format!("/orders/{}", order.id)) {
+                response.headers_mut().insert(header::LOCATION, location);
+            }
+            response
+        }
+        Err(error) => storage_down(&error),
+    }
+}
+
+async fn get_order(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match app.orders.get(&id).await {
+        Ok(Some(order)) => with_etag(StatusCode::OK, &order),
+        Ok(None) => order_not_found(&id),
+        Err(error) => storage_down(&error),
+    }
+}
+
+/// `If-Match: "<version>"` (a weak `W/` prefix is tolerated: versions compare exactly).
+fn if_match_version(headers: &HeaderMap) -> Option<Result<i64, ()>> {
+    let value = headers.get(header::IF_MATCH)?;
+    let parsed = value
+        .to_str()
+        .ok()
+        .map(|v| v.trim().trim_start_matches("W/").trim_matches('"'))
+        .and_then(|v| v.parse::<i64>().ok())
+        .ok_or(());
+    Some(parsed)
+}
+
+async fn transition_order(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let expected = match if_match_version(&headers) {
+        None => {
+            return problem(
+                StatusCode::PRECONDITION_REQUIRED,
+                "precondition-required",
+                "If-Match required",
+                "send If-Match with the order's ETag (its version) to change its status",
+            );
+        }
+        Some(Err(())) => return invalid("If-Match must be the order's ETag, e.g. \"3\""),
+        Some(Ok(version)) => version,
+    };
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Move {
+        to: String,
+    }
+    let to = match serde_json::from_slice::<Move>(&body) {
+        Ok(m) if ["processing", "shipped", "completed"].contains(&m.to.as_str()) => m.to,
+        _ => {
+            return invalid(
+                "the body must be {\"to\": \"processing\" | \"shipped\" | \"completed\"}",
+            );
+        }
+    };
+    let outcome = match app.orders.transition(&id, &to, expected).await {
+        Ok(outcome) => outcome,
+        Err(idempotency::postgres::TransitionError::Database(error)) => {
+            return storage_down(&error);
+        }
+        Err(error) => return invalid(&error.to_string()),
+    };
+    match outcome {
+        // Applied, or repeated: both answer with the order as it is now.
+        Transition::Applied { .. } | Transition::AlreadyApplied { .. } => {
+            match app.orders.get(&id).await {
+                Ok(Some(order)) => with_etag(StatusCode::OK, &order),
+                Ok(None) => order_not_found(&id),
+                Err(error) => storage_down(&error),
+            }
+        }
+        Transition::NotFound => order_not_found(&id),
+        Transition::Conflict { status, version } if version != expected => problem(
+            StatusCode::PRECONDITION_FAILED,
+            "stale-version",
+            "The order changed",
+            &format!(
+                "the order is at version {version} (status {status}), not {expected}: read it again"
+            ),
+        ),
+        Transition::Conflict { status, .. } => problem(
+            StatusCode::CONFLICT,
+            "forbidden-transition",
+            "Transition not allowed",
+            &format!(
+                "an order cannot move from {status} to {to}: the path is pending -> processing -> shipped -> completed"
+            ),
+        ),
+    }
 }

@@ -9,6 +9,7 @@ mod app;
 mod charges;
 mod client;
 mod config;
+mod orders;
 mod storm;
 
 use std::{process::ExitCode, sync::Arc, time::Duration};
@@ -22,6 +23,7 @@ use crate::{
     app::App,
     charges::Charges,
     config::{Config, Mode},
+    orders::Orders,
 };
 
 #[tokio::main]
@@ -122,6 +124,10 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         charges: match &pool {
             Some(pool) => Charges::Postgres(pool.clone()),
             None => Charges::Memory(Default::default()),
+        },
+        orders: match &pool {
+            Some(pool) => Orders::Postgres(pool.clone(), orders::machine()),
+            None => Orders::Memory(Default::default()),
         },
         pool,
         hybrid,

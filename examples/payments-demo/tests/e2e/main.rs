@@ -298,6 +298,8 @@ fn exercise(demo: &Demo, mode: &str) {
         );
     }
 
+    exercise_orders(demo);
+
     // The storm tool's invariant against this mode.
     let storm = Command::new(BIN)
         .args([
@@ -320,6 +322,109 @@ fn exercise(demo: &Demo, mode: &str) {
         String::from_utf8_lossy(&storm.stderr)
     );
     assert_eq!(out.lines().last(), Some("recorded=40 expected=40"), "{out}");
+}
+
+/// The orders contract of issue 9: create (idempotent), read with ETag, guarded transitions.
+fn exercise_orders(demo: &Demo) {
+    let key = uuid::Uuid::new_v4().to_string();
+    let body = r#"{"customer": "dora", "amount": 2500}"#;
+    let created = call(
+        &demo.base,
+        "POST",
+        "/orders",
+        &[("idempotency-key", &key)],
+        body,
+    )
+    .expect("create");
+    assert_eq!(created.status, 201, "{}", created.body);
+    assert_eq!(created.header("etag"), Some("\"1\""));
+    let order = created.json();
+    let id = order["id"].as_str().expect("id").to_owned();
+    assert!(id.starts_with("ord_"));
+    assert_eq!(
+        created.header("location"),
+        Some(format!("/orders/{id}").as_str())
+    );
+    assert_eq!(
+        (
+            order["status"].as_str(),
+            order["version"].as_i64(),
+            order["amount"].as_i64()
+        ),
+        (Some("pending"), Some(1), Some(2500))
+    );
+    let again = call(
+        &demo.base,
+        "POST",
+        "/orders",
+        &[("idempotency-key", &key)],
+        body,
+    )
+    .expect("replay");
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.json()["id"], id.as_str());
+    assert_problem(
+        &call(&demo.base, "POST", "/orders", &[], body).expect("no key"),
+        400,
+    );
+
+    let got = call(&demo.base, "GET", &format!("/orders/{id}"), &[], "").expect("get");
+    assert_eq!((got.status, got.header("etag")), (200, Some("\"1\"")));
+    assert_problem(
+        &call(&demo.base, "GET", "/orders/ord_missing", &[], "").expect("get"),
+        404,
+    );
+
+    let path = format!("/orders/{id}/transitions");
+    let to = |status: &str| format!(r#"{{"to": "{status}"}}"#);
+    let step = |if_match: Option<&str>, status: &str| {
+        let headers: Vec<(&str, &str)> =
+            if_match.map(|m| vec![("if-match", m)]).unwrap_or_default();
+        call(&demo.base, "POST", &path, &headers, &to(status)).expect("transition")
+    };
+    assert_problem(&step(None, "processing"), 428);
+    assert_problem(&step(Some("\"x\""), "processing"), 400);
+    assert_problem(&step(Some("\"1\""), "pending"), 400);
+    let moved = step(Some("\"1\""), "processing");
+    assert_eq!(
+        (moved.status, moved.header("etag")),
+        (200, Some("\"2\"")),
+        "{}",
+        moved.body
+    );
+    assert_eq!(moved.json()["status"], "processing");
+    // The same transition again (a retry): 200 with the current order, no second move.
+    let repeat = step(Some("\"1\""), "processing");
+    assert_eq!(
+        (repeat.status, repeat.json()["version"].as_i64()),
+        (200, Some(2))
+    );
+    // A stale If-Match: 412. A skip (processing -> completed): 409.
+    assert_problem(&step(Some("\"1\""), "shipped"), 412);
+    assert_problem(&step(Some("\"2\""), "completed"), 409);
+    assert_eq!(step(Some("\"2\""), "shipped").status, 200);
+    // Backwards: 409.
+    assert_problem(&step(Some("\"3\""), "processing"), 409);
+    let done = step(Some("\"3\""), "completed");
+    assert_eq!(
+        (
+            done.status,
+            done.json()["version"].as_i64(),
+            done.header("etag")
+        ),
+        (200, Some(4), Some("\"4\""))
+    );
+    assert_problem(
+        &call(
+            &demo.base,
+            "POST",
+            "/orders/ord_missing/transitions",
+            &[("if-match", "\"1\"")],
+            &to("processing"),
+        )
+        .expect("t"),
+        404,
+    );
 }
 
 fn chrono_like(t: &str) -> bool {
