@@ -120,6 +120,8 @@ impl HybridStore {
     }
 
     /// The longest time Redis mirrors a live lease (default 2 s; the lease if shorter).
+    /// `Duration::ZERO` turns the mirror off: first requests save a Redis round trip, and
+    /// live duplicates are answered by Postgres instead.
     ///
     /// A Redis write whose call timed out may still run later (a paused Redis executes its
     /// queued commands when it resumes), so a mirror can land after Postgres completed or
@@ -280,7 +282,7 @@ impl Store for HybridStore {
         let (answer, ttl) = self.pg.begin_with_ttl(id, fp, lease).await?;
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
         match (&answer, ttl) {
-            (Begin::Execute(token), _) => {
+            (Begin::Execute(token), _) if !self.mirror_ttl.is_zero() => {
                 let mirror = lease.min(self.mirror_ttl);
                 self.try_redis(self.redis.cache_in_flight(id, fp, *token, mirror))
                     .await;
@@ -323,6 +325,9 @@ impl Store for HybridStore {
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
         self.pg.release(id, token).await?;
+        if self.mirror_ttl.is_zero() {
+            return Ok(()); // no mirror to drop
+        }
         // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
         // "in flight" until the mirror's TTL (the lease) ends, and never execute twice.
         let dropped = self
@@ -341,6 +346,9 @@ impl Store for HybridStore {
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         self.pg.renew(id, token, lease).await?;
+        if self.mirror_ttl.is_zero() {
+            return Ok(());
+        }
         self.try_redis(async {
             match self
                 .redis

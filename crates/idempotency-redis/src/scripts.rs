@@ -64,19 +64,6 @@ return 1
     )
 }
 
-/// `KEYS[1]` record; `ARGV` fingerprint. Read-only: `{'a'}` absent, else as `begin`.
-pub(crate) fn peek() -> Script {
-    Script::new(
-        r"
-local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out')
-if not cur[1] then return {'a'} end
-if cur[2] ~= ARGV[1] then return {'m'} end
-if cur[1] == '1' then return {'r', cur[3]} end
-return {'i', redis.call('PTTL', KEYS[1])}
-",
-    )
-}
-
 /// `KEYS[1]` record; `ARGV` fingerprint, token, lease ms. Mirrors a lease another store
 /// granted, unless the record is already there.
 pub(crate) fn cache_in_flight() -> Script {
