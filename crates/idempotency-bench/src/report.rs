@@ -1,0 +1,241 @@
+//! The report: a Markdown table, JSON, and PNG charts under `target/bench/`.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::{fault::Bucket, stats::Measured};
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Settings of the run.
+    pub settings: serde_json::Value,
+    /// Every scenario.
+    pub measured: Vec<Measured>,
+    /// Framework / baseline ratios: (what, ratio).
+    pub ratios: Vec<(String, f64)>,
+    /// The fault timeline.
+    pub timeline: Vec<Bucket>,
+}
+
+fn find<'a>(m: &'a [Measured], group: &str, name: &str) -> Option<&'a Measured> {
+    m.iter().find(|x| x.group == group && x.name == name)
+}
+
+/// Throughput ratios of each framework scenario to its baseline.
+pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
+    let mut out = Vec::new();
+    let mut ratio = |label: String, group: &str, a: &str, b: &str| {
+        if let (Some(x), Some(y)) = (find(m, group, a), find(m, group, b))
+            && y.ops_per_sec > 0.0
+        {
+            out.push((label, x.ops_per_sec / y.ops_per_sec));
+        }
+    };
+    for group in ["store-seq", "store-conc"] {
+        for store in [
+            "memory",
+            "postgres",
+            "redis",
+            "hybrid",
+            "hybrid (no mirror)",
+        ] {
+            ratio(
+                format!("{group} {store} / baseline"),
+                group,
+                store,
+                &format!("baseline {store}"),
+            );
+        }
+    }
+    ratio(
+        "http first: layer hybrid (no mirror) / hand-written hybrid".into(),
+        "http-first",
+        "layer hybrid (no mirror)",
+        "hand-written hybrid",
+    );
+    ratio(
+        "http first: layer hybrid / hand-written hybrid".into(),
+        "http-first",
+        "layer hybrid",
+        "hand-written hybrid",
+    );
+    ratio(
+        "http first: layer hybrid / no idempotency".into(),
+        "http-first",
+        "layer hybrid",
+        "no idempotency",
+    );
+    ratio(
+        "http replay: layer hybrid / hand-written single GET".into(),
+        "http-replay",
+        "layer hybrid",
+        "hand-written single GET",
+    );
+    ratio(
+        "http replay: layer postgres / hand-written single GET".into(),
+        "http-replay",
+        "layer postgres",
+        "hand-written single GET",
+    );
+    out
+}
+
+impl Report {
+    /// The Markdown tables.
+    pub fn markdown(&self) -> String {
+        let mut s = String::from(
+            "| group | scenario | ops | errors | ops/s | p50 µs | p99 µs | p99.9 µs |\n|---|---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for m in &self.measured {
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {:.0} | {} | {} | {} |\n",
+                m.group, m.name, m.ops, m.errors, m.ops_per_sec, m.p50_us, m.p99_us, m.p999_us
+            ));
+        }
+        s.push_str("\n| ratio (throughput) | value |\n|---|---:|\n");
+        for (what, r) in &self.ratios {
+            s.push_str(&format!("| {what} | {r:.2} |\n"));
+        }
+        if !self.timeline.is_empty() {
+            let paused: Vec<_> = self.timeline.iter().filter(|b| b.redis_paused).collect();
+            let worst = paused.iter().map(|b| b.p99_us).max().unwrap_or(0);
+            let settled = paused.iter().skip(3).map(|b| b.p99_us).max().unwrap_or(0);
+            let errors: u64 = self.timeline.iter().map(|b| b.errors).sum();
+            s.push_str(&format!(
+                "\nFault timeline (hybrid, Redis paused for {} ms): worst 100 ms p99 while paused {worst} µs; \
+                 after the first 300 ms of the pause {settled} µs; errors {errors}.\n",
+                paused.len() * 100
+            ));
+        }
+        s
+    }
+
+    /// Writes `results.json`, `throughput.png` and `fault_timeline.png` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("results.json"), serde_json::to_vec_pretty(self)?)?;
+        let text = font();
+        self.throughput_chart(&dir.join("throughput.png"), text)?;
+        self.timeline_chart(&dir.join("fault_timeline.png"), text)?;
+        Ok(())
+    }
+
+    fn throughput_chart(&self, path: &Path, text: bool) -> Result<(), Box<dyn std::error::Error>> {
+        let bars: Vec<&Measured> = self
+            .measured
+            .iter()
+            .filter(|m| m.group != "store-seq")
+            .collect();
+        let root =
+            BitMapBackend::new(path, (1100, 40 + 26 * bars.len() as u32)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let max = bars.iter().map(|m| m.ops_per_sec).fold(1.0, f64::max);
+        let (label_w, bar_w) = (360.0, 1100.0 - 360.0 - 110.0);
+        for (i, m) in bars.iter().enumerate() {
+            let y = 30 + 26 * i as i32;
+            // Log scale: memory runs at ~10^6/s, network stores at ~10^3/s.
+            let w = ((m.ops_per_sec.max(1.0)).log10() / max.log10().max(1.0) * bar_w) as i32;
+            let color = if m.name.starts_with("baseline")
+                || m.name.starts_with("hand-written")
+                || m.name == "no idempotency"
+            {
+                RGBColor(150, 150, 150)
+            } else {
+                RGBColor(40, 110, 200)
+            };
+            root.draw(&Rectangle::new(
+                [(label_w as i32, y), (label_w as i32 + w.max(1), y + 20)],
+                color.filled(),
+            ))?;
+            if text {
+                let style = ("sans-serif", 15).into_font().color(&BLACK);
+                root.draw(&Text::new(
+                    format!("{} · {}", m.group, m.name),
+                    (8, y + 3),
+                    style.clone(),
+                ))?;
+                root.draw(&Text::new(
+                    format!("{:.0}/s", m.ops_per_sec),
+                    (label_w as i32 + w + 6, y + 3),
+                    style,
+                ))?;
+            }
+        }
+        if text {
+            root.draw(&Text::new(
+                "Throughput (ops/s, log scale); grey = baselines",
+                (8, 6),
+                ("sans-serif", 17).into_font().color(&BLACK),
+            ))?;
+        }
+        root.present()?;
+        Ok(())
+    }
+
+    fn timeline_chart(&self, path: &Path, text: bool) -> Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let end = self.timeline.last().map_or(1, |b| b.at_ms + 100);
+        let top = self
+            .timeline
+            .iter()
+            .map(|b| b.p99_us)
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64
+            / 1000.0
+            * 1.1;
+        let mut builder = ChartBuilder::on(&root);
+        builder.margin(15);
+        if text {
+            builder
+                .caption(
+                    "Hybrid under load, Redis paused (shaded): p99 per 100 ms",
+                    ("sans-serif", 18),
+                )
+                .x_label_area_size(35)
+                .y_label_area_size(55);
+        }
+        let mut chart = builder.build_cartesian_2d(0u64..end, 0f64..top)?;
+        if text {
+            chart
+                .configure_mesh()
+                .x_desc("ms")
+                .y_desc("p99 ms")
+                .draw()?;
+        }
+        for b in self.timeline.iter().filter(|b| b.redis_paused) {
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(b.at_ms, 0.0), (b.at_ms + 100, top)],
+                RGBColor(255, 220, 200).filled(),
+            )))?;
+        }
+        chart.draw_series(LineSeries::new(
+            self.timeline
+                .iter()
+                .map(|b| (b.at_ms + 50, b.p99_us as f64 / 1000.0)),
+            &BLUE,
+        ))?;
+        root.present()?;
+        Ok(())
+    }
+}
+
+/// Registers a system font for chart text; charts are drawn without text if none is found.
+fn font() -> bool {
+    for path in [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    ] {
+        if let Ok(bytes) = std::fs::read(path) {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                return true;
+            }
+        }
+    }
+    false
+}

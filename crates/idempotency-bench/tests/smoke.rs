@@ -1,0 +1,47 @@
+//! A few seconds of every scenario against real services, so the harness never rots.
+//! Asserts that everything ran and the files were written — never how fast.
+
+use idempotency_bench::{Settings, run};
+
+#[test]
+fn every_scenario_runs_and_the_report_is_written() {
+    idempotency_test::block_on(async {
+        if idempotency_test::services::skipping() {
+            return;
+        }
+        let report = run(Settings::smoke()).await.expect("bench run");
+        let groups = ["store-seq", "store-conc", "http-first", "http-replay"];
+        for group in groups {
+            assert!(
+                report.measured.iter().any(|m| m.group == group),
+                "{group} missing"
+            );
+        }
+        for m in &report.measured {
+            assert!(m.ops > 0, "{} / {} completed nothing", m.group, m.name);
+        }
+        assert_eq!(
+            report
+                .measured
+                .iter()
+                .filter(|m| m.group == "store-seq")
+                .count(),
+            10
+        );
+        assert!(
+            report.timeline.iter().any(|b| b.redis_paused),
+            "the fault timeline paused Redis"
+        );
+        assert!(report.timeline.iter().map(|b| b.ops).sum::<u64>() > 0);
+        assert!(!report.ratios.is_empty());
+        assert!(report.markdown().contains("| store-seq | postgres |"));
+        let dir = std::env::temp_dir().join(format!("idempotency-bench-{}", std::process::id()));
+        report.write(&dir).expect("write");
+        for file in ["results.json", "throughput.png", "fault_timeline.png"] {
+            let len = std::fs::metadata(dir.join(file))
+                .map(|m| m.len())
+                .unwrap_or(0);
+            assert!(len > 0, "{file} written");
+        }
+    });
+}
