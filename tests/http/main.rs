@@ -619,3 +619,41 @@ fn end_to_end_on_the_hybrid_store() {
         end_to_end(Arc::new(store)).await;
     });
 }
+
+/// A handler that runs longer than the lease keeps it: the layer renews it while the handler
+/// runs, so a duplicate arriving after the original lease would have expired is still 409.
+#[test]
+fn a_long_handler_keeps_its_lease_by_renewing_it() {
+    block_on(async {
+        let policy = idempotency_core::Policy::default().with_lease(Duration::from_millis(300));
+        let (router, calls, _) = app(layer(memory()).policy(policy));
+        let first = {
+            let router = router.clone();
+            tokio::spawn(async move {
+                send(
+                    &router,
+                    "POST",
+                    Some("slow"),
+                    &[("x-delay-ms", "1200")],
+                    "{}",
+                )
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(700)).await; // past the unrenewed lease
+        let dup = send(
+            &router,
+            "POST",
+            Some("slow"),
+            &[("x-delay-ms", "1200")],
+            "{}",
+        )
+        .await;
+        assert_eq!(
+            dup.status, 409,
+            "the lease was renewed, so the duplicate did not run"
+        );
+        assert_eq!(first.await.expect("first").status, 201);
+        assert_eq!(calls.get(), 1);
+    });
+}
