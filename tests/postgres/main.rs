@@ -57,20 +57,7 @@ fn migrations_are_idempotent_and_concurrent_safe() {
 fn concurrent_begins_from_separate_connections_execute_once_per_key() {
     block_on(async {
         let Some(store) = store().await else { return };
-        for _ in 0..100 {
-            let id = fresh_id();
-            let attempts = (0..64).map(|_| {
-                let store = store.clone();
-                tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
-            });
-            let executes = futures::future::join_all(attempts)
-                .await
-                .into_iter()
-                .map(|r| r.expect("task").expect("begin"))
-                .filter(|b| matches!(b, Begin::Execute(_)))
-                .count();
-            assert_eq!(executes, 1);
-        }
+        idempotency_test::conformance::concurrent_begins_execute_once_per_key(store, 100).await;
     });
 }
 

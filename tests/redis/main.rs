@@ -1,5 +1,7 @@
-//! The Redis store against a real Redis and a real 3-master Redis Cluster: conformance,
-//! races, hung and stopped Redis, and the eviction-policy check.
+//! The Redis store against a real Redis and a real 3-master Redis Cluster: conformance
+//! (including `stale_token_changes_nothing`: a stale owner cannot complete, release or renew,
+//! and the new owner's record is intact), races, hung and stopped Redis, and the
+//! eviction-policy check.
 
 use std::{sync::Arc, time::Duration};
 
@@ -7,7 +9,7 @@ use idempotency_core::{Begin, Error, Outcome, Store};
 use idempotency_redis::{EvictionCheck, RedisStore};
 use idempotency_test::{
     block_on,
-    conformance::{LONG, PAST_SHORT, SHORT, execute, fp, fresh_id},
+    conformance::{LONG, execute, fp, fresh_id},
     services::{self, RedisOptions},
 };
 use tokio::sync::OnceCell;
@@ -71,53 +73,7 @@ mod cluster {
 fn concurrent_begins_execute_once_per_key() {
     block_on(async {
         let Some(store) = store().await else { return };
-        for _ in 0..100 {
-            let id = fresh_id();
-            let attempts = (0..64).map(|_| {
-                let store = store.clone();
-                tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
-            });
-            let executes = futures::future::join_all(attempts)
-                .await
-                .into_iter()
-                .map(|r| r.expect("task").expect("begin"))
-                .filter(|b| matches!(b, Begin::Execute(_)))
-                .count();
-            assert_eq!(executes, 1);
-        }
-    });
-}
-
-#[test]
-fn a_stale_owner_cannot_touch_the_new_owners_record() {
-    block_on(async {
-        let Some(store) = store().await else { return };
-        let id = fresh_id();
-        let stale = execute(&*store, &id, &fp("a"), SHORT).await;
-        tokio::time::sleep(PAST_SHORT).await;
-        let owner = execute(&*store, &id, &fp("a"), LONG).await;
-        let mine = Outcome::new(201).with_body("new owner");
-        store
-            .complete(&id, owner, &mine, LONG)
-            .await
-            .expect("complete");
-        let theirs = Outcome::new(201).with_body("stale owner");
-        assert!(matches!(
-            store.complete(&id, stale, &theirs, LONG).await,
-            Err(Error::LeaseLost)
-        ));
-        assert!(matches!(
-            store.release(&id, stale).await,
-            Err(Error::LeaseLost)
-        ));
-        assert!(matches!(
-            store.renew(&id, stale, LONG).await,
-            Err(Error::LeaseLost)
-        ));
-        assert_eq!(
-            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
-            Begin::Replay(mine)
-        );
+        idempotency_test::conformance::concurrent_begins_execute_once_per_key(store, 100).await;
     });
 }
 

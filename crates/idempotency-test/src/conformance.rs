@@ -327,21 +327,28 @@ pub async fn scopes_are_isolated(store: &dyn Store) {
 
 /// 64 concurrent `begin`s on one key: exactly one `Execute`, every other `InFlight`.
 pub async fn concurrent_begins_execute_once(store: Arc<dyn Store>) {
-    let id = fresh_id();
-    let attempts = (0..64).map(|_| {
-        let store = store.clone();
-        tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
-    });
-    let results = futures::future::join_all(attempts).await;
-    let mut executes = 0;
-    for result in results {
-        match result.expect("task").expect("begin") {
-            Begin::Execute(_) => executes += 1,
-            Begin::InFlight { .. } => {}
-            other => panic!("unexpected {other:?}"),
+    concurrent_begins_execute_once_per_key(store, 1).await;
+}
+
+/// The same race on `keys` keys one after the other (each race on its own fresh key): what
+/// the backend issues repeat at scale, where each `begin` may use another pooled connection.
+pub async fn concurrent_begins_execute_once_per_key(store: Arc<dyn Store>, keys: usize) {
+    for _ in 0..keys {
+        let id = fresh_id();
+        let attempts = (0..64).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        });
+        let mut executes = 0;
+        for result in futures::future::join_all(attempts).await {
+            match result.expect("task").expect("begin") {
+                Begin::Execute(_) => executes += 1,
+                Begin::InFlight { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
         }
+        assert_eq!(executes, 1);
     }
-    assert_eq!(executes, 1);
 }
 
 /// Generates one `#[test]` per conformance case for a store.
