@@ -110,41 +110,41 @@ struct ChargeRequest {
     customer: serde_json::Value,
 }
 
+/// The field rules charges and orders share; the error says what is allowed.
+fn amount_of(value: &serde_json::Value) -> Result<i64, &'static str> {
+    value
+        .as_i64()
+        .filter(|a| (1..=100_000_000).contains(a))
+        .ok_or("amount must be an integer from 1 to 100000000 (minor units)")
+}
+
+fn customer_of(value: &serde_json::Value) -> Result<String, &'static str> {
+    value
+        .as_str()
+        .filter(|c| (1..=64).contains(&c.chars().count()))
+        .map(str::to_owned)
+        .ok_or("customer must be a string of 1 to 64 characters")
+}
+
+fn currency_of(value: &serde_json::Value) -> Result<String, &'static str> {
+    value
+        .as_str()
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_lowercase()))
+        .map(str::to_owned)
+        .ok_or("currency must be 3 lowercase letters, e.g. \"eur\"")
+}
+
 fn validate(body: &Bytes) -> Result<NewCharge, Box<Response>> {
     let request: ChargeRequest = serde_json::from_slice(body).map_err(|e| {
         Box::new(invalid(&format!(
             "the body must be JSON {{\"amount\": <integer>, \"currency\": \"<3 letters>\", \"customer\": \"<name>\"}}: {e}"
         )))
     })?;
-    let amount = request
-        .amount
-        .as_i64()
-        .filter(|a| (1..=100_000_000).contains(a))
-        .ok_or_else(|| {
-            Box::new(invalid(
-                "amount must be an integer from 1 to 100000000 (minor units)",
-            ))
-        })?;
-    let currency = request
-        .currency
-        .as_str()
-        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_lowercase()))
-        .ok_or_else(|| {
-            Box::new(invalid(
-                "currency must be 3 lowercase letters, e.g. \"eur\"",
-            ))
-        })?
-        .to_owned();
-    let customer = request
-        .customer
-        .as_str()
-        .filter(|c| (1..=64).contains(&c.chars().count()))
-        .ok_or_else(|| Box::new(invalid("customer must be a string of 1 to 64 characters")))?
-        .to_owned();
+    let field = |rule: &'static str| Box::new(invalid(rule));
     Ok(NewCharge {
-        amount,
-        currency,
-        customer,
+        amount: amount_of(&request.amount).map_err(field)?,
+        currency: currency_of(&request.currency).map_err(field)?,
+        customer: customer_of(&request.customer).map_err(field)?,
     })
 }
 
@@ -332,21 +332,11 @@ async fn create_order(
     let Ok(new) = serde_json::from_slice::<NewOrder>(&body) else {
         return invalid("the body must be JSON {\"customer\": \"<name>\", \"amount\": <integer>}");
     };
-    let Some(customer) = new
-        .customer
-        .as_str()
-        .filter(|c| (1..=64).contains(&c.chars().count()))
-    else {
-        return invalid("customer must be a string of 1 to 64 characters");
+    let (customer, amount) = match (customer_of(&new.customer), amount_of(&new.amount)) {
+        (Ok(customer), Ok(amount)) => (customer, amount),
+        (Err(rule), _) | (_, Err(rule)) => return invalid(rule),
     };
-    let Some(amount) = new
-        .amount
-        .as_i64()
-        .filter(|a| (1..=100_000_000).contains(a))
-    else {
-        return invalid("amount must be an integer from 1 to 100000000 (minor units)");
-    };
-    match app.orders.create(&ctx.record_id, customer, amount).await {
+    match app.orders.create(&ctx.record_id, &customer, amount).await {
         Ok(order) => {
             let mut response = with_etag(StatusCode::CREATED, &order);
             if let Ok(location) = HeaderValue::from_str(&format!("/orders/{}", order.id)) {
