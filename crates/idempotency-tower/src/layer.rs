@@ -20,6 +20,7 @@ pub(crate) enum BodyFingerprint {
     Custom(Arc<FingerprintFn>),
 }
 
+#[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) policy: Policy,
@@ -153,31 +154,9 @@ impl IdempotencyLayer {
     }
 
     fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
-        // Builders run before the layer is cloned, so this never copies; if it was cloned,
-        // the clones keep their configuration.
-        match Arc::get_mut(&mut self.config) {
-            Some(config) => f(config),
-            None => {
-                let old = &self.config;
-                let mut config = Config {
-                    store: old.store.clone(),
-                    policy: old.policy.clone(),
-                    methods: old.methods.clone(),
-                    require_key: old.require_key,
-                    scope: old.scope.clone(),
-                    body_fingerprint: old.body_fingerprint.clone(),
-                    fingerprint_headers: old.fingerprint_headers.clone(),
-                    max_request_body: old.max_request_body,
-                    max_stored_body: old.max_stored_body,
-                    store_set_cookie: old.store_set_cookie,
-                    wait: old.wait,
-                    metrics: old.metrics.clone(),
-                    detached: old.detached.clone(),
-                };
-                f(&mut config);
-                self.config = Arc::new(config);
-            }
-        }
+        // Builders run before the layer is cloned, so this rarely copies; if it was cloned,
+        // the clones keep their configuration (and share the counters, which are Arcs).
+        f(Arc::make_mut(&mut self.config));
         self
     }
 

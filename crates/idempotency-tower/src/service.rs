@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use futures::FutureExt;
 use http::{HeaderValue, Request, Response, StatusCode, header, request::Parts};
 use http_body::Body as HttpBody;
@@ -199,8 +199,6 @@ where
     });
     Ok(inner.call(request).await?.map(boxed))
 }
-
-use bytes::Buf;
 
 /// Buffers the request body for the fingerprint; `None` when it exceeds the limit (checked
 /// against `Content-Length` before reading a byte, and while reading a chunked body).
