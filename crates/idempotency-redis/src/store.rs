@@ -232,8 +232,8 @@ fn decode_outcome(bytes: &[u8]) -> Result<Outcome> {
     Outcome::decode(bytes).map_err(|e| Error::Corrupt(e.to_string()))
 }
 
-/// Parses the `{'x'}` / `{'r', out}` / `{'i', pttl}` / `{'m'}` / `{'a'}` replies.
-fn parse_answer(value: Value, token: Option<LeaseToken>) -> Result<Peek> {
+/// Parses the begin script's `{'x'}` / `{'r', out}` / `{'i', pttl}` / `{'m'}` replies.
+fn parse_begin(value: Value, token: LeaseToken) -> Result<Begin> {
     let Value::Array(items) = value else {
         return Err(Error::Corrupt(format!("unexpected script reply {value:?}")));
     };
@@ -242,15 +242,12 @@ fn parse_answer(value: Value, token: Option<LeaseToken>) -> Result<Peek> {
         _ => return Err(Error::Corrupt("script reply without tag".into())),
     };
     Ok(match (tag, items.get(1)) {
-        (b"a", _) => Peek::Absent,
-        (b"x", _) => Peek::Found(Begin::Execute(
-            token.ok_or_else(|| Error::Corrupt("execute reply to a read".into()))?,
-        )),
-        (b"m", _) => Peek::Found(Begin::Mismatch),
-        (b"r", Some(Value::BulkString(out))) => Peek::Found(Begin::Replay(decode_outcome(out)?)),
-        (b"i", Some(Value::Int(pttl))) => Peek::Found(Begin::InFlight {
+        (b"x", _) => Begin::Execute(token),
+        (b"m", _) => Begin::Mismatch,
+        (b"r", Some(Value::BulkString(out))) => Begin::Replay(decode_outcome(out)?),
+        (b"i", Some(Value::Int(pttl))) => Begin::InFlight {
             retry_after: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0).max(1)),
-        }),
+        },
         _ => return Err(Error::Corrupt("malformed script reply".into())),
     })
 }
@@ -461,10 +458,7 @@ impl Store for RedisStore {
                 &[&fp.as_bytes()[..], token_text.as_bytes(), lease.as_bytes()],
             )
             .await?;
-        match parse_answer(value, Some(token))? {
-            Peek::Found(begin) => Ok(begin),
-            Peek::Absent => Err(Error::Corrupt("begin answered absent".into())),
-        }
+        parse_begin(value, token)
     }
 
     async fn complete(
