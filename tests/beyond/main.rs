@@ -13,26 +13,10 @@ use idempotency_core::{
     Error, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RunError, Scope,
 };
 use idempotency_postgres::{PostgresStore, StateMachine, Transition};
-use idempotency_test::{block_on, services};
-use tokio::sync::OnceCell;
+use idempotency_test::block_on;
 
 async fn store() -> Option<Arc<PostgresStore>> {
-    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
-    let pg = services::postgres().await?;
-    Some(
-        STORE
-            .get_or_init(|| async {
-                let store = PostgresStore::builder(pg.url())
-                    .max_connections(60)
-                    .connect()
-                    .await
-                    .expect("store");
-                store.migrate().await.expect("migrate");
-                Arc::new(store)
-            })
-            .await
-            .clone(),
-    )
+    idempotency_test::stores::postgres().await
 }
 
 fn fresh() -> (Scope, IdempotencyKey) {

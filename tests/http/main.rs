@@ -571,16 +571,10 @@ fn end_to_end_on_the_memory_store() {
 #[test]
 fn end_to_end_on_postgres() {
     block_on(async {
-        let Some(pg) = services::postgres().await else {
+        let Some(store) = idempotency_test::stores::postgres().await else {
             return;
         };
-        let store = idempotency_postgres::PostgresStore::builder(pg.url())
-            .max_connections(20)
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        end_to_end(Arc::new(store)).await;
+        end_to_end(store).await;
     });
 }
 
@@ -602,15 +596,13 @@ fn end_to_end_on_redis() {
 #[test]
 fn end_to_end_on_the_hybrid_store() {
     block_on(async {
-        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
+        let (Some(pg), Some(redis)) = (
+            idempotency_test::stores::postgres().await,
+            services::redis().await,
+        ) else {
             return;
         };
-        let pg = idempotency_postgres::PostgresStore::builder(pg.url())
-            .max_connections(20)
-            .connect()
-            .await
-            .expect("store");
-        pg.migrate().await.expect("migrate");
+        let pg = (*pg).clone();
         let redis = idempotency_redis::RedisStore::builder(redis.url())
             .prefix(idempotency_test::unique("http"));
         let store = idempotency_hybrid::HybridStore::connect(pg, redis)

@@ -10,26 +10,10 @@ use idempotency_test::{
     conformance::{LONG, PAST_SHORT, SHORT, execute, fp, fresh_id},
     services,
 };
-use tokio::sync::OnceCell;
 
 /// The store shared by this binary's tests, migrated once.
 async fn store() -> Option<Arc<PostgresStore>> {
-    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
-    let pg = services::postgres().await?;
-    Some(
-        STORE
-            .get_or_init(|| async {
-                let store = PostgresStore::builder(pg.url())
-                    .max_connections(80)
-                    .connect()
-                    .await
-                    .expect("store");
-                store.migrate().await.expect("migrate");
-                Arc::new(store)
-            })
-            .await
-            .clone(),
-    )
+    idempotency_test::stores::postgres().await
 }
 
 idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });

@@ -4,6 +4,7 @@
 //!   stop, start, pause and unpause them for fault injection;
 //! - [`conformance`]: the store conformance suite and [`conformance_tests!`], which every store
 //!   runs;
+//! - [`stores`]: stores built once per binary on the shared services;
 //! - [`block_on`]: runs a test on the binary's one shared runtime.
 //!
 //! Service-backed tests share one runtime per test binary because connection pools and the
@@ -12,6 +13,7 @@
 
 pub mod conformance;
 pub mod services;
+pub mod stores;
 
 use std::{future::Future, sync::OnceLock};
 
