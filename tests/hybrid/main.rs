@@ -634,3 +634,116 @@ fn a_late_mirror_write_never_answers_after_completion() {
         assert_eq!(store.metrics().breaker_state, BreakerState::Closed);
     });
 }
+
+/// Sends `CLIENT PAUSE <ms> WRITE` on a connection of its own: Redis keeps answering reads
+/// (the peek) while every write (mirrors, repairs, probes that write) waits.
+async fn pause_writes(url: &str, ms: u64) {
+    let client = redis::Client::open(url).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("conn");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("WRITE")
+        .query_async(&mut conn)
+        .await
+        .expect("CLIENT PAUSE");
+}
+
+/// Calls `begin` on fresh keys until the breaker closes (each call may be the probe).
+async fn breaker_closes(store: &HybridStore) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let id = idempotency_test::conformance::fresh_id();
+        if let Ok(Begin::Execute(token)) = store.begin(&id, &Fingerprint::of(b"p"), LEASE).await {
+            let _ = store.release(&id, token).await;
+        }
+        if store.metrics().breaker_state == BreakerState::Closed {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// The reported defect: a probe cancelled by a client hang-up left the breaker half-open for
+/// good, and the fast path never came back. Here the probe is a `renew` whose Redis write
+/// hangs (writes paused) and whose caller gives up first.
+#[test]
+fn a_cancelled_breaker_probe_does_not_keep_redis_off() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let fp = Fingerprint::of(b"probe");
+        assert!(breaker_closes(&store).await, "Redis answers at the start");
+
+        pause_writes(redis.url(), 2_000).await;
+        // Mirror writes time out: three failures open the breaker.
+        let owned = idempotency_test::conformance::fresh_id();
+        let Begin::Execute(token) = store.begin(&owned, &fp, LEASE).await.expect("begin") else {
+            panic!("execute")
+        };
+        while store.metrics().breaker_state != BreakerState::Open {
+            let id = idempotency_test::conformance::fresh_id();
+            store.begin(&id, &fp, LEASE).await.expect("begin");
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await; // past the first backoff
+        // The next Redis call is the probe; its write hangs and its caller hangs up.
+        let probe = tokio::time::timeout(
+            Duration::from_millis(100),
+            store.renew(&owned, token, LEASE),
+        );
+        assert!(probe.await.is_err(), "the probe's caller gave up first");
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
+
+        tokio::time::sleep(Duration::from_millis(2_000)).await; // the pause ends
+        assert!(
+            breaker_closes(&store).await,
+            "the breaker must close once Redis answers: {:?}",
+            store.metrics()
+        );
+    });
+}
+
+/// The cancellation sweep on the hybrid with Redis stalled: writes paused for a second at a
+/// time (reads still answering, as in the reported hang-up-mid-claim defect), while every
+/// operation is dropped at each of its polls. Afterwards the breaker closes again.
+#[test]
+fn cancellation_sweep_with_redis_writes_stalled() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        let store = Arc::new(hybrid(pg_store(pg.url()).await, redis.url()).await);
+        let url = redis.url().to_owned();
+        let stalls = tokio::spawn(async move {
+            loop {
+                pause_writes(&url, 1_000).await;
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
+            }
+        });
+        let report = idempotency_test::conformance::sweep(&*store).await;
+        stalls.abort();
+        println!(
+            "sweep with Redis writes stalled: {report:?}, {:?}",
+            store.metrics()
+        );
+        assert!(report.dropped > 0, "{report:?}");
+        tokio::time::sleep(Duration::from_millis(1_000)).await; // the last pause ends
+        assert!(
+            breaker_closes(&store).await,
+            "the breaker must close once Redis answers: {:?}",
+            store.metrics()
+        );
+    });
+}

@@ -6,7 +6,9 @@ use futures::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
 use tokio::time::Instant;
 
-use crate::{Begin, Error, Fingerprint, IdempotencyKey, Outcome, Policy, RecordId, Scope, Store};
+use crate::{
+    Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
+};
 
 /// What [`Executor::run`] returns when the operation's result is known.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,8 +39,15 @@ pub enum RunError<E> {
     /// The operation panicked; the key was released.
     #[error("the operation panicked and was released for a retry")]
     Panicked,
-    /// The store failed: unavailable (nothing ran), or the lease was lost before the result
-    /// could be stored (the operation ran; whoever took over decides the stored result).
+    /// **The operation ran; its outcome was not stored.** Storing it failed for a whole
+    /// lease of retries (the store is down), or another attempt took the key over first.
+    /// Do not treat this as "nothing happened": the effect took place. A redelivery after
+    /// the lease runs the operation again unless the effect itself is idempotent (a unique
+    /// constraint on the record id), so alert on it, and prefer to acknowledge the message.
+    #[error("the operation ran; its outcome was not stored: {0}")]
+    NotStored(#[source] Error),
+    /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
+    /// result does not decode.
     #[error(transparent)]
     Store(Error),
 }
@@ -52,6 +61,17 @@ pub enum RunError<E> {
 /// it. A crash leaves the lease to expire, after which a redelivery runs again: make the
 /// effect itself idempotent (a unique constraint on the record id, or
 /// `PostgresStore::complete_in` in the effect's transaction) where that window matters.
+///
+/// A failing `complete` is retried, renewing the lease, for up to one lease (the store
+/// accepts a late completion as long as nobody took over); if it still fails the answer is
+/// [`RunError::NotStored`] — "it ran" — never an error that reads as "nothing ran".
+///
+/// # Cancellation
+///
+/// Dropping the future of [`Executor::run`] (a `select!`, a timeout, a shutdown) never leaves
+/// the key claimed by nobody: dropped while the operation runs, the operation is cancelled at
+/// its await point and the key released, as for an `Err`; dropped after the operation
+/// returned `Ok`, its outcome is still stored, by a task of its own.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -127,6 +147,16 @@ impl<S: Store + ?Sized> Executor<S> {
             Err(error) => return Err(RunError::Store(error)),
         };
 
+        // From here the lease is ours: if this future is dropped, the guard gives it back (or,
+        // once the result is known, stores it) in a task of its own.
+        let mut guard = LeaseGuard {
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+            id,
+            token,
+            outcome: None,
+            settled: false,
+        };
         let operation = AssertUnwindSafe(op()).catch_unwind();
         tokio::pin!(operation);
         let every = self.policy.renew_every();
@@ -141,34 +171,128 @@ impl<S: Store + ?Sized> Executor<S> {
                 }
             }
         };
-        let release = || async {
-            if let Err(error) = self.store.release(&id, token).await {
-                tracing::warn!(%error, record = %id, "could not release the lease; it expires by itself");
-            }
-        };
         match result {
             Err(_panic) => {
-                release().await;
+                guard.release().await;
                 Err(RunError::Panicked)
             }
             Ok(Err(error)) => {
-                release().await;
+                guard.release().await;
                 Err(RunError::Failed(error))
             }
             Ok(Ok(value)) => {
-                let body = serde_json::to_vec(&value).map_err(|e| {
-                    RunError::Store(Error::Corrupt(format!("result does not serialise: {e}")))
-                })?;
-                let outcome = Outcome::new(200).with_body(body);
-                self.store
-                    .complete(&id, token, &outcome, self.policy.retention())
-                    .await
-                    .map_err(RunError::Store)?;
+                let body = match serde_json::to_vec(&value) {
+                    Ok(body) => body,
+                    Err(e) => {
+                        guard.release().await;
+                        return Err(RunError::Store(Error::Corrupt(format!(
+                            "result does not serialise: {e}"
+                        ))));
+                    }
+                };
+                let outcome = guard
+                    .outcome
+                    .insert(Outcome::new(200).with_body(body))
+                    .clone();
+                let stored =
+                    complete_retrying(&*self.store, &id, token, &outcome, &self.policy).await;
+                guard.settled = true;
+                stored.map_err(RunError::NotStored)?;
                 Ok(Executed {
                     value,
                     replayed: false,
                 })
             }
+        }
+    }
+}
+
+/// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.
+struct LeaseGuard<S: Store + ?Sized> {
+    store: Arc<S>,
+    policy: Policy,
+    id: RecordId,
+    token: LeaseToken,
+    /// Set once the operation succeeded: then dropping stores it instead of releasing.
+    outcome: Option<Outcome>,
+    settled: bool,
+}
+
+impl<S: Store + ?Sized> LeaseGuard<S> {
+    async fn release(&mut self) {
+        if let Err(error) = self.store.release(&self.id, self.token).await {
+            tracing::warn!(%error, record = %self.id, "could not release the lease; it expires by itself");
+        }
+        self.settled = true;
+    }
+}
+
+impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // the runtime is gone: the lease expires by itself
+        };
+        let (store, policy, id, token) =
+            (self.store.clone(), self.policy.clone(), self.id, self.token);
+        match self.outcome.take() {
+            Some(outcome) => runtime.spawn(async move {
+                if let Err(error) = complete_retrying(&*store, &id, token, &outcome, &policy).await {
+                    tracing::error!(%error, record = %id, "the operation ran; its outcome was not stored");
+                }
+            }),
+            None => runtime.spawn(async move {
+                if let Err(error) = store.release(&id, token).await {
+                    tracing::warn!(%error, record = %id, "could not release the lease of a cancelled run; it expires by itself");
+                }
+            }),
+        };
+    }
+}
+
+/// Stores `outcome` for `token`, retrying an unavailable store with backoff (renewing the
+/// lease between tries) for up to one lease of `policy`: a store blip must not lose the
+/// outcome of an operation that ran, since the retry would run it again.
+///
+/// `Ok` once stored (also when an earlier try had landed without its answer arriving: the
+/// store's `complete` is idempotent for its token). `Err(LeaseLost)` when another attempt
+/// took the key over; the last `Unavailable` when the store stayed down for the whole lease.
+/// The HTTP layer and [`Executor`] both complete through it.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotency_core::{complete_retrying, Begin, Fingerprint, IdempotencyKey, MemoryStore, Outcome, Policy, RecordId, Scope, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let id = RecordId::new(&Scope::new("s"), &IdempotencyKey::new("k").unwrap());
+/// let Ok(Begin::Execute(token)) = store.begin(&id, &Fingerprint::of(b""), Duration::from_secs(30)).await else { panic!() };
+/// complete_retrying(&store, &id, token, &Outcome::new(201), &Policy::default()).await.unwrap();
+/// # }
+/// ```
+pub async fn complete_retrying<S: Store + ?Sized>(
+    store: &S,
+    id: &RecordId,
+    token: LeaseToken,
+    outcome: &Outcome,
+    policy: &Policy,
+) -> Result<(), Error> {
+    let give_up = Instant::now() + policy.lease();
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match store.complete(id, token, outcome, policy.retention()).await {
+            Ok(()) => return Ok(()),
+            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
+                tracing::warn!(%error, record = %id, "storing the outcome failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                // Keeps the lease ours meanwhile; a late completion is accepted anyway as
+                // long as nobody took over, so a failed renewal is no reason to stop.
+                let _ = store.renew(id, token, policy.lease()).await;
+            }
+            Err(error) => return Err(error),
         }
     }
 }

@@ -18,6 +18,7 @@
 //! Backends live in their own crates (`idempotency-postgres`, `idempotency-redis`, …); most
 //! applications depend on the `idempotency` facade instead of this crate.
 
+mod detach;
 mod executor;
 mod fingerprint;
 mod key;
@@ -27,11 +28,12 @@ mod policy;
 mod purge;
 mod store;
 
-pub use executor::{Executed, Executor, RunError};
+pub use detach::{GrantsLease, detached_claim};
+pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
 pub use outcome::{DecodeError, Outcome};
 pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, spawn_purger};
-pub use store::{Begin, BoxError, Error, LeaseToken, Result, Store};
+pub use store::{Begin, BoxError, Error, LATE_COMPLETION_GRACE, LeaseToken, Result, Store};

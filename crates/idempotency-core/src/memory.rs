@@ -9,7 +9,9 @@ use std::{
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use crate::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use crate::{
+    Begin, Error, Fingerprint, LATE_COMPLETION_GRACE, LeaseToken, Outcome, RecordId, Result, Store,
+};
 
 /// A [`Store`] in this process's memory.
 ///
@@ -46,6 +48,9 @@ enum State {
         lease_until: Instant,
     },
     Completed {
+        /// The token that completed it: a repeated `complete` by the same owner (its first
+        /// answer was lost) succeeds without changing anything.
+        token: LeaseToken,
         outcome: Outcome,
         expires_at: Instant,
     },
@@ -84,7 +89,10 @@ impl MemoryStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs `f` on the record if `token` owns it and its lease is live.
+    /// Runs `f` on the record if `token` owns it: in flight under this token, whether or not
+    /// its lease has run out. An expired lease that nobody took over still belongs to its
+    /// token (a takeover would have replaced it), so a late `complete` is accepted rather
+    /// than leaving the key to run a second time.
     fn with_owned<T>(
         &self,
         id: &RecordId,
@@ -92,16 +100,11 @@ impl MemoryStore {
         f: impl FnOnce(&mut HashMap<RecordId, Record>) -> T,
     ) -> Result<T> {
         let mut records = self.lock();
-        let now = Instant::now();
         match records.get(id) {
             Some(Record {
-                state:
-                    State::InFlight {
-                        token: owner,
-                        lease_until,
-                    },
+                state: State::InFlight { token: owner, .. },
                 ..
-            }) if *owner == token && *lease_until > now => Ok(f(&mut records)),
+            }) if *owner == token => Ok(f(&mut records)),
             _ => Err(Error::LeaseLost),
         }
     }
@@ -144,9 +147,21 @@ impl Store for MemoryStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
+        {
+            let records = self.lock();
+            if let Some(Record {
+                state: State::Completed { token: owner, .. },
+                ..
+            }) = records.get(id)
+                && *owner == token
+            {
+                return Ok(()); // completed by this token already: the first outcome stands
+            }
+        }
         self.with_owned(id, token, |records| {
             if let Some(record) = records.get_mut(id) {
                 record.state = State::Completed {
+                    token,
                     outcome: outcome.clone(),
                     expires_at: Instant::now() + retention,
                 };
@@ -177,7 +192,11 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expired: Vec<RecordId> = records
             .iter()
-            .filter(|(_, r)| !r.is_live(now))
+            .filter(|(_, r)| match r.state {
+                // An expired lease stays a while for its owner's late completion.
+                State::InFlight { lease_until, .. } => lease_until + LATE_COMPLETION_GRACE <= now,
+                State::Completed { expires_at, .. } => expires_at <= now,
+            })
             .map(|(id, _)| *id)
             .take(batch)
             .collect();

@@ -7,6 +7,11 @@ use uuid::Uuid;
 
 use crate::{Fingerprint, Outcome, RecordId};
 
+/// How long an expired lease that nobody took over stays in the store, so that its owner's
+/// late `complete` or `release` is still accepted: the purge leaves it alone this long, and
+/// Redis keeps it this long past its lease. A `begin` takes it over at once regardless.
+pub const LATE_COMPLETION_GRACE: Duration = Duration::from_secs(3600);
+
 /// A boxed error from a backend client.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -111,8 +116,26 @@ pub enum Begin {
 /// - On a live record with another fingerprint it returns `Mismatch`; with the same
 ///   fingerprint `Replay` when completed and `InFlight` while leased.
 /// - `complete`, `release` and `renew` succeed only while the token owns the record, and
-///   otherwise return [`Error::LeaseLost`] and change nothing.
-/// - Times come from the store's own clock, never the caller's.
+///   otherwise return [`Error::LeaseLost`] and change nothing. A token owns an in-flight
+///   record until another `begin` takes it over — **even after its lease ran out**: a late
+///   `complete` from a slow owner is accepted as long as nobody took over (and for at most
+///   [`LATE_COMPLETION_GRACE`]), so a store blip never causes a second execution. Once
+///   another attempt took over, the old token is fenced off for good.
+/// - `complete` is idempotent for its token: repeating it after a lost answer returns `Ok`
+///   and keeps the first outcome.
+/// - Times come from the store's own clock, never the caller's, read when the write happens.
+///
+/// # Cancellation
+///
+/// Every future of this trait may be dropped at any await (a client hang-up, an outer
+/// timeout, a `select!`). Implementations guarantee:
+///
+/// - **`begin`**: dropped, or answered `Unavailable`, it leaves no claim behind that nobody
+///   holds: a lease it granted meanwhile is released (see [`detached_claim`](crate::detached_claim)).
+/// - **`complete`**, **`release`**, **`renew`**: dropped or `Unavailable`, the write may or
+///   may not have happened; the caller still holds the token and repeats the call
+///   (`complete` is idempotent, a repeated `release` answers `LeaseLost` once it landed).
+///   If nobody repeats it, the lease expires and the key is answerable again.
 ///
 /// The trait is object safe: applications pick a store at run time and hold an
 /// `Arc<dyn Store>`.
@@ -146,7 +169,8 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> Result<Begin>;
 
-    /// Stores the outcome and keeps it for `retention`, if `token` still owns the record.
+    /// Stores the outcome and keeps it for `retention` (from when the write lands, store
+    /// clock), if `token` still owns the record; `Ok` again if `token` already completed it.
     async fn complete(
         &self,
         id: &RecordId,
@@ -162,8 +186,9 @@ pub trait Store: Send + Sync + 'static {
     /// Extends the lease to `lease` from now (store clock), if `token` still owns the record.
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()>;
 
-    /// Deletes up to `batch` records that are past their retention or whose lease expired;
-    /// returns how many. Stores whose records expire by themselves return 0.
+    /// Deletes up to `batch` records that are past their retention, or whose lease expired
+    /// more than [`LATE_COMPLETION_GRACE`] ago; returns how many. Stores whose records expire
+    /// by themselves return 0.
     async fn purge_expired(&self, batch: usize) -> Result<u64>;
 
     /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).

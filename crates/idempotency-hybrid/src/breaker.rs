@@ -92,18 +92,39 @@ impl Breaker {
         }
     }
 
-    /// Whether this call may use Redis. When an open period has ended, the first caller
-    /// becomes the probe and everyone else keeps going to Postgres until it reports.
-    pub(crate) fn allow(&self) -> bool {
+    /// Whether this call may use Redis: a permit to report the call's result on, or `None`.
+    /// When an open period has ended, the first caller becomes the probe and everyone else
+    /// keeps going to Postgres until it reports.
+    ///
+    /// A permit dropped without a report (the call was cancelled: a client hung up, a
+    /// timeout fired) says nothing about Redis. A dropped probe therefore hands the probe on:
+    /// the breaker goes back to open with the same backoff, already over, so the next call
+    /// probes. Without that, a cancelled probe would leave the breaker half-open for good.
+    pub(crate) fn allow(&self) -> Option<Permit<'_>> {
         let mut inner = self.lock();
-        match *inner {
-            Inner::Closed { .. } => true,
+        let probe = match *inner {
+            Inner::Closed { .. } => false,
             Inner::Open { until, backoff } if Instant::now() >= until => {
                 *inner = Inner::HalfOpen { backoff };
                 tracing::info!("Redis breaker half-open: probing");
                 true
             }
-            Inner::Open { .. } | Inner::HalfOpen { .. } => false,
+            Inner::Open { .. } | Inner::HalfOpen { .. } => return None,
+        };
+        Some(Permit {
+            breaker: self,
+            probe,
+            reported: false,
+        })
+    }
+
+    fn abandon_probe(&self) {
+        let mut inner = self.lock();
+        if let Inner::HalfOpen { backoff } = *inner {
+            *inner = Inner::Open {
+                until: Instant::now(),
+                backoff,
+            };
         }
     }
 
@@ -141,6 +162,36 @@ impl Breaker {
     }
 }
 
+/// One admitted Redis call; report its result with [`Permit::success`] or
+/// [`Permit::failure`]. See [`Breaker::allow`] for what dropping it does.
+#[derive(Debug)]
+pub(crate) struct Permit<'a> {
+    breaker: &'a Breaker,
+    probe: bool,
+    reported: bool,
+}
+
+impl Permit<'_> {
+    pub(crate) fn success(mut self) {
+        self.reported = true;
+        self.breaker.success();
+    }
+
+    pub(crate) fn failure(mut self) {
+        self.reported = true;
+        self.breaker.failure();
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe && !self.reported {
+            tracing::debug!("Redis breaker probe cancelled; the next call probes");
+            self.breaker.abandon_probe();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,17 +207,43 @@ mod tests {
         assert!(!breaker.allow());
 
         tokio::time::advance(Duration::from_millis(250)).await;
-        assert!(breaker.allow(), "the first caller after the backoff probes");
-        assert!(!breaker.allow(), "only one probe at a time");
-        breaker.failure();
+        let probe = breaker
+            .allow()
+            .expect("the first caller after the backoff probes");
+        assert!(breaker.allow().is_none(), "only one probe at a time");
+        probe.failure();
         assert_eq!(breaker.state(), BreakerState::Open);
         tokio::time::advance(Duration::from_millis(250)).await;
-        assert!(!breaker.allow(), "a failed probe doubles the backoff");
+        assert!(
+            breaker.allow().is_none(),
+            "a failed probe doubles the backoff"
+        );
         tokio::time::advance(Duration::from_millis(250)).await;
-        assert!(breaker.allow());
-        breaker.success();
+        breaker.allow().expect("probe").success();
         assert_eq!(breaker.state(), BreakerState::Closed);
         assert_eq!(breaker.opened.load(Ordering::Relaxed), 2);
         assert_eq!(breaker.closed.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_probe_hands_the_probe_on() {
+        let breaker = Breaker::new(BreakerConfig::default());
+        for _ in 0..3 {
+            breaker.failure();
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let probe = breaker.allow().expect("probe");
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        drop(probe); // the probing call was cancelled before Redis answered
+        assert_eq!(breaker.state(), BreakerState::Open);
+        breaker
+            .allow()
+            .expect("the next call probes at once")
+            .success();
+        assert_eq!(breaker.state(), BreakerState::Closed);
+
+        // A cancelled call while closed reports nothing either way.
+        drop(breaker.allow().expect("closed"));
+        assert_eq!(breaker.state(), BreakerState::Closed);
     }
 }

@@ -10,7 +10,9 @@ use std::{
 };
 
 use async_trait::async_trait;
-use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use idempotency_core::{
+    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+};
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore};
 use tokio::time::Instant;
@@ -159,35 +161,38 @@ impl HybridStore {
 
     /// Runs a Redis call through the breaker. `None` means "Redis had nothing to say": it is
     /// skipped (breaker open), failed or timed out. Never an error: Redis is an optimisation.
+    ///
+    /// Cancel-safe: the breaker permit reports nothing when dropped (a dropped probe hands
+    /// the probe to the next call), and repairs taken for this call go back in the queue.
     async fn try_redis<T>(&self, call: impl Future<Output = Result<T>>) -> Option<T> {
         let s = &self.inner;
-        if !s.breaker.allow() {
+        let Some(permit) = s.breaker.allow() else {
             s.fallbacks.fetch_add(1, Ordering::Relaxed);
             return None;
-        }
+        };
         // Stale mirrors go first: on this FIFO connection the deletes run after any late
         // write, and before the call reads.
         if !self.repair_mirrors().await {
             s.redis_errors.fetch_add(1, Ordering::Relaxed);
             s.fallbacks.fetch_add(1, Ordering::Relaxed);
-            s.breaker.failure();
+            permit.failure();
             return None;
         }
         match call.await {
             Ok(value) => {
-                s.breaker.success();
+                permit.success();
                 Some(value)
             }
             Err(Error::Unavailable(error)) => {
                 s.redis_errors.fetch_add(1, Ordering::Relaxed);
                 s.fallbacks.fetch_add(1, Ordering::Relaxed);
-                s.breaker.failure();
+                permit.failure();
                 tracing::debug!(%error, "Redis call failed; Postgres serves alone");
                 None
             }
             // Redis answered (so it is up) but with something unusable: ignore the answer.
             Err(error) => {
-                s.breaker.success();
+                permit.success();
                 s.redis_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%error, "unusable answer from Redis; asking Postgres");
                 None
@@ -230,42 +235,90 @@ impl HybridStore {
             return true;
         }
         let _repairing = s.repairing.lock().await;
-        let pending = std::mem::take(
-            &mut *s
+        // Whatever this call does not finish (it failed, or it was dropped mid-way) goes back
+        // in the queue when `pending` drops.
+        let mut pending = Requeue {
+            shared: s,
+            items: s
                 .repairs
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        let mut healthy = true;
-        if !pending.is_empty() {
-            // Concurrent: the deletes pipeline on the multiplexed connection.
-            let results = futures::future::join_all(
-                pending
-                    .iter()
-                    .map(|(id, token)| self.redis.release(id, *token)),
-            )
-            .await;
-            let failed: Vec<_> = pending
-                .into_iter()
-                .zip(results)
-                .filter(|(_, r)| matches!(r, Err(Error::Unavailable(_))))
-                .map(|(repair, _)| repair)
-                .collect();
-            if !failed.is_empty() {
-                healthy = false;
-                s.repairs
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .extend(failed);
-            }
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .drain(..)
+                .collect(),
+        };
+        if pending.items.is_empty() {
+            return true;
         }
-        healthy
+        // Concurrent: the deletes pipeline on the multiplexed connection.
+        let results = futures::future::join_all(
+            pending
+                .items
+                .iter()
+                .map(|(id, token)| self.redis.release(id, *token)),
+        )
+        .await;
+        let failed: Vec<_> = pending
+            .items
+            .drain(..)
+            .zip(results)
+            .filter(|(_, r)| matches!(r, Err(Error::Unavailable(_))))
+            .map(|(repair, _)| repair)
+            .collect();
+        pending.items = failed;
+        pending.items.is_empty()
+    }
+
+    /// Remembers the mirror of this lease as possibly stale unless the Redis step that
+    /// fixes it finishes: failed, skipped or dropped mid-way, it is repaired later.
+    fn repair_unless_done(&self, id: &RecordId, token: LeaseToken) -> RepairOnDrop<'_> {
+        RepairOnDrop {
+            store: self,
+            record: Some((*id, token)),
+        }
     }
 }
 
-#[async_trait]
-impl Store for HybridStore {
-    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+/// Repairs taken out of the queue; those still here when it drops go back.
+struct Requeue<'a> {
+    shared: &'a Shared,
+    items: Vec<(RecordId, LeaseToken)>,
+}
+
+impl Drop for Requeue<'_> {
+    fn drop(&mut self) {
+        if !self.items.is_empty() {
+            self.shared
+                .repairs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(self.items.drain(..));
+        }
+    }
+}
+
+/// See [`HybridStore::repair_unless_done`].
+struct RepairOnDrop<'a> {
+    store: &'a HybridStore,
+    record: Option<(RecordId, LeaseToken)>,
+}
+
+impl RepairOnDrop<'_> {
+    fn done(mut self) {
+        self.record = None;
+    }
+}
+
+impl Drop for RepairOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some((id, token)) = self.record.take() {
+            self.store.needs_repair(&id, token);
+        }
+    }
+}
+
+impl HybridStore {
+    /// `begin`'s steps, run to their end by [`detached_claim`].
+    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         // 1. Redis holds only what Postgres decided, so whatever it finds is the answer.
         match self.try_redis(self.redis.peek(id, fp)).await {
             Some(Peek::Found(answer)) => {
@@ -295,6 +348,24 @@ impl Store for HybridStore {
         }
         Ok(answer)
     }
+}
+
+#[async_trait]
+impl Store for HybridStore {
+    /// Cancel-safe: the steps (in `claim`) run in a task of their own, and a lease granted
+    /// after the caller went away is released (see [`detached_claim`]).
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+        let claim = async move { this.claim(&id, &fp, lease).await };
+        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(async move {
+                if let Err(error) = releaser.release(&id, token).await {
+                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
+                }
+            })
+        };
+        detached_claim(claim, release).await
+    }
 
     async fn complete(
         &self,
@@ -311,14 +382,20 @@ impl Store for HybridStore {
             .pg
             .complete_with_fingerprint(id, token, outcome, retention)
             .await?;
+        let Some(fp) = fp else {
+            // This token had completed it before: the first call cached (or queued a repair
+            // for) the outcome that stands; `outcome` here was not stored.
+            return Ok(());
+        };
         let ttl = retention.saturating_sub(sent.elapsed());
-        let cached = !ttl.is_zero()
+        let repair = self.repair_unless_done(id, token);
+        if !ttl.is_zero()
             && self
                 .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
                 .await
-                .is_some();
-        if !cached {
-            self.needs_repair(id, token);
+                .is_some()
+        {
+            repair.done();
         }
         Ok(())
     }
@@ -329,7 +406,8 @@ impl Store for HybridStore {
             return Ok(()); // no mirror to drop
         }
         // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
-        // "in flight" until the mirror's TTL (the lease) ends, and never execute twice.
+        // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
+        let repair = self.repair_unless_done(id, token);
         let dropped = self
             .try_redis(async {
                 match self.redis.release(id, token).await {
@@ -338,8 +416,8 @@ impl Store for HybridStore {
                 }
             })
             .await;
-        if dropped.is_none() {
-            self.needs_repair(id, token);
+        if dropped.is_some() {
+            repair.done();
         }
         Ok(())
     }

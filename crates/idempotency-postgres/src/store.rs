@@ -3,7 +3,9 @@
 use std::{future::Future, time::Duration};
 
 use async_trait::async_trait;
-use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use idempotency_core::{
+    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+};
 use sqlx::{
     PgConnection, PgPool,
     postgres::{PgConnectOptions, PgPoolOptions},
@@ -85,10 +87,16 @@ impl PostgresStoreBuilder {
             .url
             .parse()
             .map_err(|e| Error::Config(format!("invalid Postgres URL: {e}")))?;
-        let options = options.options([(
-            "statement_timeout",
-            self.statement_timeout.as_millis().to_string(),
-        )]);
+        // The statements assume READ COMMITTED (a conflicting insert waits, then re-reads;
+        // a takeover re-checks the row it waited on). Pin it, so a server whose default is
+        // SERIALIZABLE does not turn ordinary races into serialization failures.
+        let options = options.options([
+            (
+                "statement_timeout",
+                self.statement_timeout.as_millis().to_string(),
+            ),
+            ("default_transaction_isolation", "read committed".to_owned()),
+        ]);
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
@@ -106,6 +114,14 @@ pub fn migrator() -> sqlx::migrate::Migrator {
     let mut migrator = sqlx::migrate!("../../migrations");
     migrator.dangerous_set_table_name("_idempotency_migrations");
     migrator
+}
+
+/// Whether a statement failed only because it raced another under a stricter isolation
+/// level than the store assumes (a pool the application configured): run it again.
+fn is_serialization_race(error: &Error) -> bool {
+    matches!(error, Error::Unavailable(source)
+        if source.downcast_ref::<sqlx::Error>().is_some_and(|e| matches!(e,
+            sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))))
 }
 
 fn db_error(error: sqlx::Error) -> Error {
@@ -136,6 +152,11 @@ type BeginRow = (
 /// The live row as `begin` reads it.
 type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
 
+// Every expiry is computed with `clock_timestamp()`, the time at which the row is written:
+// `now()` is the start of the transaction, so a statement that waited on a row lock (or ran
+// inside a long caller transaction, `complete_in`) would grant a lease, or a retention, that
+// is partly or wholly over already.
+
 /// Claims the key, or reads the live row, in one statement. The second SELECT runs in the
 /// statement's snapshot, so it sees rows committed before the statement started (the usual
 /// replay) but not a row whose concurrent insert made ours conflict: that case returns no
@@ -143,50 +164,65 @@ type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
 const BEGIN_SQL: &str = "
 WITH ins AS (
     INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at)
-    VALUES ($1, $2, 0, $3, now() + $4 * interval '1 millisecond')
+    VALUES ($1, $2, 0, $3, clock_timestamp() + $4 * interval '1 millisecond')
     ON CONFLICT (record_id) DO NOTHING
     RETURNING record_id
 )
 SELECT true, NULL::bytea, NULL::smallint, NULL::bytea, NULL::float8 FROM ins
 UNION ALL
 SELECT false, fingerprint, state, response,
-       (extract(epoch FROM expires_at - now()) * 1000)::float8
+       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
 FROM idempotency_keys WHERE record_id = $1 AND NOT EXISTS (SELECT 1 FROM ins)";
 
 const READ_SQL: &str = "
-SELECT fingerprint, state, response, (extract(epoch FROM expires_at - now()) * 1000)::float8
+SELECT fingerprint, state, response, (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
 FROM idempotency_keys WHERE record_id = $1";
 
 /// Compare-and-set takeover of an expired row. Under READ COMMITTED a concurrent takeover
-/// blocks on the row lock, re-checks `expires_at <= now()` against the new version and
-/// updates nothing: exactly one taker wins.
+/// blocks on the row lock, re-checks `expires_at <= clock_timestamp()` against the new
+/// version and updates nothing: exactly one taker wins. A late `complete` of the old owner
+/// that committed first makes the row live again, and the takeover updates nothing.
 const TAKEOVER_SQL: &str = "
 UPDATE idempotency_keys
-SET fingerprint = $2, state = 0, lease_token = $3, expires_at = now() + $4 * interval '1 millisecond',
-    status = NULL, response = NULL, created_at = now(), completed_at = NULL
-WHERE record_id = $1 AND expires_at <= now()";
+SET fingerprint = $2, state = 0, lease_token = $3,
+    expires_at = clock_timestamp() + $4 * interval '1 millisecond',
+    status = NULL, response = NULL, created_at = clock_timestamp(), completed_at = NULL
+WHERE record_id = $1 AND expires_at <= clock_timestamp()";
 
-/// Every write below is fenced: the token must own a live in-flight row.
+/// Every write below is fenced: the token must own the in-flight row. Its lease may have run
+/// out: a takeover replaces the token, so a row still carrying it was taken by nobody, and a
+/// late completion is better than a second execution. Completing again with the same token
+/// (the first answer was lost) returns the row's fingerprint and changes nothing.
 const COMPLETE_SQL: &str = "
-UPDATE idempotency_keys
-SET state = 1, status = $3, response = $4, completed_at = now(),
-    expires_at = now() + $5 * interval '1 millisecond'
-WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()
-RETURNING fingerprint";
+WITH done AS (
+    UPDATE idempotency_keys
+    SET state = 1, status = $3, response = $4, completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + $5 * interval '1 millisecond'
+    WHERE record_id = $1 AND lease_token = $2 AND state = 0
+    RETURNING fingerprint
+)
+SELECT fingerprint, true FROM done
+UNION ALL
+SELECT fingerprint, false FROM idempotency_keys
+WHERE record_id = $1 AND lease_token = $2 AND state = 1 AND NOT EXISTS (SELECT 1 FROM done)";
 
 const RELEASE_SQL: &str = "
-DELETE FROM idempotency_keys
-WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+DELETE FROM idempotency_keys WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 
 const RENEW_SQL: &str = "
-UPDATE idempotency_keys SET expires_at = now() + $3 * interval '1 millisecond'
-WHERE record_id = $1 AND lease_token = $2 AND state = 0 AND expires_at > now()";
+UPDATE idempotency_keys SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 
 /// Bounded and `SKIP LOCKED`: two purgers split the work, and rows a live `begin` or
-/// `complete` is updating are skipped rather than waited on.
+/// `complete` is updating are skipped rather than waited on. (`now()` here, not
+/// `clock_timestamp()`: a volatile bound would keep the index on `expires_at` out of use.)
+/// An expired lease is left alone for `$2` ms (`LATE_COMPLETION_GRACE`), for its owner's
+/// late completion.
 const PURGE_SQL: &str = "
 DELETE FROM idempotency_keys WHERE record_id IN (
-    SELECT record_id FROM idempotency_keys WHERE expires_at < now()
+    SELECT record_id FROM idempotency_keys
+    WHERE expires_at < now()
+      AND (state = 1 OR expires_at < now() - $2 * interval '1 millisecond')
     LIMIT $1 FOR UPDATE SKIP LOCKED
 )";
 
@@ -241,7 +277,8 @@ impl PostgresStore {
     /// caller releases it) and a retry executes again, finding no business row.
     ///
     /// The row stays locked until the transaction ends; a concurrent `begin` on the same key
-    /// sees it in flight meanwhile.
+    /// sees it in flight meanwhile. The retention counts from when the row is written
+    /// (`clock_timestamp()`), not from the start of the caller's transaction.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -271,14 +308,15 @@ impl PostgresStore {
     }
 
     /// Completes and returns the record's fingerprint (one statement): what a cache in front
-    /// of Postgres needs to store the outcome under.
+    /// of Postgres needs to store the outcome under. `None` when this token had completed the
+    /// record already: `outcome` was not stored (the first one stands), so must not be cached.
     pub async fn complete_with_fingerprint(
         &self,
         id: &RecordId,
         token: LeaseToken,
         outcome: &Outcome,
         retention: Duration,
-    ) -> Result<Fingerprint> {
+    ) -> Result<Option<Fingerprint>> {
         self.timed(async {
             let mut conn = self.pool.acquire().await.map_err(db_error)?;
             Self::complete_returning(&mut conn, id, token, outcome, retention).await
@@ -292,8 +330,8 @@ impl PostgresStore {
         token: LeaseToken,
         outcome: &Outcome,
         retention: Duration,
-    ) -> Result<Fingerprint> {
-        let row: Option<(Vec<u8>,)> = sqlx::query_as(COMPLETE_SQL)
+    ) -> Result<Option<Fingerprint>> {
+        let row: Option<(Vec<u8>, bool)> = sqlx::query_as(COMPLETE_SQL)
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
             .bind(outcome.status as i16)
@@ -302,11 +340,11 @@ impl PostgresStore {
             .fetch_optional(conn)
             .await
             .map_err(db_error)?;
-        let (fp,) = row.ok_or(Error::LeaseLost)?;
+        let (fp, fresh) = row.ok_or(Error::LeaseLost)?;
         let fp: [u8; 32] = fp
             .try_into()
             .map_err(|_| Error::Corrupt("fingerprint is not 32 bytes".into()))?;
-        Ok(Fingerprint::from_bytes(fp))
+        Ok(fresh.then(|| Fingerprint::from_bytes(fp)))
     }
 
     /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
@@ -343,7 +381,25 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
     ) -> Result<(Begin, Option<Duration>)> {
-        self.timed(self.begin_inner(id, fp, lease)).await
+        // The claim runs in its own task: if this call is dropped or runs out of budget after
+        // the INSERT committed, the lease it granted is released instead of sitting claimed
+        // by nobody until it expires. The task's own bound is generous (it only has to end).
+        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+        let claim = async move {
+            let budget = this.call_timeout * 4;
+            match tokio::time::timeout(budget, this.begin_inner(&id, &fp, lease)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(Error::unavailable("Postgres claim did not settle")),
+            }
+        };
+        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(async move {
+                if let Err(error) = releaser.release(&id, token).await {
+                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
+                }
+            })
+        };
+        self.timed(detached_claim(claim, release)).await
     }
 
     async fn begin_inner(
@@ -352,52 +408,72 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
     ) -> Result<(Begin, Option<Duration>)> {
-        let id_bytes = &id.as_bytes()[..];
-        let fp_bytes = &fp.as_bytes()[..];
         for _ in 0..MAX_BEGIN_ROUNDS {
-            let token = LeaseToken::generate();
-            let row: Option<BeginRow> = sqlx::query_as(BEGIN_SQL)
-                .bind(id_bytes)
-                .bind(fp_bytes)
-                .bind(token.as_uuid())
-                .bind(millis(lease))
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(db_error)?;
-            let view = match row {
-                Some((true, ..)) => return Ok((Begin::Execute(token), Some(lease))),
-                Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
-                Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
-                // Conflict with a row our snapshot cannot see: read it in a new statement.
-                None => sqlx::query_as::<_, RowView>(READ_SQL)
-                    .bind(id_bytes)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db_error)?,
-            };
-            let Some(view) = view else {
-                continue; // released or purged in between: insert again
-            };
-            if let Some(decision) = Self::decide(fp, view)? {
-                return Ok(decision);
+            match self.begin_round(id, fp, lease).await {
+                Ok(Some(decision)) => return Ok(decision),
+                Ok(None) => {}
+                // Another transaction won the race; under READ COMMITTED this cannot happen,
+                // under a pool configured SERIALIZABLE it can: the next round reads the winner.
+                Err(error) if is_serialization_race(&error) => {}
+                Err(error) => return Err(error),
             }
-            let taken = sqlx::query(TAKEOVER_SQL)
-                .bind(id_bytes)
-                .bind(fp_bytes)
-                .bind(token.as_uuid())
-                .bind(millis(lease))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)?;
-            if taken.rows_affected() == 1 {
-                tracing::info!(record = %id, "took over an expired idempotency lease");
-                return Ok((Begin::Execute(token), Some(lease)));
-            }
-            // Another attempt took it over first: its row decides, in the next round.
         }
         Err(Error::unavailable(
             "begin did not settle: the record changed on every read",
         ))
+    }
+
+    /// One attempt: insert, or read the live row, or take an expired one over. `None` when
+    /// the row changed between two statements and the next round must look again.
+    async fn begin_round(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Option<(Begin, Option<Duration>)>> {
+        let id_bytes = &id.as_bytes()[..];
+        let fp_bytes = &fp.as_bytes()[..];
+        let token = LeaseToken::generate();
+        let row: Option<BeginRow> = sqlx::query_as(BEGIN_SQL)
+            .bind(id_bytes)
+            .bind(fp_bytes)
+            .bind(token.as_uuid())
+            .bind(millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        let view = match row {
+            Some((true, ..)) => return Ok(Some((Begin::Execute(token), Some(lease)))),
+            Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
+            Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
+            // Conflict with a row our snapshot cannot see: read it in a new statement.
+            None => sqlx::query_as::<_, RowView>(READ_SQL)
+                .bind(id_bytes)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?,
+        };
+        let Some(view) = view else {
+            return Ok(None); // released or purged in between: insert again
+        };
+        if let Some(decision) = Self::decide(fp, view)? {
+            return Ok(Some(decision));
+        }
+        let taken = sqlx::query(TAKEOVER_SQL)
+            .bind(id_bytes)
+            .bind(fp_bytes)
+            .bind(token.as_uuid())
+            .bind(millis(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        if taken.rows_affected() == 1 {
+            tracing::info!(record = %id, "took over an expired idempotency lease");
+            return Ok(Some((Begin::Execute(token), Some(lease))));
+        }
+        // Another attempt took it over first (or the owner completed late): its row decides,
+        // in the next round.
+        Ok(None)
     }
 }
 
@@ -458,6 +534,7 @@ impl Store for PostgresStore {
         self.timed(async {
             let done = sqlx::query(PURGE_SQL)
                 .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                .bind(millis(idempotency_core::LATE_COMPLETION_GRACE))
                 .execute(&self.pool)
                 .await
                 .map_err(db_error)?;

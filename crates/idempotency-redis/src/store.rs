@@ -3,7 +3,9 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use idempotency_core::{Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store};
+use idempotency_core::{
+    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+};
 use redis::{
     Cmd, Pipeline, RedisFuture, Script, Value,
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
@@ -228,6 +230,10 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+fn grace_ms() -> String {
+    millis(idempotency_core::LATE_COMPLETION_GRACE).to_string()
+}
+
 fn decode_outcome(bytes: &[u8]) -> Result<Outcome> {
     Outcome::decode(bytes).map_err(|e| Error::Corrupt(e.to_string()))
 }
@@ -340,12 +346,51 @@ impl RedisStore {
         id: &RecordId,
         args: &[&[u8]],
     ) -> Result<T> {
+        self.run_within(self.budget, script, id, args).await
+    }
+
+    async fn run_within<T: redis::FromRedisValue>(
+        &self,
+        budget: Duration,
+        script: &Script,
+        id: &RecordId,
+        args: &[&[u8]],
+    ) -> Result<T> {
         let mut invocation = script.key(self.key(id));
         for arg in args {
             invocation.arg(*arg);
         }
         let mut conn = self.conn.clone();
-        self.timed(invocation.invoke_async(&mut conn)).await
+        match tokio::time::timeout(budget, invocation.invoke_async(&mut conn)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(Error::unavailable(error)),
+            Err(_) => Err(Error::unavailable(format!(
+                "Redis did not answer within {budget:?}"
+            ))),
+        }
+    }
+
+    /// The begin script, run to its end in a task of its own (see [`Store::begin`]).
+    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let token = LeaseToken::generate();
+        let token_text = token.to_string();
+        let lease = millis(lease).to_string();
+        // Longer than the caller waits: an answer that comes late is still read, and a lease
+        // it granted released, rather than left to expire.
+        let value: Value = self
+            .run_within(
+                self.budget * 4,
+                &self.scripts.begin,
+                id,
+                &[
+                    &fp.as_bytes()[..],
+                    token_text.as_bytes(),
+                    lease.as_bytes(),
+                    grace_ms().as_bytes(),
+                ],
+            )
+            .await?;
+        parse_begin(value, token)
     }
 
     /// Reads a record without changing it: what the hybrid store asks before Postgres.
@@ -447,18 +492,25 @@ impl RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
+    /// Cancel-safe: the script runs in a task of its own, and a lease it grants after this
+    /// call was dropped or ran out of budget is released (see [`detached_claim`]).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let token = LeaseToken::generate();
-        let token_text = token.to_string();
-        let lease = millis(lease).to_string();
-        let value: Value = self
-            .run(
-                &self.scripts.begin,
-                id,
-                &[&fp.as_bytes()[..], token_text.as_bytes(), lease.as_bytes()],
-            )
-            .await?;
-        parse_begin(value, token)
+        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+        let claim = async move { this.claim(&id, &fp, lease).await };
+        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(async move {
+                if let Err(error) = releaser.release(&id, token).await {
+                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
+                }
+            })
+        };
+        match tokio::time::timeout(self.budget, detached_claim(claim, release)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(Error::unavailable(format!(
+                "Redis did not answer within {:?}",
+                self.budget
+            ))),
+        }
     }
 
     async fn complete(
@@ -499,7 +551,7 @@ impl Store for RedisStore {
             .run(
                 &self.scripts.renew,
                 id,
-                &[token.as_bytes(), lease.as_bytes()],
+                &[token.as_bytes(), lease.as_bytes(), grace_ms().as_bytes()],
             )
             .await?;
         Self::fenced(done)

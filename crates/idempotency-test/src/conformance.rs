@@ -190,20 +190,100 @@ pub async fn stale_token_changes_nothing(store: &dyn Store) {
     );
 }
 
-/// A token whose lease expired cannot complete even when nobody took over: the next `begin`
-/// may already be executing, and the store cannot tell.
-pub async fn expired_token_cannot_complete(store: &dyn Store) {
+/// A token whose lease expired still owns the record while nobody took over: its late
+/// `complete` is accepted (a slow handler after a store blip must not cause a second
+/// execution), and the next `begin` replays it. A late `release` is accepted too.
+pub async fn late_completion_is_accepted_when_nobody_took_over(store: &dyn Store) {
     let id = fresh_id();
     let token = execute(store, &id, &fp("a"), SHORT).await;
     tokio::time::sleep(PAST_SHORT).await;
-    assert!(matches!(
-        store.complete(&id, token, &sample_outcome(), LONG).await,
-        Err(Error::LeaseLost)
-    ));
+    store
+        .complete(&id, token, &sample_outcome(), LONG)
+        .await
+        .expect("a late completion nobody overtook is accepted");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    store
+        .release(&id, token)
+        .await
+        .expect("a late release nobody overtook is accepted");
     execute(store, &id, &fp("a"), LONG).await;
 }
 
-/// Completing twice, or releasing a completed record, fails and keeps the first outcome.
+/// Takeover versus late completion, in both orders: whichever lands first wins, and the
+/// other changes nothing. Late completion first: the takeover replays it. Takeover first:
+/// the late completion is fenced off and the new owner's outcome stands.
+pub async fn takeover_versus_late_completion_in_both_orders(store: &dyn Store) {
+    let late = Outcome::new(201).with_body("late");
+    // Completion first.
+    let id = fresh_id();
+    let stale = execute(store, &id, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    store
+        .complete(&id, stale, &late, LONG)
+        .await
+        .expect("late complete");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(late.clone())
+    );
+    // Takeover first.
+    let id = fresh_id();
+    let stale = execute(store, &id, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let owner = execute(store, &id, &fp("a"), LONG).await;
+    assert!(matches!(
+        store.complete(&id, stale, &late, LONG).await,
+        Err(Error::LeaseLost)
+    ));
+    store
+        .complete(&id, owner, &sample_outcome(), LONG)
+        .await
+        .expect("complete");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+}
+
+/// Takeover and late completion racing, many keys at once: exactly one wins per key. Either
+/// the completion landed (and the racing `begin` replays it) or the takeover did (and the
+/// completion is `LeaseLost`): never a completion accepted *and* a second execution.
+pub async fn takeover_races_late_completion(store: Arc<dyn Store>) {
+    let late = Outcome::new(201).with_body("late");
+    let mut keys = Vec::new();
+    for _ in 0..16 {
+        let id = fresh_id();
+        keys.push((id, execute(&*store, &id, &fp("a"), SHORT).await));
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    let races = keys.into_iter().map(|(id, stale)| {
+        let (store, late) = (store.clone(), late.clone());
+        async move {
+            let fingerprint = fp("a");
+            let (completed, begun) = tokio::join!(
+                store.complete(&id, stale, &late, LONG),
+                store.begin(&id, &fingerprint, LONG)
+            );
+            match (completed, begun.expect("begin")) {
+                (Ok(()), Begin::Replay(outcome)) => assert_eq!(outcome, late),
+                (Ok(()), other) => panic!("completion accepted, yet begin answered {other:?}"),
+                (Err(Error::LeaseLost), Begin::Execute(_)) => {}
+                (completed, begun) => panic!("unexpected race result {completed:?} / {begun:?}"),
+            }
+        }
+    });
+    futures::future::join_all(races).await;
+}
+
+/// Completing again with the same token is `Ok` and keeps the first outcome (the first
+/// answer may have been lost); releasing or renewing a completed record fails.
 pub async fn completed_record_is_final(store: &dyn Store) {
     let id = fresh_id();
     let token = execute(store, &id, &fp("a"), LONG).await;
@@ -212,10 +292,10 @@ pub async fn completed_record_is_final(store: &dyn Store) {
         .await
         .expect("complete");
     let other = Outcome::new(500);
-    assert!(matches!(
-        store.complete(&id, token, &other, LONG).await,
-        Err(Error::LeaseLost)
-    ));
+    store
+        .complete(&id, token, &other, LONG)
+        .await
+        .expect("completing again with the same token is idempotent");
     assert!(matches!(
         store.release(&id, token).await,
         Err(Error::LeaseLost)
@@ -374,22 +454,32 @@ macro_rules! conformance_tests {
             release_lets_the_next_begin_execute,
             expired_lease_is_taken_over,
             stale_token_changes_nothing,
-            expired_token_cannot_complete,
+            late_completion_is_accepted_when_nobody_took_over,
+            takeover_versus_late_completion_in_both_orders,
             completed_record_is_final,
             renew_extends_the_lease,
             retention_expiry_makes_the_record_absent,
             purge_removes_only_expired_records,
             scopes_are_isolated,
         );
-        #[test]
-        fn concurrent_begins_execute_once() {
-            $crate::block_on(async {
-                let store: Option<std::sync::Arc<dyn $crate::Store>> = $store.await;
-                if let Some(store) = store {
-                    $crate::conformance::concurrent_begins_execute_once(store).await;
-                }
-            });
-        }
+        $crate::conformance_tests!(@shared $store;
+            concurrent_begins_execute_once,
+            takeover_races_late_completion,
+            dropped_calls_leave_the_key_answerable,
+        );
+    };
+    (@shared $store:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::block_on(async {
+                    let store: Option<std::sync::Arc<dyn $crate::Store>> = $store.await;
+                    if let Some(store) = store {
+                        $crate::conformance::$case(store).await;
+                    }
+                });
+            }
+        )*
     };
     (@cases $store:expr; $($case:ident),* $(,)?) => {
         $(
@@ -404,4 +494,188 @@ macro_rules! conformance_tests {
             }
         )*
     };
+}
+
+// ---------------------------------------------------------------------------------------
+// The cancellation sweep.
+
+/// Polls `future` at most `k` times, then drops it: `None` when it was dropped, its output
+/// when it finished within `k` polls. Wake-ups are the real ones (no busy polling), so the
+/// k-th poll is the k-th time the future had something to do: the sweep below drops every
+/// future at each of its await points in turn.
+pub async fn drop_at_poll<F: std::future::Future>(future: F, k: usize) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut polls = 0;
+    std::future::poll_fn(move |cx| {
+        polls += 1;
+        match future.as_mut().poll(cx) {
+            std::task::Poll::Ready(output) => std::task::Poll::Ready(Some(output)),
+            std::task::Poll::Pending if polls >= k => std::task::Poll::Ready(None),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// The lease of the sweep: an orphaned claim would hold the key this long.
+pub const SWEEP_LEASE: Duration = Duration::from_secs(8);
+/// How long after a drop the key must be answerable: well inside [`SWEEP_LEASE`], so a lease
+/// left claimed by nobody (which only its expiry would free) fails the sweep.
+pub const ANSWERABLE_WITHIN: Duration = Duration::from_secs(4);
+/// A sweep that never completes undropped is a bug in the sweep or the store.
+const MAX_POLLS: usize = 400;
+
+/// Begins until the answer is not `InFlight` (or `Unavailable`), for at most
+/// [`ANSWERABLE_WITHIN`], and returns it.
+pub async fn answer_within(store: &dyn Store, id: &RecordId, fp: &Fingerprint) -> Begin {
+    let deadline = tokio::time::Instant::now() + ANSWERABLE_WITHIN;
+    loop {
+        match store.begin(id, fp, SWEEP_LEASE).await {
+            Ok(Begin::InFlight { .. }) | Err(Error::Unavailable(_))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Ok(answer) => return answer,
+            Err(error) => panic!("the key did not become answerable: {error}"),
+        }
+    }
+}
+
+/// What a [`sweep`] saw.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Calls dropped at some poll.
+    pub dropped: usize,
+    /// Calls that answered `Unavailable` (each then checked to have left nothing behind).
+    pub unavailable: usize,
+}
+
+fn tally(report: &mut SweepReport, finished: Option<Result<(), Error>>, what: &str) -> bool {
+    match finished {
+        Some(Ok(())) => true,
+        Some(Err(Error::Unavailable(_))) => {
+            report.unavailable += 1;
+            false
+        }
+        Some(Err(error)) => panic!("{what} failed: {error}"),
+        None => {
+            report.dropped += 1;
+            false
+        }
+    }
+}
+
+/// Drops each store operation at its 1st, 2nd, … poll until it completes undropped, and after
+/// every drop asserts that nothing is left behind:
+///
+/// - `begin`: the key is answerable again long before the lease would free it: a lease the
+///   dropped call was granted was released, not orphaned;
+/// - `complete`: the owner completes again: `Ok` (the store's `complete` is idempotent, so a
+///   dropped call that landed is no error), and the key replays that outcome;
+/// - `release`: the owner releases again (`Ok`, or `LeaseLost` because the dropped one
+///   landed), and the key executes;
+/// - `renew`: the owner renews again and still owns the key.
+///
+/// An `Unavailable` answer is checked the same way: whatever it may have written late must
+/// not change the next answer.
+pub async fn sweep(store: &dyn Store) -> SweepReport {
+    let mut report = SweepReport::default();
+    let outcome = sample_outcome();
+    for k in 1..=MAX_POLLS {
+        let id = fresh_id();
+        let finished = match drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await {
+            Some(Ok(Begin::Execute(_))) => true,
+            Some(Ok(other)) => panic!("a fresh key answered {other:?}"),
+            Some(Err(Error::Unavailable(_))) => {
+                report.unavailable += 1;
+                false
+            }
+            Some(Err(error)) => panic!("begin failed: {error}"),
+            None => {
+                report.dropped += 1;
+                false
+            }
+        };
+        if finished {
+            break;
+        }
+        match answer_within(store, &id, &fp("a")).await {
+            Begin::Execute(_) => {}
+            other => panic!("after begin dropped at poll {k}: {other:?}"),
+        }
+        assert!(k < MAX_POLLS, "begin never completed undropped");
+    }
+    for k in 1..=MAX_POLLS {
+        let id = fresh_id();
+        let token = execute(store, &id, &fp("a"), SWEEP_LEASE).await;
+        let call = drop_at_poll(store.complete(&id, token, &outcome, LONG), k).await;
+        let finished = tally(&mut report, call, "complete");
+        store
+            .complete(&id, token, &outcome, LONG)
+            .await
+            .unwrap_or_else(|e| panic!("completing again after a drop at poll {k}: {e}"));
+        assert_eq!(
+            answer_within(store, &id, &fp("a")).await,
+            Begin::Replay(outcome.clone()),
+            "after complete dropped at poll {k}"
+        );
+        if finished {
+            break;
+        }
+        assert!(k < MAX_POLLS, "complete never completed undropped");
+    }
+    for k in 1..=MAX_POLLS {
+        let id = fresh_id();
+        let token = execute(store, &id, &fp("a"), SWEEP_LEASE).await;
+        let call = drop_at_poll(store.release(&id, token), k).await;
+        let finished = tally(&mut report, call, "release");
+        match store.release(&id, token).await {
+            Ok(()) | Err(Error::LeaseLost) => {}
+            Err(error) => panic!("releasing again after a drop at poll {k}: {error}"),
+        }
+        match answer_within(store, &id, &fp("a")).await {
+            Begin::Execute(_) => {}
+            other => panic!("after release dropped at poll {k}: {other:?}"),
+        }
+        if finished {
+            break;
+        }
+        assert!(k < MAX_POLLS, "release never completed undropped");
+    }
+    for k in 1..=MAX_POLLS {
+        let id = fresh_id();
+        let token = execute(store, &id, &fp("a"), SWEEP_LEASE).await;
+        let call = drop_at_poll(store.renew(&id, token, SWEEP_LEASE), k).await;
+        let finished = tally(&mut report, call, "renew");
+        store
+            .renew(&id, token, SWEEP_LEASE)
+            .await
+            .unwrap_or_else(|e| panic!("renewing again after a drop at poll {k}: {e}"));
+        assert!(
+            matches!(
+                store.begin(&id, &fp("a"), SWEEP_LEASE).await,
+                Ok(Begin::InFlight { .. })
+            ),
+            "after renew dropped at poll {k}, the owner must still hold the key"
+        );
+        store
+            .complete(&id, token, &outcome, LONG)
+            .await
+            .expect("the owner completes");
+        if finished {
+            break;
+        }
+        assert!(k < MAX_POLLS, "renew never completed undropped");
+    }
+    report
+}
+
+/// The conformance case around [`sweep`]: every store passes it with its services healthy.
+pub async fn dropped_calls_leave_the_key_answerable(store: Arc<dyn Store>) {
+    let report = sweep(&*store).await;
+    assert!(
+        report.dropped > 0 || store.name() == "memory",
+        "the sweep dropped nothing: {report:?}"
+    );
 }

@@ -14,6 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
+    complete_retrying,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -424,33 +425,15 @@ async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static
 /// Stores the outcome. A store blip must not lose it (the retry would run the operation
 /// again), so an unavailable store is retried, renewing the lease, for up to one lease.
 async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) {
-    let (store, m, policy) = (&config.store, &config.metrics, &config.policy);
-    let give_up = Instant::now() + policy.lease();
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match store
-            .complete(&id, token, outcome, policy.retention())
-            .await
-        {
-            Ok(()) => {
-                Metrics::inc(&m.executions);
-                return;
-            }
-            Err(Error::LeaseLost) => {
-                Metrics::inc(&m.lease_lost);
-                tracing::error!("lease lost before completion: another attempt owns the key now");
-                return;
-            }
-            Err(error) if Instant::now() + backoff < give_up => {
-                tracing::warn!(%error, "storing the outcome failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                let _ = store.renew(&id, token, policy.lease()).await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "the outcome could not be stored; a retry after the lease expires runs again");
-                return;
-            }
+    let m = &config.metrics;
+    match complete_retrying(&*config.store, &id, token, outcome, &config.policy).await {
+        Ok(()) => Metrics::inc(&m.executions),
+        Err(Error::LeaseLost) => {
+            Metrics::inc(&m.lease_lost);
+            tracing::error!("lease lost before completion: another attempt owns the key now");
+        }
+        Err(error) => {
+            tracing::error!(%error, "the outcome could not be stored; a retry after the lease expires runs again");
         }
     }
 }
