@@ -13,7 +13,7 @@ use idempotency_core::{
     Error, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RunError, Scope,
 };
 use idempotency_postgres::{PostgresStore, StateMachine, Transition};
-use idempotency_test::block_on;
+use idempotency_test::{block_on, services};
 
 async fn store() -> Option<Arc<PostgresStore>> {
     idempotency_test::stores::postgres().await
@@ -158,7 +158,7 @@ fn executor_stale_owner_cannot_complete() {
         go_tx.send(()).expect("go");
         let stale = stale.await.expect("task");
         assert!(
-            matches!(stale, Err(RunError::Store(Error::LeaseLost))),
+            matches!(stale, Err(RunError::NotStored(Error::LeaseLost))),
             "{stale:?}"
         );
         let replay = executor
@@ -280,5 +280,128 @@ fn thirty_two_concurrent_identical_transitions_apply_once() {
             )),
             "{results:?}"
         );
+    });
+}
+
+/// An executor over a store on a dedicated Postgres that the operation itself stops, as a
+/// crash of the database right after the effect would.
+async fn stoppable() -> Option<(services::Service, Arc<PostgresStore>)> {
+    if services::skipping() {
+        return None;
+    }
+    let pg = services::start_postgres().await;
+    let store = PostgresStore::builder(pg.url())
+        .acquire_timeout(Duration::from_millis(300))
+        .call_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    Some((pg, Arc::new(store)))
+}
+
+/// The operation ran, then the store went down for a while: the executor retries `complete`
+/// (renewing the lease) until the store answers, so the result is stored and a redelivery
+/// replays it instead of running the effect again. (Before: one failed `complete` returned a
+/// store error that read as "nothing ran", and the redelivery ran the effect twice.)
+#[test]
+fn executor_stores_the_outcome_after_a_store_outage() {
+    block_on(async {
+        let Some((pg, store)) = stoppable().await else {
+            return;
+        };
+        let pg = Arc::new(pg);
+        let executor =
+            Executor::new(store).with_policy(Policy::default().with_lease(Duration::from_secs(20)));
+        let (scope, key) = fresh();
+        let runs = AtomicUsize::new(0);
+        let done = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                pg.stop().await; // the effect happened; now the store is gone
+                let pg = pg.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    pg.start().await;
+                });
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await
+            .expect("stored once the store is back");
+        assert_eq!((done.value.as_str(), done.replayed), ("charged", false));
+        let again = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, ()>("twice".to_owned())
+            })
+            .await
+            .expect("replay");
+        assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    });
+}
+
+/// The store stays down for the whole lease: the answer says the operation ran and its
+/// outcome was not stored, never an error that reads as "nothing ran".
+#[test]
+fn executor_reports_an_outcome_it_could_not_store() {
+    block_on(async {
+        let Some((pg, store)) = stoppable().await else {
+            return;
+        };
+        let executor =
+            Executor::new(store).with_policy(Policy::default().with_lease(Duration::from_secs(2)));
+        let (scope, key) = fresh();
+        let result = executor
+            .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                pg.stop().await;
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await;
+        match result {
+            Err(error @ RunError::NotStored(Error::Unavailable(_))) => {
+                assert!(error.to_string().contains("the operation ran"), "{error}");
+            }
+            other => panic!("expected NotStored, got {other:?}"),
+        }
+    });
+}
+
+/// Dropping `run` while the operation runs (a `select!`, a timeout) releases the key at once:
+/// the next delivery runs instead of waiting out a lease nobody holds.
+#[test]
+fn executor_dropped_mid_operation_releases_the_key() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let executor =
+            Executor::new(store).with_policy(Policy::default().with_lease(Duration::from_secs(60)));
+        let (scope, key) = fresh();
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(200),
+            executor.run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok::<_, ()>(0u8)
+            }),
+        )
+        .await;
+        assert!(dropped.is_err());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match executor
+                .run(&scope, &key, &Fingerprint::of(b"p"), || async {
+                    Ok::<_, ()>(1u8)
+                })
+                .await
+            {
+                Ok(done) => {
+                    assert_eq!((done.value, done.replayed), (1, false));
+                    break;
+                }
+                Err(RunError::InFlight { .. }) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("the key stayed claimed by nobody: {error:?}"),
+            }
+        }
     });
 }

@@ -304,3 +304,112 @@ fn purge_under_concurrent_inserts_removes_only_expired_rows() {
         assert_eq!(kept, 300, "no live row is purged");
     });
 }
+
+/// A takeover that waited on a row lock for longer than its lease must still be granted a
+/// whole lease. With `now()` (the statement's start) the lease it wrote had already ended,
+/// and the next `begin` executed a second time.
+#[test]
+fn a_claim_that_waited_on_a_lock_gets_a_whole_lease() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let id = fresh_id();
+        execute(&*store, &id, &fp("a"), SHORT).await;
+        tokio::time::sleep(PAST_SHORT).await; // expired: the next begin takes it over
+        let mut blocker = store.pool().begin().await.expect("tx");
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+            .bind(&id.as_bytes()[..])
+            .execute(&mut *blocker)
+            .await
+            .expect("lock");
+        let lease = Duration::from_millis(800);
+        let waiting = {
+            let (store, id) = (store.clone(), id);
+            tokio::spawn(async move { store.begin(&id, &fp("a"), lease).await })
+        };
+        tokio::time::sleep(lease + Duration::from_millis(400)).await; // longer than the lease
+        blocker.commit().await.expect("unlock");
+        let first = waiting.await.expect("task").expect("begin");
+        assert!(matches!(first, Begin::Execute(_)), "{first:?}");
+        // Right after the grant, the lease is live: a duplicate is in flight, not a second run.
+        let second = store.begin(&id, &fp("a"), lease).await.expect("begin");
+        assert!(matches!(second, Begin::InFlight { .. }), "{second:?}");
+    });
+}
+
+/// `complete_in` inside a long caller transaction keeps the whole retention, counted from
+/// the write, not from the transaction's start.
+#[test]
+fn complete_in_a_long_transaction_keeps_the_whole_retention() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        let retention = Duration::from_millis(2_500);
+        let mut tx = store.pool().begin().await.expect("tx");
+        sqlx::query("SELECT pg_sleep(1.5)") // within the store's 2 s statement timeout
+            .execute(&mut *tx)
+            .await
+            .expect("a long transaction");
+        PostgresStore::complete_in(&mut tx, &id, token, &Outcome::new(201), retention)
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        let (answer, ttl) = store
+            .begin_with_ttl(&id, &fp("a"), LONG)
+            .await
+            .expect("begin");
+        assert_eq!(answer, Begin::Replay(Outcome::new(201)));
+        let ttl = ttl.expect("a replay has a ttl");
+        // Counted from the transaction's start, at most 1 s would be left.
+        assert!(
+            ttl > Duration::from_millis(1_500),
+            "retention left: {ttl:?}"
+        );
+    });
+}
+
+/// On a pool whose sessions default to SERIALIZABLE (the application's own pool, given to
+/// `from_pool`), racing begins must still answer Execute once and InFlight otherwise, never
+/// turn the race into `Unavailable` (a 503).
+#[test]
+fn serializable_sessions_do_not_turn_races_into_errors() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let url = services::postgres()
+            .await
+            .expect("postgres")
+            .url()
+            .to_owned();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::query("SET default_transaction_isolation = 'serializable'")
+                        .execute(conn)
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        drop(shared);
+        let store = Arc::new(PostgresStore::from_pool(pool));
+        for _ in 0..10 {
+            let id = fresh_id();
+            let racers = (0..16).map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+            });
+            let mut executes = 0;
+            for answer in futures::future::join_all(racers).await {
+                match answer.expect("task") {
+                    Ok(Begin::Execute(_)) => executes += 1,
+                    Ok(Begin::InFlight { .. }) => {}
+                    other => panic!("a race must not fail: {other:?}"),
+                }
+            }
+            assert_eq!(executes, 1);
+        }
+    });
+}

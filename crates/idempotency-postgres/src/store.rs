@@ -152,10 +152,13 @@ type BeginRow = (
 /// The live row as `begin` reads it.
 type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
 
-// Every expiry is computed with `clock_timestamp()`, the time at which the row is written:
-// `now()` is the start of the transaction, so a statement that waited on a row lock (or ran
-// inside a long caller transaction, `complete_in`) would grant a lease, or a retention, that
-// is partly or wholly over already.
+// Every expiry is computed with `clock_timestamp()`, not `now()` (the start of the
+// transaction: a statement inside a long caller transaction, `complete_in`, would store a
+// retention that is partly over already). That is not enough for a claim that waited on a row
+// lock: Postgres computes an UPDATE's new values before it waits for a row that another
+// transaction only locked, so the lease written after the wait may be over already. Claims
+// therefore return the lease actually left (`RETURNING`, evaluated after the write), and a
+// grant that waited is re-armed by a fenced renew before it is handed out (`fresh_grant`).
 
 /// Claims the key, or reads the live row, in one statement. The second SELECT runs in the
 /// statement's snapshot, so it sees rows committed before the statement started (the usual
@@ -166,9 +169,10 @@ WITH ins AS (
     INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at)
     VALUES ($1, $2, 0, $3, clock_timestamp() + $4 * interval '1 millisecond')
     ON CONFLICT (record_id) DO NOTHING
-    RETURNING record_id
+    RETURNING expires_at
 )
-SELECT true, NULL::bytea, NULL::smallint, NULL::bytea, NULL::float8 FROM ins
+SELECT true, NULL::bytea, NULL::smallint, NULL::bytea,
+       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8 FROM ins
 UNION ALL
 SELECT false, fingerprint, state, response,
        (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
@@ -187,7 +191,14 @@ UPDATE idempotency_keys
 SET fingerprint = $2, state = 0, lease_token = $3,
     expires_at = clock_timestamp() + $4 * interval '1 millisecond',
     status = NULL, response = NULL, created_at = clock_timestamp(), completed_at = NULL
-WHERE record_id = $1 AND expires_at <= clock_timestamp()";
+WHERE record_id = $1 AND expires_at <= clock_timestamp()
+RETURNING (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8";
+
+/// Re-arms a lease just granted whose write waited on a lock (see `fresh_grant`).
+const REARM_SQL: &str = "
+UPDATE idempotency_keys SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+WHERE record_id = $1 AND lease_token = $2 AND state = 0
+RETURNING (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8";
 
 /// Every write below is fenced: the token must own the in-flight row. Its lease may have run
 /// out: a takeover replaces the token, so a row still carrying it was taken by nobody, and a
@@ -443,7 +454,9 @@ impl PostgresStore {
             .await
             .map_err(db_error)?;
         let view = match row {
-            Some((true, ..)) => return Ok(Some((Begin::Execute(token), Some(lease)))),
+            Some((true, _, _, _, Some(left))) => {
+                return self.fresh_grant(id, token, lease, left).await;
+            }
             Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
             Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
             // Conflict with a row our snapshot cannot see: read it in a new statement.
@@ -459,21 +472,55 @@ impl PostgresStore {
         if let Some(decision) = Self::decide(fp, view)? {
             return Ok(Some(decision));
         }
-        let taken = sqlx::query(TAKEOVER_SQL)
+        let taken: Option<(f64,)> = sqlx::query_as(TAKEOVER_SQL)
             .bind(id_bytes)
             .bind(fp_bytes)
             .bind(token.as_uuid())
             .bind(millis(lease))
-            .execute(&self.pool)
+            .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
-        if taken.rows_affected() == 1 {
+        if let Some((left,)) = taken {
             tracing::info!(record = %id, "took over an expired idempotency lease");
-            return Ok(Some((Begin::Execute(token), Some(lease))));
+            return self.fresh_grant(id, token, lease, left).await;
         }
         // Another attempt took it over first (or the owner completed late): its row decides,
         // in the next round.
         Ok(None)
+    }
+}
+
+impl PostgresStore {
+    /// Hands out a lease only while most of it is left. A claim whose write waited on a row
+    /// lock may have written a lease that is (nearly) over: another `begin` could take it
+    /// over at once and run the operation a second time. Such a grant is re-armed by a
+    /// fenced renew; if another attempt took the row meanwhile, the next round reads it.
+    async fn fresh_grant(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        lease: Duration,
+        mut left_ms: f64,
+    ) -> Result<Option<(Begin, Option<Duration>)>> {
+        let half = lease.as_secs_f64() * 500.0;
+        for _ in 0..2 {
+            if left_ms >= half {
+                return Ok(Some((Begin::Execute(token), Some(lease))));
+            }
+            tracing::info!(record = %id, left_ms, "a claim waited on a lock: re-arming its lease");
+            let rearmed: Option<(f64,)> = sqlx::query_as(REARM_SQL)
+                .bind(&id.as_bytes()[..])
+                .bind(token.as_uuid())
+                .bind(millis(lease))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            match rearmed {
+                Some((left,)) => left_ms = left,
+                None => return Ok(None), // taken over meanwhile: look again
+            }
+        }
+        Ok(None) // still waiting on locks: the next round takes the expired row over again
     }
 }
 
