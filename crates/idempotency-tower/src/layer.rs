@@ -94,11 +94,9 @@ impl Config {
         }
         match &self.body_fingerprint {
             BodyFingerprint::CanonicalJson => {
-                // Not JSON: fall back to the bytes (the handler will refuse it anyway).
-                match serde_json::from_slice::<serde_json::Value>(body)
-                    .ok()
-                    .and_then(|v| serde_json_canonicalizer::to_vec(&v).ok())
-                {
+                // Not JSON: fall back to the bytes (the handler will refuse it anyway). The
+                // bytes can never equal another body's canonical form: see `canonical`.
+                match crate::canonical::canonical_json(body) {
                     Some(canonical) => fp.body(&canonical).finish(),
                     None => fp.body(body).finish(),
                 }
@@ -186,8 +184,13 @@ impl IdempotencyLayer {
         self.edit(|c| c.scope = Arc::new(f))
     }
 
-    /// Fingerprint the body as canonical JSON (RFC 8785), so key order and whitespace do not
-    /// make two equal requests differ.
+    /// Fingerprint the body as canonical JSON, so object key order, whitespace and string
+    /// escapes do not make two equal requests differ.
+    ///
+    /// Numbers count as sent: `1`, `1.0`, `1e0` and `-0` are different requests, because
+    /// treating them as numbers (RFC 8785 goes through `f64`) would make `9007199254740993`
+    /// equal `9007199254740992` and replay one request's outcome to another. Duplicate keys
+    /// are kept. A body that is not JSON is fingerprinted as raw bytes.
     pub fn canonical_json(self) -> Self {
         self.edit(|c| c.body_fingerprint = BodyFingerprint::CanonicalJson)
     }

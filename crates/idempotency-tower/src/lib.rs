@@ -62,6 +62,7 @@
 //! Handlers find the [`IdempotencyContext`] (record id, scope, key) in the request
 //! extensions.
 
+mod canonical;
 mod future;
 mod key;
 mod layer;
