@@ -7,18 +7,41 @@
 //! store, and every repeat — redelivery or duplicate — replays the stored result and is
 //! acknowledged without a second effect.
 //!
+//! # Poison messages
+//!
+//! A message that can never succeed would otherwise stay pending and be claimed again every
+//! [`Consumer::claim_idle`], forever. Such messages go to a dead-letter stream instead
+//! ([`Consumer::dead_letter_stream`], default `<stream>:dead`) and are acknowledged:
+//!
+//! - at once when they are **malformed** (no `charge_id`, no integer `amount`, a charge id
+//!   that is not a valid key) or **mismatch** (a charge id already applied with another
+//!   amount): no redelivery can change the answer;
+//! - when a failure — the effect, the idempotency store — happens on the message's
+//!   [`Consumer::max_deliveries`]-th delivery (default 5). The count is the one Redis keeps
+//!   in the group's pending list (`XPENDING`), so it survives consumer restarts.
+//!
+//! A message whose charge another consumer is applying right now (`InFlight`) is only
+//! deferred: that is not a failure of the message, and it resolves when the other attempt
+//! finishes or its lease expires. Each dead letter holds the original id (`id`), the `reason`,
+//! the `deliveries` so far, the `group` and `consumer`, and the message's own fields prefixed
+//! with `payload.`, so no field of the message can overwrite the others. The copy and the
+//! `XACK` are one Lua script: a message is dead-lettered once even when two consumers hold it.
+//! A store outage longer than `max_deliveries × claim_idle` dead-letters the messages that
+//! came due during it; they keep their payload for a replay.
+//!
 //! Run the example with: `DATABASE_URL=postgres://… REDIS_URL=redis://… cargo run -p stream-consumer`
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use idempotency::{
     Executor, Fingerprint, IdempotencyKey, RunError, Scope, postgres::PostgresStore,
 };
 use redis::{
-    AsyncCommands,
+    AsyncCommands, Script,
     aio::MultiplexedConnection,
     streams::{
-        StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
+        StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamPendingCountReply,
+        StreamReadOptions, StreamReadReply,
     },
 };
 use sqlx::PgPool;
@@ -29,12 +52,9 @@ pub enum ConsumeError {
     /// Redis failed.
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
-    /// The idempotency store failed.
+    /// The idempotency store failed (setting up the ledger).
     #[error(transparent)]
     Store(#[from] idempotency::Error),
-    /// A message lacks `charge_id` or `amount`.
-    #[error("malformed message {0}")]
-    Malformed(String),
     /// The fault the tests inject: the process "dies" after the effect, before `XACK`.
     #[error("crashed before acknowledging {0}")]
     Crashed(String),
@@ -49,8 +69,14 @@ pub struct Polled {
     pub replayed: u64,
     /// Messages left pending because another consumer is applying the same charge now.
     pub deferred: u64,
-    /// Messages this poll acknowledged first (`XACK` answers 0 for a message another
-    /// consumer already acknowledged: at-least-once delivery can hand one message to two).
+    /// Messages whose attempt failed (the effect or the store) and were left pending for
+    /// another delivery.
+    pub failed: u64,
+    /// Messages this poll moved to the dead-letter stream (and acknowledged).
+    pub dead_lettered: u64,
+    /// Messages this poll acknowledged first, dead letters included (`XACK` answers 0 for a
+    /// message another consumer already acknowledged: at-least-once delivery can hand one
+    /// message to two).
     pub acked: u64,
 }
 
@@ -65,6 +91,11 @@ pub struct Consumer {
     ledger: String,
     /// Messages idle this long in another consumer's pending list are claimed.
     pub claim_idle: Duration,
+    /// A message that fails on this delivery (counting the first) is dead-lettered rather
+    /// than left for another one (default 5; 1 dead-letters on the first failure).
+    pub max_deliveries: u64,
+    /// The stream dead letters are added to (default `<stream>:dead`).
+    pub dead_letter_stream: String,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
 }
@@ -91,6 +122,8 @@ impl Consumer {
             name: name.into(),
             ledger: ledger.into(),
             claim_idle: Duration::from_secs(30),
+            max_deliveries: 5,
+            dead_letter_stream: format!("{stream}:dead"),
             crash_before_ack: None,
         }
     }
@@ -143,26 +176,56 @@ impl Consumer {
             .redis
             .xread_options(&[&self.stream], &[">"], &options)
             .await?;
+        let deliveries = self.deliveries(&claimed.claimed).await?;
+        for message in &claimed.claimed {
+            // Not pending any more (acknowledged meanwhile): whatever happens, its `XACK`
+            // answers 0; count it as a first delivery so nothing is dead-lettered for it.
+            let delivered = deliveries.get(&message.id).copied().unwrap_or(1);
+            self.handle(message, delivered, &mut polled).await?;
+        }
+        // `>` hands out messages never delivered before: this is their first delivery.
         let fresh = read.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids);
-        for message in claimed.claimed.into_iter().chain(fresh) {
-            self.handle(&message, &mut polled).await?;
+        for message in fresh {
+            self.handle(&message, 1, &mut polled).await?;
         }
         Ok(polled)
+    }
+
+    /// How many times each claimed message has been delivered, this claim included, as the
+    /// group's pending list counts (one pipelined `XPENDING id id 1` per message).
+    async fn deliveries(
+        &mut self,
+        claimed: &[StreamId],
+    ) -> Result<HashMap<String, u64>, ConsumeError> {
+        if claimed.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let mut pipe = redis::pipe();
+        for message in claimed {
+            pipe.xpending_count(&self.stream, &self.group, &message.id, &message.id, 1);
+        }
+        let replies: Vec<StreamPendingCountReply> = pipe.query_async(&mut self.redis).await?;
+        Ok(replies
+            .into_iter()
+            .flat_map(|reply| reply.ids)
+            .map(|pending| (pending.id, pending.times_delivered as u64))
+            .collect())
     }
 
     async fn handle(
         &mut self,
         message: &StreamId,
+        delivered: u64,
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
-        let charge_id: String = message
-            .get("charge_id")
-            .ok_or_else(|| ConsumeError::Malformed(message.id.clone()))?;
-        let amount: i64 = message
-            .get("amount")
-            .ok_or_else(|| ConsumeError::Malformed(message.id.clone()))?;
-        let key = IdempotencyKey::new(charge_id.clone())
-            .map_err(|e| ConsumeError::Malformed(e.to_string()))?;
+        let (charge_id, amount, key) = match parse(message) {
+            Ok(charge) => charge,
+            Err(reason) => {
+                return self
+                    .dead_letter(message, delivered, &format!("malformed: {reason}"), polled)
+                    .await;
+            }
+        };
         let scope = Scope::new(format!("stream:{}:{}", self.stream, self.group));
         let (pool, ledger) = (&self.pool, &self.ledger);
         let result = self
@@ -192,13 +255,25 @@ impl Consumer {
                 polled.deferred += 1;
                 return Ok(());
             }
-            // A transient failure: the key was released; leave the message for redelivery.
-            Err(RunError::Failed(error)) => {
-                tracing::warn!(%error, charge = %charge_id, "effect failed; will be redelivered");
+            // The charge was applied with another amount: every redelivery would answer the
+            // same, so it cannot wait for one.
+            Err(RunError::Mismatch) => {
+                let reason =
+                    format!("mismatch: charge {charge_id} was already applied with another amount");
+                return self.dead_letter(message, delivered, &reason, polled).await;
+            }
+            // The effect failed or the store did (the key is released or was never taken):
+            // a later delivery may succeed, up to `max_deliveries`.
+            Err(error) => {
+                let error = error_chain(&error);
+                if delivered >= self.max_deliveries {
+                    let reason = format!("failed on delivery {delivered}: {error}");
+                    return self.dead_letter(message, delivered, &reason, polled).await;
+                }
+                tracing::warn!(%error, charge = %charge_id, delivered, "attempt failed; will be redelivered");
+                polled.failed += 1;
                 return Ok(());
             }
-            Err(RunError::Store(error)) => return Err(error.into()),
-            Err(other) => return Err(ConsumeError::Malformed(other.to_string())),
         }
         if self.crash_before_ack.as_deref() == Some(charge_id.as_str()) {
             return Err(ConsumeError::Crashed(charge_id));
@@ -210,6 +285,85 @@ impl Consumer {
         polled.acked += acked;
         Ok(())
     }
+
+    /// Copies `message` to the dead-letter stream and acknowledges it, atomically; only the
+    /// consumer whose `XACK` removes it from the pending list adds the copy.
+    async fn dead_letter(
+        &mut self,
+        message: &StreamId,
+        delivered: u64,
+        reason: &str,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
+        tracing::error!(id = %message.id, reason, delivered, stream = %self.dead_letter_stream, "dead-lettering message");
+        let mut invocation = DEAD_LETTER.key(&self.stream);
+        invocation
+            .key(&self.dead_letter_stream)
+            .arg(&self.group)
+            .arg(&message.id)
+            .arg("id")
+            .arg(&message.id)
+            .arg("reason")
+            .arg(reason)
+            .arg("deliveries")
+            .arg(delivered)
+            .arg("group")
+            .arg(&self.group)
+            .arg("consumer")
+            .arg(&self.name);
+        // Sorted: the copy's field order does not depend on the map's.
+        let mut fields: Vec<&String> = message.map.keys().collect();
+        fields.sort();
+        for field in fields {
+            let value: Vec<u8> = message.get(field).unwrap_or_default();
+            invocation.arg(format!("payload.{field}")).arg(value);
+        }
+        let moved: u64 = invocation.invoke_async(&mut self.redis).await?;
+        polled.dead_lettered += moved;
+        polled.acked += moved;
+        Ok(())
+    }
+}
+
+/// `XACK` and, if that removed the message from the pending list, `XADD` the dead letter.
+/// KEYS: stream, dead-letter stream. ARGV: group, message id, then the dead letter's fields.
+static DEAD_LETTER: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+    return 1
+end
+return 0
+",
+    )
+});
+
+/// The charge a message names, or why it names none.
+fn parse(message: &StreamId) -> Result<(String, i64, IdempotencyKey), String> {
+    let charge_id: String = message.get("charge_id").ok_or("no charge_id field")?;
+    let amount: i64 = message
+        .get("amount")
+        .ok_or("no amount field, or it is not an integer")?;
+    let key = IdempotencyKey::new(charge_id.clone())
+        .map_err(|e| format!("charge_id is not a valid key: {e}"))?;
+    Ok((charge_id, amount, key))
+}
+
+/// An error and its sources: `RunError::Failed` says only "failed"; the reason is below it.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        // sqlx's database error shows its source's message too: say it once.
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Publishes one charge message.

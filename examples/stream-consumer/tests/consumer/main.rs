@@ -11,7 +11,7 @@ use std::{
 
 use idempotency::postgres::PostgresStore;
 use idempotency_test::{block_on, services};
-use stream_consumer::{ConsumeError, Consumer, publish};
+use stream_consumer::{ConsumeError, Consumer, Polled, publish};
 
 struct Rig {
     store: Arc<PostgresStore>,
@@ -73,6 +73,32 @@ impl Rig {
             .expect("ledger")
             .into_iter()
             .collect()
+    }
+
+    /// The entries of a dead-letter stream, each as its fields.
+    async fn dead_letters(&mut self, stream: &str) -> Vec<HashMap<String, String>> {
+        let reply: redis::streams::StreamRangeReply =
+            redis::AsyncCommands::xrange_all(&mut self.redis, stream)
+                .await
+                .expect("xrange");
+        reply
+            .ids
+            .iter()
+            .map(|entry| {
+                entry
+                    .map
+                    .keys()
+                    .map(|field| (field.clone(), entry.get(field).expect("a string")))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Adds a message with exactly these fields (for messages `publish` would not write).
+    async fn publish_raw(&mut self, fields: &[(&str, &str)]) -> String {
+        redis::AsyncCommands::xadd(&mut self.redis, &self.stream, "*", fields)
+            .await
+            .expect("xadd")
     }
 
     async fn pending(&mut self) -> u64 {
@@ -191,5 +217,186 @@ fn a_thousand_messages_with_duplicates_apply_each_charge_once() {
         // it replays too, so there can be more replays than duplicates.
         assert!(replayed >= 200, "{replayed}");
         assert_eq!(rig.pending().await, 0);
+        let dead = format!("{}:dead", rig.stream);
+        assert!(
+            rig.dead_letters(&dead).await.is_empty(),
+            "good messages are never dead-lettered"
+        );
+    });
+}
+
+/// Malformed messages and a charge id repeated with another amount can never succeed: they
+/// are dead-lettered on their first delivery, with their fields and why, and never claimed
+/// again; the good messages around them are applied as before.
+#[test]
+fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        consumer.claim_idle = Duration::from_millis(50);
+
+        publish(&mut rig.redis, &rig.stream, "ch_ok", 100)
+            .await
+            .expect("publish");
+        let no_amount = rig.publish_raw(&[("charge_id", "ch_no_amount")]).await;
+        let bad_amount = rig
+            .publish_raw(&[("charge_id", "ch_bad_amount"), ("amount", "ten")])
+            .await;
+        let no_charge = rig
+            .publish_raw(&[("amount", "5"), ("reason", "mine")])
+            .await;
+        let mismatch = publish(&mut rig.redis, &rig.stream, "ch_ok", 999)
+            .await
+            .expect("publish");
+        publish(&mut rig.redis, &rig.stream, "ch_ok", 100)
+            .await
+            .expect("publish"); // a true duplicate: replayed, not dead-lettered
+
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            polled,
+            Polled {
+                applied: 1,
+                replayed: 1,
+                deferred: 0,
+                failed: 0,
+                dead_lettered: 4,
+                acked: 6,
+            }
+        );
+
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        let summary: Vec<(&str, &str, &str)> = dead
+            .iter()
+            .map(|d| {
+                (
+                    d["id"].as_str(),
+                    d["deliveries"].as_str(),
+                    d["group"].as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (no_amount.as_str(), "1", "ledger"),
+                (bad_amount.as_str(), "1", "ledger"),
+                (no_charge.as_str(), "1", "ledger"),
+                (mismatch.as_str(), "1", "ledger"),
+            ]
+        );
+        assert!(
+            dead[0]["reason"].starts_with("malformed: no amount"),
+            "{:?}",
+            dead[0]
+        );
+        assert!(
+            dead[1]["reason"].starts_with("malformed: no amount"),
+            "{:?}",
+            dead[1]
+        );
+        assert!(
+            dead[2]["reason"].starts_with("malformed: no charge_id"),
+            "{:?}",
+            dead[2]
+        );
+        assert!(
+            dead[3]["reason"].starts_with("mismatch: charge ch_ok"),
+            "{:?}",
+            dead[3]
+        );
+        assert_eq!(dead[1]["payload.amount"], "ten");
+        // The message's own `reason` field is kept apart from the dead letter's.
+        assert_eq!(dead[2]["payload.reason"], "mine");
+        assert_eq!(dead[3]["payload.charge_id"], "ch_ok");
+        assert_eq!(dead[3]["payload.amount"], "999");
+        assert_eq!(rig.pending().await, 0, "all acknowledged");
+
+        // Past `claim_idle`, nothing comes back.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(consumer.poll(10).await.expect("poll"), Polled::default());
+        assert_eq!(
+            rig.dead_letters(&format!("{}:dead", rig.stream))
+                .await
+                .len(),
+            4
+        );
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_ok".to_owned(), 1)])
+        );
+    });
+}
+
+/// An effect that fails on every attempt (here a check constraint the amount breaks) is
+/// retried on each claim, and dead-lettered on its `max_deliveries`-th delivery. Every
+/// delivery goes to a fresh consumer — a restart — so the count is the one Redis keeps.
+#[test]
+fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let check = format!(
+            "ALTER TABLE {} ADD CONSTRAINT amount_cap CHECK (amount < 1000000)",
+            rig.ledger
+        );
+        sqlx::query(sqlx::AssertSqlSafe(check))
+            .execute(rig.store.pool())
+            .await
+            .expect("constraint");
+        let graveyard = idempotency_test::unique("graveyard");
+        let doomed = publish(&mut rig.redis, &rig.stream, "ch_huge", 5_000_000)
+            .await
+            .expect("publish");
+        publish(&mut rig.redis, &rig.stream, "ch_fine", 10)
+            .await
+            .expect("publish");
+
+        let mut rounds = Vec::new();
+        for round in 0..8 {
+            let mut consumer = rig.consumer(&format!("c{round}")).await;
+            consumer.claim_idle = Duration::from_millis(50);
+            consumer.max_deliveries = 3;
+            consumer.dead_letter_stream.clone_from(&graveyard);
+            let polled = consumer.poll(10).await.expect("poll");
+            rounds.push((polled.applied, polled.failed, polled.dead_lettered));
+            // Past `claim_idle`, so the next consumer claims what this one left pending.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        assert_eq!(
+            rounds,
+            [
+                (1, 1, 0), // ch_fine applied; ch_huge: delivery 1 fails
+                (0, 1, 0), // delivery 2 fails
+                (0, 0, 1), // delivery 3 fails: dead-lettered
+                (0, 0, 0), // and never claimed again
+                (0, 0, 0),
+                (0, 0, 0),
+                (0, 0, 0),
+                (0, 0, 0),
+            ]
+        );
+
+        let dead = rig.dead_letters(&graveyard).await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0]["id"], doomed);
+        assert_eq!(dead[0]["deliveries"], "3");
+        assert_eq!(dead[0]["consumer"], "c2");
+        assert_eq!(dead[0]["payload.charge_id"], "ch_huge");
+        assert_eq!(dead[0]["payload.amount"], "5000000");
+        let reason = &dead[0]["reason"];
+        assert!(reason.starts_with("failed on delivery 3: "), "{reason}");
+        assert!(
+            reason.contains("amount_cap"),
+            "the database's reason: {reason}"
+        );
+        let default_dead = format!("{}:dead", rig.stream);
+        assert!(rig.dead_letters(&default_dead).await.is_empty());
+        assert_eq!(rig.pending().await, 0);
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_fine".to_owned(), 1)])
+        );
     });
 }
