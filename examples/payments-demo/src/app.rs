@@ -5,7 +5,7 @@ use std::{sync::Arc, time::Duration};
 use axum::{
     Extension, Json, Router,
     extract::{Path, Query, State},
-    http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts},
+    http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header, request::Parts},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
@@ -13,13 +13,13 @@ use bytes::Bytes;
 use idempotency::{
     Scope,
     hybrid::HybridStore,
-    tower::{IdempotencyContext, IdempotencyLayer, Metrics},
+    tower::{IdempotencyContext, IdempotencyLayer, Metrics, Problem},
 };
 use serde::Deserialize;
 use serde_json::json;
 
 use crate::{
-    charges::{Charges, NewCharge},
+    charges::{Charges, Created, NewCharge},
     config::Mode,
     orders::{Order, Orders},
 };
@@ -65,8 +65,17 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
 }
 
 pub(crate) fn problem(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response {
+    problem_of_type(
+        status,
+        &format!("urn:payments-demo:problem:{kind}"),
+        title,
+        detail,
+    )
+}
+
+fn problem_of_type(status: StatusCode, type_uri: &str, title: &str, detail: &str) -> Response {
     let body = json!({
-        "type": format!("urn:payments-demo:problem:{kind}"),
+        "type": type_uri,
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
@@ -86,6 +95,13 @@ fn invalid(detail: &str) -> Response {
         "Invalid request",
         detail,
     )
+}
+
+/// The layer's own 422 for a key reused for another request (same type, status and title),
+/// for when only the charge remembers the first request: the key's record has expired.
+fn key_reused(detail: &str) -> Response {
+    let reused = Problem::Mismatch;
+    problem_of_type(reused.status(), reused.type_uri(), reused.title(), detail)
 }
 
 fn storage_down(error: &sqlx::Error) -> Response {
@@ -187,7 +203,7 @@ async fn create_charge(
         return response;
     }
     match app.charges.create(&ctx.record_id, &new).await {
-        Ok(charge) => {
+        Ok(Created::New(charge)) => {
             let location = format!("/charges/{}", charge.id);
             (
                 StatusCode::CREATED,
@@ -195,6 +211,30 @@ async fn create_charge(
                 Json(charge),
             )
                 .into_response()
+        }
+        // The same operation again, its stored outcome gone: the charge it made, not a new
+        // one, and not 201 — the client must not count it twice.
+        Ok(Created::Existing(charge)) => {
+            let location = format!("/charges/{}", charge.id);
+            (
+                StatusCode::OK,
+                [
+                    (header::LOCATION, location),
+                    (
+                        HeaderName::from_static("idempotent-replayed"),
+                        "true".into(),
+                    ),
+                ],
+                Json(charge),
+            )
+                .into_response()
+        }
+        Ok(Created::Conflict(existing)) => {
+            tracing::info!(charge = %existing.id, "a key whose record expired was reused for another charge");
+            key_reused(
+                "this Idempotency-Key already created a charge for a different request \
+                 (amount, currency or customer differ); use a new key for a new charge",
+            )
         }
         Err(error) => storage_down(&error),
     }

@@ -29,6 +29,33 @@ pub(crate) struct NewCharge {
     pub(crate) customer: String,
 }
 
+/// What [`Charges::create`] did for a record id.
+#[derive(Debug)]
+pub(crate) enum Created {
+    /// Charged now.
+    New(Charge),
+    /// The record id had charged already, for this amount, currency and customer: the same
+    /// operation (a retry after its idempotency record expired, or after a crash between the
+    /// charge and the stored outcome).
+    Existing(Charge),
+    /// The record id had charged already, for another request: the key was reused after its
+    /// record expired. Nothing was charged.
+    Conflict(Charge),
+}
+
+impl Created {
+    fn of_existing(charge: Charge, new: &NewCharge) -> Self {
+        if charge.amount == new.amount
+            && charge.currency == new.currency
+            && charge.customer == new.customer
+        {
+            Created::Existing(charge)
+        } else {
+            Created::Conflict(charge)
+        }
+    }
+}
+
 pub(crate) enum Charges {
     Memory(Mutex<Memory>),
     Postgres(PgPool),
@@ -55,13 +82,15 @@ fn from_row((id, amount, currency, customer, status, created_at): Row) -> Charge
 }
 
 impl Charges {
-    /// Charges once per record id: a second call for the same record returns the first
-    /// charge (the unique constraint on `record_id` decides, in Postgres).
+    /// Charges once per record id (the unique constraint on `record_id` decides, in
+    /// Postgres). A second call for the same record charges nothing, and says whether it
+    /// asked for what the first one charged: once the idempotency record's retention has
+    /// ended, the layer no longer sees the key, and only the charge remembers the request.
     pub(crate) async fn create(
         &self,
         record: &RecordId,
         new: &NewCharge,
-    ) -> Result<Charge, sqlx::Error> {
+    ) -> Result<Created, sqlx::Error> {
         let id = format!("ch_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]);
         match self {
             Charges::Memory(memory) => {
@@ -69,7 +98,7 @@ impl Charges {
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if let Some(existing) = m.by_record.get(record) {
-                    return Ok(m.by_id[existing].clone());
+                    return Ok(Created::of_existing(m.by_id[existing].clone(), new));
                 }
                 let charge = Charge {
                     id: id.clone(),
@@ -82,7 +111,7 @@ impl Charges {
                 m.by_record.insert(*record, id.clone());
                 m.by_id.insert(id.clone(), charge.clone());
                 m.order.push(id);
-                Ok(charge)
+                Ok(Created::New(charge))
             }
             Charges::Postgres(pool) => {
                 let inserted: Option<Row> = sqlx::query_as(
@@ -99,7 +128,7 @@ impl Charges {
                 .fetch_optional(pool)
                 .await?;
                 if let Some(row) = inserted {
-                    return Ok(from_row(row));
+                    return Ok(Created::New(from_row(row)));
                 }
                 let existing: Row = sqlx::query_as(
                     "SELECT id, amount, currency, customer, status, created_at FROM charges WHERE record_id = $1",
@@ -107,7 +136,7 @@ impl Charges {
                 .bind(&record.as_bytes()[..])
                 .fetch_one(pool)
                 .await?;
-                Ok(from_row(existing))
+                Ok(Created::of_existing(from_row(existing), new))
             }
         }
     }

@@ -1,6 +1,6 @@
 //! Configuration from the environment.
 
-use std::fmt;
+use std::{fmt, time::Duration};
 
 /// Which idempotency store the demo runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,10 +28,13 @@ pub(crate) struct Config {
     pub(crate) database_url: Option<String>,
     pub(crate) redis_url: Option<String>,
     pub(crate) mode: Mode,
+    /// How long a completed outcome is replayed: the layer's retention.
+    pub(crate) retention: Duration,
 }
 
 impl Config {
-    /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL` and `IDEMPOTENCY_STORE`.
+    /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE` and
+    /// `IDEMPOTENCY_RETENTION_MS`.
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let database_url = var("DATABASE_URL");
@@ -65,11 +68,24 @@ impl Config {
                 "IDEMPOTENCY_STORE={mode} needs REDIS_URL (a Redis URL)"
             ));
         }
+        let retention = match var("IDEMPOTENCY_RETENTION_MS") {
+            None => Duration::from_secs(24 * 3600),
+            Some(ms) => ms
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|ms| *ms > 0)
+                .map(Duration::from_millis)
+                .ok_or_else(|| {
+                    format!("IDEMPOTENCY_RETENTION_MS={ms:?} is not a positive whole number of milliseconds")
+                })?,
+        };
         Ok(Self {
             bind: var("BIND").unwrap_or_else(|| "127.0.0.1:3000".into()),
             database_url,
             redis_url,
             mode,
+            retention,
         })
     }
 }

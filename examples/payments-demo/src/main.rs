@@ -41,7 +41,7 @@ async fn main() -> ExitCode {
         Some("storm") => storm::main(&args[1..]).await,
         Some("-h" | "--help") => {
             println!(
-                "usage: payments-demo            serve (configured by BIND, DATABASE_URL, REDIS_URL, IDEMPOTENCY_STORE)"
+                "usage: payments-demo            serve (configured by BIND, DATABASE_URL, REDIS_URL, IDEMPOTENCY_STORE, IDEMPOTENCY_RETENTION_MS)"
             );
             println!(
                 "       payments-demo storm --url <base> [--charges N] [--sends M] [--client-timeout-ms T]"
@@ -114,10 +114,17 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
     };
     let purger = idempotency::spawn_purger(store.clone(), Duration::from_secs(60), 1000);
 
+    // Not the charge handler's own 422: it answers a key reused after its record expired,
+    // from the charges table. Stored, it would bind the key to the different request and
+    // refuse the retry of the one that made the charge; released, the next request asks the
+    // table again. (The layer's own 422s are never stored.)
+    let policy = Policy::default()
+        .with_retention(config.retention)
+        .with_cacheable(|status| idempotency::default_cacheable(status) && status != 422);
     let layer = IdempotencyLayer::new(store)
         .require_key(true)
         .scope_fn(app::scope)
-        .policy(Policy::default());
+        .policy(policy);
     let pool = postgres.as_ref().map(|pg| pg.pool().clone());
     let app = Arc::new(App {
         mode: config.mode,

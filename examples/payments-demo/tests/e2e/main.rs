@@ -427,6 +427,124 @@ fn exercise_orders(demo: &Demo) {
     );
 }
 
+/// A key reused after its record's retention (1 s here) ended: the handler runs again, and
+/// the charge its record id already made decides. Another body is the layer's 422 (not the
+/// old charge as a new 201); the same body is that charge, 200 and replayed.
+fn reuse_after_retention(env: &[(&str, &str)], mode: &str) {
+    let mut env = env.to_vec();
+    env.push(("IDEMPOTENCY_RETENTION_MS", "1000"));
+    let demo = Demo::start(&env);
+    assert_eq!(
+        call(&demo.base, "GET", "/healthz", &[], "")
+            .expect("healthz")
+            .json()["mode"],
+        mode
+    );
+    let customer = format!("cust-{}", uuid::Uuid::new_v4().simple());
+    let a = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
+    let b = a.replace("1000", "2500");
+    let key = uuid::Uuid::new_v4().to_string();
+    let charges = || {
+        call(
+            &demo.base,
+            "GET",
+            &format!("/charges?customer={customer}"),
+            &[],
+            "",
+        )
+        .expect("list")
+        .json()
+    };
+
+    let created = post(&demo, Some(&key), &[], &a);
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+
+    std::thread::sleep(Duration::from_millis(1500)); // past the record's retention
+
+    let other = post(&demo, Some(&key), &[], &b);
+    assert_problem(&other, 422);
+    assert_eq!(other.json()["type"], "urn:idempotency:problem:key-reused");
+    let list = charges();
+    assert_eq!(list["count"], 1, "no second charge: {list}");
+    assert_eq!(list["data"][0]["id"], id.as_str());
+    assert_eq!(list["data"][0]["amount"], 1000);
+
+    let same = post(&demo, Some(&key), &[], &a);
+    assert_eq!(same.status, 200, "{}", same.body);
+    assert_eq!(same.header("idempotent-replayed"), Some("true"));
+    assert_eq!(same.json()["id"], id.as_str());
+    assert_eq!(same.json()["amount"], 1000);
+    assert_eq!(charges()["count"], 1);
+    assert_eq!(demo.stop(), 0);
+}
+
+#[test]
+fn memory_mode_reuse_after_retention() {
+    reuse_after_retention(&[], "memory");
+}
+
+#[test]
+fn postgres_mode_reuse_after_retention() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let url = pg.url().to_owned();
+        tokio::task::spawn_blocking(move || {
+            reuse_after_retention(&[("DATABASE_URL", &url)], "postgres");
+        })
+        .await
+        .expect("postgres mode");
+    });
+}
+
+#[test]
+fn redis_mode_reuse_after_retention() {
+    block_on(async {
+        let Some(redis) = services::redis().await else {
+            return;
+        };
+        let url = redis.url().to_owned();
+        tokio::task::spawn_blocking(move || {
+            reuse_after_retention(&[("REDIS_URL", &url)], "redis");
+        })
+        .await
+        .expect("redis mode");
+    });
+}
+
+#[test]
+fn hybrid_mode_reuse_after_retention() {
+    block_on(async {
+        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
+            return;
+        };
+        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
+        tokio::task::spawn_blocking(move || {
+            reuse_after_retention(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)], "hybrid");
+        })
+        .await
+        .expect("hybrid mode");
+    });
+}
+
+#[test]
+fn a_retention_that_is_not_milliseconds_is_a_clear_startup_error() {
+    let out = Command::new(BIN)
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env_remove("IDEMPOTENCY_STORE")
+        .env("IDEMPOTENCY_RETENTION_MS", "1h")
+        // Never serves, even if the variable were ignored.
+        .env("BIND", "not-an-address")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("IDEMPOTENCY_RETENTION_MS"), "{err}");
+}
+
 fn chrono_like(t: &str) -> bool {
     t.len() >= 20
         && t.as_bytes()[4] == b'-'
