@@ -649,3 +649,242 @@ fn a_long_handler_keeps_its_lease_by_renewing_it() {
         assert_eq!(calls.get(), 1);
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// Streaming responses and the request future under cancellation.
+
+/// `POST /stream`: a response of unknown length. `x-chunks: n` sends n chunks of 64 KiB of
+/// `x` (0 = never ends, a tick every 20 ms, like server-sent events); `x-hold` sends the
+/// first chunk, then waits for the test's signal before the rest.
+fn streaming_app(
+    layer: idempotency_tower::IdempotencyLayer,
+) -> (axum::Router, support::Calls, HoldSignal) {
+    let calls = support::Calls::default();
+    let hold: HoldSignal = Arc::default();
+    let (c, h) = (calls.clone(), hold.clone());
+    let router = axum::Router::new()
+        .route(
+            "/stream",
+            axum::routing::post(move |headers: axum::http::HeaderMap| {
+                let (calls, hold) = (c.clone(), h.clone());
+                async move {
+                    calls.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let chunks: usize = headers
+                        .get("x-chunks")
+                        .and_then(|v| v.to_str().ok()?.parse().ok())
+                        .unwrap_or(1);
+                    let held = headers.contains_key("x-hold");
+                    let stream = futures::stream::unfold(0usize, move |i| {
+                        let hold = hold.clone();
+                        async move {
+                            if chunks == 0 {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                return Some((
+                                    Ok::<_, std::io::Error>(bytes::Bytes::from_static(
+                                        b"data: tick\n\n",
+                                    )),
+                                    i + 1,
+                                ));
+                            }
+                            if i == chunks {
+                                return None;
+                            }
+                            if held && i == 1 {
+                                hold.notified().await;
+                            }
+                            Some((Ok(bytes::Bytes::from(vec![b'x'; 64 * 1024])), i + 1))
+                        }
+                    });
+                    (axum::http::StatusCode::OK, Body::from_stream(stream))
+                }
+            }),
+        )
+        .layer(layer);
+    (router, calls, hold)
+}
+
+type HoldSignal = Arc<tokio::sync::Notify>;
+
+fn stream_request(key: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
+    let mut request = axum::http::Request::builder()
+        .method("POST")
+        .uri("/stream")
+        .header("idempotency-key", key);
+    for (n, v) in extra {
+        request = request.header(*n, *v);
+    }
+    request.body(Body::empty()).expect("request")
+}
+
+/// A response that never ends (a stream, server-sent events) used to renew its lease forever
+/// and wedge the key: every retry got 409. Now, once its client hangs up, the rest is drained
+/// for at most half a lease and the outcome stored without its body: the retry replays the
+/// head (`Idempotent-Replay-Body: incomplete`) and the handler never runs a second time.
+#[test]
+fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
+    block_on(async {
+        let layer = layer(memory())
+            .policy(idempotency_core::Policy::default().with_lease(Duration::from_secs(1)));
+        let (router, calls, _) = streaming_app(layer);
+        let addr = serve(router).await;
+        let key = uuid::Uuid::new_v4().to_string();
+        // The first client reads the start of the stream, then hangs up.
+        {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let request = format!(
+                "POST /stream HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\nx-chunks: 0\r\ncontent-length: 0\r\n\r\n"
+            );
+            client.write_all(request.as_bytes()).await.expect("write");
+            let mut seen = Vec::new();
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while !String::from_utf8_lossy(&seen).contains("tick") {
+                    let mut buf = [0u8; 1024];
+                    let n = client.read(&mut buf).await.expect("read");
+                    assert!(n > 0, "the stream started");
+                    seen.extend_from_slice(&buf[..n]);
+                }
+            })
+            .await
+            .expect("the stream reaches its client while it is produced, not once it ends");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+        let reply = loop {
+            let reply = tokio::time::timeout(
+                Duration::from_secs(5),
+                post(
+                    addr,
+                    "/stream",
+                    &[("idempotency-key", &key), ("x-chunks", "0")],
+                    "",
+                ),
+            )
+            .await
+            .expect("a retry must not stream a second execution");
+            if reply.status != 409 || tokio::time::Instant::now() > deadline {
+                break reply;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert_eq!(reply.header("idempotent-replayed"), Some("true"));
+        assert_eq!(reply.header("idempotent-replay-body"), Some("incomplete"));
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+/// A response larger than the stored-body limit streams to the first client as it is
+/// produced (the head arrives while the handler still holds the rest back), instead of being
+/// buffered whole; it is stored without its body, and the retry replays that.
+#[test]
+fn a_large_response_streams_and_is_stored_without_its_body() {
+    block_on(async {
+        let (router, calls, hold) = streaming_app(layer(memory()).max_stored_body(100_000));
+        let key = uuid::Uuid::new_v4().to_string();
+        let chunks = [("x-chunks", "64"), ("x-hold", "1")];
+        let response = tokio::time::timeout(
+            Duration::from_secs(5),
+            router.clone().oneshot(stream_request(&key, &chunks)),
+        )
+        .await
+        .expect("the head arrives before the body is complete")
+        .expect("response");
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.data_ref().map(|d| d.len()), Some(64 * 1024));
+        hold.notify_one();
+        let rest = body.collect().await.expect("the rest").to_bytes();
+        assert_eq!(
+            first.into_data().expect("data").len() + rest.len(),
+            64 * 64 * 1024
+        );
+
+        let again = router
+            .clone()
+            .oneshot(stream_request(&key, &chunks))
+            .await
+            .expect("replay");
+        assert_eq!(again.status(), 200);
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(again.headers()["idempotent-replay-body"], "omitted");
+        assert!(
+            again
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes()
+                .is_empty()
+        );
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+/// The layer's request future dropped at its 1st, 2nd, … poll (a client hang-up, an outer
+/// timeout) until it completes undropped: after every drop, the same request is answerable
+/// long before the lease would free an orphaned claim (it executes, or replays the execution
+/// the dropped request started), and the handler runs exactly once per key.
+async fn layer_sweep(store: Arc<dyn Store>) {
+    use idempotency_test::conformance::{ANSWERABLE_WITHIN, SWEEP_LEASE, drop_at_poll};
+    let layer = layer(store).policy(idempotency_core::Policy::default().with_lease(SWEEP_LEASE));
+    let (router, calls, _) = app(layer);
+    let request = |key: &str| {
+        axum::http::Request::builder()
+            .method("POST")
+            .uri("/charges")
+            .header("idempotency-key", key)
+            .header("x-delay-ms", "20")
+            .body(Body::from("{}"))
+            .expect("request")
+    };
+    let mut dropped = 0;
+    for k in 1..=400 {
+        let key = uuid::Uuid::new_v4().to_string();
+        let before = calls.get();
+        let first = drop_at_poll(router.clone().oneshot(request(&key)), k).await;
+        let deadline = tokio::time::Instant::now() + ANSWERABLE_WITHIN;
+        let status = loop {
+            let response = router
+                .clone()
+                .oneshot(request(&key))
+                .await
+                .expect("response");
+            let status = response.status().as_u16();
+            if status != 409 || tokio::time::Instant::now() > deadline {
+                break status;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        };
+        assert_eq!(status, 201, "after a drop at poll {k}");
+        assert_eq!(
+            calls.get(),
+            before + 1,
+            "one execution per key (drop at poll {k})"
+        );
+        match first {
+            Some(done) => {
+                assert_eq!(done.expect("response").status(), 201);
+                assert!(dropped > 0, "the sweep dropped nothing");
+                return;
+            }
+            None => dropped += 1,
+        }
+    }
+    panic!("the request future never completed undropped");
+}
+
+#[test]
+fn the_request_future_dropped_at_every_poll_on_memory() {
+    block_on(layer_sweep(memory()));
+}
+
+#[test]
+fn the_request_future_dropped_at_every_poll_on_postgres() {
+    block_on(async {
+        let Some(store) = idempotency_test::stores::postgres().await else {
+            return;
+        };
+        layer_sweep(store).await;
+    });
+}

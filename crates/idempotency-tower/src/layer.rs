@@ -214,9 +214,11 @@ impl IdempotencyLayer {
         self.edit(|c| c.max_request_body = bytes)
     }
 
-    /// The largest response body stored for replays (default 1 MiB). A larger response still
-    /// completes the record — a retry never executes again — but its replay has the stored
-    /// status and headers, an empty body and `Idempotent-Replay-Body: omitted`.
+    /// The largest response body stored for replays (default 1 MiB), and the most of one
+    /// response held in memory. A larger response streams to its client and still completes
+    /// the record — a retry never executes again — but its replay has the stored status and
+    /// headers, an empty body and `Idempotent-Replay-Body: omitted` (see the crate docs,
+    /// "Streaming and large responses").
     pub fn max_stored_body(self, bytes: usize) -> Self {
         self.edit(|c| c.max_stored_body = bytes)
     }

@@ -53,10 +53,28 @@
 //! releases the key, so the retry runs again. Hop-by-hop headers, `Content-Length`, `Date`
 //! and (by default) `Set-Cookie` are not stored.
 //!
-//! # Disconnects, panics, long operations
-//! The handler runs in its own task: a client that disconnects does not cancel it, and its
-//! outcome is stored for the retry. A panicking handler releases its lease and answers 500.
-//! A handler that runs longer than the lease renews it every third of the lease.
+//! # Disconnects, cancellation, panics, long operations
+//! The claim (`Store::begin`) and the handler run in a task of their own: the request future
+//! can be dropped at any await — a client hang-up, an outer `tower::timeout`, a `select!` —
+//! and no lease is left claimed by nobody. Dropped before the claim lands, a lease granted
+//! meanwhile is released; dropped after, the handler still runs once and its outcome is
+//! stored for the retry. A panicking handler releases its lease and answers 500. A handler
+//! that runs longer than the lease renews it every third of the lease.
+//!
+//! # Streaming and large responses
+//! A cacheable response whose exact length is within the stored-body limit is read whole,
+//! stored, then sent (the client never sees it before it is stored). Any other response
+//! streams to the first client as it is produced, with at most the limit kept in memory:
+//!
+//! - it ends within the limit: stored whole before the client sees the end of the stream;
+//! - it crosses the limit: stored at once without its body; replays carry the status and
+//!   headers, an empty body and `Idempotent-Replay-Body: omitted`;
+//! - its client leaves (or the body fails) before the end: the rest is drained for at most
+//!   half a lease, without renewing it, then stored; a body that has not ended by then is
+//!   replayed empty with `Idempotent-Replay-Body: incomplete`.
+//!
+//! A retry never executes a second time, and a stream that never ends (server-sent events)
+//! never holds its key longer than its client listens plus half a lease.
 //!
 //! # Handlers
 //! Handlers find the [`IdempotencyContext`] (record id, scope, key) in the request

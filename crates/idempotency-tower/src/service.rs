@@ -14,7 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying,
+    complete_retrying, detached_claim,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -250,11 +250,7 @@ where
     let span = tracing::Span::current();
     let wait_until = config.wait.map(|w| Instant::now() + w);
     loop {
-        match config
-            .store
-            .begin(&keyed.id, &keyed.fingerprint, config.policy.lease())
-            .await
-        {
+        match claim(&config, keyed.id, keyed.fingerprint).await {
             Ok(Begin::Execute(token)) => {
                 span.record("decision", "execute");
                 return execute(config, inner, parts, body, keyed, token).await;
@@ -302,8 +298,28 @@ where
     }
 }
 
+/// `begin`, run to its end even if the request future is dropped (a client hang-up, an outer
+/// timeout): a lease granted to a request that is gone is released. The stores guarantee
+/// this themselves; doing it here too keeps the layer safe over any `Store`. Between this
+/// answer and the task that runs the operation there is no await, so no lease is lost there.
+async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
+    let (store, releaser) = (config.store.clone(), config.store.clone());
+    let lease = config.policy.lease();
+    detached_claim(
+        async move { store.begin(&id, &fingerprint, lease).await },
+        move |token| -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(async move {
+                let _ = releaser.release(&id, token).await;
+            })
+        },
+    )
+    .await
+}
+
 /// Runs the operation in its own task, so a client that disconnects does not cancel it:
 /// the card is charged once and the retry gets the replay (the double-charge scenario).
+/// The request future only waits for the response head; the task owns the lease until the
+/// outcome is stored or released.
 async fn execute<S, ResBody>(
     config: Arc<Config>,
     inner: S,
@@ -331,8 +347,7 @@ where
     tokio::spawn(
         async move {
             let _running = running;
-            let result = run_detached(config, inner, request, id, token).await;
-            let _ = tx.send(result); // the client may be gone: the outcome is stored anyway
+            run_detached(config, inner, request, id, token, tx).await;
         }
         .in_current_span(),
     );
@@ -345,14 +360,24 @@ where
     }
 }
 
+/// What the handler produced, before its body is streamed.
+enum Produced<ResBody> {
+    /// A body of known size within the stored-body limit, read whole.
+    Buffered(http::response::Parts, Result<Bytes, BoxError>),
+    /// Any other body: streamed to the client, at most the limit kept for the store.
+    Streaming(http::response::Parts, ResBody),
+}
+
+type Reply<E> = tokio::sync::oneshot::Sender<Result<Response<Body>, E>>;
+
 async fn run_detached<S, ResBody>(
     config: Arc<Config>,
     mut inner: S,
     request: Request<Body>,
     id: RecordId,
     token: LeaseToken,
-) -> Result<Response<Body>, S::Error>
-where
+    reply: Reply<S::Error>,
+) where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
@@ -361,16 +386,21 @@ where
     let store = &config.store;
     let m = &config.metrics;
     let lease = config.policy.lease();
-    // The handler and the buffering of its response, guarded against panics.
+    let limit = config.max_stored_body;
+    let policy = config.policy.clone();
+    // The handler (and, for a small body of known size, reading it), guarded against panics.
     let operation = AssertUnwindSafe(async move {
         let response = inner.call(request).await?;
         let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .map_err(Into::into);
-        Ok::<_, S::Error>((parts, body))
+        let small = body.size_hint().exact().is_some_and(|n| n <= limit as u64);
+        if small && policy.is_cacheable(parts.status.as_u16()) {
+            let body = Limited::new(body, limit)
+                .collect()
+                .await
+                .map(|c| c.to_bytes());
+            return Ok(Produced::Buffered(parts, body));
+        }
+        Ok::<_, S::Error>(Produced::Streaming(parts, body))
     })
     .catch_unwind();
     tokio::pin!(operation);
@@ -387,33 +417,177 @@ where
             }
         }
     };
-    let (parts, body) = match result {
+    let produced = match result {
         Err(_panic) => {
             Metrics::inc(&m.panics);
             release(&config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
-            return Ok(Problem::Internal.response(detail, None));
+            let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
+            return;
         }
         Ok(Err(error)) => {
             release(&config, id, token, "service error").await;
-            return Err(error);
+            let _ = reply.send(Err(error));
+            return;
         }
-        Ok(Ok((_, Err(error)))) => {
-            release(&config, id, token, "response body failed").await;
+        Ok(Ok(produced)) => produced,
+    };
+    let (parts, body) = match produced {
+        Produced::Buffered(parts, Ok(body)) => (parts, body),
+        Produced::Buffered(parts, Err(error)) => {
+            // The handler ran and answered; its body broke off. Never a second execution:
+            // store what is known, marked incomplete.
             tracing::warn!(%error, "the handler's response body failed");
-            let detail = "the response could not be produced; retry with the same key";
-            return Ok(Problem::Internal.response(detail, None));
+            let outcome = to_outcome(&config, &parts, None, BodyMark::Incomplete);
+            complete(&config, id, token, &outcome).await;
+            let detail = "the response could not be produced in full; its outcome is stored";
+            let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
+            return;
         }
-        Ok(Ok((parts, Ok(body)))) => (parts, body),
+        Produced::Streaming(parts, body) => {
+            if config.policy.is_cacheable(parts.status.as_u16()) {
+                stream(&config, id, token, parts, body, reply).await;
+            } else {
+                Metrics::inc(&m.released);
+                release(&config, id, token, "outcome not cacheable").await;
+                let _ = reply.send(Ok(Response::from_parts(parts, boxed(body))));
+            }
+            return;
+        }
     };
     if config.policy.is_cacheable(parts.status.as_u16()) {
-        let outcome = to_outcome(&config, &parts, &body);
+        let outcome = to_outcome(&config, &parts, Some(&body), BodyMark::Whole);
         complete(&config, id, token, &outcome).await;
     } else {
         Metrics::inc(&m.released);
         release(&config, id, token, "outcome not cacheable").await;
     }
-    Ok(Response::from_parts(parts, full(body)))
+    let _ = reply.send(Ok(Response::from_parts(parts, full(body))));
+}
+
+/// Streams a cacheable response to the first client while keeping at most the stored-body
+/// limit, and stores the outcome:
+///
+/// - the body ends within the limit: stored whole, *before* the client sees the end, so a
+///   client that read the whole response and retries gets the replay;
+/// - the body crosses the limit: stored at once without its body (`Idempotent-Replay-Body:
+///   omitted`), and the rest is only forwarded — the lease is not held for it;
+/// - the first client goes away, or the body fails: the rest is drained for at most half a
+///   lease, without renewals, then stored; a body that did not end by then is stored without
+///   its body (`Idempotent-Replay-Body: incomplete`). The key is never held past its lease
+///   once the first client is gone, and the operation never runs a second time.
+async fn stream<ResBody, E>(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    parts: http::response::Parts,
+    body: ResBody,
+    reply: Reply<E>,
+) where
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (store, policy, limit) = (&config.store, &config.policy, config.max_stored_body);
+    let head = to_outcome(config, &parts, None, BodyMark::Whole);
+    let (frames, receiver) = tokio::sync::mpsc::channel(4);
+    let mut client = (reply
+        .send(Ok(Response::from_parts(
+            parts,
+            Streamed(receiver).boxed_unsync(),
+        )))
+        .is_ok())
+    .then_some(frames);
+    let mut kept = bytes::BytesMut::new();
+    let mut stored = false;
+    let mut drain_until: Option<Instant> = client
+        .is_none()
+        .then(|| Instant::now() + policy.lease() / 2);
+    let every = policy.renew_every();
+    let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+    tokio::pin!(body);
+    let ended = loop {
+        // The body's own error type need not be `Send`: convert it inside the future, before
+        // the result is held across any await.
+        let next = AssertUnwindSafe(body.frame())
+            .catch_unwind()
+            .map(|f| f.map(|o| o.map(|r| r.map_err(BodyError::new))));
+        let frame = tokio::select! {
+            frame = next => frame,
+            _ = renew.tick(), if !stored && drain_until.is_none() => {
+                if let Err(error) = store.renew(&id, token, policy.lease()).await {
+                    tracing::warn!(%error, "could not renew the idempotency lease");
+                }
+                continue;
+            }
+            _ = sleep_until_some(drain_until) => break false,
+        };
+        let frame = match frame {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(None) => break true,
+            Ok(Some(Err(error))) => {
+                tracing::warn!(%error, "the handler's response body failed mid-stream");
+                if let Some(client) = client.take() {
+                    let _ = client.send(Err(error)).await;
+                }
+                break false;
+            }
+            Err(_panic) => {
+                Metrics::inc(&config.metrics.panics);
+                break false;
+            }
+        };
+        if let (Some(data), false) = (frame.data_ref(), stored) {
+            if kept.len() + data.len() <= limit {
+                kept.extend_from_slice(data);
+            } else {
+                // Too large to replay: store the head now, before the client can have it all.
+                stored = true;
+                kept = bytes::BytesMut::new();
+                let mut outcome = head.clone();
+                mark(&mut outcome, BodyMark::Omitted);
+                complete(config, id, token, &outcome).await;
+            }
+        }
+        if let Some(sender) = &client
+            && sender.send(Ok(frame)).await.is_err()
+        {
+            client = None;
+            drain_until = Some(Instant::now() + policy.lease() / 2);
+        }
+    };
+    if !stored {
+        let mut outcome = head;
+        if ended {
+            outcome.body = kept.freeze();
+        } else {
+            mark(&mut outcome, BodyMark::Incomplete);
+        }
+        complete(config, id, token, &outcome).await;
+    }
+    drop(client); // the client sees the end only now, after the outcome is stored
+}
+
+/// Sleeps until the deadline, or forever when there is none.
+async fn sleep_until_some(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The streamed response body: frames forwarded by the task that owns the lease.
+struct Streamed(tokio::sync::mpsc::Receiver<Result<http_body::Frame<Bytes>, BodyError>>);
+
+impl HttpBody for Streamed {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BodyError>>> {
+        self.0.poll_recv(cx)
+    }
 }
 
 async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
@@ -438,7 +612,36 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
     }
 }
 
-fn to_outcome(config: &Config, parts: &http::response::Parts, body: &Bytes) -> Outcome {
+/// How much of the body an outcome carries; replays say so in `Idempotent-Replay-Body`.
+#[derive(Clone, Copy)]
+enum BodyMark {
+    /// The whole body.
+    Whole,
+    /// None: larger than the stored-body limit.
+    Omitted,
+    /// None: the body did not end (the first client left, or it failed) in time.
+    Incomplete,
+}
+
+fn mark(outcome: &mut Outcome, body: BodyMark) {
+    let value = match body {
+        BodyMark::Whole => return,
+        BodyMark::Omitted => "omitted",
+        BodyMark::Incomplete => "incomplete",
+    };
+    outcome.body = Bytes::new();
+    outcome.headers.push((
+        "idempotent-replay-body".into(),
+        Bytes::from_static(value.as_bytes()),
+    ));
+}
+
+fn to_outcome(
+    config: &Config,
+    parts: &http::response::Parts,
+    body: Option<&Bytes>,
+    whole: BodyMark,
+) -> Outcome {
     let mut outcome = Outcome::new(parts.status.as_u16());
     for (name, value) in &parts.headers {
         let name = name.as_str();
@@ -449,13 +652,10 @@ fn to_outcome(config: &Config, parts: &http::response::Parts, body: &Bytes) -> O
             .headers
             .push((name.to_owned(), Bytes::copy_from_slice(value.as_bytes())));
     }
-    if body.len() <= config.max_stored_body {
-        outcome.body = body.clone();
-    } else {
-        outcome.headers.push((
-            "idempotent-replay-body".into(),
-            Bytes::from_static(b"omitted"),
-        ));
+    match body {
+        Some(body) if body.len() <= config.max_stored_body => outcome.body = body.clone(),
+        Some(_) => mark(&mut outcome, BodyMark::Omitted),
+        None => mark(&mut outcome, whole),
     }
     outcome
 }
