@@ -174,3 +174,37 @@ fn an_evicting_redis_is_refused_unless_accepted() {
             .expect("noeviction starts");
     });
 }
+
+/// A `begin` that answered `Unavailable` must leave nothing behind that changes the next
+/// answer. A hung Redis (paused) runs the queued claim when it resumes; before, that claim
+/// held the key "in flight" for the whole lease with a token nobody had. Now the claim's task
+/// reads the late answer and releases it.
+#[test]
+fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let store = RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("late"))
+            .call_budget(Duration::from_millis(300))
+            .connect()
+            .await
+            .expect("store");
+        // Load the scripts, so the late call is the claim itself, not a NOSCRIPT retry.
+        let warm = fresh_id();
+        execute(&store, &warm, &fp("a"), LONG).await;
+
+        let id = fresh_id();
+        redis.pause().await;
+        let answer = store.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        redis.unpause().await; // the queued claim runs now, granting a lease to nobody
+        match idempotency_test::conformance::answer_within(&store, &id, &fp("a")).await {
+            Begin::Execute(_) => {}
+            other => panic!("the late claim was left behind: {other:?}"),
+        }
+    });
+}

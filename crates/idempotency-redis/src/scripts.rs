@@ -19,13 +19,14 @@ const NOW_MS: &str = "local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 ";
 
-/// `KEYS[1]` record; `ARGV` fingerprint, token, lease ms, grace ms.
-/// Returns `{'x'}` execute, `{'r', outcome}` replay, `{'i', ms left}` in flight, `{'m'}`
-/// mismatch. An in-flight record past its `exp` is taken over (replaced, so the old token is
-/// fenced off).
+/// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token, lease ms,
+/// grace ms. Returns `{'x'}` execute, `{'r', outcome}` replay, `{'i', ms left}` in flight,
+/// `{'m'}` mismatch, `{'c'}` cancelled (see [`cancel`]). An in-flight record past its `exp`
+/// is taken over (replaced, so the old token is fenced off).
 pub(crate) fn begin() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{'c'}} end
 local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp')
 local live = cur[1] and (cur[1] == '1' or not cur[4] or tonumber(cur[4]) > now)
 if not live then
@@ -56,6 +57,25 @@ redis.call('HSET', KEYS[1], 'st', '1', 'out', ARGV[2])
 redis.call('HDEL', KEYS[1], 'exp')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
+",
+    )
+}
+
+/// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, tombstone ms. Undoes a
+/// claim whose answer never arrived, whether or not it has run yet: deletes the record if
+/// this token holds it, else leaves a tombstone that makes the claim refuse when it runs late.
+/// (A plain release could overtake the claim: after a timeout the client reconnects, and the
+/// two commands travel on different connections.)
+pub(crate) fn cancel() -> Script {
+    Script::new(
+        r"
+local cur = redis.call('HMGET', KEYS[1], 'st', 'tok')
+if cur[1] == '0' and cur[2] == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 0
 ",
     )
 }

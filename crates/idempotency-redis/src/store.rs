@@ -61,6 +61,7 @@ impl ConnectionLike for Conn {
 
 struct Scripts {
     begin: Script,
+    cancel: Script,
     complete: Script,
     release: Script,
     renew: Script,
@@ -189,6 +190,7 @@ impl RedisStoreBuilder {
             budget: self.budget,
             scripts: Arc::new(Scripts {
                 begin: scripts::begin(),
+                cancel: scripts::cancel(),
                 complete: scripts::complete(),
                 release: scripts::release(),
                 renew: scripts::renew(),
@@ -249,6 +251,11 @@ fn parse_begin(value: Value, token: LeaseToken) -> Result<Begin> {
     };
     Ok(match (tag, items.get(1)) {
         (b"x", _) => Begin::Execute(token),
+        (b"c", _) => {
+            return Err(Error::unavailable(
+                "the claim ran after it was given up and cancelled",
+            ));
+        }
         (b"m", _) => Begin::Mismatch,
         (b"r", Some(Value::BulkString(out))) => Begin::Replay(decode_outcome(out)?),
         (b"i", Some(Value::Int(pttl))) => Begin::InFlight {
@@ -356,7 +363,20 @@ impl RedisStore {
         id: &RecordId,
         args: &[&[u8]],
     ) -> Result<T> {
-        let mut invocation = script.key(self.key(id));
+        self.run_keys(budget, script, &[self.key(id)], args).await
+    }
+
+    async fn run_keys<T: redis::FromRedisValue>(
+        &self,
+        budget: Duration,
+        script: &Script,
+        keys: &[String],
+        args: &[&[u8]],
+    ) -> Result<T> {
+        let mut invocation = script.prepare_invoke();
+        for key in keys {
+            invocation.key(key);
+        }
         for arg in args {
             invocation.arg(*arg);
         }
@@ -377,11 +397,12 @@ impl RedisStore {
         let lease = millis(lease).to_string();
         // Longer than the caller waits: an answer that comes late is still read, and a lease
         // it granted released, rather than left to expire.
-        let value: Value = self
-            .run_within(
+        let keys = [self.key(id), self.tombstone(id, token)];
+        let claimed: Result<Value> = self
+            .run_keys(
                 self.budget * 4,
                 &self.scripts.begin,
-                id,
+                &keys,
                 &[
                     &fp.as_bytes()[..],
                     token_text.as_bytes(),
@@ -389,8 +410,52 @@ impl RedisStore {
                     grace_ms().as_bytes(),
                 ],
             )
-            .await?;
-        parse_begin(value, token)
+            .await;
+        match claimed {
+            Ok(value) => parse_begin(value, token),
+            Err(error) => {
+                // Unknown whether the script ran, or will: a hung Redis runs the commands
+                // queued on the connection when it resumes, after the client gave up. Cancel
+                // the claim in a way that holds in either order (see `scripts::cancel`).
+                let this = self.clone();
+                let id = *id;
+                tokio::spawn(async move { this.cancel_claim(&id, token, &keys).await });
+                Err(error)
+            }
+        }
+    }
+
+    /// The tombstone of one claim: same hash tag, so same cluster slot, as the record.
+    fn tombstone(&self, id: &RecordId, token: LeaseToken) -> String {
+        format!("{}:{{{}}}:cancelled:{token}", self.prefix, id.to_hex())
+    }
+
+    /// Retries the cancel script until Redis answers (for at most the grace period): until
+    /// then a late claim could still land.
+    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, keys: &[String; 2]) {
+        let token_text = token.to_string();
+        let ttl = grace_ms();
+        let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
+        let mut backoff = Duration::from_millis(50);
+        while tokio::time::Instant::now() < give_up {
+            let undone: Result<i64> = self
+                .run_keys(
+                    self.budget,
+                    &self.scripts.cancel,
+                    keys,
+                    &[token_text.as_bytes(), ttl.as_bytes()],
+                )
+                .await;
+            match undone {
+                Ok(_) => return,
+                Err(error) => {
+                    tracing::debug!(%error, record = %id, "cancelling an unanswered claim; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        tracing::warn!(record = %id, "could not cancel an unanswered claim; it expires with its lease");
     }
 
     /// Reads a record without changing it: what the hybrid store asks before Postgres.
