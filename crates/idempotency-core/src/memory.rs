@@ -33,15 +33,25 @@ use crate::{
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     records: Mutex<HashMap<RecordId, Record>>,
+    /// `None`: Tokio's clock and random tokens. `Some`: see [`MemoryStore::with_manual_clock`].
+    manual: Option<Mutex<ManualClock>>,
 }
 
-#[derive(Debug)]
+/// A clock that moves only when told, and a token counter: deterministic runs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ManualClock {
+    base: Instant,
+    elapsed: Duration,
+    issued: u128,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Record {
     fingerprint: Fingerprint,
     state: State,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum State {
     InFlight {
         token: LeaseToken,
@@ -71,6 +81,74 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// A store whose clock moves only by [`MemoryStore::advance`] and whose lease tokens are
+    /// sequential, so that a run is fully determined by its calls. With `Clone`, `Eq` and
+    /// `Hash` (which compare the records and the clock), this is what the model checker drives:
+    /// every state it explores holds one of these (see `tests/model.rs` of this crate).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_core::{Begin, Fingerprint, IdempotencyKey, MemoryStore, RecordId, Scope, Store};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let store = MemoryStore::with_manual_clock();
+    /// let id = RecordId::new(&Scope::new("s"), &IdempotencyKey::new("k").unwrap());
+    /// let fp = Fingerprint::of(b"");
+    /// let lease = Duration::from_secs(2);
+    /// assert!(matches!(store.begin(&id, &fp, lease).await, Ok(Begin::Execute(_))));
+    /// let snapshot = store.clone();
+    /// store.advance(Duration::from_secs(2)); // the lease ends: a takeover executes
+    /// assert!(matches!(store.begin(&id, &fp, lease).await, Ok(Begin::Execute(_))));
+    /// assert_ne!(store, snapshot);
+    /// # });
+    /// ```
+    pub fn with_manual_clock() -> Self {
+        Self {
+            records: Mutex::default(),
+            manual: Some(Mutex::new(ManualClock {
+                base: Instant::now(),
+                elapsed: Duration::ZERO,
+                issued: 0,
+            })),
+        }
+    }
+
+    /// Moves a [manual clock](MemoryStore::with_manual_clock) forward; does nothing on a
+    /// store that reads Tokio's clock.
+    pub fn advance(&self, by: Duration) {
+        if let Some(clock) = &self.manual {
+            lock(clock).elapsed += by;
+        }
+    }
+
+    fn now(&self) -> Instant {
+        match &self.manual {
+            Some(clock) => {
+                let clock = lock(clock);
+                clock.base + clock.elapsed
+            }
+            None => Instant::now(),
+        }
+    }
+
+    fn new_token(&self) -> LeaseToken {
+        match &self.manual {
+            Some(clock) => {
+                let mut clock = lock(clock);
+                clock.issued += 1;
+                LeaseToken::from_uuid(uuid::Uuid::from_u128(clock.issued))
+            }
+            None => LeaseToken::generate(),
+        }
+    }
+
+    /// The records in a fixed order, with the clock: what equality and hashing compare.
+    fn contents(&self) -> (Vec<(RecordId, Record)>, Option<ManualClock>) {
+        let mut records: Vec<_> = self.lock().iter().map(|(k, v)| (*k, v.clone())).collect();
+        records.sort_by_key(|(id, _)| *id);
+        (records, self.manual.as_ref().map(|c| lock(c).clone()))
+    }
+
     /// How many records the map holds, expired ones included.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -82,11 +160,7 @@ impl MemoryStore {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<RecordId, Record>> {
-        // A panic while holding the lock cannot leave a record half-written (every update is a
-        // single assignment), so a poisoned map is still consistent.
-        self.records
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.records)
     }
 
     /// Runs `f` on the record if `token` owns it: in flight under this token, whether or not
@@ -110,11 +184,44 @@ impl MemoryStore {
     }
 }
 
+/// A panic while holding a lock cannot leave a record half-written (every update is a single
+/// assignment), so a poisoned lock still guards consistent data.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A deep copy: the records and the clock (a manual clock is copied, not shared).
+impl Clone for MemoryStore {
+    fn clone(&self) -> Self {
+        let (records, manual) = self.contents();
+        Self {
+            records: Mutex::new(records.into_iter().collect()),
+            manual: manual.map(Mutex::new),
+        }
+    }
+}
+
+impl PartialEq for MemoryStore {
+    fn eq(&self, other: &Self) -> bool {
+        self.contents() == other.contents()
+    }
+}
+
+impl Eq for MemoryStore {}
+
+impl std::hash::Hash for MemoryStore {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.contents().hash(state);
+    }
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         let mut records = self.lock();
-        let now = Instant::now();
+        let now = self.now();
         if let Some(record) = records.get(id).filter(|r| r.is_live(now)) {
             if record.fingerprint != *fp {
                 return Ok(Begin::Mismatch);
@@ -126,7 +233,7 @@ impl Store for MemoryStore {
                 },
             });
         }
-        let token = LeaseToken::generate();
+        let token = self.new_token();
         records.insert(
             *id,
             Record {
@@ -163,7 +270,7 @@ impl Store for MemoryStore {
                 record.state = State::Completed {
                     token,
                     outcome: outcome.clone(),
-                    expires_at: Instant::now() + retention,
+                    expires_at: self.now() + retention,
                 };
             }
         })
@@ -182,14 +289,14 @@ impl Store for MemoryStore {
                 ..
             }) = records.get_mut(id)
             {
-                *lease_until = Instant::now() + lease;
+                *lease_until = self.now() + lease;
             }
         })
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         let mut records = self.lock();
-        let now = Instant::now();
+        let now = self.now();
         let expired: Vec<RecordId> = records
             .iter()
             .filter(|(_, r)| match r.state {

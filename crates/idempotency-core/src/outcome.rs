@@ -19,7 +19,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 /// let bytes = outcome.encode();
 /// assert_eq!(Outcome::decode(&bytes).unwrap(), outcome);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Outcome {
     /// The status (an HTTP status code for the HTTP layer).
     pub status: u16,
