@@ -21,7 +21,7 @@ use serde_json::json;
 use crate::{
     charges::{Charges, Created, NewCharge},
     config::Mode,
-    orders::{Order, Orders},
+    orders::{Order, Orders, Placed},
 };
 use idempotency::postgres::Transition;
 
@@ -98,7 +98,8 @@ fn invalid(detail: &str) -> Response {
 }
 
 /// The layer's own 422 for a key reused for another request (same type, status and title),
-/// for when only the charge remembers the first request: the key's record has expired.
+/// for when only the charge or order remembers the first request: the key's record has
+/// expired.
 fn key_reused(detail: &str) -> Response {
     let reused = Problem::Mismatch;
     problem_of_type(reused.status(), reused.type_uri(), reused.title(), detail)
@@ -376,13 +377,31 @@ async fn create_order(
         (Ok(customer), Ok(amount)) => (customer, amount),
         (Err(rule), _) | (_, Err(rule)) => return invalid(rule),
     };
+    let located = |status: StatusCode, order: &Order| {
+        let mut response = with_etag(status, order);
+        if let Ok(location) = HeaderValue::from_str(&format!("/orders/{}", order.id)) {
+            response.headers_mut().insert(header::LOCATION, location);
+        }
+        response
+    };
     match app.orders.create(&ctx.record_id, &customer, amount).await {
-        Ok(order) => {
-            let mut response = with_etag(StatusCode::CREATED, &order);
-            if let Ok(location) = HeaderValue::from_str(&format!("/orders/{}", order.id)) {
-                response.headers_mut().insert(header::LOCATION, location);
-            }
+        Ok(Placed::New(order)) => located(StatusCode::CREATED, &order),
+        // The same operation again, its stored outcome gone: the order it created (as it is
+        // now), not a new one, and not 201 — the client must not count it twice.
+        Ok(Placed::Existing(order)) => {
+            let mut response = located(StatusCode::OK, &order);
+            response.headers_mut().insert(
+                HeaderName::from_static("idempotent-replayed"),
+                HeaderValue::from_static("true"),
+            );
             response
+        }
+        Ok(Placed::Conflict(existing)) => {
+            tracing::info!(order = %existing.id, "a key whose record expired was reused for another order");
+            key_reused(
+                "this Idempotency-Key already created an order for a different request \
+                 (customer or amount differ); use a new key for a new order",
+            )
         }
         Err(error) => storage_down(&error),
     }

@@ -30,11 +30,27 @@ pub(crate) struct Config {
     pub(crate) mode: Mode,
     /// How long a completed outcome is replayed: the layer's retention.
     pub(crate) retention: Duration,
+    /// How long one attempt holds its key before a retry may take it over.
+    pub(crate) lease: Duration,
+}
+
+/// A positive number of milliseconds from `name`, or `default`.
+fn millis_var(name: &str, value: Option<String>, default: Duration) -> Result<Duration, String> {
+    match value {
+        None => Ok(default),
+        Some(ms) => ms
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis)
+            .ok_or_else(|| format!("{name}={ms:?} is not a positive whole number of milliseconds")),
+    }
 }
 
 impl Config {
-    /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE` and
-    /// `IDEMPOTENCY_RETENTION_MS`.
+    /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE`,
+    /// `IDEMPOTENCY_RETENTION_MS` and `IDEMPOTENCY_LEASE_MS`.
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let database_url = var("DATABASE_URL");
@@ -68,24 +84,23 @@ impl Config {
                 "IDEMPOTENCY_STORE={mode} needs REDIS_URL (a Redis URL)"
             ));
         }
-        let retention = match var("IDEMPOTENCY_RETENTION_MS") {
-            None => Duration::from_secs(24 * 3600),
-            Some(ms) => ms
-                .trim()
-                .parse::<u64>()
-                .ok()
-                .filter(|ms| *ms > 0)
-                .map(Duration::from_millis)
-                .ok_or_else(|| {
-                    format!("IDEMPOTENCY_RETENTION_MS={ms:?} is not a positive whole number of milliseconds")
-                })?,
-        };
+        let retention = millis_var(
+            "IDEMPOTENCY_RETENTION_MS",
+            var("IDEMPOTENCY_RETENTION_MS"),
+            Duration::from_secs(24 * 3600),
+        )?;
+        let lease = millis_var(
+            "IDEMPOTENCY_LEASE_MS",
+            var("IDEMPOTENCY_LEASE_MS"),
+            Duration::from_secs(30),
+        )?;
         Ok(Self {
             bind: var("BIND").unwrap_or_else(|| "127.0.0.1:3000".into()),
             database_url,
             redis_url,
             mode,
             retention,
+            lease,
         })
     }
 }

@@ -114,12 +114,13 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
     };
     let purger = idempotency::spawn_purger(store.clone(), Duration::from_secs(60), 1000);
 
-    // Not the charge handler's own 422: it answers a key reused after its record expired,
-    // from the charges table. Stored, it would bind the key to the different request and
+    // Not the charge and order handlers' own 422: they answer a key reused after its record
+    // expired, from the charges or orders table. Stored, it would bind the key to the different request and
     // refuse the retry of the one that made the charge; released, the next request asks the
     // table again. (The layer's own 422s are never stored.)
     let policy = Policy::default()
         .with_retention(config.retention)
+        .with_lease(config.lease)
         .with_cacheable(|status| idempotency::default_cacheable(status) && status != 422);
     let layer = IdempotencyLayer::new(store)
         .require_key(true)

@@ -30,6 +30,30 @@ pub(crate) fn machine() -> StateMachine {
         .unwrap_or_else(|e| unreachable!("the order machine is declared statically: {e}"))
 }
 
+/// What [`Orders::create`] did for a record id.
+#[derive(Debug)]
+pub(crate) enum Placed {
+    /// Created now.
+    New(Order),
+    /// The record id had created an order already, for this customer and amount: the same
+    /// operation (a retry after its idempotency record expired, or after a crash between the
+    /// insert and the stored outcome). The order as it is now, transitions included.
+    Existing(Order),
+    /// The record id had created an order already, for another request: the key was reused
+    /// after its record expired. Nothing was created.
+    Conflict(Order),
+}
+
+impl Placed {
+    fn of_existing(order: Order, customer: &str, amount: i64) -> Self {
+        if order.customer == customer && order.amount == amount {
+            Placed::Existing(order)
+        } else {
+            Placed::Conflict(order)
+        }
+    }
+}
+
 pub(crate) enum Orders {
     Memory(Mutex<Memory>),
     Postgres(PgPool, StateMachine),
@@ -54,19 +78,26 @@ fn from_row((id, customer, amount, status, version): Row) -> Order {
 }
 
 impl Orders {
-    /// Creates the order once per record id.
+    /// Creates the order once per record id (the unique constraint on `record_id` decides, in
+    /// Postgres). A second call for the same record creates nothing, and says whether it
+    /// asked for what the first one created: once the idempotency record's retention has
+    /// ended, the layer no longer sees the key, and only the order remembers the request.
     pub(crate) async fn create(
         &self,
         record: &RecordId,
         customer: &str,
         amount: i64,
-    ) -> Result<Order, sqlx::Error> {
+    ) -> Result<Placed, sqlx::Error> {
         let id = format!("ord_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]);
         match self {
             Orders::Memory(m) => {
                 let mut m = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 if let Some(existing) = m.by_record.get(record) {
-                    return Ok(m.by_id[existing].clone());
+                    return Ok(Placed::of_existing(
+                        m.by_id[existing].clone(),
+                        customer,
+                        amount,
+                    ));
                 }
                 let order = Order {
                     id: id.clone(),
@@ -77,7 +108,7 @@ impl Orders {
                 };
                 m.by_record.insert(*record, id.clone());
                 m.by_id.insert(id, order.clone());
-                Ok(order)
+                Ok(Placed::New(order))
             }
             Orders::Postgres(pool, _) => {
                 let inserted: Option<Row> = sqlx::query_as(
@@ -91,15 +122,16 @@ impl Orders {
                 .bind(amount)
                 .fetch_optional(pool)
                 .await?;
-                match inserted {
-                    Some(row) => Ok(from_row(row)),
-                    None => Ok(from_row(
-                        sqlx::query_as("SELECT id, customer, amount, status, version FROM orders WHERE record_id = $1")
-                            .bind(&record.as_bytes()[..])
-                            .fetch_one(pool)
-                            .await?,
-                    )),
+                if let Some(row) = inserted {
+                    return Ok(Placed::New(from_row(row)));
                 }
+                let existing: Row = sqlx::query_as(
+                    "SELECT id, customer, amount, status, version FROM orders WHERE record_id = $1",
+                )
+                .bind(&record.as_bytes()[..])
+                .fetch_one(pool)
+                .await?;
+                Ok(Placed::of_existing(from_row(existing), customer, amount))
             }
         }
     }

@@ -6,6 +6,12 @@
 //! (`X-Demo-Delay-Ms` > `--client-timeout-ms`), so the client hangs up and retries while the
 //! server is still charging. Then it counts the charges the demo recorded: exactly N, or the
 //! exit status says otherwise.
+//!
+//! The table counts each send in one column: *executed (fresh 201)* a 201 without
+//! `Idempotent-Replayed`; *replayed* an answer with it, either a 201 the layer replayed or
+//! the 200 the demo answers for a key whose record's retention had ended
+//! (`IDEMPOTENCY_RETENTION_MS`); *409 in flight* a send while another with the key ran;
+//! *timed out* the client hung up; *errors* any other answer, or a failed connection.
 
 use std::{
     process::ExitCode,
@@ -156,6 +162,30 @@ pub(crate) async fn main(args: &[String]) -> ExitCode {
     }
 }
 
+/// Which column of the table an answer to `POST /charges` counts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// A fresh 201: the charge ran now.
+    Executed,
+    /// The charge it made before: a 201 the layer replayed, or a 200 the handler answered
+    /// once the key's record had expired (both carry `Idempotent-Replayed`).
+    Replayed,
+    /// 409: another send with the key is running.
+    InFlight,
+    /// Anything else, a 200 without `Idempotent-Replayed` included.
+    Unexpected,
+}
+
+/// Classifies one answer by its status and whether it carried `Idempotent-Replayed`.
+fn classify(status: u16, replayed: bool) -> Answer {
+    match (status, replayed) {
+        (201 | 200, true) => Answer::Replayed,
+        (201, false) => Answer::Executed,
+        (409, _) => Answer::InFlight,
+        _ => Answer::Unexpected,
+    }
+}
+
 async fn logical_charge(
     authority: &str,
     key: &str,
@@ -184,14 +214,17 @@ async fn logical_charge(
     let send = || async {
         tally.sent.fetch_add(1, Ordering::Relaxed);
         match client::request(authority, "POST", "/charges", &headers, &body, timeout).await {
-            Ok(reply) if reply.status == 201 && reply.header("idempotent-replayed").is_some() => {
-                &tally.replayed
-            }
-            Ok(reply) if reply.status == 201 => &tally.executed,
-            Ok(reply) if reply.status == 409 => &tally.conflicts,
             Ok(reply) => {
-                tracing::warn!(status = reply.status, body = %reply.body, "unexpected answer");
-                &tally.errors
+                let replayed = reply.header("idempotent-replayed").is_some();
+                match classify(reply.status, replayed) {
+                    Answer::Executed => &tally.executed,
+                    Answer::Replayed => &tally.replayed,
+                    Answer::InFlight => &tally.conflicts,
+                    Answer::Unexpected => {
+                        tracing::warn!(status = reply.status, body = %reply.body, "unexpected answer");
+                        &tally.errors
+                    }
+                }
             }
             Err(Failure::TimedOut) => &tally.timed_out,
             Err(Failure::Io(error)) => {
@@ -225,5 +258,31 @@ async fn settle(authority: &str, customer: &str, expected: u64, timeout: Duratio
             return last;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Answer, classify};
+
+    #[test]
+    fn a_replay_after_retention_counts_as_replayed() {
+        assert_eq!(classify(200, true), Answer::Replayed);
+    }
+
+    #[test]
+    fn the_other_columns_keep_their_meaning() {
+        assert_eq!(classify(201, false), Answer::Executed);
+        assert_eq!(classify(201, true), Answer::Replayed);
+        assert_eq!(classify(409, false), Answer::InFlight);
+        assert_eq!(classify(409, true), Answer::InFlight);
+        // A 200 that does not say it replays is not a charge the storm can account for.
+        for (status, replayed) in [(200, false), (422, false), (503, false), (500, true)] {
+            assert_eq!(
+                classify(status, replayed),
+                Answer::Unexpected,
+                "{status} {replayed}"
+            );
+        }
     }
 }

@@ -29,12 +29,24 @@
 //! A store outage longer than `max_deliveries × claim_idle` dead-letters the messages that
 //! came due during it; they keep their payload for a replay.
 //!
+//! # Outcomes that were not stored
+//!
+//! When the effect ran but storing its outcome failed for a whole lease of retries (the
+//! store's database was down), or another attempt took the charge over meanwhile, the
+//! executor answers [`RunError::NotStored`]. The charge **was applied**: leaving the message
+//! pending would apply it a second time on its next delivery (the ledger has no unique
+//! constraint), and dead-lettering it would invite a replay that does the same. Such a
+//! message is acknowledged, counted in [`Polled::not_stored`], and logged at error level
+//! ("the outcome was not stored") for an operator: after a store outage the record stays in
+//! flight until its lease expires, so a duplicate of the charge published after that applies
+//! it again. The lease is the executor's ([`Consumer::with_policy`], default 30 s).
+//!
 //! Run the example with: `DATABASE_URL=postgres://… REDIS_URL=redis://… cargo run -p stream-consumer`
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use idempotency::{
-    Executor, Fingerprint, IdempotencyKey, RunError, Scope, postgres::PostgresStore,
+    Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope, postgres::PostgresStore,
 };
 use redis::{
     AsyncCommands, Script,
@@ -74,11 +86,17 @@ pub struct Polled {
     pub failed: u64,
     /// Messages this poll moved to the dead-letter stream (and acknowledged).
     pub dead_lettered: u64,
+    /// Messages whose effect ran now but whose outcome the store did not take
+    /// ([`RunError::NotStored`]): acknowledged, not redelivered, and logged at error level.
+    pub not_stored: u64,
     /// Messages this poll acknowledged first, dead letters included (`XACK` answers 0 for a
     /// message another consumer already acknowledged: at-least-once delivery can hand one
     /// message to two).
     pub acked: u64,
 }
+
+/// A test fault run inside the effect: see [`Consumer::after_effect`].
+pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
 /// One consumer of a group.
 pub struct Consumer {
@@ -98,6 +116,9 @@ pub struct Consumer {
     pub dead_letter_stream: String,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
+    /// Test fault: awaited inside the effect of every charge (given its id), after the
+    /// ledger write and before the outcome is stored — e.g. to stop the store's database.
+    pub after_effect: Option<AfterEffect>,
 }
 
 impl Consumer {
@@ -125,7 +146,16 @@ impl Consumer {
             max_deliveries: 5,
             dead_letter_stream: format!("{stream}:dead"),
             crash_before_ack: None,
+            after_effect: None,
         }
+    }
+
+    /// Replaces the executor's policy (default [`Policy::default`]): its lease is how long an
+    /// attempt holds a charge against other consumers, and how long storing an applied
+    /// charge's outcome is retried before it counts as [`Polled::not_stored`].
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.executor = self.executor.with_policy(policy);
+        self
     }
 
     /// Creates the group (from the stream's start) and the ledger table, if missing.
@@ -227,7 +257,7 @@ impl Consumer {
             }
         };
         let scope = Scope::new(format!("stream:{}:{}", self.stream, self.group));
-        let (pool, ledger) = (&self.pool, &self.ledger);
+        let (pool, ledger, after_effect) = (&self.pool, &self.ledger, &self.after_effect);
         let result = self
             .executor
             .run(
@@ -242,6 +272,9 @@ impl Consumer {
                         .bind(amount)
                         .execute(pool)
                         .await?;
+                    if let Some(fault) = after_effect {
+                        fault(&charge_id).await;
+                    }
                     Ok::<_, sqlx::Error>(format!("applied {charge_id}"))
                 },
             )
@@ -261,6 +294,13 @@ impl Consumer {
                 let reason =
                     format!("mismatch: charge {charge_id} was already applied with another amount");
                 return self.dead_letter(message, delivered, &reason, polled).await;
+            }
+            // The charge was applied, but its outcome is not stored: a redelivery would apply
+            // it again, so acknowledge it like an applied one, and say so loudly.
+            Err(error @ RunError::NotStored(_)) => {
+                let error = error_chain(&error);
+                tracing::error!(%error, charge = %charge_id, id = %message.id, "the charge was applied but the outcome was not stored; acknowledging the message without a redelivery");
+                polled.not_stored += 1;
             }
             // The effect failed or the store did (the key is released or was never taken):
             // a later delivery may succeed, up to `max_deliveries`.

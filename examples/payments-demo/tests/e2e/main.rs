@@ -529,6 +529,119 @@ fn hybrid_mode_reuse_after_retention() {
     });
 }
 
+/// The orders' side of [`reuse_after_retention`]: once the record expired, another body for
+/// the key is the layer's 422 (not the old order as a new 201), the same body is the order
+/// as it is now (transitions included), 200 and replayed. Returns the order's customer.
+fn order_reuse_after_retention(env: &[(&str, &str)], mode: &str) -> String {
+    let mut env = env.to_vec();
+    env.push(("IDEMPOTENCY_RETENTION_MS", "1000"));
+    let demo = Demo::start(&env);
+    assert_eq!(
+        call(&demo.base, "GET", "/healthz", &[], "")
+            .expect("healthz")
+            .json()["mode"],
+        mode
+    );
+    let customer = format!("cust-{}", uuid::Uuid::new_v4().simple());
+    let a = format!(r#"{{"customer": "{customer}", "amount": 2500}}"#);
+    let b = a.replace("2500", "9900");
+    let key = uuid::Uuid::new_v4().to_string();
+    let order = |body: &str| {
+        call(
+            &demo.base,
+            "POST",
+            "/orders",
+            &[("idempotency-key", &key)],
+            body,
+        )
+        .expect("POST /orders")
+    };
+
+    let created = order(&a);
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    // Moved on since: the replay after retention answers the order as it is now.
+    let moved = call(
+        &demo.base,
+        "POST",
+        &format!("/orders/{id}/transitions"),
+        &[("if-match", "\"1\"")],
+        r#"{"to": "processing"}"#,
+    )
+    .expect("transition");
+    assert_eq!(moved.status, 200, "{}", moved.body);
+
+    std::thread::sleep(Duration::from_millis(1500)); // past the record's retention
+
+    let other = order(&b);
+    assert_problem(&other, 422);
+    assert_eq!(other.json()["type"], "urn:idempotency:problem:key-reused");
+    let got = call(&demo.base, "GET", &format!("/orders/{id}"), &[], "").expect("get");
+    assert_eq!(got.json()["amount"], 2500, "the order is untouched");
+
+    let same = order(&a);
+    assert_eq!(same.status, 200, "{}", same.body);
+    assert_eq!(same.header("idempotent-replayed"), Some("true"));
+    assert_eq!(same.header("etag"), Some("\"2\""));
+    assert_eq!(
+        same.header("location"),
+        Some(format!("/orders/{id}").as_str())
+    );
+    let json = same.json();
+    assert_eq!(
+        (
+            json["id"].as_str(),
+            json["amount"].as_i64(),
+            json["status"].as_str()
+        ),
+        (Some(id.as_str()), Some(2500), Some("processing"))
+    );
+    assert_eq!(demo.stop(), 0);
+    customer
+}
+
+#[test]
+fn memory_mode_order_reuse_after_retention() {
+    order_reuse_after_retention(&[], "memory");
+}
+
+#[test]
+fn postgres_mode_order_reuse_after_retention() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let url = pg.url().to_owned();
+        let customer = tokio::task::spawn_blocking(move || {
+            order_reuse_after_retention(&[("DATABASE_URL", &url)], "postgres")
+        })
+        .await
+        .expect("postgres mode");
+        let pool = sqlx::PgPool::connect(pg.url()).await.expect("connect");
+        let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE customer = $1")
+            .bind(&customer)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+        assert_eq!(orders, 1, "one order, however often the key came back");
+    });
+}
+
+#[test]
+fn hybrid_mode_order_reuse_after_retention() {
+    block_on(async {
+        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
+            return;
+        };
+        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
+        tokio::task::spawn_blocking(move || {
+            order_reuse_after_retention(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)], "hybrid");
+        })
+        .await
+        .expect("hybrid mode");
+    });
+}
+
 #[test]
 fn a_retention_that_is_not_milliseconds_is_a_clear_startup_error() {
     let out = Command::new(BIN)

@@ -2,6 +2,8 @@
 
 use std::{
     collections::HashMap,
+    future::Future,
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -9,9 +11,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use idempotency::postgres::PostgresStore;
+use idempotency::{Policy, postgres::PostgresStore};
 use idempotency_test::{block_on, services};
-use stream_consumer::{ConsumeError, Consumer, Polled, publish};
+use stream_consumer::{AfterEffect, ConsumeError, Consumer, Polled, publish};
 
 struct Rig {
     store: Arc<PostgresStore>,
@@ -262,6 +264,7 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
                 deferred: 0,
                 failed: 0,
                 dead_lettered: 4,
+                not_stored: 0,
                 acked: 6,
             }
         );
@@ -397,6 +400,88 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
         assert_eq!(
             rig.effects().await,
             HashMap::from([("ch_fine".to_owned(), 1)])
+        );
+    });
+}
+
+/// The effect ran, then the store's database went down for longer than the executor's lease,
+/// so storing the outcome failed on every retry (`RunError::NotStored`). The message is
+/// acknowledged — not left pending for a redelivery that would apply the charge again, not
+/// dead-lettered — and counted; with the database back, nothing is applied a second time.
+#[test]
+fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let Some(redis) = services::redis().await else {
+            return;
+        };
+        // A Postgres of its own (store and ledger): the effect stops it.
+        let pg = Arc::new(services::start_postgres().await);
+        let store = PostgresStore::builder(pg.url())
+            .acquire_timeout(Duration::from_millis(300))
+            .call_timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let client = redis::Client::open(redis.url()).expect("client");
+        let mut rig = Rig {
+            store: Arc::new(store),
+            redis: client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("redis"),
+            client,
+            stream: idempotency_test::unique("charges"),
+            ledger: idempotency_test::unique("ledger"),
+        };
+        let mut consumer = rig
+            .consumer("c1")
+            .await
+            .with_policy(Policy::default().with_lease(Duration::from_secs(2)));
+        consumer.setup().await.expect("setup");
+        consumer.claim_idle = Duration::from_millis(50);
+        let stopper = pg.clone();
+        let stop: AfterEffect = Arc::new(
+            move |_charge: &str| -> Pin<Box<dyn Future<Output = ()> + Send>> {
+                let pg = stopper.clone();
+                Box::pin(async move { pg.stop().await })
+            },
+        );
+        consumer.after_effect = Some(stop);
+        publish(&mut rig.redis, &rig.stream, "ch_lost", 700)
+            .await
+            .expect("publish");
+
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            polled,
+            Polled {
+                not_stored: 1,
+                acked: 1,
+                ..Polled::default()
+            }
+        );
+        assert_eq!(rig.pending().await, 0, "acknowledged, not left pending");
+        assert!(
+            rig.dead_letters(&format!("{}:dead", rig.stream))
+                .await
+                .is_empty(),
+            "an applied charge is not dead-lettered"
+        );
+
+        // The database back, past `claim_idle` (the lease ran out while `complete` retried):
+        // a pending message would be claimed now and applied again. Nothing comes back.
+        consumer.after_effect = None;
+        pg.start().await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(consumer.poll(10).await.expect("poll"), Polled::default());
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_lost".to_owned(), 1)]),
+            "applied once"
         );
     });
 }
