@@ -115,6 +115,34 @@ impl<U: Send + 'static> GrantsLease for (Begin, U) {
     }
 }
 
+/// Releases a lease whose claimer went away, retrying an unavailable store with backoff for up
+/// to a minute: orphans appear exactly when the store is slow, so one try is often not enough.
+/// The release is fenced on the token, so a retry after one that landed changes nothing.
+///
+/// The release closure stores hand to [`detached_claim`] calls it.
+pub async fn release_orphan<S: crate::Store + ?Sized>(
+    store: &S,
+    id: &crate::RecordId,
+    token: LeaseToken,
+) {
+    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut backoff = std::time::Duration::from_millis(50);
+    loop {
+        match store.release(id, token).await {
+            Ok(()) | Err(crate::Error::LeaseLost) => return,
+            Err(error) if tokio::time::Instant::now() + backoff < give_up => {
+                tracing::debug!(%error, record = %id, "releasing an orphaned lease; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            }
+            Err(error) => {
+                tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
+                return;
+            }
+        }
+    }
+}
+
 fn run_undo(undo: &Mutex<Option<Undo>>, token: LeaseToken) {
     let Some(undo) = undo.lock().unwrap_or_else(PoisonError::into_inner).take() else {
         return;

@@ -181,23 +181,24 @@ impl<S: Store + ?Sized> Executor<S> {
                 Err(RunError::Failed(error))
             }
             Ok(Ok(value)) => {
-                let body = match serde_json::to_vec(&value) {
-                    Ok(body) => body,
-                    Err(e) => {
-                        guard.release().await;
-                        return Err(RunError::Store(Error::Corrupt(format!(
-                            "result does not serialise: {e}"
-                        ))));
-                    }
+                // The operation ran: whatever happens now, the key must not run it again. A
+                // result that does not serialise is stored as a marker that replays as
+                // `Corrupt` (never released: a redelivery would run the effect twice).
+                let (outcome, unserialisable) = match serde_json::to_vec(&value) {
+                    Ok(body) => (Outcome::new(200).with_body(body), None),
+                    Err(e) => (
+                        Outcome::new(500).with_body(UNSERIALISABLE),
+                        Some(format!("the result does not serialise: {e}")),
+                    ),
                 };
-                let outcome = guard
-                    .outcome
-                    .insert(Outcome::new(200).with_body(body))
-                    .clone();
+                let outcome = guard.outcome.insert(outcome).clone();
                 let stored =
                     complete_retrying(&*self.store, &id, token, &outcome, &self.policy).await;
                 guard.settled = true;
                 stored.map_err(RunError::NotStored)?;
+                if let Some(why) = unserialisable {
+                    return Err(RunError::NotStored(Error::Corrupt(why)));
+                }
                 Ok(Executed {
                     value,
                     replayed: false,
@@ -206,6 +207,9 @@ impl<S: Store + ?Sized> Executor<S> {
         }
     }
 }
+
+/// The stored body of a result that did not serialise; it does not decode as JSON.
+const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 
 /// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.
 struct LeaseGuard<S: Store + ?Sized> {
@@ -353,5 +357,39 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(done.value, 7);
+    }
+}
+
+#[cfg(test)]
+mod unserialisable {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::MemoryStore;
+
+    /// A result that does not serialise after the operation ran must not release the key:
+    /// the redelivery would run the effect a second time.
+    #[tokio::test]
+    async fn a_result_that_does_not_serialise_is_never_run_again() {
+        let executor = Executor::new(Arc::new(MemoryStore::new()));
+        let (scope, key) = (Scope::new("t"), IdempotencyKey::new("k").unwrap());
+        let fp = Fingerprint::of(b"p");
+        let runs = std::sync::atomic::AtomicUsize::new(0);
+        let op = || async {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            // JSON object keys must be strings: a map keyed by tuples does not serialise.
+            Ok::<_, ()>(HashMap::from([((1u8, 2u8), 3u8)]))
+        };
+        let first = executor.run(&scope, &key, &fp, op).await;
+        assert!(
+            matches!(first, Err(RunError::NotStored(Error::Corrupt(_)))),
+            "{first:?}"
+        );
+        let second = executor.run(&scope, &key, &fp, op).await;
+        assert!(
+            matches!(second, Err(RunError::Store(Error::Corrupt(_)))),
+            "{second:?}"
+        );
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

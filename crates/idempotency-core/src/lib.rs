@@ -28,7 +28,7 @@ mod policy;
 mod purge;
 mod store;
 
-pub use detach::{GrantsLease, detached_claim};
+pub use detach::{GrantsLease, detached_claim, release_orphan};
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};

@@ -204,7 +204,7 @@ mod tests {
         assert_eq!(breaker.state(), BreakerState::Closed);
         breaker.failure();
         assert_eq!(breaker.state(), BreakerState::Open);
-        assert!(!breaker.allow());
+        assert!(breaker.allow().is_none());
 
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker

@@ -358,11 +358,7 @@ impl Store for HybridStore {
         let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
         let claim = async move { this.claim(&id, &fp, lease).await };
         let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move {
-                if let Err(error) = releaser.release(&id, token).await {
-                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
-                }
-            })
+            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
         };
         detached_claim(claim, release).await
     }
@@ -383,8 +379,10 @@ impl Store for HybridStore {
             .complete_with_fingerprint(id, token, outcome, retention)
             .await?;
         let Some(fp) = fp else {
-            // This token had completed it before: the first call cached (or queued a repair
-            // for) the outcome that stands; `outcome` here was not stored.
+            // This token had completed it before (the first call's answer was lost, or the
+            // application used `complete_in`): `outcome` here was not stored, so it is not
+            // cached; the lease's mirror, if any, is dropped so duplicates ask Postgres.
+            self.needs_repair(id, token);
             return Ok(());
         };
         let ttl = retention.saturating_sub(sent.elapsed());

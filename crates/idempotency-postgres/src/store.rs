@@ -217,6 +217,11 @@ UNION ALL
 SELECT fingerprint, false FROM idempotency_keys
 WHERE record_id = $1 AND lease_token = $2 AND state = 1 AND NOT EXISTS (SELECT 1 FROM done)";
 
+/// Whether this token completed the row already (see `complete_returning`).
+const COMPLETED_BY_SQL: &str = "
+SELECT fingerprint, false FROM idempotency_keys
+WHERE record_id = $1 AND lease_token = $2 AND state = 1";
+
 const RELEASE_SQL: &str = "
 DELETE FROM idempotency_keys WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 
@@ -348,10 +353,22 @@ impl PostgresStore {
             .bind(outcome.status as i16)
             .bind(&outcome.encode()[..])
             .bind(millis(retention))
-            .fetch_optional(conn)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(db_error)?;
-        let (fp, fresh) = row.ok_or(Error::LeaseLost)?;
+        let (fp, fresh) = match row {
+            Some(row) => row,
+            // A concurrent `complete` by this same token (a retry racing a call that was given
+            // up but still held the row lock) committed while this statement waited: its
+            // snapshot cannot see that. Look again in a new statement before saying LeaseLost.
+            None => sqlx::query_as::<_, (Vec<u8>, bool)>(COMPLETED_BY_SQL)
+                .bind(&id.as_bytes()[..])
+                .bind(token.as_uuid())
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db_error)?
+                .ok_or(Error::LeaseLost)?,
+        };
         let fp: [u8; 32] = fp
             .try_into()
             .map_err(|_| Error::Corrupt("fingerprint is not 32 bytes".into()))?;
@@ -398,17 +415,26 @@ impl PostgresStore {
         let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
         let claim = async move {
             let budget = this.call_timeout * 4;
-            match tokio::time::timeout(budget, this.begin_inner(&id, &fp, lease)).await {
+            let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
+                std::array::from_fn(|_| LeaseToken::generate());
+            match tokio::time::timeout(budget, this.begin_inner(&id, &fp, lease, &tokens)).await {
                 Ok(answer) => answer,
-                Err(_) => Err(Error::unavailable("Postgres claim did not settle")),
+                Err(_) => {
+                    // A statement given up may still commit: once the server has had time to
+                    // finish or cancel it, release every token this claim may have written.
+                    let late = this.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(late.call_timeout).await;
+                        for token in tokens {
+                            idempotency_core::release_orphan(&late, &id, token).await;
+                        }
+                    });
+                    Err(Error::unavailable("Postgres claim did not settle"))
+                }
             }
         };
         let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move {
-                if let Err(error) = releaser.release(&id, token).await {
-                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
-                }
-            })
+            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
         };
         self.timed(detached_claim(claim, release)).await
     }
@@ -418,9 +444,10 @@ impl PostgresStore {
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
+        tokens: &[LeaseToken; MAX_BEGIN_ROUNDS],
     ) -> Result<(Begin, Option<Duration>)> {
-        for _ in 0..MAX_BEGIN_ROUNDS {
-            match self.begin_round(id, fp, lease).await {
+        for token in tokens {
+            match self.begin_round(id, fp, lease, *token).await {
                 Ok(Some(decision)) => return Ok(decision),
                 Ok(None) => {}
                 // Another transaction won the race; under READ COMMITTED this cannot happen,
@@ -441,10 +468,10 @@ impl PostgresStore {
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
+        token: LeaseToken,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let id_bytes = &id.as_bytes()[..];
         let fp_bytes = &fp.as_bytes()[..];
-        let token = LeaseToken::generate();
         let row: Option<BeginRow> = sqlx::query_as(BEGIN_SQL)
             .bind(id_bytes)
             .bind(fp_bytes)
@@ -520,7 +547,14 @@ impl PostgresStore {
                 None => return Ok(None), // taken over meanwhile: look again
             }
         }
-        Ok(None) // still waiting on locks: the next round takes the expired row over again
+        // Still waiting on locks: give this grant back, and the next round looks again.
+        sqlx::query(RELEASE_SQL)
+            .bind(&id.as_bytes()[..])
+            .bind(token.as_uuid())
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(None)
     }
 }
 

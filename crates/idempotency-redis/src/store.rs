@@ -563,11 +563,7 @@ impl Store for RedisStore {
         let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
         let claim = async move { this.claim(&id, &fp, lease).await };
         let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move {
-                if let Err(error) = releaser.release(&id, token).await {
-                    tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
-                }
-            })
+            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
         };
         match tokio::time::timeout(self.budget, detached_claim(claim, release)).await {
             Ok(answer) => answer,

@@ -308,9 +308,7 @@ async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Resul
     detached_claim(
         async move { store.begin(&id, &fingerprint, lease).await },
         move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move {
-                let _ = releaser.release(&id, token).await;
-            })
+            Box::pin(async move { idempotency_core::release_orphan(&*releaser, &id, token).await })
         },
     )
     .await
@@ -394,9 +392,12 @@ async fn run_detached<S, ResBody>(
         let (parts, body) = response.into_parts();
         let small = body.size_hint().exact().is_some_and(|n| n <= limit as u64);
         if small && policy.is_cacheable(parts.status.as_u16()) {
-            let body = Limited::new(body, limit)
-                .collect()
+            // The handler has run: a panic while reading its body is a broken body (stored
+            // as incomplete), not a failed operation (released, so run again).
+            let body = AssertUnwindSafe(Limited::new(body, limit).collect())
+                .catch_unwind()
                 .await
+                .unwrap_or_else(|_| Err("the response body panicked".into()))
                 .map(|c| c.to_bytes());
             return Ok(Produced::Buffered(parts, body));
         }
@@ -446,7 +447,8 @@ async fn run_detached<S, ResBody>(
         }
         Produced::Streaming(parts, body) => {
             if config.policy.is_cacheable(parts.status.as_u16()) {
-                stream(&config, id, token, parts, body, reply).await;
+                // The same renewal schedule goes on: no gap at the handover.
+                stream(&config, id, token, parts, body, reply, &mut renew).await;
             } else {
                 Metrics::inc(&m.released);
                 release(&config, id, token, "outcome not cacheable").await;
@@ -472,10 +474,14 @@ async fn run_detached<S, ResBody>(
 ///   client that read the whole response and retries gets the replay;
 /// - the body crosses the limit: stored at once without its body (`Idempotent-Replay-Body:
 ///   omitted`), and the rest is only forwarded — the lease is not held for it;
-/// - the first client goes away, or the body fails: the rest is drained for at most half a
-///   lease, without renewals, then stored; a body that did not end by then is stored without
-///   its body (`Idempotent-Replay-Body: incomplete`). The key is never held past its lease
-///   once the first client is gone, and the operation never runs a second time.
+/// - the first client goes away (or stops reading for a third of a lease), or the body fails:
+///   the rest is drained for at most half a lease, then stored; a body that did not end by
+///   then is stored without its body (`Idempotent-Replay-Body: incomplete`).
+///
+/// Until the outcome is stored the lease is renewed on the handler's schedule — while
+/// waiting for the body, while a slow client takes a frame, and while draining — so no retry
+/// can take the key over from a response still being produced; and once the first client is
+/// gone, the key is answerable within half a lease.
 async fn stream<ResBody, E>(
     config: &Config,
     id: RecordId,
@@ -483,6 +489,7 @@ async fn stream<ResBody, E>(
     parts: http::response::Parts,
     body: ResBody,
     reply: Reply<E>,
+    renew: &mut tokio::time::Interval,
 ) where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -502,8 +509,11 @@ async fn stream<ResBody, E>(
     let mut drain_until: Option<Instant> = client
         .is_none()
         .then(|| Instant::now() + policy.lease() / 2);
-    let every = policy.renew_every();
-    let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+    let renew_lease = || async {
+        if let Err(error) = store.renew(&id, token, policy.lease()).await {
+            tracing::warn!(%error, "could not renew the idempotency lease");
+        }
+    };
     tokio::pin!(body);
     let ended = loop {
         // The body's own error type need not be `Send`: convert it inside the future, before
@@ -513,10 +523,8 @@ async fn stream<ResBody, E>(
             .map(|f| f.map(|o| o.map(|r| r.map_err(BodyError::new))));
         let frame = tokio::select! {
             frame = next => frame,
-            _ = renew.tick(), if !stored && drain_until.is_none() => {
-                if let Err(error) = store.renew(&id, token, policy.lease()).await {
-                    tracing::warn!(%error, "could not renew the idempotency lease");
-                }
+            _ = renew.tick(), if !stored => {
+                renew_lease().await;
                 continue;
             }
             _ = sleep_until_some(drain_until) => break false,
@@ -526,13 +534,14 @@ async fn stream<ResBody, E>(
             Ok(None) => break true,
             Ok(Some(Err(error))) => {
                 tracing::warn!(%error, "the handler's response body failed mid-stream");
-                if let Some(client) = client.take() {
-                    let _ = client.send(Err(error)).await;
-                }
+                fail_client(client.take(), error, policy.lease() / 3).await;
                 break false;
             }
             Err(_panic) => {
                 Metrics::inc(&config.metrics.panics);
+                // The client must see a broken response, not a clean (truncated) end.
+                let error = BodyError::new("the response body panicked");
+                fail_client(client.take(), error, policy.lease() / 3).await;
                 break false;
             }
         };
@@ -548,9 +557,24 @@ async fn stream<ResBody, E>(
                 complete(config, id, token, &outcome).await;
             }
         }
-        if let Some(sender) = &client
-            && sender.send(Ok(frame)).await.is_err()
-        {
+        let delivered = match &client {
+            None => true,
+            Some(sender) => {
+                // A client that takes no frame for a third of a lease counts as gone: the
+                // lease is renewed meanwhile, but is not held hostage by a stalled reader.
+                let send = sender.send(Ok(frame));
+                let stall = tokio::time::sleep(policy.lease() / 3);
+                tokio::pin!(send, stall);
+                loop {
+                    tokio::select! {
+                        sent = &mut send => break sent.is_ok(),
+                        _ = renew.tick(), if !stored => renew_lease().await,
+                        _ = &mut stall => break false,
+                    }
+                }
+            }
+        };
+        if !delivered {
             client = None;
             drain_until = Some(Instant::now() + policy.lease() / 2);
         }
@@ -565,6 +589,18 @@ async fn stream<ResBody, E>(
         complete(config, id, token, &outcome).await;
     }
     drop(client); // the client sees the end only now, after the outcome is stored
+}
+
+/// Ends the first client's stream with an error (hyper then aborts the response), waiting at
+/// most `patience` for room in the channel.
+async fn fail_client(
+    client: Option<tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BodyError>>>,
+    error: BodyError,
+    patience: Duration,
+) {
+    if let Some(client) = client {
+        let _ = tokio::time::timeout(patience, client.send(Err(error))).await;
+    }
 }
 
 /// Sleeps until the deadline, or forever when there is none.
@@ -630,6 +666,19 @@ fn mark(outcome: &mut Outcome, body: BodyMark) {
         BodyMark::Incomplete => "incomplete",
     };
     outcome.body = Bytes::new();
+    // Headers that describe the body that is not there would mislead a replay's client.
+    outcome.headers.retain(|(name, _)| {
+        !matches!(
+            name.as_str(),
+            "content-encoding"
+                | "content-range"
+                | "content-md5"
+                | "digest"
+                | "content-digest"
+                | "repr-digest"
+                | "etag"
+        )
+    });
     outcome.headers.push((
         "idempotent-replay-body".into(),
         Bytes::from_static(value.as_bytes()),
