@@ -87,6 +87,12 @@ impl Service {
         )
     }
 
+    /// The container's id, for faults the harness has no method for (`docker kill -s STOP`);
+    /// `None` for a service given by URL.
+    pub fn container_id(&self) -> Option<&str> {
+        self.container.as_ref().map(|c| c.id())
+    }
+
     /// Stops the server: clients get "connection refused". SIGKILL, like a crash.
     pub async fn stop(&self) {
         self.container()

@@ -1,0 +1,276 @@
+//! The system under test: Postgres, Redis, the gateways and nginx, as real processes.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use idempotency_test::services::{self, RedisOptions, Service};
+use tokio::process::{Child, Command};
+
+use crate::{Args, http};
+
+/// A gateway: the payments-demo binary on its own port.
+pub(crate) struct Gateway {
+    port: u16,
+    /// Clock skew under faketime, e.g. `+10m`; `None` for the true clock.
+    skew: Option<String>,
+    child: Option<Child>,
+}
+
+pub(crate) struct Cluster {
+    pub(crate) postgres: Option<Service>,
+    pub(crate) redis: Option<Service>,
+    postgres_url: String,
+    redis_url: String,
+    pub(crate) gateways: Vec<Gateway>,
+    nginx: Child,
+    nginx_port: u16,
+    demo_bin: PathBuf,
+    dir: PathBuf,
+    lease_ms: u64,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port on 127.0.0.1")
+}
+
+fn log_file(dir: &Path, name: &str) -> Result<std::fs::File, String> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(name))
+        .map_err(|e| format!("cannot open {}: {e}", dir.join(name).display()))
+}
+
+/// Waits until `GET path` on `addr` answers 200.
+async fn wait_healthy(addr: &str, path: &str, within: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let reply = http::send(addr, "GET", path, &[], "", Duration::from_secs(2)).await;
+        if reply.is_ok_and(|r| r.status == 200) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "{addr}{path} did not become healthy within {within:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+impl Cluster {
+    pub(crate) async fn start(args: &Args) -> Result<Self, String> {
+        let dir = args.work_dir.clone().unwrap_or_else(|| {
+            PathBuf::from(format!("target/chaos/{}-{}", args.seed, std::process::id()))
+        });
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let demo_bin = match &args.demo_bin {
+            Some(bin) => bin.clone(),
+            None => std::env::current_exe()
+                .map_err(|e| e.to_string())?
+                .with_file_name("payments-demo"),
+        };
+        if !demo_bin.exists() {
+            return Err(format!(
+                "no payments-demo binary at {} (build it: cargo build -p payments-demo, or pass --demo-bin)",
+                demo_bin.display()
+            ));
+        }
+        for tool in ["nginx", "faketime", "docker"] {
+            let found = std::process::Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if !found && (tool != "docker" || args.postgres_url.is_none()) {
+                return Err(format!(
+                    "`{tool}` is not installed (Debian: apt-get install nginx-light faketime docker.io)"
+                ));
+            }
+        }
+        let (postgres, postgres_url) = match &args.postgres_url {
+            Some(url) => (None, url.clone()),
+            None => {
+                let pg = services::start_postgres().await;
+                let url = pg.url().to_owned();
+                (Some(pg), url)
+            }
+        };
+        let (redis, redis_url) = match &args.redis_url {
+            Some(url) => (None, url.clone()),
+            None => {
+                let redis = services::start_redis(RedisOptions::default()).await;
+                let url = redis.url().to_owned();
+                (Some(redis), url)
+            }
+        };
+        // The second gateway's clock is ten minutes off, the sign drawn from the seed.
+        let skew = if args.seed.is_multiple_of(2) { "+10m" } else { "-10m" };
+        let gateways: Vec<Gateway> = (0..args.gateways)
+            .map(|i| Gateway {
+                port: free_port(),
+                skew: (i == 1).then(|| skew.to_owned()),
+                child: None,
+            })
+            .collect();
+        let nginx_port = free_port();
+        let nginx = Self::start_nginx(&dir, nginx_port, &gateways_ports(&gateways))?;
+        let mut cluster = Self {
+            postgres,
+            redis,
+            postgres_url,
+            redis_url,
+            gateways,
+            nginx,
+            nginx_port,
+            demo_bin,
+            dir,
+            lease_ms: args.lease_ms,
+        };
+        for i in 0..cluster.gateways.len() {
+            cluster.start_gateway(i).await?;
+        }
+        wait_healthy(&cluster.nginx_addr(), "/healthz", Duration::from_secs(30)).await?;
+        Ok(cluster)
+    }
+
+    fn start_nginx(dir: &Path, port: u16, upstreams: &[u16]) -> Result<Child, String> {
+        let dir = std::fs::canonicalize(dir).map_err(|e| e.to_string())?;
+        let servers: String = upstreams
+            .iter()
+            .map(|p| format!("        server 127.0.0.1:{p} max_fails=0;\n"))
+            .collect();
+        let d = dir.display();
+        // A short upstream timeout and `non_idempotent`: nginx retries a slow POST on the next
+        // gateway, with the same Idempotency-Key — the gateway-retry scenario.
+        let conf = format!(
+            "worker_processes 1;
+user root;
+pid {d}/nginx.pid;
+error_log {d}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/nginx-body;
+    proxy_temp_path {d}/nginx-proxy;
+    fastcgi_temp_path {d}/nginx-fastcgi;
+    uwsgi_temp_path {d}/nginx-uwsgi;
+    scgi_temp_path {d}/nginx-scgi;
+    upstream gateways {{
+{servers}    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://gateways;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_connect_timeout 300ms;
+            proxy_send_timeout 1s;
+            proxy_read_timeout 1s;
+            proxy_next_upstream error timeout non_idempotent;
+            proxy_next_upstream_tries 2;
+        }}
+    }}
+}}
+"
+        );
+        let path = dir.join("nginx.conf");
+        std::fs::write(&path, conf).map_err(|e| format!("{}: {e}", path.display()))?;
+        Command::new("nginx")
+            .arg("-p")
+            .arg(&dir)
+            .arg("-e")
+            .arg(dir.join("nginx-error.log"))
+            .arg("-c")
+            .arg(&path)
+            .args(["-g", "daemon off;"])
+            .stdout(log_file(&dir, "nginx.log")?)
+            .stderr(log_file(&dir, "nginx.log")?)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start nginx: {e}"))
+    }
+
+    pub(crate) async fn start_gateway(&mut self, i: usize) -> Result<(), String> {
+        let gateway = &self.gateways[i];
+        let mut command = match &gateway.skew {
+            Some(skew) => {
+                let mut c = Command::new("faketime");
+                // Only the wall clock is off: the monotonic clock drives timers, and a
+                // skewed one would just be another process's clock.
+                c.arg("-f").arg(skew).arg(&self.demo_bin);
+                c.env("DONT_FAKE_MONOTONIC", "1");
+                c
+            }
+            None => Command::new(&self.demo_bin),
+        };
+        command
+            .env("BIND", format!("127.0.0.1:{}", gateway.port))
+            .env("DATABASE_URL", &self.postgres_url)
+            .env("REDIS_URL", &self.redis_url)
+            .env("IDEMPOTENCY_STORE", "hybrid")
+            .env("IDEMPOTENCY_LEASE_MS", self.lease_ms.to_string())
+            .env("RUST_LOG", "warn")
+            .stdout(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
+            .stderr(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
+            .kill_on_drop(true);
+        let child = command
+            .spawn()
+            .map_err(|e| format!("cannot start gateway {}: {e}", i + 1))?;
+        self.gateways[i].child = Some(child);
+        let addr = format!("127.0.0.1:{}", self.gateways[i].port);
+        wait_healthy(&addr, "/healthz", Duration::from_secs(60)).await
+    }
+
+    /// SIGKILL, like a crash: no graceful shutdown, no drain.
+    pub(crate) async fn kill_gateway(&mut self, i: usize) {
+        if let Some(mut child) = self.gateways[i].child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    pub(crate) fn nginx_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.nginx_port)
+    }
+
+    pub(crate) fn nginx_url(&self) -> String {
+        format!("http://{}", self.nginx_addr())
+    }
+
+    pub(crate) fn postgres_url(&self) -> &str {
+        &self.postgres_url
+    }
+
+    pub(crate) fn redis_url(&self) -> &str {
+        &self.redis_url
+    }
+
+    pub(crate) fn skew_label(&self) -> &str {
+        self.gateways
+            .iter()
+            .find_map(|g| g.skew.as_deref())
+            .unwrap_or("(none: one gateway)")
+    }
+
+    pub(crate) async fn stop(mut self) {
+        for i in 0..self.gateways.len() {
+            self.kill_gateway(i).await;
+        }
+        let _ = self.nginx.start_kill();
+        let _ = self.nginx.wait().await;
+        // The containers go with their handles.
+        drop(self.postgres.take());
+        drop(self.redis.take());
+    }
+}
+
+fn gateways_ports(gateways: &[Gateway]) -> Vec<u16> {
+    gateways.iter().map(|g| g.port).collect()
+}

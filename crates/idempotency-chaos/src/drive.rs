@@ -1,0 +1,329 @@
+//! The clients, the history they record, and the check of that history against the charges
+//! table.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::Duration,
+};
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use tokio::time::Instant;
+
+use crate::{
+    Args,
+    http::{self, NoReply},
+};
+
+/// One charge: its key and what it was created from. Every key has its own customer, so the
+/// charges table says which key a charge belongs to.
+#[derive(Debug, Clone)]
+pub(crate) struct Charge {
+    key: String,
+    customer: String,
+    amount: u32,
+}
+
+/// One request of the history.
+#[derive(Debug, Clone)]
+pub(crate) struct Attempt {
+    charge: usize,
+    attempt: u32,
+    answer: Result<u16, NoReply>,
+    /// `Idempotent-Replayed: true`.
+    replayed: bool,
+    /// The charge id of a 2xx.
+    charge_id: Option<String>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct History {
+    charges: Vec<Charge>,
+    attempts: Vec<Attempt>,
+}
+
+pub(crate) struct Driver {
+    addr: String,
+    seed: u64,
+    clients: usize,
+    lease: Duration,
+    /// The scope of this run's keys (`X-Account-Id`) and its customers' prefix.
+    run: String,
+}
+
+/// The most attempts on one key; a key still without a definitive answer is left to the final
+/// probe.
+const MAX_ATTEMPTS: u32 = 15;
+
+impl Driver {
+    pub(crate) fn new(args: &Args, nginx_url: &str) -> Self {
+        let run = format!(
+            "chaos-{}-{}",
+            args.seed,
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        Self {
+            addr: nginx_url.trim_start_matches("http://").to_owned(),
+            seed: args.seed,
+            clients: args.clients,
+            lease: Duration::from_millis(args.lease_ms),
+            run,
+        }
+    }
+
+    /// Clients send new charges for `duration`, each retried on its key until it has a
+    /// definitive answer; then the history.
+    pub(crate) async fn run(&self, duration: Duration) -> History {
+        let started = Instant::now();
+        let clients = (0..self.clients).map(|c| self.client(c, started, duration));
+        let mut history = History::default();
+        for (charges, attempts) in futures_join_all(clients).await {
+            let offset = history.charges.len();
+            history.charges.extend(charges);
+            history.attempts.extend(attempts.into_iter().map(|mut a| {
+                a.charge += offset;
+                a
+            }));
+        }
+        history
+    }
+
+    async fn client(
+        &self,
+        c: usize,
+        started: Instant,
+        duration: Duration,
+    ) -> (Vec<Charge>, Vec<Attempt>) {
+        let mut rng = StdRng::seed_from_u64(self.seed.wrapping_mul(1_000_003) + c as u64);
+        let (mut charges, mut attempts) = (Vec::new(), Vec::new());
+        while started.elapsed() < duration {
+            let n = charges.len();
+            let charge = Charge {
+                key: format!("{}-{c}-{n}", self.run),
+                customer: format!("{}-{c}-{n}", self.run),
+                amount: rng.random_range(1..100_000),
+            };
+            for attempt in 1..=MAX_ATTEMPTS {
+                // Most requests are quick; some are slower than nginx's upstream timeout (it
+                // then retries them on the other gateway), and some clients hang up.
+                let delay = match rng.random_range(0..10) {
+                    0..7 => 0,
+                    7..9 => rng.random_range(50..400),
+                    _ => 1_200,
+                };
+                let timeout = if rng.random_range(0..10) == 0 {
+                    Duration::from_millis(rng.random_range(50..1_000))
+                } else {
+                    Duration::from_secs(8)
+                };
+                let answer = self.send(&charge, delay, timeout).await;
+                let done = matches!(&answer, Ok(reply) if (200..300).contains(&reply.status) || reply.status == 422);
+                let pause = match &answer {
+                    Ok(reply) if reply.status == 409 => Duration::from_millis(
+                        rng.random_range(100..500).min(
+                            reply
+                                .header("retry-after")
+                                .and_then(|s| s.parse::<u64>().ok())
+                                .map_or(500, |s| s * 1000),
+                        ),
+                    ),
+                    _ => Duration::from_millis(rng.random_range(100..400)),
+                };
+                attempts.push(record(n, attempt, answer));
+                if done {
+                    break;
+                }
+                tokio::time::sleep(pause).await;
+            }
+            charges.push(charge);
+        }
+        (charges, attempts)
+    }
+
+    async fn send(
+        &self,
+        charge: &Charge,
+        delay_ms: u64,
+        timeout: Duration,
+    ) -> Result<http::Reply, NoReply> {
+        let body = format!(
+            r#"{{"amount": {}, "currency": "eur", "customer": "{}"}}"#,
+            charge.amount, charge.customer
+        );
+        let mut headers = vec![
+            ("idempotency-key", charge.key.clone()),
+            ("x-account-id", self.run.clone()),
+            ("content-type", "application/json".to_owned()),
+        ];
+        if delay_ms > 0 {
+            headers.push(("x-demo-delay-ms", delay_ms.to_string()));
+        }
+        http::send(&self.addr, "POST", "/charges", &headers, &body, timeout).await
+    }
+
+    /// One more request per key, after every fault has been cleared for a lease: a 409 now
+    /// is a key stuck past its lease.
+    pub(crate) async fn probe_all(&self, history: &History) -> Vec<Attempt> {
+        let mut probes = Vec::new();
+        for batch in history.charges.chunks(16).enumerate() {
+            let (b, charges) = batch;
+            let sends = charges.iter().enumerate().map(|(i, charge)| async move {
+                let answer = self.send(charge, 0, self.lease * 2).await;
+                record(b * 16 + i, 0, answer)
+            });
+            probes.extend(futures_join_all(sends).await);
+        }
+        probes
+    }
+}
+
+fn record(charge: usize, attempt: u32, answer: Result<http::Reply, NoReply>) -> Attempt {
+    let replayed = matches!(&answer, Ok(r) if r.header("idempotent-replayed") == Some("true"));
+    let charge_id = match &answer {
+        Ok(reply) if (200..300).contains(&reply.status) => {
+            serde_json::from_str::<serde_json::Value>(&reply.body)
+                .ok()
+                .and_then(|v| v["id"].as_str().map(str::to_owned))
+        }
+        _ => None,
+    };
+    Attempt {
+        charge,
+        attempt,
+        answer: answer.map(|r| r.status),
+        replayed,
+        charge_id,
+    }
+}
+
+/// Joins futures on the current task, in order.
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut set: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, future) in set.iter_mut().enumerate() {
+            if outputs[i].is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(out) => outputs[i] = Some(out),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs
+        .into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
+}
+
+/// What the check found.
+pub(crate) struct Report {
+    pub(crate) requests: usize,
+    pub(crate) duplicates: usize,
+    pub(crate) lost: usize,
+    pub(crate) wrong: usize,
+    pub(crate) stuck: usize,
+    pub(crate) details: String,
+}
+
+/// Checks the history against the charges table.
+pub(crate) async fn check(
+    history: &History,
+    probes: &[Attempt],
+    postgres_url: &str,
+) -> Result<Report, String> {
+    let pool = sqlx::PgPool::connect(postgres_url)
+        .await
+        .map_err(|e| format!("connecting to Postgres for the check: {e}"))?;
+    let prefix = history
+        .charges
+        .first()
+        .map(|c| {
+            c.customer
+                .rsplitn(3, '-')
+                .last()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .unwrap_or_default();
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, customer FROM charges WHERE customer LIKE $1 || '-%'")
+            .bind(&prefix)
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| format!("reading charges: {e}"))?;
+    let mut per_customer: HashMap<&str, usize> = HashMap::new();
+    for (_, customer) in &rows {
+        *per_customer.entry(customer).or_default() += 1;
+    }
+    let duplicates = per_customer.values().filter(|n| **n > 1).count();
+    let owner: HashMap<&str, &str> = rows
+        .iter()
+        .map(|(id, customer)| (id.as_str(), customer.as_str()))
+        .collect();
+    let (mut lost, mut wrong) = (0, 0);
+    for attempt in history.attempts.iter().chain(probes) {
+        let Some(id) = &attempt.charge_id else {
+            continue;
+        };
+        match owner.get(id.as_str()) {
+            None => lost += 1,
+            Some(customer) if *customer != history.charges[attempt.charge].customer => wrong += 1,
+            Some(_) => {}
+        }
+    }
+    let stuck = probes.iter().filter(|p| p.answer == Ok(409)).count();
+    let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
+    for attempt in &history.attempts {
+        let label = match attempt.answer {
+            Ok(status) if attempt.replayed => format!("{status} replayed"),
+            Ok(status) => status.to_string(),
+            Err(NoReply::HungUp) => "client hung up".into(),
+            Err(NoReply::Failed) => "connection failed".into(),
+        };
+        *statuses.entry(label).or_default() += 1;
+    }
+    let probed: BTreeMap<String, usize> = probes.iter().fold(BTreeMap::new(), |mut m, p| {
+        *m.entry(format!("{:?}", p.answer)).or_default() += 1;
+        m
+    });
+    let without_answer = history
+        .charges
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| {
+            !history
+                .attempts
+                .iter()
+                .chain(probes)
+                .any(|a| a.charge == *i && a.charge_id.is_some())
+        })
+        .count();
+    let details = format!(
+        "chaos: charges={} charged={} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} attempts-max={}",
+        history.charges.len(),
+        rows.len(),
+        history
+            .attempts
+            .iter()
+            .map(|a| a.attempt)
+            .max()
+            .unwrap_or(0),
+    );
+    Ok(Report {
+        requests: history.attempts.len() + probes.len(),
+        duplicates,
+        lost,
+        wrong,
+        stuck,
+        details,
+    })
+}

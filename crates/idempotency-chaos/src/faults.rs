@@ -1,0 +1,152 @@
+//! The fault schedule: one fault at a time, each held for a while and then cleared, drawn
+//! from the seed.
+
+use std::{future::Future, time::Duration};
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use tokio::time::Instant;
+
+use crate::cluster::Cluster;
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// `SIGSTOP` to redis-server, `SIGCONT` after the hold: a hung Redis.
+    RedisStop,
+    /// Redis killed (SIGKILL) and started again empty.
+    RedisKill,
+    /// `FLUSHALL`: every cached replay and mirror gone at once.
+    RedisFlush,
+    /// `CLIENT PAUSE <hold>`: Redis answers nothing for the hold.
+    RedisClientPause,
+    /// Postgres killed and started again (its data survives).
+    PostgresStop,
+    /// A gateway SIGKILLed mid-traffic and started again.
+    GatewayKill(usize),
+}
+
+/// Runs `driver` while injecting faults for `duration`; returns the driver's output and how
+/// many faults were injected (the skewed gateway's clock counts as one).
+pub(crate) async fn run<T>(
+    cluster: &mut Cluster,
+    seed: u64,
+    duration: Duration,
+    driver: impl Future<Output = T>,
+) -> Result<(T, u64), String> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x0fau64);
+    let standing = u64::from(cluster.gateways.len() > 1);
+    let schedule = async {
+        let started = Instant::now();
+        let mut injected = 0u64;
+        loop {
+            let gap = Duration::from_millis(rng.random_range(1_000..4_000));
+            if started.elapsed() + gap >= duration {
+                break;
+            }
+            tokio::time::sleep(gap).await;
+            let Some(fault) = pick(&mut rng, cluster) else {
+                continue;
+            };
+            let hold = Duration::from_millis(rng.random_range(300..2_000));
+            println!(
+                "chaos: t={:>5.1}s fault {fault:?} for {hold:?}",
+                started.elapsed().as_secs_f64()
+            );
+            inject(cluster, fault, hold).await?;
+            injected += 1;
+        }
+        Ok::<_, String>(injected)
+    };
+    let (output, injected) = tokio::join!(driver, schedule);
+    Ok((output, injected? + standing))
+}
+
+fn pick(rng: &mut StdRng, cluster: &Cluster) -> Option<Fault> {
+    let mut choices = Vec::new();
+    if cluster.redis.is_some() {
+        choices.extend([
+            Fault::RedisStop,
+            Fault::RedisKill,
+            Fault::RedisFlush,
+            Fault::RedisClientPause,
+        ]);
+    }
+    if cluster.postgres.is_some() {
+        choices.push(Fault::PostgresStop);
+    }
+    if cluster.gateways.len() > 1 {
+        choices.push(Fault::GatewayKill(
+            rng.random_range(0..cluster.gateways.len()),
+        ));
+    }
+    (!choices.is_empty()).then(|| choices[rng.random_range(0..choices.len())])
+}
+
+async fn docker_signal(container: &str, signal: &str) -> Result<(), String> {
+    let status = tokio::process::Command::new("docker")
+        .args(["kill", "--signal", signal, container])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await
+        .map_err(|e| format!("docker kill: {e}"))?;
+    status
+        .success()
+        .then_some(())
+        .ok_or_else(|| format!("docker kill --signal {signal} failed"))
+}
+
+async fn redis_command(url: &str, args: &[&str]) -> Result<(), String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("redis: {e}"))?;
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    let _: redis::Value = cmd
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| format!("redis {}: {e}", args.join(" ")))?;
+    Ok(())
+}
+
+async fn inject(cluster: &mut Cluster, fault: Fault, hold: Duration) -> Result<(), String> {
+    match fault {
+        Fault::RedisStop => {
+            let id = cluster
+                .redis
+                .as_ref()
+                .and_then(|r| r.container_id())
+                .ok_or("no Redis container")?
+                .to_owned();
+            docker_signal(&id, "STOP").await?;
+            tokio::time::sleep(hold).await;
+            docker_signal(&id, "CONT").await?;
+        }
+        Fault::RedisKill => {
+            let redis = cluster.redis.as_ref().ok_or("no Redis container")?;
+            redis.stop().await;
+            tokio::time::sleep(hold).await;
+            redis.start().await;
+        }
+        Fault::RedisFlush => redis_command(cluster.redis_url(), &["FLUSHALL"]).await?,
+        Fault::RedisClientPause => {
+            let ms = hold.as_millis().to_string();
+            redis_command(cluster.redis_url(), &["CLIENT", "PAUSE", &ms]).await?;
+            tokio::time::sleep(hold).await;
+        }
+        Fault::PostgresStop => {
+            let pg = cluster.postgres.as_ref().ok_or("no Postgres container")?;
+            pg.stop().await;
+            tokio::time::sleep(hold).await;
+            pg.start().await;
+        }
+        Fault::GatewayKill(i) => {
+            cluster.kill_gateway(i).await;
+            tokio::time::sleep(hold).await;
+            cluster.start_gateway(i).await?;
+        }
+    }
+    Ok(())
+}
