@@ -888,3 +888,66 @@ fn the_request_future_dropped_at_every_poll_on_postgres() {
         layer_sweep(store).await;
     });
 }
+
+/// Sends a request for `/stream` and reads only the response head; the socket is returned
+/// still open (the caller decides whether to keep reading, stall, or hang up).
+async fn stream_head(
+    addr: std::net::SocketAddr,
+    key: &str,
+    chunks: &str,
+) -> (u16, String, tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!(
+        "POST /stream HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\nx-chunks: {chunks}\r\ncontent-length: 0\r\n\r\n"
+    );
+    client.write_all(request.as_bytes()).await.expect("write");
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            client.read(&mut byte).await.expect("read"),
+            1,
+            "a response head"
+        );
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let status = head[9..12].parse().expect("status");
+    (status, head, client)
+}
+
+/// A client that takes the head and then stops reading (an exhausted flow-control window, a
+/// stalled proxy) must not let the lease lapse while the response is still being produced:
+/// before, the forwarding task waited on it without renewing, the lease ran out, and a retry
+/// ran the handler a second time. Now a reader stalled for a third of a lease counts as gone,
+/// and the outcome is stored (renewing meanwhile): the retry replays.
+#[test]
+fn a_stalled_reader_does_not_let_a_retry_run_again() {
+    block_on(async {
+        let layer = layer(memory())
+            .policy(idempotency_core::Policy::default().with_lease(Duration::from_secs(1)))
+            .max_stored_body(64 << 20);
+        let (router, calls, _) = streaming_app(layer);
+        let addr = serve(router).await;
+        let key = uuid::Uuid::new_v4().to_string();
+        // 4,000 chunks of 64 KiB: far more than the socket buffers hold.
+        let (status, _, stalled) = stream_head(addr, &key, "4000").await;
+        assert_eq!(status, 200);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+        let head = loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (status, head, _) =
+                tokio::time::timeout(Duration::from_secs(5), stream_head(addr, &key, "4000"))
+                    .await
+                    .expect("a head");
+            if status != 409 || tokio::time::Instant::now() > deadline {
+                break head;
+            }
+        };
+        drop(stalled);
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("idempotent-replayed: true"), "{head}");
+        assert_eq!(calls.get(), 1, "the handler ran again: {head}");
+    });
+}
