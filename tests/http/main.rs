@@ -674,6 +674,9 @@ fn streaming_app(
                         .and_then(|v| v.to_str().ok()?.parse().ok())
                         .unwrap_or(1);
                     let held = headers.contains_key("x-hold");
+                    // `x-declare-length`: a Content-Length header for the stream, whose end
+                    // (after the last byte) waits for the test's signal.
+                    let declared = headers.contains_key("x-declare-length");
                     let stream = futures::stream::unfold(0usize, move |i| {
                         let hold = hold.clone();
                         async move {
@@ -687,6 +690,9 @@ fn streaming_app(
                                 ));
                             }
                             if i == chunks {
+                                if declared {
+                                    hold.notified().await;
+                                }
                                 return None;
                             }
                             if held && i == 1 {
@@ -695,7 +701,17 @@ fn streaming_app(
                             Some((Ok(bytes::Bytes::from(vec![b'x'; 64 * 1024])), i + 1))
                         }
                     });
-                    (axum::http::StatusCode::OK, Body::from_stream(stream))
+                    let mut response = axum::response::IntoResponse::into_response((
+                        axum::http::StatusCode::OK,
+                        Body::from_stream(stream),
+                    ));
+                    if declared {
+                        response.headers_mut().insert(
+                            "content-length",
+                            (chunks * 64 * 1024).to_string().parse().expect("a length"),
+                        );
+                    }
+                    response
                 }
             }),
         )
@@ -949,5 +965,38 @@ fn a_stalled_reader_does_not_let_a_retry_run_again() {
         assert!(head.starts_with("http/1.1 200"), "{head}");
         assert!(head.contains("idempotent-replayed: true"), "{head}");
         assert_eq!(calls.get(), 1, "the handler ran again: {head}");
+    });
+}
+
+/// A streamed response with a declared length is whole for its client at the last byte,
+/// before the stream ends: the outcome is stored before that byte is forwarded, so a client
+/// that read it all and retries at once gets the replay, not a 409.
+#[test]
+fn a_declared_length_response_is_stored_before_its_last_byte() {
+    block_on(async {
+        let (router, calls, hold) = streaming_app(layer(memory()));
+        let key = uuid::Uuid::new_v4().to_string();
+        let request = [("x-chunks", "4"), ("x-declare-length", "1")];
+        let response = router
+            .clone()
+            .oneshot(stream_request(&key, &request))
+            .await
+            .expect("response");
+        let mut body = response.into_body();
+        let mut read = 0;
+        while read < 4 * 64 * 1024 {
+            let frame = body.frame().await.expect("a frame").expect("data");
+            read += frame.data_ref().map_or(0, |d| d.len());
+        }
+        // Every byte is here; the handler still holds its stream's end back.
+        let again = router
+            .clone()
+            .oneshot(stream_request(&key, &request))
+            .await
+            .expect("retry");
+        assert_eq!(again.status(), 200);
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        hold.notify_one();
+        assert_eq!(calls.get(), 1);
     });
 }

@@ -496,6 +496,13 @@ async fn stream<ResBody, E>(
 {
     let (store, policy, limit) = (&config.store, &config.policy, config.max_stored_body);
     let head = to_outcome(config, &parts, None, BodyMark::Whole);
+    // With a declared length the client has the whole response once the last byte arrives,
+    // before the stream's end: store before forwarding the frame that completes it.
+    let declared: Option<usize> = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let mut forwarded = 0usize;
     let (frames, receiver) = tokio::sync::mpsc::channel(4);
     let mut client = (reply
         .send(Ok(Response::from_parts(
@@ -546,8 +553,15 @@ async fn stream<ResBody, E>(
             }
         };
         if let (Some(data), false) = (frame.data_ref(), stored) {
+            forwarded += data.len();
             if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
+                if declared.is_some_and(|n| forwarded >= n) {
+                    stored = true;
+                    let mut outcome = head.clone();
+                    outcome.body = std::mem::take(&mut kept).freeze();
+                    complete(config, id, token, &outcome).await;
+                }
             } else {
                 // Too large to replay: store the head now, before the client can have it all.
                 stored = true;
