@@ -111,7 +111,11 @@ impl Cluster {
             }
         };
         // The second gateway's clock is ten minutes off, the sign drawn from the seed.
-        let skew = if args.seed.is_multiple_of(2) { "+10m" } else { "-10m" };
+        let skew = if args.seed.is_multiple_of(2) {
+            "+10m"
+        } else {
+            "-10m"
+        };
         let gateways: Vec<Gateway> = (0..args.gateways)
             .map(|i| Gateway {
                 port: free_port(),

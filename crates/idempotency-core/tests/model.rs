@@ -102,7 +102,10 @@ fn ticks(d: Duration) -> u8 {
 impl Protocol {
     fn new() -> Self {
         Self {
-            id: RecordId::new(&Scope::new("model"), &IdempotencyKey::new("k").unwrap()),
+            id: RecordId::new(
+                &Scope::new("model"),
+                &IdempotencyKey::new("k").expect("a valid key"),
+            ),
             fp: Fingerprint::of(b"request"),
         }
     }
