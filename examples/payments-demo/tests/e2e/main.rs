@@ -427,6 +427,46 @@ fn exercise_orders(demo: &Demo) {
     );
 }
 
+/// Runs `scenario` (blocking: it drives the real binary) with the environment `mode` needs:
+/// `DATABASE_URL` and/or `REDIS_URL` of the harness's services. Returns what it returns, and
+/// the Postgres URL when the mode has one; `None` when services are skipped.
+fn in_mode<T: Send + 'static>(
+    mode: &'static str,
+    scenario: fn(&[(&str, &str)], &str) -> T,
+) -> Option<(T, Option<String>)> {
+    block_on(async {
+        let pg = match mode {
+            "postgres" | "hybrid" => Some(services::postgres().await?.url().to_owned()),
+            _ => None,
+        };
+        let redis = match mode {
+            "redis" | "hybrid" => Some(services::redis().await?.url().to_owned()),
+            _ => None,
+        };
+        let db = pg.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut env = Vec::new();
+            if let Some(url) = &pg {
+                env.push(("DATABASE_URL", url.as_str()));
+            }
+            if let Some(url) = &redis {
+                env.push(("REDIS_URL", url.as_str()));
+            }
+            scenario(&env, mode)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{mode} mode: {e}"));
+        Some((out, db))
+    })
+}
+
+/// The whole contract against the real binary in one mode, then a graceful shutdown.
+fn exercise_mode(env: &[(&str, &str)], mode: &str) {
+    let demo = Demo::start(env);
+    exercise(&demo, mode);
+    assert_eq!(demo.stop(), 0, "graceful shutdown");
+}
+
 /// A key reused after its record's retention (1 s here) ended: the handler runs again, and
 /// the charge its record id already made decides. Another body is the layer's 422 (not the
 /// old charge as a new 201); the same body is that charge, 200 and replayed.
@@ -481,57 +521,24 @@ fn reuse_after_retention(env: &[(&str, &str)], mode: &str) {
 
 #[test]
 fn memory_mode_reuse_after_retention() {
-    reuse_after_retention(&[], "memory");
+    in_mode("memory", reuse_after_retention);
 }
 
 #[test]
 fn postgres_mode_reuse_after_retention() {
-    block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        let url = pg.url().to_owned();
-        tokio::task::spawn_blocking(move || {
-            reuse_after_retention(&[("DATABASE_URL", &url)], "postgres");
-        })
-        .await
-        .expect("postgres mode");
-    });
+    in_mode("postgres", reuse_after_retention);
 }
 
 #[test]
 fn redis_mode_reuse_after_retention() {
-    block_on(async {
-        let Some(redis) = services::redis().await else {
-            return;
-        };
-        let url = redis.url().to_owned();
-        tokio::task::spawn_blocking(move || {
-            reuse_after_retention(&[("REDIS_URL", &url)], "redis");
-        })
-        .await
-        .expect("redis mode");
-    });
+    in_mode("redis", reuse_after_retention);
 }
 
 #[test]
 fn hybrid_mode_reuse_after_retention() {
-    block_on(async {
-        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
-            return;
-        };
-        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
-        tokio::task::spawn_blocking(move || {
-            reuse_after_retention(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)], "hybrid");
-        })
-        .await
-        .expect("hybrid mode");
-    });
+    in_mode("hybrid", reuse_after_retention);
 }
 
-/// The orders' side of [`reuse_after_retention`]: once the record expired, another body for
-/// the key is the layer's 422 (not the old order as a new 201), the same body is the order
-/// as it is now (transitions included), 200 and replayed. Returns the order's customer.
 fn order_reuse_after_retention(env: &[(&str, &str)], mode: &str) -> String {
     let mut env = env.to_vec();
     env.push(("IDEMPOTENCY_RETENTION_MS", "1000"));
@@ -602,22 +609,16 @@ fn order_reuse_after_retention(env: &[(&str, &str)], mode: &str) -> String {
 
 #[test]
 fn memory_mode_order_reuse_after_retention() {
-    order_reuse_after_retention(&[], "memory");
+    in_mode("memory", order_reuse_after_retention);
 }
 
 #[test]
 fn postgres_mode_order_reuse_after_retention() {
+    let Some((customer, Some(db))) = in_mode("postgres", order_reuse_after_retention) else {
+        return;
+    };
     block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        let url = pg.url().to_owned();
-        let customer = tokio::task::spawn_blocking(move || {
-            order_reuse_after_retention(&[("DATABASE_URL", &url)], "postgres")
-        })
-        .await
-        .expect("postgres mode");
-        let pool = sqlx::PgPool::connect(pg.url()).await.expect("connect");
+        let pool = sqlx::PgPool::connect(&db).await.expect("connect");
         let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE customer = $1")
             .bind(&customer)
             .fetch_one(&pool)
@@ -629,17 +630,7 @@ fn postgres_mode_order_reuse_after_retention() {
 
 #[test]
 fn hybrid_mode_order_reuse_after_retention() {
-    block_on(async {
-        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
-            return;
-        };
-        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
-        tokio::task::spawn_blocking(move || {
-            order_reuse_after_retention(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)], "hybrid");
-        })
-        .await
-        .expect("hybrid mode");
-    });
+    in_mode("hybrid", order_reuse_after_retention);
 }
 
 #[test]
@@ -667,60 +658,22 @@ fn chrono_like(t: &str) -> bool {
 
 #[test]
 fn memory_mode() {
-    let demo = Demo::start(&[]);
-    exercise(&demo, "memory");
-    assert_eq!(demo.stop(), 0, "graceful shutdown");
+    in_mode("memory", exercise_mode);
 }
 
 #[test]
 fn postgres_mode() {
-    block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        let url = pg.url().to_owned();
-        tokio::task::spawn_blocking(move || {
-            let demo = Demo::start(&[("DATABASE_URL", &url)]);
-            exercise(&demo, "postgres");
-            assert_eq!(demo.stop(), 0);
-        })
-        .await
-        .expect("postgres mode");
-    });
+    in_mode("postgres", exercise_mode);
 }
 
 #[test]
 fn redis_mode() {
-    block_on(async {
-        let Some(redis) = services::redis().await else {
-            return;
-        };
-        let url = redis.url().to_owned();
-        tokio::task::spawn_blocking(move || {
-            let demo = Demo::start(&[("REDIS_URL", &url)]);
-            exercise(&demo, "redis");
-            assert_eq!(demo.stop(), 0);
-        })
-        .await
-        .expect("redis mode");
-    });
+    in_mode("redis", exercise_mode);
 }
 
 #[test]
 fn hybrid_mode() {
-    block_on(async {
-        let (Some(pg), Some(redis)) = (services::postgres().await, services::redis().await) else {
-            return;
-        };
-        let (pg, redis) = (pg.url().to_owned(), redis.url().to_owned());
-        tokio::task::spawn_blocking(move || {
-            let demo = Demo::start(&[("DATABASE_URL", &pg), ("REDIS_URL", &redis)]);
-            exercise(&demo, "hybrid");
-            assert_eq!(demo.stop(), 0);
-        })
-        .await
-        .expect("hybrid mode");
-    });
+    in_mode("hybrid", exercise_mode);
 }
 
 #[test]
