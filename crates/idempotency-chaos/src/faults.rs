@@ -24,19 +24,29 @@ enum Fault {
     GatewayKill(usize),
 }
 
-/// Runs `driver` while injecting faults for `duration`; returns the driver's output and how
-/// many faults were injected (the skewed gateway's clock counts as one).
+/// When a fault held, and whether it can take an operation's outcome down with it (a gateway
+/// killed mid-operation, Postgres down for long enough): the documented case in which an
+/// owner loses its lease without completing and the next attempt runs again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Window {
+    pub(crate) start: Instant,
+    pub(crate) end: Instant,
+    pub(crate) loses_outcomes: bool,
+}
+
+/// Runs `driver` while injecting faults for `duration`; returns the driver's output, the
+/// fault windows, and how many faults there were (the skewed gateway's clock counts as one).
 pub(crate) async fn run<T>(
     cluster: &mut Cluster,
     seed: u64,
     duration: Duration,
     driver: impl Future<Output = T>,
-) -> Result<(T, u64), String> {
+) -> Result<(T, Vec<Window>, u64), String> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x0fau64);
     let standing = u64::from(cluster.gateways.len() > 1);
     let schedule = async {
         let started = Instant::now();
-        let mut injected = 0u64;
+        let mut windows = Vec::new();
         loop {
             let gap = Duration::from_millis(rng.random_range(1_000..4_000));
             if started.elapsed() + gap >= duration {
@@ -51,13 +61,20 @@ pub(crate) async fn run<T>(
                 "chaos: t={:>5.1}s fault {fault:?} for {hold:?}",
                 started.elapsed().as_secs_f64()
             );
+            let start = Instant::now();
             inject(cluster, fault, hold).await?;
-            injected += 1;
+            windows.push(Window {
+                start,
+                end: Instant::now(),
+                loses_outcomes: matches!(fault, Fault::PostgresStop | Fault::GatewayKill(_)),
+            });
         }
-        Ok::<_, String>(injected)
+        Ok::<_, String>(windows)
     };
-    let (output, injected) = tokio::join!(driver, schedule);
-    Ok((output, injected? + standing))
+    let (output, windows) = tokio::join!(driver, schedule);
+    let windows = windows?;
+    let count = windows.len() as u64 + standing;
+    Ok((output, windows, count))
 }
 
 fn pick(rng: &mut StdRng, cluster: &Cluster) -> Option<Fault> {

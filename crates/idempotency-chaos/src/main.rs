@@ -93,11 +93,11 @@ async fn run(args: Args) -> Result<bool, String> {
     let drive = drive::Driver::new(&args, &cluster.nginx_url());
     let duration = Duration::from_secs(args.duration_s);
     let faults = faults::run(&mut cluster, args.seed, duration, drive.run(duration)).await;
-    let (history, faults) = faults?;
+    let (history, windows, faults) = faults?;
     // Every fault is cleared; wait one lease past the last one, then ask every key again.
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
     let probes = drive.probe_all(&history).await;
-    let report = drive::check(&history, &probes, cluster.postgres_url()).await?;
+    let report = drive::check(&history, &probes, &windows, lease, cluster.postgres_url()).await?;
     cluster.stop().await;
     println!("{}", report.details);
     let clean =

@@ -184,7 +184,14 @@ impl<S: Store + ?Sized> Executor<S> {
                 // The operation ran: whatever happens now, the key must not run it again. A
                 // result that does not serialise is stored as a marker that replays as
                 // `Corrupt` (never released: a redelivery would run the effect twice).
-                let (outcome, unserialisable) = match serde_json::to_vec(&value) {
+                // (A `Serialize` that panics counts as one that fails: the guard must not
+                // unwind into a release.)
+                let serialised =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::to_vec(&value)))
+                        .unwrap_or_else(|_| {
+                            Err(serde::ser::Error::custom("serialising the result panicked"))
+                        });
+                let (outcome, unserialisable) = match serialised {
                     Ok(body) => (Outcome::new(200).with_body(body), None),
                     Err(e) => (
                         Outcome::new(500).with_body(UNSERIALISABLE),

@@ -53,17 +53,33 @@ enum Worker {
     Finished,
 }
 
+/// The store in a model state: a deep copy per state (`MemoryStore::snapshot`).
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Snap(MemoryStore);
+
+impl Clone for Snap {
+    fn clone(&self) -> Self {
+        Self(self.0.snapshot())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct State {
-    store: MemoryStore,
+    store: Snap,
     ticks: u8,
     workers: [Worker; WORKERS],
     // Ghost variables: what the properties are stated over, derived from the store's answers.
     /// Effects run so far.
     effects: u8,
-    /// Effects the guarantee allows: one per retention window, plus one per takeover of an
-    /// owner that lost its lease without completing.
+    /// Effects the guarantee allows: one per retention window, plus one per owner that lost
+    /// its lease without completing and ran (or runs) its effect anyway: taken over after it
+    /// crashed having run it, or still holding a token that no longer owns the record.
     allowed: u8,
+    /// An `Execute` while the previous owner's lease still lived.
+    double_claim: bool,
+    /// Witnesses that the bounds reach the cases that matter.
+    late_completion_accepted: bool,
+    crashed_owner_taken_over: bool,
     /// The worker and token of the latest `Execute`.
     owner: Option<(usize, LeaseToken)>,
     /// The label of the outcome whose `complete` the store accepted in this window.
@@ -120,7 +136,7 @@ impl Protocol {
     ) -> Result<(), Error> {
         let before = next.store.clone();
         let owns = next.owner.is_some_and(|(_, t)| t == token);
-        let result = write(&next.store);
+        let result = write(&next.store.0);
         if !owns && (result.is_ok() || next.store != before) {
             next.fence_broken = true;
         }
@@ -134,11 +150,14 @@ impl Model for Protocol {
 
     fn init_states(&self) -> Vec<State> {
         vec![State {
-            store: MemoryStore::with_manual_clock(),
+            store: Snap(MemoryStore::with_manual_clock()),
             ticks: 0,
             workers: std::array::from_fn(|_| Worker::Ready { attempts: ATTEMPTS }),
             effects: 0,
             allowed: 1,
+            double_claim: false,
+            late_completion_accepted: false,
+            crashed_owner_taken_over: false,
             owner: None,
             completed: None,
             completed_until: None,
@@ -173,14 +192,14 @@ impl Model for Protocol {
         let mut next = last.clone();
         match action {
             Action::Tick => {
-                next.store.advance(TICK);
+                next.store.0.advance(TICK);
                 next.ticks += 1;
             }
             Action::Begin(w) => {
                 let Worker::Ready { attempts } = next.workers[w] else {
                     return None;
                 };
-                match block_on(next.store.begin(&self.id, &self.fp, LEASE)).ok()? {
+                match block_on(next.store.0.begin(&self.id, &self.fp, LEASE)).ok()? {
                     Begin::Execute(token) => {
                         // A new retention window after the last one expired...
                         if next
@@ -191,15 +210,26 @@ impl Model for Protocol {
                             next.completed = None;
                             next.completed_until = None;
                         }
-                        // ... or a takeover of an owner that lost its lease without
-                        // completing: it may have run (or may still run) its effect.
-                        if let Some((previous, _)) = next.owner
-                            && matches!(
+                        // ... or a takeover, which must never happen while the previous
+                        // owner's lease lives; of an owner that ran its effect and lost its
+                        // lease without completing, it allows a second effect. (An owner
+                        // taken over before running is counted if it runs anyway: `Run`.)
+                        if let Some((previous, _)) = next.owner {
+                            let holds = matches!(
                                 next.workers[previous],
-                                Worker::Holding { .. } | Worker::Crashed { ran: true }
-                            )
-                        {
-                            next.allowed += 1;
+                                Worker::Holding { .. } | Worker::Crashed { .. }
+                            );
+                            if holds && next.ticks < next.lease_until {
+                                next.double_claim = true;
+                            }
+                            match next.workers[previous] {
+                                Worker::Holding { ran: true, .. } => next.allowed += 1,
+                                Worker::Crashed { ran: true } => {
+                                    next.allowed += 1;
+                                    next.crashed_owner_taken_over = true;
+                                }
+                                _ => {}
+                            }
                         }
                         next.owner = Some((w, token));
                         next.lease_until = next.ticks + ticks(LEASE);
@@ -231,6 +261,9 @@ impl Model for Protocol {
                     return None;
                 };
                 next.effects += 1;
+                if next.owner.is_none_or(|(_, owner)| owner != token) {
+                    next.allowed += 1; // a stalled owner that lost its lease runs anyway
+                }
                 next.workers[w] = Worker::Holding {
                     token,
                     ran: true,
@@ -246,6 +279,9 @@ impl Model for Protocol {
                     block_on(s.complete(&id, token, &outcome(label), RETENTION))
                 });
                 if result.is_ok() {
+                    if now >= next.lease_until {
+                        next.late_completion_accepted = true;
+                    }
                     next.completed = Some(label);
                     next.completed_until = Some(now + ticks(RETENTION));
                 }
@@ -305,7 +341,7 @@ impl Model for Protocol {
                         return true;
                     }
                     !matches!(
-                        block_on(s.store.clone().begin(&m.id, &m.fp, LEASE)),
+                        block_on(s.store.0.snapshot().begin(&m.id, &m.fp, LEASE)),
                         Ok(Begin::InFlight { .. })
                     )
                 },
@@ -313,13 +349,15 @@ impl Model for Protocol {
             Property::always("fenced writes change nothing", |_, s: &State| {
                 !s.fence_broken
             }),
+            Property::always("no claim while a lease lives", |_, s: &State| {
+                !s.double_claim
+            }),
             // Reachability: the bounds reach the cases the properties are about.
             Property::sometimes("a completion after its lease ran out", |_, s: &State| {
-                s.completed
-                    .is_some_and(|_| s.completed_until.is_some_and(|u| u >= 1 + 4 + 2))
+                s.late_completion_accepted
             }),
             Property::sometimes("a crashed owner is taken over", |_, s: &State| {
-                s.allowed >= 2 && s.effects == 2
+                s.crashed_owner_taken_over && s.effects == 2
             }),
             Property::sometimes("a replay", |_, s: &State| {
                 s.completed.is_some()

@@ -69,8 +69,9 @@
 //! - it ends within the limit: stored whole before the client sees the end of the stream;
 //! - it crosses the limit: stored at once without its body; replays carry the status and
 //!   headers, an empty body and `Idempotent-Replay-Body: omitted`;
-//! - its client leaves (or the body fails) before the end: the rest is drained for at most
-//!   half a lease, without renewing it, then stored; a body that has not ended by then is
+//! - its client leaves, stalls for a third of a lease, or the body fails, before the end:
+//!   the first client's response is cut off (an error, never a clean truncated end), the rest
+//!   is drained for at most half a lease, then stored; a body that has not ended by then is
 //!   replayed empty with `Idempotent-Replay-Body: incomplete`.
 //!
 //! A retry never executes a second time, and a stream that never ends (server-sent events)

@@ -504,13 +504,20 @@ async fn stream<ResBody, E>(
         .and_then(|v| v.to_str().ok()?.parse().ok());
     let mut forwarded = 0usize;
     let (frames, receiver) = tokio::sync::mpsc::channel(4);
+    let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let streamed = Streamed {
+        frames: receiver,
+        cut: cut.clone(),
+    };
     let mut client = (reply
-        .send(Ok(Response::from_parts(
-            parts,
-            Streamed(receiver).boxed_unsync(),
-        )))
+        .send(Ok(Response::from_parts(parts, streamed.boxed_unsync())))
         .is_ok())
     .then_some(frames);
+    // Gives up on the first client: its stream ends in an error, never a clean (truncated) end.
+    let abandon = |client: &mut Option<Sender>| {
+        cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        client.take();
+    };
     let mut kept = bytes::BytesMut::new();
     let mut stored = false;
     let mut drain_until: Option<Instant> = client
@@ -534,6 +541,13 @@ async fn stream<ResBody, E>(
                 renew_lease().await;
                 continue;
             }
+            // A client that hangs up while the body is quiet (server-sent events between
+            // two events) is gone now, not at the next frame.
+            _ = closed(&client) => {
+                client = None;
+                drain_until = Some(Instant::now() + policy.lease() / 2);
+                continue;
+            }
             _ = sleep_until_some(drain_until) => break false,
         };
         let frame = match frame {
@@ -541,22 +555,26 @@ async fn stream<ResBody, E>(
             Ok(None) => break true,
             Ok(Some(Err(error))) => {
                 tracing::warn!(%error, "the handler's response body failed mid-stream");
-                fail_client(client.take(), error, policy.lease() / 3).await;
+                abandon(&mut client);
                 break false;
             }
             Err(_panic) => {
                 Metrics::inc(&config.metrics.panics);
-                // The client must see a broken response, not a clean (truncated) end.
-                let error = BodyError::new("the response body panicked");
-                fail_client(client.take(), error, policy.lease() / 3).await;
+                abandon(&mut client);
                 break false;
             }
         };
         if let (Some(data), false) = (frame.data_ref(), stored) {
             forwarded += data.len();
+            if declared.is_some_and(|n| forwarded > n) {
+                // More than the declared length: a broken body, not a replayable one.
+                tracing::warn!("the response body is longer than its Content-Length");
+                abandon(&mut client);
+                break false;
+            }
             if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
-                if declared.is_some_and(|n| forwarded >= n) {
+                if declared == Some(forwarded) {
                     stored = true;
                     let mut outcome = head.clone();
                     outcome.body = std::mem::take(&mut kept).freeze();
@@ -573,6 +591,8 @@ async fn stream<ResBody, E>(
         }
         let delivered = match &client {
             None => true,
+            // Stored: no lease to protect; a slow reader just reads slowly.
+            Some(sender) if stored => sender.send(Ok(frame)).await.is_ok(),
             Some(sender) => {
                 // A client that takes no frame for a third of a lease counts as gone: the
                 // lease is renewed meanwhile, but is not held hostage by a stalled reader.
@@ -582,38 +602,41 @@ async fn stream<ResBody, E>(
                 loop {
                     tokio::select! {
                         sent = &mut send => break sent.is_ok(),
-                        _ = renew.tick(), if !stored => renew_lease().await,
+                        _ = renew.tick() => renew_lease().await,
                         _ = &mut stall => break false,
                     }
                 }
             }
         };
         if !delivered {
-            client = None;
+            abandon(&mut client);
             drain_until = Some(Instant::now() + policy.lease() / 2);
         }
     };
+    // A body shorter than its declared length ended early: not the whole response.
+    let whole = ended && declared.is_none_or(|n| forwarded == n);
     if !stored {
         let mut outcome = head;
-        if ended {
+        if whole {
             outcome.body = kept.freeze();
         } else {
             mark(&mut outcome, BodyMark::Incomplete);
         }
         complete(config, id, token, &outcome).await;
     }
+    if !whole {
+        abandon(&mut client);
+    }
     drop(client); // the client sees the end only now, after the outcome is stored
 }
 
-/// Ends the first client's stream with an error (hyper then aborts the response), waiting at
-/// most `patience` for room in the channel.
-async fn fail_client(
-    client: Option<tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BodyError>>>,
-    error: BodyError,
-    patience: Duration,
-) {
-    if let Some(client) = client {
-        let _ = tokio::time::timeout(patience, client.send(Err(error))).await;
+type Sender = tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BodyError>>;
+
+/// Resolves when the first client's end of the stream is gone; never without a client.
+async fn closed(client: &Option<Sender>) {
+    match client {
+        Some(sender) => sender.closed().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -625,8 +648,14 @@ async fn sleep_until_some(deadline: Option<Instant>) {
     }
 }
 
-/// The streamed response body: frames forwarded by the task that owns the lease.
-struct Streamed(tokio::sync::mpsc::Receiver<Result<http_body::Frame<Bytes>, BodyError>>);
+/// The streamed response body: frames forwarded by the task that owns the lease. When that
+/// task gave up on the response (`cut`), the end of the frames is an error, so hyper aborts
+/// the response instead of ending it cleanly: a client never takes a truncated body for a
+/// whole one.
+struct Streamed {
+    frames: tokio::sync::mpsc::Receiver<Result<http_body::Frame<Bytes>, BodyError>>,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
 
 impl HttpBody for Streamed {
     type Data = Bytes;
@@ -636,7 +665,14 @@ impl HttpBody for Streamed {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BodyError>>> {
-        self.0.poll_recv(cx)
+        match self.frames.poll_recv(cx) {
+            Poll::Ready(None) if self.cut.load(std::sync::atomic::Ordering::SeqCst) => {
+                Poll::Ready(Some(Err(BodyError::new(
+                    "the response was cut off before its end",
+                ))))
+            }
+            other => other,
+        }
     }
 }
 
