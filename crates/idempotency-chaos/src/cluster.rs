@@ -32,6 +32,17 @@ pub(crate) struct Cluster {
     lease_ms: u64,
 }
 
+/// SIGKILLs a child's whole process group: `faketime` runs the gateway as its own child, and
+/// nginx's workers outlive a killed master. Every child here leads a group of its own.
+fn kill_group(child: &Child) {
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &format!("-{pid}")])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -194,6 +205,7 @@ http {{
             .arg("-c")
             .arg(&path)
             .args(["-g", "daemon off;"])
+            .process_group(0)
             .stdout(log_file(&dir, "nginx.log")?)
             .stderr(log_file(&dir, "nginx.log")?)
             .kill_on_drop(true)
@@ -221,6 +233,7 @@ http {{
             .env("IDEMPOTENCY_STORE", "hybrid")
             .env("IDEMPOTENCY_LEASE_MS", self.lease_ms.to_string())
             .env("RUST_LOG", "warn")
+            .process_group(0)
             .stdout(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
             .stderr(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
             .kill_on_drop(true);
@@ -235,7 +248,7 @@ http {{
     /// SIGKILL, like a crash: no graceful shutdown, no drain.
     pub(crate) async fn kill_gateway(&mut self, i: usize) {
         if let Some(mut child) = self.gateways[i].child.take() {
-            let _ = child.start_kill();
+            kill_group(&child);
             let _ = child.wait().await;
         }
     }
@@ -267,11 +280,22 @@ http {{
         for i in 0..self.gateways.len() {
             self.kill_gateway(i).await;
         }
-        let _ = self.nginx.start_kill();
+        kill_group(&self.nginx);
         let _ = self.nginx.wait().await;
         // The containers go with their handles.
         drop(self.postgres.take());
         drop(self.redis.take());
+    }
+}
+
+/// On every path out (an error half-way included), no gateway, faketime or nginx process is
+/// left running.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for child in self.gateways.iter().filter_map(|g| g.child.as_ref()) {
+            kill_group(child);
+        }
+        kill_group(&self.nginx);
     }
 }
 
