@@ -34,10 +34,13 @@ pub(crate) struct Cluster {
 
 /// SIGKILLs a child's whole process group: `faketime` runs the gateway as its own child, and
 /// nginx's workers outlive a killed master. Every child here leads a group of its own.
+///
+/// The form matters: `kill -s KILL -- -PGID`. procps' `kill` does not read `kill -KILL -PGID`
+/// as a group; in a rehearsal that form killed every process on the machine.
 fn kill_group(child: &Child) {
-    if let Some(pid) = child.id() {
+    if let Some(pid) = child.id().filter(|pid| *pid > 1) {
         let _ = std::process::Command::new("kill")
-            .args(["-KILL", &format!("-{pid}")])
+            .args(["-s", "KILL", "--", &format!("-{pid}")])
             .stderr(Stdio::null())
             .status();
     }
