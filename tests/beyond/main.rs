@@ -13,7 +13,7 @@ use idempotency_core::{
     Error, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RunError, Scope,
 };
 use idempotency_postgres::{PostgresStore, StateMachine, Transition};
-use idempotency_test::{block_on, services};
+use idempotency_test::block_on;
 
 async fn store() -> Option<Arc<PostgresStore>> {
     idempotency_test::stores::postgres().await
@@ -283,23 +283,6 @@ fn thirty_two_concurrent_identical_transitions_apply_once() {
     });
 }
 
-/// An executor over a store on a dedicated Postgres that the operation itself stops, as a
-/// crash of the database right after the effect would.
-async fn stoppable() -> Option<(services::Service, Arc<PostgresStore>)> {
-    if services::skipping() {
-        return None;
-    }
-    let pg = services::start_postgres().await;
-    let store = PostgresStore::builder(pg.url())
-        .acquire_timeout(Duration::from_millis(300))
-        .call_timeout(Duration::from_millis(500))
-        .connect()
-        .await
-        .expect("store");
-    store.migrate().await.expect("migrate");
-    Some((pg, Arc::new(store)))
-}
-
 /// The operation ran, then the store went down for a while: the executor retries `complete`
 /// (renewing the lease) until the store answers, so the result is stored and a redelivery
 /// replays it instead of running the effect again. (Before: one failed `complete` returned a
@@ -307,7 +290,7 @@ async fn stoppable() -> Option<(services::Service, Arc<PostgresStore>)> {
 #[test]
 fn executor_stores_the_outcome_after_a_store_outage() {
     block_on(async {
-        let Some((pg, store)) = stoppable().await else {
+        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres().await else {
             return;
         };
         let pg = Arc::new(pg);
@@ -346,7 +329,7 @@ fn executor_stores_the_outcome_after_a_store_outage() {
 #[test]
 fn executor_reports_an_outcome_it_could_not_store() {
     block_on(async {
-        let Some((pg, store)) = stoppable().await else {
+        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres().await else {
             return;
         };
         let executor =

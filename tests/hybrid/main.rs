@@ -54,6 +54,14 @@ async fn hybrid(pg: PostgresStore, redis_url: &str) -> HybridStore {
     HybridStore::new(pg, redis, BreakerConfig::default())
 }
 
+/// A hybrid store on a Redis of its own (to pause, stop or flush) and the shared Postgres.
+async fn dedicated_hybrid() -> (Service, HybridStore) {
+    let redis = services::start_redis(RedisOptions::default()).await;
+    let pg = services::postgres().await.expect("postgres");
+    let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+    (redis, store)
+}
+
 async fn shared_store() -> Option<Arc<HybridStore>> {
     static STORE: OnceCell<Arc<HybridStore>> = OnceCell::const_new();
     let pg = services::postgres().await?;
@@ -572,9 +580,7 @@ fn a_late_mirror_write_never_answers_after_completion() {
             return;
         }
         let _serial = SERIAL.lock().await;
-        let redis = services::start_redis(RedisOptions::default()).await;
-        let pg = services::postgres().await.expect("postgres");
-        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let (redis, store) = dedicated_hybrid().await;
         let fp = Fingerprint::of(b"late");
         let (a, b) = (
             idempotency_test::conformance::fresh_id(),
@@ -678,9 +684,7 @@ fn a_cancelled_breaker_probe_does_not_keep_redis_off() {
             return;
         }
         let _serial = SERIAL.lock().await;
-        let redis = services::start_redis(RedisOptions::default()).await;
-        let pg = services::postgres().await.expect("postgres");
-        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let (redis, store) = dedicated_hybrid().await;
         let fp = Fingerprint::of(b"probe");
         assert!(breaker_closes(&store).await, "Redis answers at the start");
 
@@ -722,9 +726,8 @@ fn cancellation_sweep_with_redis_writes_stalled() {
             return;
         }
         let _serial = SERIAL.lock().await;
-        let redis = services::start_redis(RedisOptions::default()).await;
-        let pg = services::postgres().await.expect("postgres");
-        let store = Arc::new(hybrid(pg_store(pg.url()).await, redis.url()).await);
+        let (redis, store) = dedicated_hybrid().await;
+        let store = Arc::new(store);
         let url = redis.url().to_owned();
         let stalls = tokio::spawn(async move {
             loop {

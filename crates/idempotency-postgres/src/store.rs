@@ -471,12 +471,7 @@ impl PostgresStore {
         token: LeaseToken,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let id_bytes = &id.as_bytes()[..];
-        let fp_bytes = &fp.as_bytes()[..];
-        let row: Option<BeginRow> = sqlx::query_as(BEGIN_SQL)
-            .bind(id_bytes)
-            .bind(fp_bytes)
-            .bind(token.as_uuid())
-            .bind(millis(lease))
+        let row: Option<BeginRow> = claim_query(BEGIN_SQL, id, fp, token, lease)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
@@ -499,11 +494,7 @@ impl PostgresStore {
         if let Some(decision) = Self::decide(fp, view)? {
             return Ok(Some(decision));
         }
-        let taken: Option<(f64,)> = sqlx::query_as(TAKEOVER_SQL)
-            .bind(id_bytes)
-            .bind(fp_bytes)
-            .bind(token.as_uuid())
-            .bind(millis(lease))
+        let taken: Option<(f64,)> = claim_query(TAKEOVER_SQL, id, fp, token, lease)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
@@ -556,6 +547,24 @@ impl PostgresStore {
             .map_err(db_error)?;
         Ok(None)
     }
+}
+
+/// A claim statement (`BEGIN_SQL`, `TAKEOVER_SQL`) with its four parameters bound.
+fn claim_query<'q, O>(
+    sql: &'static str,
+    id: &'q RecordId,
+    fp: &'q Fingerprint,
+    token: LeaseToken,
+    lease: Duration,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+where
+    O: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+{
+    sqlx::query_as(sql)
+        .bind(&id.as_bytes()[..])
+        .bind(&fp.as_bytes()[..])
+        .bind(token.as_uuid())
+        .bind(millis(lease))
 }
 
 fn fenced(rows: u64) -> Result<()> {

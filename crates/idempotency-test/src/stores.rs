@@ -7,6 +7,24 @@ use tokio::sync::OnceCell;
 
 use crate::services;
 
+/// A migrated store on a Postgres container of its own, with short budgets (300 ms acquire,
+/// 500 ms per call): for tests that stop the database mid-operation (`Service::stop`).
+/// `None` when service tests are opted out.
+pub async fn stoppable_postgres() -> Option<(services::Service, Arc<PostgresStore>)> {
+    if services::skipping() {
+        return None;
+    }
+    let pg = services::start_postgres().await;
+    let store = PostgresStore::builder(pg.url())
+        .acquire_timeout(std::time::Duration::from_millis(300))
+        .call_timeout(std::time::Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    Some((pg, Arc::new(store)))
+}
+
 /// A migrated Postgres store on the binary's shared Postgres, with a pool large enough for the
 /// concurrency tests (64 racing `begin`s, each on its own connection). `None` when service
 /// tests are opted out.

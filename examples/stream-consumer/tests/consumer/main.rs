@@ -418,17 +418,13 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
             return;
         };
         // A Postgres of its own (store and ledger): the effect stops it.
-        let pg = Arc::new(services::start_postgres().await);
-        let store = PostgresStore::builder(pg.url())
-            .acquire_timeout(Duration::from_millis(300))
-            .call_timeout(Duration::from_millis(500))
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
+        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres().await else {
+            return;
+        };
+        let pg = Arc::new(pg);
         let client = redis::Client::open(redis.url()).expect("client");
         let mut rig = Rig {
-            store: Arc::new(store),
+            store,
             redis: client
                 .get_multiplexed_async_connection()
                 .await
