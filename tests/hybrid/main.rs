@@ -431,7 +431,18 @@ async fn scenario(fault: Fault) {
             redis.stop().await;
             redis.start().await;
         }
-        Fault::PostgresStopped => own_pg.as_ref().expect("own postgres").stop().await,
+        Fault::PostgresStopped => {
+            own_pg.as_ref().expect("own postgres").stop().await;
+            // Deterministic evidence, whatever the load happens to be doing at this moment:
+            // a begin while Postgres is down answers Unavailable, never Execute.
+            let (id, fp) = record(&Scope::new("down-probe"), 0);
+            match run.store.begin(&id, &fp, LEASE).await {
+                Err(Error::Unavailable(_)) => {
+                    stats.unavailable.fetch_add(1, Ordering::Relaxed);
+                }
+                other => panic!("a begin while Postgres is down answered {other:?}"),
+            }
+        }
     }
     let paused_latency = if matches!(fault, Fault::RedisPaused) {
         // Latency of requests while Redis hangs: the first pay the Redis budget, then the
