@@ -18,6 +18,20 @@ async fn store() -> Option<Arc<PostgresStore>> {
 
 idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 
+/// The whole suite again on the per-request store (no group commit): the batched store must
+/// answer exactly as it does.
+mod per_request {
+    use std::sync::Arc;
+
+    use idempotency_core::Store;
+
+    idempotency_test::conformance_tests!(async {
+        idempotency_test::stores::postgres_per_request()
+            .await
+            .map(|s| s as Arc<dyn Store>)
+    });
+}
+
 #[test]
 fn migrations_are_idempotent_and_concurrent_safe() {
     block_on(async {
@@ -411,5 +425,110 @@ fn serializable_sessions_do_not_turn_races_into_errors() {
             }
             assert_eq!(executes, 1);
         }
+    });
+}
+
+/// A store of its own on the shared Postgres, one batch of each kind in flight at a time, so
+/// that concurrent calls must queue behind it and share statements.
+async fn group_commit_store(lock_timeout: Duration) -> Option<PostgresStore> {
+    let pg = services::postgres().await?;
+    let store = PostgresStore::builder(pg.url())
+        .statement_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(1))
+        .group_commit(
+            idempotency_postgres::GroupCommit::default()
+                .concurrency(1)
+                .lock_timeout(lock_timeout),
+        )
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
+#[test]
+fn concurrent_calls_share_statements() {
+    block_on(async {
+        let Some(store) = group_commit_store(Duration::from_millis(100)).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let ids: Vec<_> = (0..64).map(|_| fresh_id()).collect();
+        let begins = ids.iter().map(|id| {
+            let (store, id) = (store.clone(), *id);
+            tokio::spawn(async move { execute(&*store, &id, &fp("a"), LONG).await })
+        });
+        let tokens: Vec<_> = futures::future::join_all(begins)
+            .await
+            .into_iter()
+            .map(|t| t.expect("task"))
+            .collect();
+        let outcome = Outcome::new(201).with_body("ok");
+        let completes = ids
+            .iter()
+            .zip(&tokens)
+            .map(|(id, token)| store.complete(id, *token, &outcome, LONG));
+        for done in futures::future::join_all(completes).await {
+            done.expect("complete");
+        }
+        let stats = store.group_commit_stats();
+        assert_eq!(stats.calls, 128);
+        // One batch in flight at a time: whoever arrived meanwhile shared the next statement.
+        assert!(stats.statements < stats.calls / 2, "{stats:?}");
+        for id in &ids {
+            assert!(matches!(
+                store.begin(id, &fp("a"), LONG).await.expect("begin"),
+                Begin::Replay(_)
+            ));
+        }
+    });
+}
+
+/// A key whose row another transaction holds (an application's `complete_in` that has not
+/// committed) must not stall the calls batched with it: their batch gives up on the lock
+/// after `lock_timeout` and each call goes on alone. Without the short lock timeout the
+/// batch waits for the transaction and every call in it runs out of its 1 s budget.
+#[test]
+fn a_locked_row_does_not_stall_its_batch() {
+    block_on(async {
+        let Some(store) = group_commit_store(Duration::from_millis(100)).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let locked = fresh_id();
+        execute(&*store, &locked, &fp("a"), LONG).await;
+        let mut tx = store.pool().begin().await.expect("tx");
+        sqlx::query("UPDATE idempotency_keys SET expires_at = expires_at WHERE record_id = $1")
+            .bind(&locked.as_bytes()[..])
+            .execute(&mut *tx)
+            .await
+            .expect("lock the row");
+
+        let ids: Vec<_> = (0..32).map(|_| fresh_id()).collect();
+        let others = ids.iter().map(|id| {
+            let (store, id) = (store.clone(), *id);
+            tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        });
+        let blocked = {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&locked, &fp("a"), LONG).await })
+        };
+        for answer in futures::future::join_all(others).await {
+            assert!(
+                matches!(answer.expect("task"), Ok(Begin::Execute(_))),
+                "a call batched with a locked row was stalled"
+            );
+        }
+        // The locked key itself waits on the per-request path, within its own budget.
+        assert!(matches!(
+            blocked.await.expect("task"),
+            Err(Error::Unavailable(_))
+        ));
+        tx.rollback().await.expect("rollback");
+        assert!(matches!(
+            store.begin(&locked, &fp("a"), LONG).await.expect("begin"),
+            Begin::InFlight { .. }
+        ));
     });
 }

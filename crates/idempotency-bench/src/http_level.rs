@@ -96,6 +96,46 @@ pub(crate) fn handwritten_hybrid(redis: redis::aio::MultiplexedConnection, pool:
         .with_state(Raw { redis, pool })
 }
 
+/// Hand-written Redis-only: `SET NX PX` claims, the handler runs, `SET EX` stores the
+/// response; a key already set answers from a `GET`. What a careful hand-rolled Redis
+/// idempotency check costs.
+async fn handwritten_redis(State(raw): State<Raw>, headers: HeaderMap) -> Response {
+    let key = format!("handr:{{{}}}", key_of(&headers));
+    let mut conn = raw.redis.clone();
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(&key)
+        .arg("")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut conn)
+        .await
+        .ok()
+        .flatten();
+    if claimed.is_none() {
+        return match redis::cmd("GET")
+            .arg(&key)
+            .query_async::<Option<Vec<u8>>>(&mut conn)
+            .await
+        {
+            Ok(Some(body)) if !body.is_empty() => (StatusCode::CREATED, body).into_response(),
+            _ => StatusCode::CONFLICT.into_response(),
+        };
+    }
+    let response = charge().await;
+    store_level::cache_write(&mut conn, &key, BODY.as_bytes()).await;
+    response
+}
+
+pub(crate) fn handwritten_redis_only(
+    redis: redis::aio::MultiplexedConnection,
+    pool: PgPool,
+) -> Router {
+    Router::new()
+        .route("/charges", post(handwritten_redis))
+        .with_state(Raw { redis, pool })
+}
+
 /// Hand-written replay: one Redis GET of the cached response (what a replay minimally costs).
 async fn single_get(State(raw): State<Raw>, headers: HeaderMap) -> Response {
     let mut conn = raw.redis.clone();

@@ -34,8 +34,10 @@ use crate::{
 };
 
 /// How long and how hard to run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Settings {
+    /// Run only the groups whose name starts with one of these (all when empty).
+    pub only: Vec<String>,
     /// Concurrent workers or connections.
     pub concurrency: usize,
     /// Duration of each concurrent scenario.
@@ -47,9 +49,14 @@ pub struct Settings {
 }
 
 impl Settings {
+    fn runs(&self, group: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| group.starts_with(o.as_str()))
+    }
+
     /// The default run: C = 32, 5 s per scenario.
     pub fn full() -> Self {
         Self {
+            only: Vec::new(),
             concurrency: 32,
             duration: Duration::from_secs(5),
             sequential_ops: 2000,
@@ -60,6 +67,7 @@ impl Settings {
     /// A few seconds in all: what CI runs so the harness never rots.
     pub fn smoke() -> Self {
         Self {
+            only: Vec::new(),
             concurrency: 4,
             duration: Duration::from_millis(300),
             sequential_ops: 20,
@@ -85,11 +93,17 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         .connect()
         .await?;
     postgres.migrate().await?;
+    let per_request = PostgresStore::builder(pg.url())
+        .max_connections(64)
+        .per_request()
+        .connect()
+        .await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let hybrid_redis = redis_store(redis.url(), &format!("bh{run_id}")).await?;
     let subjects = Subjects {
         memory: Arc::new(MemoryStore::new()),
         postgres: Arc::new(postgres.clone()),
+        postgres_per_request: Arc::new(per_request),
         redis: Arc::new(redis_store(redis.url(), &format!("br{run_id}")).await?),
         hybrid: Arc::new(HybridStore::new(
             postgres.clone(),
@@ -108,31 +122,42 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
     let (c, d) = (settings.concurrency, settings.duration);
     let mut measured = Vec::new();
 
-    for (store, framework, baseline) in subjects.pairs() {
-        measured.push(sequential("store-seq", store, &*framework, settings.sequential_ops).await);
-        measured.push(
-            sequential(
-                "store-seq",
-                &format!("baseline {store}"),
-                &*baseline,
-                settings.sequential_ops,
-            )
-            .await,
-        );
+    if settings.runs("store-seq") {
+        for (store, framework, baseline) in subjects.pairs() {
+            let ops = settings.sequential_ops;
+            measured.push(sequential("store-seq", store, &*framework, ops).await);
+            let name = format!("baseline {store}");
+            measured.push(sequential("store-seq", &name, &*baseline, ops).await);
+        }
     }
-    for (store, framework, baseline) in subjects.pairs() {
-        measured.push(concurrent("store-conc", store, framework, c, d).await);
-        measured.push(concurrent("store-conc", &format!("baseline {store}"), baseline, c, d).await);
+    if settings.runs("store-conc") {
+        for (store, framework, baseline) in subjects.pairs() {
+            measured.push(concurrent("store-conc", store, framework, c, d).await);
+            let name = format!("baseline {store}");
+            measured.push(concurrent("store-conc", &name, baseline, c, d).await);
+        }
     }
 
     let memory: Arc<dyn Store> = subjects.memory.clone();
     let pg_store: Arc<dyn Store> = subjects.postgres.clone();
+    let pg_per_request: Arc<dyn Store> = subjects.postgres_per_request.clone();
+    let redis_store: Arc<dyn Store> = subjects.redis.clone();
     let hybrid: Arc<dyn Store> = subjects.hybrid.clone();
     let hybrid_no_mirror: Arc<dyn Store> = subjects.hybrid_no_mirror.clone();
+    let (conn, pool) = (subjects.redis_conn.clone(), subjects.pool.clone());
     let servers = [
         ("no idempotency", http_level::plain()),
         ("layer memory", http_level::layered(memory)),
         ("layer postgres", http_level::layered(pg_store.clone())),
+        (
+            "layer postgres (per-request)",
+            http_level::layered(pg_per_request.clone()),
+        ),
+        ("layer redis", http_level::layered(redis_store.clone())),
+        (
+            "hand-written redis",
+            http_level::handwritten_redis_only(conn.clone(), pool.clone()),
+        ),
         ("layer hybrid", http_level::layered(hybrid.clone())),
         (
             "layer hybrid (no mirror)",
@@ -140,54 +165,73 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         ),
         (
             "hand-written hybrid",
-            http_level::handwritten_hybrid(subjects.redis_conn.clone(), subjects.pool.clone()),
+            http_level::handwritten_hybrid(conn.clone(), pool.clone()),
         ),
     ];
-    for (name, router) in servers {
-        let addr = http_level::serve(router).await;
-        measured.push(http_level::drive("http-first", name, addr, Keys::Unique, c, d).await);
+    if settings.runs("http-first") {
+        for (name, router) in servers {
+            let addr = http_level::serve(router).await;
+            measured.push(http_level::drive("http-first", name, addr, Keys::Unique, c, d).await);
+        }
+        // One connection: what group commit costs a lone request (nothing, it should be).
+        for (name, store) in [
+            ("layer postgres", pg_store.clone()),
+            ("layer postgres (per-request)", pg_per_request),
+        ] {
+            let addr = http_level::serve(http_level::layered(store)).await;
+            measured.push(http_level::drive("http-first-c1", name, addr, Keys::Unique, 1, d).await);
+        }
     }
     let replays = [
         ("layer hybrid", http_level::layered(hybrid)),
         ("layer postgres", http_level::layered(pg_store)),
+        ("layer redis", http_level::layered(redis_store)),
         (
             "hand-written single GET",
-            http_level::single_get_replay(subjects.redis_conn.clone(), subjects.pool.clone()),
+            http_level::single_get_replay(conn, pool),
         ),
     ];
-    for (name, router) in replays {
-        let addr = http_level::serve(router).await;
-        measured.push(http_level::drive("http-replay", name, addr, Keys::PerClient, c, d).await);
+    if settings.runs("http-replay") {
+        for (name, router) in replays {
+            let addr = http_level::serve(router).await;
+            measured
+                .push(http_level::drive("http-replay", name, addr, Keys::PerClient, c, d).await);
+        }
     }
 
     // The fault timeline needs a Redis it may pause: a dedicated container.
-    let timeline =
-        if services::skipping() || std::env::var_os("IDEMPOTENCY_TEST_REDIS_URL").is_some() {
-            Vec::new()
-        } else {
-            let own = services::start_redis(services::RedisOptions::default()).await;
-            let redis = RedisStore::builder(own.url())
-                .prefix("fault")
-                .call_budget(Duration::from_millis(150))
-                .connect_timeout(Duration::from_millis(100))
-                .response_timeout(Duration::from_millis(100))
-                .connect()
-                .await?;
-            let store = Arc::new(HybridStore::new(
-                postgres.clone(),
-                redis,
-                BreakerConfig::default(),
-            ));
-            fault::timeline(store, &own, c, settings.fault_phase).await
-        };
+    let timeline = if services::skipping()
+        || std::env::var_os("IDEMPOTENCY_TEST_REDIS_URL").is_some()
+        || !settings.runs("fault")
+    {
+        Vec::new()
+    } else {
+        let own = services::start_redis(services::RedisOptions::default()).await;
+        let redis = RedisStore::builder(own.url())
+            .prefix("fault")
+            .call_budget(Duration::from_millis(150))
+            .connect_timeout(Duration::from_millis(100))
+            .response_timeout(Duration::from_millis(100))
+            .connect()
+            .await?;
+        let store = Arc::new(HybridStore::new(
+            postgres.clone(),
+            redis,
+            BreakerConfig::default(),
+        ));
+        fault::timeline(store, &own, c, settings.fault_phase).await
+    };
 
     let ratios = report::ratios(&measured);
+    let batches = postgres.group_commit_stats();
     Ok(Report {
         settings: serde_json::json!({
             "concurrency": c,
             "duration_ms": d.as_millis() as u64,
             "sequential_ops": settings.sequential_ops,
             "fault_phase_ms": settings.fault_phase.as_millis() as u64,
+            "group_commit_calls": batches.calls,
+            "group_commit_statements": batches.statements,
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         }),
         measured,
@@ -195,3 +239,4 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         timeline,
     })
 }
+

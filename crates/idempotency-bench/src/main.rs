@@ -1,6 +1,6 @@
 //! Runs the benchmarks and writes the report.
 //!
-//! Run with: `cargo run --release -p idempotency-bench -- [--concurrency 32] [--seconds 5] [--smoke] [--out target/bench]`
+//! Run with: `cargo run --release -p idempotency-bench -- [--concurrency 32] [--seconds 5] [--smoke] [--only http-first] [--out target/bench]`
 #![allow(clippy::print_stdout)]
 
 use std::{path::PathBuf, time::Duration};
@@ -19,6 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--seconds" => settings.duration = Duration::from_secs_f64(value()?.parse()?),
             "--ops" => settings.sequential_ops = value()?.parse()?,
             "--out" => out = PathBuf::from(value()?),
+            "--only" => settings.only.push(value()?),
             other => return Err(format!("unknown flag {other:?}").into()),
         }
     }

@@ -38,6 +38,7 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         for store in [
             "memory",
             "postgres",
+            "postgres (per-request)",
             "redis",
             "hybrid",
             "hybrid (no mirror)",
@@ -69,6 +70,24 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "no idempotency",
     );
     ratio(
+        "http first: layer postgres / layer postgres (per-request)".into(),
+        "http-first",
+        "layer postgres",
+        "layer postgres (per-request)",
+    );
+    ratio(
+        "http first: layer hybrid / layer postgres".into(),
+        "http-first",
+        "layer hybrid",
+        "layer postgres",
+    );
+    ratio(
+        "http first: layer redis / hand-written redis".into(),
+        "http-first",
+        "layer redis",
+        "hand-written redis",
+    );
+    ratio(
         "http replay: layer hybrid / hand-written single GET".into(),
         "http-replay",
         "layer hybrid",
@@ -80,6 +99,16 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "layer postgres",
         "hand-written single GET",
     );
+    if let (Some(x), Some(y)) = (
+        find(m, "http-first-c1", "layer postgres"),
+        find(m, "http-first-c1", "layer postgres (per-request)"),
+    ) && y.p99_us > 0
+    {
+        out.push((
+            "http first, 1 connection, p99 latency: layer postgres / per-request".into(),
+            x.p99_us as f64 / y.p99_us as f64,
+        ));
+    }
     out
 }
 
@@ -98,6 +127,16 @@ impl Report {
         s.push_str("\n| ratio (throughput) | value |\n|---|---:|\n");
         for (what, r) in &self.ratios {
             s.push_str(&format!("| {what} | {r:.2} |\n"));
+        }
+        if let (Some(calls), Some(statements)) = (
+            self.settings["group_commit_calls"].as_u64(),
+            self.settings["group_commit_statements"].as_u64(),
+        ) {
+            s.push_str(&format!(
+                "\nGroup commit (the batched Postgres store, every scenario above): {calls} calls in \
+                 {statements} statements, {:.1} calls per statement.\n",
+                calls as f64 / statements.max(1) as f64
+            ));
         }
         if !self.timeline.is_empty() {
             let paused: Vec<_> = self.timeline.iter().filter(|b| b.redis_paused).collect();

@@ -253,6 +253,7 @@ pub(crate) type Pair = (&'static str, Arc<dyn Op>, Arc<dyn Op>);
 pub(crate) struct Subjects {
     pub(crate) memory: Arc<dyn Store>,
     pub(crate) postgres: Arc<PostgresStore>,
+    pub(crate) postgres_per_request: Arc<PostgresStore>,
     pub(crate) redis: Arc<RedisStore>,
     pub(crate) hybrid: Arc<HybridStore>,
     pub(crate) hybrid_no_mirror: Arc<HybridStore>,
@@ -271,6 +272,11 @@ impl Subjects {
             (
                 "postgres",
                 Arc::new(Framework(self.postgres.clone())),
+                Arc::new(PostgresBaseline(self.pool.clone())),
+            ),
+            (
+                "postgres (per-request)",
+                Arc::new(Framework(self.postgres_per_request.clone())),
                 Arc::new(PostgresBaseline(self.pool.clone())),
             ),
             (

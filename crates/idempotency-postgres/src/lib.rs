@@ -27,8 +27,10 @@
 //! # Ok(()) }
 //! ```
 
+mod batch;
 mod store;
 mod transitions;
 
+pub use batch::{GroupCommit, GroupCommitStats};
 pub use store::{PostgresStore, PostgresStoreBuilder, migrator};
 pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};

@@ -1,6 +1,6 @@
 //! `PostgresStore`: the record state machine in one table, every race decided by Postgres.
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use idempotency_core::{
@@ -10,6 +10,8 @@ use sqlx::{
     PgConnection, PgPool,
     postgres::{PgConnectOptions, PgPoolOptions},
 };
+
+use crate::batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats};
 
 /// How many times `begin` re-runs when the row it saw vanished or was taken over between two
 /// statements. Each retry means another client made progress, so the loop cannot spin long.
@@ -42,6 +44,8 @@ const MAX_BEGIN_ROUNDS: usize = 8;
 pub struct PostgresStore {
     pool: PgPool,
     call_timeout: Duration,
+    /// Group commit (`None`: one statement per call, the per-request store).
+    batches: Option<Arc<Batches>>,
 }
 
 /// Configures and connects a [`PostgresStore`].
@@ -52,9 +56,25 @@ pub struct PostgresStoreBuilder {
     acquire_timeout: Duration,
     statement_timeout: Duration,
     call_timeout: Duration,
+    group_commit: Option<GroupCommit>,
 }
 
 impl PostgresStoreBuilder {
+    /// Group-commit settings (on by default, see [`GroupCommit`]). The batches run on a pool
+    /// of their own, `concurrency` × 4 connections at most, beside the `max_connections` of
+    /// the per-request statements.
+    pub fn group_commit(mut self, settings: GroupCommit) -> Self {
+        self.group_commit = Some(settings);
+        self
+    }
+
+    /// One statement per call, no group commit: the per-request store (a benchmark's
+    /// baseline, or a database that must not see array statements).
+    pub fn per_request(mut self) -> Self {
+        self.group_commit = None;
+        self
+    }
+
     /// Pool size (default 10).
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
@@ -100,10 +120,38 @@ impl PostgresStoreBuilder {
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
-            .connect_lazy_with(options);
+            .connect_lazy_with(options.clone());
+        // The batches' own connections wait on a row lock only briefly: a key another
+        // transaction holds gives its batch back to the per-request path instead of stalling
+        // every other call in it.
+        let batches = self.group_commit.map(|settings| {
+            // And one plan per statement, by key: a batch statement's custom plan (chosen
+            // while its estimate beats the generic one's, which it always does for a short
+            // array) is planned anew on every execution, and planning costs more than the
+            // batch. The generic plan is made once per connection, maybe on a table still
+            // empty, where a sequential scan looks cheapest and would then be kept while the
+            // table grows; these connections run nothing but key lookups, so scans and hash
+            // joins are ruled out.
+            let options = options.options([
+                (
+                    "lock_timeout",
+                    settings.lock_timeout.as_millis().max(1).to_string(),
+                ),
+                ("plan_cache_mode", "force_generic_plan".to_owned()),
+                ("enable_seqscan", "off".to_owned()),
+                ("enable_hashjoin", "off".to_owned()),
+                ("enable_mergejoin", "off".to_owned()),
+            ]);
+            let pool = PgPoolOptions::new()
+                .max_connections(u32::try_from(settings.concurrency * 4).unwrap_or(u32::MAX))
+                .acquire_timeout(self.acquire_timeout)
+                .connect_lazy_with(options);
+            Arc::new(Batches::new(pool, settings))
+        });
         Ok(PostgresStore {
             pool,
             call_timeout: self.call_timeout,
+            batches,
         })
     }
 }
@@ -118,7 +166,7 @@ pub fn migrator() -> sqlx::migrate::Migrator {
 
 /// Whether a statement failed only because it raced another under a stricter isolation
 /// level than the store assumes (a pool the application configured): run it again.
-fn is_serialization_race(error: &Error) -> bool {
+pub(crate) fn is_serialization_race(error: &Error) -> bool {
     matches!(error, Error::Unavailable(source)
         if source.downcast_ref::<sqlx::Error>().is_some_and(|e| matches!(e,
             sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))))
@@ -136,7 +184,7 @@ fn db_error(error: sqlx::Error) -> Error {
     Error::unavailable(error)
 }
 
-fn millis(d: Duration) -> i64 {
+pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -150,7 +198,25 @@ type BeginRow = (
 );
 
 /// The live row as `begin` reads it.
-type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
+pub(crate) type RowView = (Vec<u8>, i16, Option<Vec<u8>>, f64);
+
+/// What one claim statement (per request or batched) found.
+#[derive(Debug)]
+pub(crate) enum Round {
+    /// Inserted with the statement's token; this many ms of lease left.
+    Granted(f64),
+    /// The live (or expired) row.
+    Row(RowView),
+    /// A conflict with a row the statement's snapshot cannot see: read it again.
+    Hidden,
+}
+
+pub(crate) fn fingerprint(bytes: Vec<u8>) -> Result<Fingerprint> {
+    let bytes: [u8; 32] = bytes
+        .try_into()
+        .map_err(|_| Error::Corrupt("fingerprint is not 32 bytes".into()))?;
+    Ok(Fingerprint::from_bytes(bytes))
+}
 
 // Every expiry is computed with `clock_timestamp()`, not `now()` (the start of the
 // transaction: a statement inside a long caller transaction, `complete_in`, would store a
@@ -251,16 +317,55 @@ impl PostgresStore {
             acquire_timeout: Duration::from_secs(2),
             statement_timeout: Duration::from_secs(2),
             call_timeout: Duration::from_secs(3),
+            group_commit: Some(GroupCommit::default()),
         }
     }
 
-    /// A store on an existing pool (the application's own, for example). Configure the pool's
-    /// acquire timeout yourself; the call budget is 3 s.
+    /// A store on an existing pool (the application's own, for example), with group commit
+    /// on that same pool. Configure the pool's acquire timeout yourself; the call budget is
+    /// 3 s. The pool's connections carry no `lock_timeout` unless you set one, so a key
+    /// another transaction holds can stall its batch up to the `statement_timeout`: prefer
+    /// [`PostgresStore::builder`], whose batches run on connections that give up early.
     pub fn from_pool(pool: PgPool) -> Self {
+        let batches = Arc::new(Batches::new(pool.clone(), GroupCommit::default()));
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
+            batches: Some(batches),
         }
+    }
+
+    /// How many calls and statements the group commit has served so far (zeros for a
+    /// per-request store).
+    ///
+    /// ```no_run
+    /// # async fn run(store: idempotency_postgres::PostgresStore) {
+    /// let stats = store.group_commit_stats();
+    /// println!("mean batch: {:.1}", stats.calls as f64 / stats.statements.max(1) as f64);
+    /// # }
+    /// ```
+    pub fn group_commit_stats(&self) -> GroupCommitStats {
+        self.batches
+            .as_deref()
+            .map(Batches::stats)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn batches(&self) -> Option<&Batches> {
+        self.batches.as_deref()
+    }
+
+    pub(crate) fn group_commit_settings(&self) -> GroupCommit {
+        self.batches
+            .as_deref()
+            .map(|b| b.settings)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn batch_pool(&self) -> PgPool {
+        self.batches
+            .as_deref()
+            .map_or_else(|| self.pool.clone(), |b| b.pool.clone())
     }
 
     /// The pool, for the application's own queries and transactions.
@@ -333,11 +438,32 @@ impl PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<Option<Fingerprint>> {
+        let job = || CompleteJob {
+            id: *id,
+            token,
+            status: outcome.status as i16,
+            response: outcome.encode().to_vec(),
+            retention,
+        };
         self.timed(async {
-            let mut conn = self.pool.acquire().await.map_err(db_error)?;
-            Self::complete_returning(&mut conn, id, token, outcome, retention).await
+            if let Some(batches) = &self.batches
+                && let Some(answer) = batches.complete.call(self, |b| &b.complete, job()).await?
+            {
+                return Ok(answer);
+            }
+            self.complete_statement(&job(), &self.pool).await
         })
         .await
+    }
+
+    /// The per-request `complete`.
+    pub(crate) async fn complete_statement(
+        &self,
+        job: &CompleteJob,
+        pool: &PgPool,
+    ) -> Result<Option<Fingerprint>> {
+        let mut conn = pool.acquire().await.map_err(db_error)?;
+        Self::complete_encoded(&mut conn, job).await
     }
 
     async fn complete_returning(
@@ -347,12 +473,27 @@ impl PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<Option<Fingerprint>> {
+        let job = CompleteJob {
+            id: *id,
+            token,
+            status: outcome.status as i16,
+            response: outcome.encode().to_vec(),
+            retention,
+        };
+        Self::complete_encoded(conn, &job).await
+    }
+
+    async fn complete_encoded(
+        conn: &mut PgConnection,
+        job: &CompleteJob,
+    ) -> Result<Option<Fingerprint>> {
+        let (id, token) = (&job.id, job.token);
         let row: Option<(Vec<u8>, bool)> = sqlx::query_as(COMPLETE_SQL)
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
-            .bind(outcome.status as i16)
-            .bind(&outcome.encode()[..])
-            .bind(millis(retention))
+            .bind(job.status)
+            .bind(&job.response[..])
+            .bind(millis(job.retention))
             .fetch_optional(&mut *conn)
             .await
             .map_err(db_error)?;
@@ -369,10 +510,8 @@ impl PostgresStore {
                 .map_err(db_error)?
                 .ok_or(Error::LeaseLost)?,
         };
-        let fp: [u8; 32] = fp
-            .try_into()
-            .map_err(|_| Error::Corrupt("fingerprint is not 32 bytes".into()))?;
-        Ok(fresh.then(|| Fingerprint::from_bytes(fp)))
+        let fp = fingerprint(fp)?;
+        Ok(fresh.then_some(fp))
     }
 
     /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
@@ -417,7 +556,7 @@ impl PostgresStore {
             let budget = this.call_timeout * 4;
             let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
                 std::array::from_fn(|_| LeaseToken::generate());
-            match tokio::time::timeout(budget, this.begin_inner(&id, &fp, lease, &tokens)).await {
+            match tokio::time::timeout(budget, this.claim(&id, &fp, lease, &tokens)).await {
                 Ok(answer) => answer,
                 Err(_) => {
                     // A statement given up may still commit: once the server has had time to
@@ -439,15 +578,60 @@ impl PostgresStore {
         self.timed(detached_claim(claim, release)).await
     }
 
+    /// The claim: through a batch when group commit is on (its first round), then round by
+    /// round on the per-request path until the record's state settles the answer.
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        tokens: &[LeaseToken],
+    ) -> Result<(Begin, Option<Duration>)> {
+        let Some((first, rest)) = tokens.split_first() else {
+            return Err(Error::unavailable("no claim token left"));
+        };
+        if let Some(batches) = &self.batches {
+            let job = BeginJob {
+                id: *id,
+                fp: *fp,
+                token: *first,
+                lease,
+            };
+            let settled = match batches.begin.call(self, |b| &b.begin, job).await {
+                Ok(Some(round)) => self.follow(id, fp, lease, *first, round).await,
+                other => other.map(|_| None),
+            };
+            match settled {
+                Ok(Some(decision)) => return Ok(decision),
+                // Not settled by the batch, or a lone call's race (see `begin_inner`).
+                Ok(None) => {}
+                Err(error) if is_serialization_race(&error) => {}
+                Err(error) => return Err(error),
+            }
+            return self.begin_inner(id, fp, lease, rest).await;
+        }
+        self.begin_inner(id, fp, lease, tokens).await
+    }
+
     async fn begin_inner(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
-        tokens: &[LeaseToken; MAX_BEGIN_ROUNDS],
+        tokens: &[LeaseToken],
     ) -> Result<(Begin, Option<Duration>)> {
         for token in tokens {
-            match self.begin_round(id, fp, lease, *token).await {
+            let job = BeginJob {
+                id: *id,
+                fp: *fp,
+                token: *token,
+                lease,
+            };
+            let round = match self.begin_statement(&job, &self.pool).await {
+                Ok(round) => self.follow(id, fp, lease, *token, round).await,
+                Err(error) => Err(error),
+            };
+            match round {
                 Ok(Some(decision)) => return Ok(decision),
                 Ok(None) => {}
                 // Another transaction won the race; under READ COMMITTED this cannot happen,
@@ -461,29 +645,37 @@ impl PostgresStore {
         ))
     }
 
-    /// One attempt: insert, or read the live row, or take an expired one over. `None` when
-    /// the row changed between two statements and the next round must look again.
-    async fn begin_round(
+    /// The per-request claim statement: insert, or read the live row.
+    pub(crate) async fn begin_statement(&self, job: &BeginJob, pool: &PgPool) -> Result<Round> {
+        let row: Option<BeginRow> = claim_query(BEGIN_SQL, &job.id, &job.fp, job.token, job.lease)
+            .fetch_optional(pool)
+            .await
+            .map_err(db_error)?;
+        match row {
+            Some((true, _, _, _, Some(left))) => Ok(Round::Granted(left)),
+            Some((false, Some(f), Some(s), r, Some(ms))) => Ok(Round::Row((f, s, r, ms))),
+            Some(_) => Err(Error::Corrupt("unexpected begin row".into())),
+            None => Ok(Round::Hidden),
+        }
+    }
+
+    /// Settles one round: hands out a fresh grant, answers from the live row, or takes an
+    /// expired one over. `None` when the row changed between two statements and the next
+    /// round must look again.
+    async fn follow(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
         token: LeaseToken,
+        round: Round,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
-        let id_bytes = &id.as_bytes()[..];
-        let row: Option<BeginRow> = claim_query(BEGIN_SQL, id, fp, token, lease)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db_error)?;
-        let view = match row {
-            Some((true, _, _, _, Some(left))) => {
-                return self.fresh_grant(id, token, lease, left).await;
-            }
-            Some((false, Some(f), Some(s), r, Some(ms))) => Some((f, s, r, ms)),
-            Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
+        let view = match round {
+            Round::Granted(left) => return self.fresh_grant(id, token, lease, left).await,
+            Round::Row(view) => Some(view),
             // Conflict with a row our snapshot cannot see: read it in a new statement.
-            None => sqlx::query_as::<_, RowView>(READ_SQL)
-                .bind(id_bytes)
+            Round::Hidden => sqlx::query_as::<_, RowView>(READ_SQL)
+                .bind(&id.as_bytes()[..])
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(db_error)?,
@@ -549,6 +741,31 @@ impl PostgresStore {
     }
 }
 
+impl PostgresStore {
+    /// The per-request `release`: whether the token owned the in-flight row.
+    pub(crate) async fn release_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
+        let done = sqlx::query(RELEASE_SQL)
+            .bind(&job.id.as_bytes()[..])
+            .bind(job.token.as_uuid())
+            .execute(pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The per-request `renew`: whether the token owned the in-flight row.
+    pub(crate) async fn renew_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
+        let done = sqlx::query(RENEW_SQL)
+            .bind(&job.id.as_bytes()[..])
+            .bind(job.token.as_uuid())
+            .bind(millis(job.lease))
+            .execute(pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
 /// A claim statement (`BEGIN_SQL`, `TAKEOVER_SQL`) with its four parameters bound.
 fn claim_query<'q, O>(
     sql: &'static str,
@@ -567,12 +784,8 @@ where
         .bind(millis(lease))
 }
 
-fn fenced(rows: u64) -> Result<()> {
-    if rows == 1 {
-        Ok(())
-    } else {
-        Err(Error::LeaseLost)
-    }
+fn fenced(owned: bool) -> Result<()> {
+    if owned { Ok(()) } else { Err(Error::LeaseLost) }
 }
 
 #[async_trait]
@@ -594,28 +807,35 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        let job = || FenceJob {
+            id: *id,
+            token,
+            lease: Duration::ZERO,
+        };
         self.timed(async {
-            let done = sqlx::query(RELEASE_SQL)
-                .bind(&id.as_bytes()[..])
-                .bind(token.as_uuid())
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)?;
-            fenced(done.rows_affected())
+            if let Some(batches) = &self.batches
+                && let Some(done) = batches.release.call(self, |b| &b.release, job()).await?
+            {
+                return fenced(done);
+            }
+            fenced(self.release_statement(&job(), &self.pool).await?)
         })
         .await
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        let job = || FenceJob {
+            id: *id,
+            token,
+            lease,
+        };
         self.timed(async {
-            let done = sqlx::query(RENEW_SQL)
-                .bind(&id.as_bytes()[..])
-                .bind(token.as_uuid())
-                .bind(millis(lease))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)?;
-            fenced(done.rows_affected())
+            if let Some(batches) = &self.batches
+                && let Some(done) = batches.renew.call(self, |b| &b.renew, job()).await?
+            {
+                return fenced(done);
+            }
+            fenced(self.renew_statement(&job(), &self.pool).await?)
         })
         .await
     }

@@ -464,6 +464,7 @@ macro_rules! conformance_tests {
         );
         $crate::conformance_tests!(@shared $store;
             concurrent_begins_execute_once,
+            concurrent_mixed_calls_answer_as_alone,
             takeover_races_late_completion,
             dropped_calls_leave_the_key_answerable,
         );
@@ -494,6 +495,118 @@ macro_rules! conformance_tests {
             }
         )*
     };
+}
+
+/// Many calls of every kind at once, each answered exactly as it would be alone: what a
+/// store that coalesces concurrent calls (the Postgres group commit) must still get right.
+/// One wave of `begin`s holds fresh keys, a completed key, a live lease, a mismatch, an
+/// expired lease and one key asked twice; then a wave of `complete`s, `renew`s and
+/// `release`s mixes owning and stale tokens, a token completed twice and one key twice.
+pub async fn concurrent_mixed_calls_answer_as_alone(store: Arc<dyn Store>) {
+    let s = &*store;
+    let (done, live, expired, twice) = (fresh_id(), fresh_id(), fresh_id(), fresh_id());
+    let token = execute(s, &done, &fp("a"), LONG).await;
+    s.complete(&done, token, &sample_outcome(), LONG)
+        .await
+        .expect("complete");
+    execute(s, &live, &fp("a"), LONG).await;
+    let stale = execute(s, &expired, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let fresh: Vec<RecordId> = (0..24).map(|_| fresh_id()).collect();
+    let (a, b) = (fp("a"), fp("b"));
+    let mut calls: Vec<(RecordId, &Fingerprint)> = fresh.iter().map(|id| (*id, &a)).collect();
+    calls.extend([
+        (done, &a),
+        (done, &b),
+        (live, &a),
+        (live, &b),
+        (expired, &a),
+        (twice, &a),
+        (twice, &a),
+    ]);
+    let answers =
+        futures::future::join_all(calls.iter().map(|(id, fp)| s.begin(id, fp, LONG))).await;
+    let answers: Vec<Begin> = answers.into_iter().map(|a| a.expect("begin")).collect();
+    let n = fresh.len();
+    let mut tokens = Vec::new();
+    for answer in &answers[..n] {
+        match answer {
+            Begin::Execute(token) => tokens.push(*token),
+            other => panic!("a fresh key answered {other:?}"),
+        }
+    }
+    assert_eq!(answers[n], Begin::Replay(sample_outcome()));
+    assert_eq!(answers[n + 1], Begin::Mismatch);
+    assert!(
+        matches!(answers[n + 2], Begin::InFlight { .. }),
+        "{:?}",
+        answers[n + 2]
+    );
+    assert_eq!(answers[n + 3], Begin::Mismatch);
+    let taken = match answers[n + 4] {
+        Begin::Execute(token) => token,
+        ref other => panic!("an expired lease answered {other:?}"),
+    };
+    assert_ne!(taken, stale);
+    let twice_token = match (&answers[n + 5], &answers[n + 6]) {
+        (Begin::Execute(token), Begin::InFlight { .. })
+        | (Begin::InFlight { .. }, Begin::Execute(token)) => *token,
+        other => panic!("one key asked twice answered {other:?}"),
+    };
+
+    // The second wave: a third of the fresh keys complete (one of them twice with its
+    // token), a third renew, a third release; the stale token fails everywhere.
+    let outcome = Outcome::new(200).with_body("second wave");
+    let (complete, rest) = fresh.split_at(n / 3);
+    let (renew, release) = rest.split_at(n / 3);
+    let token_of = |id: &RecordId| tokens[fresh.iter().position(|f| f == id).expect("fresh")];
+    let completes = complete.iter().chain([&complete[0], &twice]).map(|id| {
+        let token = if *id == twice {
+            twice_token
+        } else {
+            token_of(id)
+        };
+        s.complete(id, token, &outcome, LONG)
+    });
+    let renews = renew.iter().map(|id| s.renew(id, token_of(id), LONG));
+    let releases = release.iter().map(|id| s.release(id, token_of(id)));
+    let stale_calls = [
+        s.complete(&expired, stale, &outcome, LONG),
+        s.renew(&expired, stale, LONG),
+        s.release(&expired, stale),
+    ];
+    let (completes, renews, releases, stale_calls) = futures::join!(
+        futures::future::join_all(completes),
+        futures::future::join_all(renews),
+        futures::future::join_all(releases),
+        futures::future::join_all(stale_calls),
+    );
+    for result in completes.into_iter().chain(renews).chain(releases) {
+        result.expect("an owning token's call");
+    }
+    for result in stale_calls {
+        assert!(matches!(result, Err(Error::LeaseLost)), "{result:?}");
+    }
+    for id in complete.iter().chain([&twice]) {
+        assert_eq!(
+            s.begin(id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(outcome.clone())
+        );
+    }
+    for id in renew {
+        assert!(matches!(
+            s.begin(id, &fp("a"), LONG).await.expect("begin"),
+            Begin::InFlight { .. }
+        ));
+    }
+    for id in release {
+        execute(s, id, &fp("a"), LONG).await;
+    }
+    // The taken-over key still belongs to its new owner.
+    s.complete(&expired, taken, &outcome, LONG)
+        .await
+        .expect("the new owner completes");
 }
 
 // ---------------------------------------------------------------------------------------

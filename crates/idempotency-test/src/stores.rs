@@ -25,6 +25,28 @@ pub async fn stoppable_postgres() -> Option<(services::Service, Arc<PostgresStor
     Some((pg, Arc::new(store)))
 }
 
+/// The same as [`postgres`] without group commit: one statement per call, the store the
+/// batched one must answer exactly like.
+pub async fn postgres_per_request() -> Option<Arc<PostgresStore>> {
+    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
+    let pg = services::postgres().await?;
+    Some(
+        STORE
+            .get_or_init(|| async {
+                let store = PostgresStore::builder(pg.url())
+                    .max_connections(80)
+                    .per_request()
+                    .connect()
+                    .await
+                    .expect("postgres store");
+                store.migrate().await.expect("migrations");
+                Arc::new(store)
+            })
+            .await
+            .clone(),
+    )
+}
+
 /// A migrated Postgres store on the binary's shared Postgres, with a pool large enough for the
 /// concurrency tests (64 racing `begin`s, each on its own connection). `None` when service
 /// tests are opted out.

@@ -1,0 +1,605 @@
+//! Group commit: concurrent calls of one kind coalesced into one statement per batch.
+//!
+//! A call joins a queue. While fewer than `concurrency` batches of its kind are in flight, it
+//! starts one at once, so a lone call pays no wait (and a batch of one runs the per-request
+//! statement, exactly). A call arriving while every slot is busy joins the next batch, taken
+//! as soon as a slot frees: no timer anywhere. A batch is one statement on arrays (`unnest`),
+//! so one round trip and one commit serve up to `max_batch` calls.
+//!
+//! What a batch does not settle, each caller settles on the per-request path: a batch that
+//! failed on a lock (its connections carry a short `lock_timeout`, so one row another
+//! transaction holds cannot stall the rest), a deadlock or a serialization race — the
+//! statement rolled back, so nothing of it landed — and the rare rows a batch statement cannot
+//! decide (a key twice in one batch, a row committed while the statement ran). Any other
+//! failure fails every caller of the batch with `Unavailable`: one statement, one commit, so
+//! never a partial success that looks like a failure or the reverse.
+//!
+//! The batches run in tasks of their own: a caller that goes away does not take its
+//! neighbours' answers with it, and its own call still lands (which every store call may do;
+//! `begin`'s callers are protected by `detached_claim`).
+
+use std::{
+    collections::{HashSet, VecDeque},
+    sync::{Mutex, PoisonError},
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use idempotency_core::{Error, Fingerprint, LeaseToken, RecordId, Result};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use crate::store::{PostgresStore, Round, RowView, millis};
+
+/// Group-commit settings of a [`PostgresStore`](crate::PostgresStore).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupCommit {
+    /// Batches of one kind (begin, complete, release, renew) in flight at once (default 1:
+    /// on a database with few cores, fewer and larger statements serve the most calls;
+    /// raise it when one statement at a time cannot keep the database busy).
+    pub concurrency: usize,
+    /// Calls per statement at most (default 128).
+    pub max_batch: usize,
+    /// How long a batch waits on a row lock before its callers go the per-request way
+    /// (default 100 ms).
+    pub lock_timeout: Duration,
+}
+
+impl Default for GroupCommit {
+    fn default() -> Self {
+        Self {
+            concurrency: 1,
+            max_batch: 128,
+            lock_timeout: Duration::from_millis(100),
+        }
+    }
+}
+
+impl GroupCommit {
+    /// The defaults with `concurrency` batches of a kind in flight.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// The defaults with at most `n` calls per statement.
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n.max(1);
+        self
+    }
+
+    /// How long a batch waits on a row lock before giving its calls back.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+}
+
+/// How many calls and statements the group commit has served: `calls / statements` is the
+/// mean batch size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupCommitStats {
+    /// Calls that went through a batch queue.
+    pub calls: u64,
+    /// Statements (batches) that served them, per-request statements of lone calls included.
+    pub statements: u64,
+}
+
+/// The four queues and the pool their batches run on.
+#[derive(Debug)]
+pub(crate) struct Batches {
+    pub(crate) pool: PgPool,
+    pub(crate) settings: GroupCommit,
+    pub(crate) begin: Batcher<BeginJob, Round>,
+    pub(crate) complete: Batcher<CompleteJob, Option<Fingerprint>>,
+    pub(crate) release: Batcher<FenceJob, bool>,
+    pub(crate) renew: Batcher<FenceJob, bool>,
+}
+
+impl Batches {
+    pub(crate) fn new(pool: PgPool, settings: GroupCommit) -> Self {
+        Self {
+            pool,
+            settings,
+            begin: Batcher::new(run_begin),
+            complete: Batcher::new(run_complete),
+            release: Batcher::new(run_release),
+            renew: Batcher::new(run_renew),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> GroupCommitStats {
+        [
+            self.begin.stats(),
+            self.complete.stats(),
+            self.release.stats(),
+            self.renew.stats(),
+        ]
+        .into_iter()
+        .fold(GroupCommitStats::default(), |a, b| GroupCommitStats {
+            calls: a.calls + b.calls,
+            statements: a.statements + b.statements,
+        })
+    }
+}
+
+/// A claim: the batch statement inserts with `token` or reads the live row.
+#[derive(Debug)]
+pub(crate) struct BeginJob {
+    pub(crate) id: RecordId,
+    pub(crate) fp: Fingerprint,
+    pub(crate) token: LeaseToken,
+    pub(crate) lease: Duration,
+}
+
+#[derive(Debug)]
+pub(crate) struct CompleteJob {
+    pub(crate) id: RecordId,
+    pub(crate) token: LeaseToken,
+    pub(crate) status: i16,
+    pub(crate) response: Vec<u8>,
+    pub(crate) retention: Duration,
+}
+
+/// A fenced `release` or `renew` (the lease is ignored by `release`).
+#[derive(Debug)]
+pub(crate) struct FenceJob {
+    pub(crate) id: RecordId,
+    pub(crate) token: LeaseToken,
+    pub(crate) lease: Duration,
+}
+
+trait Keyed {
+    fn id(&self) -> &RecordId;
+}
+
+macro_rules! keyed {
+    ($($job:ty),*) => {$(impl Keyed for $job { fn id(&self) -> &RecordId { &self.id } })*};
+}
+keyed!(BeginJob, CompleteJob, FenceJob);
+
+/// Each call's answer: `Ok(None)` when the batch did not settle it and the caller must run
+/// the per-request path.
+type Answers<R> = Vec<Result<Option<R>>>;
+type Run<J, R> = fn(PostgresStore, Vec<J>) -> BoxFuture<'static, Answers<R>>;
+type Reply<R> = oneshot::Sender<Result<Option<R>>>;
+
+pub(crate) struct Batcher<J, R> {
+    queue: Mutex<Queue<J, R>>,
+    run: Run<J, R>,
+}
+
+struct Queue<J, R> {
+    waiting: VecDeque<(J, Reply<R>)>,
+    running: usize,
+    stats: GroupCommitStats,
+}
+
+impl<J, R> std::fmt::Debug for Batcher<J, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher").finish_non_exhaustive()
+    }
+}
+
+impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
+    fn new(run: Run<J, R>) -> Self {
+        Self {
+            queue: Mutex::new(Queue {
+                waiting: VecDeque::new(),
+                running: 0,
+                stats: GroupCommitStats::default(),
+            }),
+            run,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<J, R>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn stats(&self) -> GroupCommitStats {
+        self.lock().stats
+    }
+
+    /// Runs `job` in a batch and returns its answer. `select` picks this batcher out of the
+    /// store, for a task that drains the queue.
+    ///
+    /// A call that finds a slot free and nobody waiting runs as a batch of one in the
+    /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
+    /// starts a draining task if a slot is free.
+    pub(crate) async fn call(
+        &self,
+        store: &PostgresStore,
+        select: fn(&Batches) -> &Self,
+        job: J,
+    ) -> Result<Option<R>> {
+        let concurrency = store.group_commit_settings().concurrency;
+        let (reply, answer) = oneshot::channel();
+        let mut job = Some(job);
+        let start = {
+            let mut queue = self.lock();
+            queue.stats.calls += 1;
+            if queue.running < concurrency && queue.waiting.is_empty() {
+                queue.running += 1;
+                queue.stats.statements += 1;
+                None
+            } else {
+                if let Some(job) = job.take() {
+                    queue.waiting.push_back((job, reply));
+                }
+                let start = queue.running < concurrency;
+                if start {
+                    queue.running += 1;
+                }
+                Some(start)
+            }
+        };
+        match (start, job) {
+            (None, Some(job)) => {
+                // The slot is handed on when this ends, however it ends (a dropped caller
+                // included): to a drain task if calls queued meanwhile.
+                let _slot = Inline {
+                    store: store.clone(),
+                    select,
+                };
+                let mut answers = (self.run)(store.clone(), vec![job]).await;
+                answers
+                    .pop()
+                    .unwrap_or_else(|| Err(Error::unavailable("a batch lost its answer")))
+            }
+            (start, _) => {
+                if start == Some(true) {
+                    tokio::spawn(drain(store.clone(), select));
+                }
+                answer.await.unwrap_or_else(|_| {
+                    Err(Error::unavailable("the batch ended without an answer"))
+                })
+            }
+        }
+    }
+}
+
+/// The slot of a batch of one running in its caller's task.
+struct Inline<J: Send + 'static, R: Send + 'static> {
+    store: PostgresStore,
+    select: fn(&Batches) -> &Batcher<J, R>,
+}
+
+impl<J: Send + 'static, R: Send + 'static> Drop for Inline<J, R> {
+    fn drop(&mut self) {
+        let Some(batches) = self.store.batches() else {
+            return;
+        };
+        let batcher = (self.select)(batches);
+        let mut queue = batcher.lock();
+        if queue.waiting.is_empty() {
+            queue.running -= 1;
+        } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // Calls queued behind this one: a drain task takes the slot over.
+            drop(queue);
+            runtime.spawn(drain(self.store.clone(), self.select));
+        } else {
+            queue.running -= 1;
+        }
+    }
+}
+
+/// Gives the slot back however the drain ends (a panicking batch included).
+struct Slot<'a, J, R>(&'a Batcher<J, R>, bool);
+
+impl<J, R> Drop for Slot<'_, J, R> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0
+                .queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .running -= 1;
+        }
+    }
+}
+
+/// Runs batches while calls wait, then frees its slot.
+async fn drain<J: Send + 'static, R: Send + 'static>(
+    store: PostgresStore,
+    select: fn(&Batches) -> &Batcher<J, R>,
+) {
+    let Some(batches) = store.batches() else {
+        return;
+    };
+    let batcher = select(batches);
+    let mut slot = Slot(batcher, false);
+    let max = batches.settings.max_batch;
+    loop {
+        let jobs: Vec<_> = {
+            let mut queue = batcher.lock();
+            if queue.waiting.is_empty() {
+                // Freed under the same lock a caller checks: no call is left without a drain.
+                queue.running -= 1;
+                slot.1 = true;
+                return;
+            }
+            let n = queue.waiting.len().min(max);
+            queue.stats.statements += 1;
+            queue.waiting.drain(..n).collect()
+        };
+        let (jobs, replies): (Vec<J>, Vec<Reply<R>>) = jobs.into_iter().unzip();
+        let answers = (batcher.run)(store.clone(), jobs).await;
+        for (reply, answer) in replies.into_iter().zip(answers) {
+            let _ = reply.send(answer); // a caller that went away: its call landed anyway
+        }
+    }
+}
+
+/// Splits off the jobs whose key came earlier in the batch: one statement cannot insert or
+/// update a row twice. They are answered `None` (the per-request path), the rest run.
+fn split_repeats<J: Keyed>(jobs: &[J]) -> (Vec<usize>, Vec<usize>) {
+    let mut seen = HashSet::new();
+    (0..jobs.len()).partition(|&i| seen.insert(*jobs[i].id().as_bytes()))
+}
+
+/// Whether a failed batch statement rolled back for a reason the per-request path handles:
+/// a lock wait past `lock_timeout`, a deadlock between two batches, a serialization race.
+fn give_back(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if matches!(db.code().as_deref(), Some("55P03" | "40P01" | "40001")))
+}
+
+/// A lone call's answer. It ran the per-request statement, but on the batches' connections:
+/// a lock wait past their `lock_timeout` gives the call back too, so that it waits on the
+/// per-request pool, not in a batch slot its neighbours need.
+fn lone<R>(answer: Result<R>) -> Result<Option<R>> {
+    match answer {
+        Err(Error::Unavailable(source))
+            if source.downcast_ref::<sqlx::Error>().is_some_and(give_back) =>
+        {
+            Ok(None)
+        }
+        other => other.map(Some),
+    }
+}
+
+/// Spreads one statement's answer over its jobs. `unique` are the jobs the statement ran,
+/// `rows` its rows keyed by record id.
+fn spread<J: Keyed, R, T>(
+    jobs: &[J],
+    unique: &[usize],
+    rows: std::result::Result<Vec<(Vec<u8>, T)>, sqlx::Error>,
+    mut answer: impl FnMut(&J, Option<T>) -> Result<Option<R>>,
+) -> Answers<R> {
+    let mut answers: Answers<R> = jobs.iter().map(|_| Ok(None)).collect();
+    match rows {
+        Ok(rows) => {
+            let mut by_id: std::collections::HashMap<Vec<u8>, T> = rows.into_iter().collect();
+            for &i in unique {
+                answers[i] = answer(&jobs[i], by_id.remove(&jobs[i].id().as_bytes()[..]));
+            }
+        }
+        Err(error) if give_back(&error) => {
+            tracing::debug!(%error, "a batch gave its calls back to the per-request path");
+        }
+        Err(error) => {
+            tracing::warn!(%error, calls = unique.len(), "a batch statement failed");
+            for &i in unique {
+                answers[i] = Err(shared_error(&error));
+            }
+        }
+    }
+    answers
+}
+
+/// One failure, told to each caller of the batch.
+fn shared_error(error: &sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = error
+        && db.code().as_deref() == Some("42P01")
+    {
+        return Error::Config(format!(
+            "{db}: run PostgresStore::migrate (or idempotency_postgres::migrator()) first"
+        ));
+    }
+    Error::unavailable(format!("group commit: {error}"))
+}
+
+fn ids<J: Keyed>(jobs: &[J], unique: &[usize]) -> Vec<Vec<u8>> {
+    unique
+        .iter()
+        .map(|&i| jobs[i].id().as_bytes().to_vec())
+        .collect()
+}
+
+/// Inserts every claim it can, in key order (two batches never wait on each other in a
+/// cycle), and reads the live row of every other key, in one statement. The read runs in the
+/// statement's snapshot, like `BEGIN_SQL`'s: a key inserted concurrently answers nothing and
+/// its caller reads again on the per-request path.
+const BEGIN_BATCH_SQL: &str = "
+WITH input AS (
+    SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::uuid[], $4::int8[])
+        AS t(record_id, fingerprint, lease_token, lease_ms)
+), ins AS (
+    INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at)
+    SELECT record_id, fingerprint, 0, lease_token,
+           clock_timestamp() + lease_ms * interval '1 millisecond'
+    FROM input ORDER BY record_id
+    ON CONFLICT (record_id) DO NOTHING
+    RETURNING record_id, expires_at
+)
+SELECT input.record_id, ins.record_id IS NOT NULL, k.fingerprint, k.state, k.response,
+       (extract(epoch FROM coalesce(ins.expires_at, k.expires_at) - clock_timestamp()) * 1000)::float8
+FROM input
+LEFT JOIN ins ON ins.record_id = input.record_id
+LEFT JOIN idempotency_keys k ON ins.record_id IS NULL AND k.record_id = input.record_id";
+
+type BeginBatchRow = (
+    Vec<u8>,
+    bool,
+    Option<Vec<u8>>,
+    Option<i16>,
+    Option<Vec<u8>>,
+    Option<f64>,
+);
+
+fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, Answers<Round>> {
+    Box::pin(async move {
+        if let [job] = &jobs[..] {
+            return vec![lone(store.begin_statement(job, &store.batch_pool()).await)];
+        }
+        let (unique, _repeats) = split_repeats(&jobs);
+        let each = || unique.iter().map(|&i| &jobs[i]);
+        let rows = sqlx::query_as::<_, BeginBatchRow>(BEGIN_BATCH_SQL)
+            .bind(ids(&jobs, &unique))
+            .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
+            .bind(each().map(|j| j.token.as_uuid()).collect::<Vec<_>>())
+            .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
+            .fetch_all(&store.batch_pool())
+            .await
+            .map(|rows| {
+                rows.into_iter()
+                    .map(|(id, inserted, f, s, r, ms)| (id, (inserted, f, s, r, ms)))
+                    .collect()
+            });
+        spread(&jobs, &unique, rows, |_, row| {
+            Ok(match row {
+                Some((true, _, _, _, Some(left))) => Some(Round::Granted(left)),
+                Some((false, Some(f), Some(s), r, Some(ms))) => {
+                    Some(Round::Row(RowView::from((f, s, r, ms))))
+                }
+                Some((false, None, None, None, None)) => Some(Round::Hidden),
+                Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
+                None => None,
+            })
+        })
+    })
+}
+
+/// Completes every row its token still owns; for the others, says whether the same token
+/// completed it already (a retried `complete`). Rows it cannot place go the per-request way.
+const COMPLETE_BATCH_SQL: &str = "
+WITH input AS (
+    SELECT * FROM unnest($1::bytea[], $2::uuid[], $3::int2[], $4::bytea[], $5::int8[])
+        AS t(record_id, lease_token, status, response, retention_ms)
+), done AS (
+    UPDATE idempotency_keys k
+    SET state = 1, status = input.status, response = input.response,
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + input.retention_ms * interval '1 millisecond'
+    FROM input
+    WHERE k.record_id = input.record_id AND k.lease_token = input.lease_token AND k.state = 0
+    RETURNING k.record_id, k.fingerprint
+)
+SELECT input.record_id, coalesce(done.fingerprint, k.fingerprint), done.record_id IS NOT NULL
+FROM input
+LEFT JOIN done ON done.record_id = input.record_id
+LEFT JOIN idempotency_keys k ON done.record_id IS NULL AND k.record_id = input.record_id
+     AND k.lease_token = input.lease_token AND k.state = 1";
+
+fn run_complete(
+    store: PostgresStore,
+    jobs: Vec<CompleteJob>,
+) -> BoxFuture<'static, Answers<Option<Fingerprint>>> {
+    Box::pin(async move {
+        if let [job] = &jobs[..] {
+            return vec![lone(
+                store.complete_statement(job, &store.batch_pool()).await,
+            )];
+        }
+        let (unique, _repeats) = split_repeats(&jobs);
+        let rows = sqlx::query_as::<_, (Vec<u8>, Option<Vec<u8>>, bool)>(COMPLETE_BATCH_SQL)
+            .bind(ids(&jobs, &unique))
+            .bind(
+                unique
+                    .iter()
+                    .map(|&i| jobs[i].token.as_uuid())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(unique.iter().map(|&i| jobs[i].status).collect::<Vec<_>>())
+            .bind(
+                unique
+                    .iter()
+                    .map(|&i| &jobs[i].response[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                unique
+                    .iter()
+                    .map(|&i| millis(jobs[i].retention))
+                    .collect::<Vec<_>>(),
+            )
+            .fetch_all(&store.batch_pool())
+            .await
+            .map(|rows| {
+                rows.into_iter()
+                    .map(|(id, f, fresh)| (id, (f, fresh)))
+                    .collect()
+            });
+        spread(&jobs, &unique, rows, |_, row| match row {
+            Some((Some(fp), fresh)) => {
+                let fp = crate::store::fingerprint(fp)?;
+                Ok(Some(fresh.then_some(fp)))
+            }
+            // Not ours in this snapshot: the per-request path looks again before LeaseLost.
+            _ => Ok(None),
+        })
+    })
+}
+
+const RELEASE_BATCH_SQL: &str = "
+DELETE FROM idempotency_keys k
+USING unnest($1::bytea[], $2::uuid[]) AS t(record_id, lease_token)
+WHERE k.record_id = t.record_id AND k.lease_token = t.lease_token AND k.state = 0
+RETURNING k.record_id";
+
+const RENEW_BATCH_SQL: &str = "
+UPDATE idempotency_keys k SET expires_at = clock_timestamp() + t.lease_ms * interval '1 millisecond'
+FROM unnest($1::bytea[], $2::uuid[], $3::int8[]) AS t(record_id, lease_token, lease_ms)
+WHERE k.record_id = t.record_id AND k.lease_token = t.lease_token AND k.state = 0
+RETURNING k.record_id";
+
+fn run_release(store: PostgresStore, jobs: Vec<FenceJob>) -> BoxFuture<'static, Answers<bool>> {
+    Box::pin(run_fence(store, jobs, RELEASE_BATCH_SQL, false))
+}
+
+fn run_renew(store: PostgresStore, jobs: Vec<FenceJob>) -> BoxFuture<'static, Answers<bool>> {
+    Box::pin(run_fence(store, jobs, RENEW_BATCH_SQL, true))
+}
+
+/// A fenced write per row: `true` when the token owned the in-flight row.
+async fn run_fence(
+    store: PostgresStore,
+    jobs: Vec<FenceJob>,
+    sql: &'static str,
+    renew: bool,
+) -> Answers<bool> {
+    if let [job] = &jobs[..] {
+        let pool = store.batch_pool();
+        let done = if renew {
+            store.renew_statement(job, &pool).await
+        } else {
+            store.release_statement(job, &pool).await
+        };
+        return vec![lone(done)];
+    }
+    let (unique, _repeats) = split_repeats(&jobs);
+    let mut query = sqlx::query_as::<_, (Vec<u8>,)>(sql)
+        .bind(ids(&jobs, &unique))
+        .bind(
+            unique
+                .iter()
+                .map(|&i| jobs[i].token.as_uuid())
+                .collect::<Vec<_>>(),
+        );
+    if renew {
+        query = query.bind(
+            unique
+                .iter()
+                .map(|&i| millis(jobs[i].lease))
+                .collect::<Vec<_>>(),
+        );
+    }
+    let rows = query
+        .fetch_all(&store.batch_pool())
+        .await
+        .map(|rows| rows.into_iter().map(|(id,)| (id, ())).collect());
+    spread(&jobs, &unique, rows, |_, row| Ok(Some(row.is_some())))
+}
