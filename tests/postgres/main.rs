@@ -532,3 +532,36 @@ fn a_locked_row_does_not_stall_its_batch() {
         ));
     });
 }
+
+/// One call's odd input must not fail the calls batched with it: a retention of
+/// `Duration::MAX` (past Postgres' interval range, before it was capped) used to fail the
+/// whole statement, and every `complete` in it with `Unavailable`.
+#[test]
+fn an_extreme_duration_in_a_batch_fails_nobody() {
+    block_on(async {
+        let Some(store) = group_commit_store(Duration::from_millis(100)).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let ids: Vec<_> = (0..16).map(|_| fresh_id()).collect();
+        let mut tokens = Vec::new();
+        for id in &ids {
+            tokens.push(execute(&*store, id, &fp("a"), LONG).await);
+        }
+        let outcome = Outcome::new(201).with_body("kept");
+        let completes = ids.iter().zip(&tokens).enumerate().map(|(i, (id, token))| {
+            let retention = if i == 3 { Duration::MAX } else { LONG };
+            store.complete(id, *token, &outcome, retention)
+        });
+        for done in futures::future::join_all(completes).await {
+            done.expect("every complete in the batch");
+        }
+        for id in &ids {
+            assert_eq!(
+                store.begin(id, &fp("a"), LONG).await.expect("begin"),
+                Begin::Replay(outcome.clone())
+            );
+        }
+        assert!(store.group_commit_stats().statements < store.group_commit_stats().calls);
+    });
+}

@@ -239,4 +239,3 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         timeline,
     })
 }
-

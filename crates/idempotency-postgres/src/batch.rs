@@ -99,7 +99,10 @@ pub(crate) struct Batches {
 }
 
 impl Batches {
-    pub(crate) fn new(pool: PgPool, settings: GroupCommit) -> Self {
+    pub(crate) fn new(pool: PgPool, mut settings: GroupCommit) -> Self {
+        // The fields are public: zero would mean no drain ever, or empty batches forever.
+        settings.concurrency = settings.concurrency.max(1);
+        settings.max_batch = settings.max_batch.max(1);
         Self {
             pool,
             settings,
@@ -151,14 +154,43 @@ pub(crate) struct FenceJob {
     pub(crate) lease: Duration,
 }
 
-trait Keyed {
+pub(crate) trait Keyed {
     fn id(&self) -> &RecordId;
+    /// The lease a claim may have written (a `begin` job's token).
+    fn claim(&self) -> Option<(RecordId, LeaseToken)> {
+        None
+    }
+}
+
+impl Keyed for BeginJob {
+    fn id(&self) -> &RecordId {
+        &self.id
+    }
+    fn claim(&self) -> Option<(RecordId, LeaseToken)> {
+        Some((self.id, self.token))
+    }
 }
 
 macro_rules! keyed {
     ($($job:ty),*) => {$(impl Keyed for $job { fn id(&self) -> &RecordId { &self.id } })*};
 }
-keyed!(BeginJob, CompleteJob, FenceJob);
+keyed!(CompleteJob, FenceJob);
+
+/// Releases claims whose batch ended in doubt (given up, or its connection broke after
+/// sending): the statement may have committed, and nobody holds those tokens. Once the
+/// server has had time to finish or cancel it.
+fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
+    if claims.is_empty() {
+        return;
+    }
+    let store = store.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(store.call_timeout()).await;
+        for (id, token) in claims {
+            idempotency_core::release_orphan(&store, &id, token).await;
+        }
+    });
+}
 
 /// Each call's answer: `Ok(None)` when the batch did not settle it and the caller must run
 /// the per-request path.
@@ -183,7 +215,7 @@ impl<J, R> std::fmt::Debug for Batcher<J, R> {
     }
 }
 
-impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
+impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     fn new(run: Run<J, R>) -> Self {
         Self {
             queue: Mutex::new(Queue {
@@ -208,50 +240,58 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
     ///
     /// A call that finds a slot free and nobody waiting runs as a batch of one in the
     /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
-    /// starts a draining task if a slot is free.
+    /// starts a draining task if a slot is free. A full queue (`max_batch` × 32 calls
+    /// waiting) refuses at once with `Unavailable`: back-pressure, not an ever longer wait.
     pub(crate) async fn call(
         &self,
         store: &PostgresStore,
         select: fn(&Batches) -> &Self,
         job: J,
     ) -> Result<Option<R>> {
-        let concurrency = store.group_commit_settings().concurrency;
+        let settings = store.group_commit_settings();
         let (reply, answer) = oneshot::channel();
         let mut job = Some(job);
         let start = {
             let mut queue = self.lock();
             queue.stats.calls += 1;
-            if queue.running < concurrency && queue.waiting.is_empty() {
+            if queue.running < settings.concurrency && queue.waiting.is_empty() {
                 queue.running += 1;
                 queue.stats.statements += 1;
                 None
+            } else if queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
+                return Err(Error::unavailable(
+                    "the group commit queue is full: Postgres is not keeping up",
+                ));
             } else {
                 if let Some(job) = job.take() {
                     queue.waiting.push_back((job, reply));
                 }
-                let start = queue.running < concurrency;
+                let start = queue.running < settings.concurrency;
                 if start {
                     queue.running += 1;
                 }
                 Some(start)
             }
         };
+        // From here, a slot taken above is owned by a guard, whatever happens next.
+        let slot = |handed| Slot {
+            store: store.clone(),
+            select,
+            handed,
+            released: false,
+        };
         match (start, job) {
             (None, Some(job)) => {
-                // The slot is handed on when this ends, however it ends (a dropped caller
-                // included): to a drain task if calls queued meanwhile.
-                let _slot = Inline {
-                    store: store.clone(),
-                    select,
-                };
-                let mut answers = (self.run)(store.clone(), vec![job]).await;
+                // Dropped with calls queued behind it, the slot passes to a drain task.
+                let _slot = slot(true);
+                let mut answers = run_bounded(self.run, store, vec![job]).await;
                 answers
                     .pop()
                     .unwrap_or_else(|| Err(Error::unavailable("a batch lost its answer")))
             }
             (start, _) => {
                 if start == Some(true) {
-                    tokio::spawn(drain(store.clone(), select));
+                    tokio::spawn(drain(slot(false)));
                 }
                 answer.await.unwrap_or_else(|_| {
                     Err(Error::unavailable("the batch ended without an answer"))
@@ -261,64 +301,101 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
     }
 }
 
-/// The slot of a batch of one running in its caller's task.
-struct Inline<J: Send + 'static, R: Send + 'static> {
-    store: PostgresStore,
-    select: fn(&Batches) -> &Batcher<J, R>,
-}
-
-impl<J: Send + 'static, R: Send + 'static> Drop for Inline<J, R> {
-    fn drop(&mut self) {
-        let Some(batches) = self.store.batches() else {
-            return;
-        };
-        let batcher = (self.select)(batches);
-        let mut queue = batcher.lock();
-        if queue.waiting.is_empty() {
-            queue.running -= 1;
-        } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            // Calls queued behind this one: a drain task takes the slot over.
-            drop(queue);
-            runtime.spawn(drain(self.store.clone(), self.select));
-        } else {
-            queue.running -= 1;
+/// A batch with a deadline of its own: a connection that hangs (a half-open socket after a
+/// failover) must not hold the slot, and every call queued behind it, for the minutes TCP
+/// takes to notice. Past it, the batch's calls are `Unavailable`.
+async fn run_bounded<J: Keyed, R>(
+    run: Run<J, R>,
+    store: &PostgresStore,
+    jobs: Vec<J>,
+) -> Answers<R> {
+    let n = jobs.len();
+    let claims: Vec<_> = jobs.iter().filter_map(Keyed::claim).collect();
+    let deadline = store.call_timeout() * 2;
+    match tokio::time::timeout(deadline, run(store.clone(), jobs)).await {
+        Ok(answers) => answers,
+        Err(_) => {
+            release_later(store, claims);
+            (0..n)
+                .map(|_| {
+                    Err(Error::unavailable(format!(
+                        "a group-commit batch did not finish within {deadline:?}"
+                    )))
+                })
+                .collect()
         }
     }
 }
 
-/// Gives the slot back however the drain ends (a panicking batch included).
-struct Slot<'a, J, R>(&'a Batcher<J, R>, bool);
+/// One of a batcher's `concurrency` slots, held by whoever runs its batches: the task of a
+/// lone call, or a drain task (moved into it before it is spawned, so even a task that never
+/// runs gives the slot back).
+struct Slot<J: Keyed + Send + 'static, R: Send + 'static> {
+    store: PostgresStore,
+    select: fn(&Batches) -> &Batcher<J, R>,
+    /// A lone call's slot passes to a drain task when calls queued behind it; a drain's
+    /// does not (it ends only when the queue is empty, or abnormally).
+    handed: bool,
+    /// Given back already (a drain that found the queue empty).
+    released: bool,
+}
 
-impl<J, R> Drop for Slot<'_, J, R> {
+impl<J: Keyed + Send + 'static, R: Send + 'static> Slot<J, R> {
+    fn batcher(&self) -> Option<&Batcher<J, R>> {
+        self.store.batches().map(self.select)
+    }
+}
+
+impl<J: Keyed + Send + 'static, R: Send + 'static> Drop for Slot<J, R> {
     fn drop(&mut self) {
-        if !self.1 {
-            self.0
-                .queue
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .running -= 1;
+        if self.released {
+            return;
         }
+        let Some(batcher) = self.batcher() else {
+            return;
+        };
+        let mut queue = batcher.lock();
+        if queue.waiting.is_empty() {
+            queue.running -= 1;
+            return;
+        }
+        if self.handed
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            // Calls queued behind this one: a drain task takes the slot over.
+            drop(queue);
+            runtime.spawn(drain(Slot {
+                store: self.store.clone(),
+                select: self.select,
+                handed: false,
+                released: false,
+            }));
+            return;
+        }
+        // A drain that ended abnormally (a panic, its runtime shutting down): the calls it
+        // leaves are told `Unavailable` rather than left waiting for a drain that never comes.
+        queue.running -= 1;
+        queue.waiting.clear();
     }
 }
 
 /// Runs batches while calls wait, then frees its slot.
-async fn drain<J: Send + 'static, R: Send + 'static>(
-    store: PostgresStore,
-    select: fn(&Batches) -> &Batcher<J, R>,
-) {
-    let Some(batches) = store.batches() else {
+async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R>) {
+    let Some(batches) = slot.store.batches() else {
         return;
     };
-    let batcher = select(batches);
-    let mut slot = Slot(batcher, false);
+    let batcher = (slot.select)(batches);
     let max = batches.settings.max_batch;
     loop {
         let jobs: Vec<_> = {
             let mut queue = batcher.lock();
+            // A caller that went away (a claim past its budget, a dropped `complete`) is not
+            // served: its call must not land after it was given up.
+            queue.waiting.retain(|(_, reply)| !reply.is_closed());
             if queue.waiting.is_empty() {
                 // Freed under the same lock a caller checks: no call is left without a drain.
                 queue.running -= 1;
-                slot.1 = true;
+                slot.released = true;
                 return;
             }
             let n = queue.waiting.len().min(max);
@@ -326,7 +403,7 @@ async fn drain<J: Send + 'static, R: Send + 'static>(
             queue.waiting.drain(..n).collect()
         };
         let (jobs, replies): (Vec<J>, Vec<Reply<R>>) = jobs.into_iter().unzip();
-        let answers = (batcher.run)(store.clone(), jobs).await;
+        let answers = run_bounded(batcher.run, &slot.store, jobs).await;
         for (reply, answer) in replies.into_iter().zip(answers) {
             let _ = reply.send(answer); // a caller that went away: its call landed anyway
         }
@@ -341,10 +418,23 @@ fn split_repeats<J: Keyed>(jobs: &[J]) -> (Vec<usize>, Vec<usize>) {
 }
 
 /// Whether a failed batch statement rolled back for a reason the per-request path handles:
-/// a lock wait past `lock_timeout`, a deadlock between two batches, a serialization race.
+/// a lock wait past `lock_timeout`, a deadlock between two batches, a serialization race —
+/// or one call's own bad input (a data exception, class 22; a message over a limit, 54000),
+/// which then fails that call alone instead of every call batched with it.
 fn give_back(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db)
-        if matches!(db.code().as_deref(), Some("55P03" | "40P01" | "40001")))
+    if db.code().is_some_and(|code| {
+        matches!(&*code, "55P03" | "40P01" | "40001" | "54000") || code.starts_with("22")
+    }))
+}
+
+/// Whether a failed statement may have committed all the same: the connection broke after
+/// it was sent. (A database error means it rolled back; a pool timeout, that it never left.)
+fn in_doubt(error: &sqlx::Error) -> bool {
+    !matches!(
+        error,
+        sqlx::Error::Database(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed
+    )
 }
 
 /// A lone call's answer. It ran the per-request statement, but on the batches' connections:
@@ -443,22 +533,37 @@ type BeginBatchRow = (
 fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, Answers<Round>> {
     Box::pin(async move {
         if let [job] = &jobs[..] {
-            return vec![lone(store.begin_statement(job, &store.batch_pool()).await)];
+            let answer = store.begin_statement(job, &store.batch_pool()).await;
+            if let Err(Error::Unavailable(source)) = &answer
+                && source.downcast_ref::<sqlx::Error>().is_some_and(in_doubt)
+            {
+                release_later(&store, vec![(job.id, job.token)]);
+            }
+            return vec![lone(answer)];
         }
         let (unique, _repeats) = split_repeats(&jobs);
         let each = || unique.iter().map(|&i| &jobs[i]);
-        let rows = sqlx::query_as::<_, BeginBatchRow>(BEGIN_BATCH_SQL)
-            .bind(ids(&jobs, &unique))
-            .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
-            .bind(each().map(|j| j.token.as_uuid()).collect::<Vec<_>>())
-            .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
-            .fetch_all(&store.batch_pool())
-            .await
-            .map(|rows| {
-                rows.into_iter()
-                    .map(|(id, inserted, f, s, r, ms)| (id, (inserted, f, s, r, ms)))
-                    .collect()
-            });
+        let rows: std::result::Result<Vec<_>, _> =
+            sqlx::query_as::<_, BeginBatchRow>(BEGIN_BATCH_SQL)
+                .bind(ids(&jobs, &unique))
+                .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
+                .bind(each().map(|j| j.token.as_uuid()).collect::<Vec<_>>())
+                .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
+                .fetch_all(&store.batch_pool())
+                .await
+                .map(|rows| {
+                    rows.into_iter()
+                        .map(|(id, inserted, f, s, r, ms)| (id, (inserted, f, s, r, ms)))
+                        .collect()
+                });
+        if let Err(error) = &rows
+            && in_doubt(error)
+        {
+            release_later(
+                &store,
+                unique.iter().filter_map(|&i| jobs[i].claim()).collect(),
+            );
+        }
         spread(&jobs, &unique, rows, |_, row| {
             Ok(match row {
                 Some((true, _, _, _, Some(left))) => Some(Round::Granted(left)),

@@ -124,7 +124,11 @@ impl PostgresStoreBuilder {
         // The batches' own connections wait on a row lock only briefly: a key another
         // transaction holds gives its batch back to the per-request path instead of stalling
         // every other call in it.
-        let batches = self.group_commit.map(|settings| {
+        let statement_timeout = self.statement_timeout;
+        let batches = self.group_commit.map(|mut settings| {
+            // A lock wait must end as a lock timeout (the batch goes per-request), never as
+            // the statement timeout (which fails every call in it).
+            settings.lock_timeout = settings.lock_timeout.min(statement_timeout / 2);
             // And one plan per statement, by key: a batch statement's custom plan (chosen
             // while its estimate beats the generic one's, which it always does for a short
             // array) is planned anew on every execution, and planning costs more than the
@@ -143,7 +147,7 @@ impl PostgresStoreBuilder {
                 ("enable_mergejoin", "off".to_owned()),
             ]);
             let pool = PgPoolOptions::new()
-                .max_connections(u32::try_from(settings.concurrency * 4).unwrap_or(u32::MAX))
+                .max_connections(u32::try_from(settings.concurrency.max(1) * 4).unwrap_or(u32::MAX))
                 .acquire_timeout(self.acquire_timeout)
                 .connect_lazy_with(options);
             Arc::new(Batches::new(pool, settings))
@@ -184,8 +188,11 @@ fn db_error(error: sqlx::Error) -> Error {
     Error::unavailable(error)
 }
 
+/// A lease or retention in milliseconds, capped at 100 years: longer is "for good" in
+/// practice, and past Postgres' range the arithmetic would fail the statement.
 pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    const CAP_MS: u128 = 100 * 366 * 86_400 * 1_000;
+    i64::try_from(d.as_millis().min(CAP_MS)).unwrap_or(i64::MAX)
 }
 
 /// What `BEGIN_SQL` returns: inserted, or the live row's columns.
@@ -550,32 +557,51 @@ impl PostgresStore {
     ) -> Result<(Begin, Option<Duration>)> {
         // The claim runs in its own task: if this call is dropped or runs out of budget after
         // the INSERT committed, the lease it granted is released instead of sitting claimed
-        // by nobody until it expires. The task's own bound is generous (it only has to end).
+        // by nobody until it expires.
         let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
-        let claim = async move {
-            let budget = this.call_timeout * 4;
-            let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
-                std::array::from_fn(|_| LeaseToken::generate());
-            match tokio::time::timeout(budget, this.claim(&id, &fp, lease, &tokens)).await {
-                Ok(answer) => answer,
-                Err(_) => {
-                    // A statement given up may still commit: once the server has had time to
-                    // finish or cancel it, release every token this claim may have written.
-                    let late = this.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(late.call_timeout).await;
-                        for token in tokens {
-                            idempotency_core::release_orphan(&late, &id, token).await;
-                        }
-                    });
-                    Err(Error::unavailable("Postgres claim did not settle"))
-                }
-            }
-        };
+        let claim = async move { this.claim_with_ttl(&id, &fp, lease).await };
         let release = move |token| -> futures::future::BoxFuture<'static, ()> {
             Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
         };
         self.timed(detached_claim(claim, release)).await
+    }
+
+    /// [`PostgresStore::begin_with_ttl`] without a task of its own, for a store that already
+    /// runs its claim in one (the hybrid store's `begin` is a [`detached_claim`] around Redis
+    /// and this): one hand-off per claim instead of two.
+    ///
+    /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
+    /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its
+    /// own bound is generous (four call timeouts: it only has to end); a statement it gave
+    /// up on may still commit, so every token it may have written is then released.
+    pub async fn claim_with_ttl(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+    ) -> Result<(Begin, Option<Duration>)> {
+        let budget = self.call_timeout * 4;
+        let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
+            std::array::from_fn(|_| LeaseToken::generate());
+        match tokio::time::timeout(budget, self.claim(id, fp, lease, &tokens)).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                let (late, id) = (self.clone(), *id);
+                tokio::spawn(async move {
+                    // Once the server has had time to finish or cancel the statement.
+                    tokio::time::sleep(late.call_timeout).await;
+                    for token in tokens {
+                        idempotency_core::release_orphan(&late, &id, token).await;
+                    }
+                });
+                Err(Error::unavailable("Postgres claim did not settle"))
+            }
+        }
+    }
+
+    /// The hard budget of one call (see [`PostgresStoreBuilder::call_timeout`]).
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// The claim: through a batch when group commit is on (its first round), then round by
