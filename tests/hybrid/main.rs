@@ -76,6 +76,52 @@ async fn shared_store() -> Option<Arc<HybridStore>> {
 
 idempotency_test::conformance_tests!(async { shared_store().await.map(|s| s as Arc<dyn Store>) });
 
+/// Waits (5 s at most) until Redis mirrors the live lease of `id`.
+async fn mirror_landed(store: &HybridStore, id: &RecordId, fp: &Fingerprint) {
+    for _ in 0..500 {
+        if matches!(
+            store.redis().peek(id, fp).await,
+            Ok(idempotency_redis::Peek::Found(Begin::InFlight { .. }))
+        ) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the lease was never mirrored");
+}
+
+/// The lease's mirror is written after `begin` answered; a `release` right after must still
+/// delete it (its delete waits for the mirror), or the next attempt would be told "in
+/// flight" by a stale mirror instead of executing.
+#[test]
+fn a_release_right_after_begin_leaves_no_stale_mirror() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let fp = Fingerprint::of(b"a");
+        for _ in 0..200 {
+            let id = idempotency_test::conformance::fresh_id();
+            let token = idempotency_test::conformance::execute(
+                &*store,
+                &id,
+                &fp,
+                idempotency_test::conformance::LONG,
+            )
+            .await;
+            store.release(&id, token).await.expect("release");
+            let again = store
+                .begin(&id, &fp, idempotency_test::conformance::LONG)
+                .await
+                .expect("begin");
+            assert!(
+                matches!(again, Begin::Execute(_)),
+                "after a release: {again:?}"
+            );
+        }
+    });
+}
+
 #[test]
 fn replays_and_live_duplicates_are_answered_by_redis_alone() {
     block_on(async {
@@ -91,6 +137,8 @@ fn replays_and_live_duplicates_are_answered_by_redis_alone() {
         else {
             panic!("expected Execute")
         };
+        // The lease's mirror is written after `begin` answered: wait until it is there.
+        mirror_landed(&store, &id, &fp).await;
         let before = store.metrics().redis_hits;
         assert!(matches!(
             store

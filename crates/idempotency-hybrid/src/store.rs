@@ -63,6 +63,8 @@ struct Shared {
     /// Redis could not be told. Fenced deletes run at the next successful Redis call.
     repairs: std::sync::Mutex<std::collections::VecDeque<(RecordId, LeaseToken)>>,
     repairing: tokio::sync::Mutex<()>,
+    /// Lease mirrors written after `begin` answered, until they land.
+    mirrors: std::sync::Mutex<std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>,
     redis_hits: AtomicU64,
     redis_misses: AtomicU64,
     redis_errors: AtomicU64,
@@ -113,6 +115,7 @@ impl HybridStore {
                 breaker: Breaker::new(breaker),
                 repairs: std::sync::Mutex::new(std::collections::VecDeque::new()),
                 repairing: tokio::sync::Mutex::new(()),
+                mirrors: std::sync::Mutex::default(),
                 redis_hits: AtomicU64::new(0),
                 redis_misses: AtomicU64::new(0),
                 redis_errors: AtomicU64::new(0),
@@ -205,6 +208,16 @@ impl HybridStore {
 const MAX_REPAIRS: usize = 100_000;
 
 impl HybridStore {
+    fn mirrors(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>
+    {
+        self.inner
+            .mirrors
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Remembers that the mirror of a lease may be stale (see [`Shared::repairs`]).
     fn needs_repair(&self, id: &RecordId, token: LeaseToken) {
         let mut repairs = self
@@ -332,13 +345,26 @@ impl HybridStore {
         }
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
-        let (answer, ttl) = self.pg.begin_with_ttl(id, fp, lease).await?;
+        //    (This runs in `begin`'s task already: the claim needs no second one.)
+        let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
         match (&answer, ttl) {
             (Begin::Execute(token), _) if !self.mirror_ttl.is_zero() => {
+                // After answering: the operation need not wait for its lease's mirror. A
+                // `release` of this token waits for it (so its fenced delete runs after the
+                // mirror, not before), a `complete` need not (the outcome replaces it, and a
+                // mirror that comes later finds the outcome and writes nothing).
+                let (this, id, fp, token) = (self.clone(), *id, *fp, *token);
                 let mirror = lease.min(self.mirror_ttl);
-                self.try_redis(self.redis.cache_in_flight(id, fp, *token, mirror))
-                    .await;
+                // Spawned under the map's lock: the task removes its entry only after it
+                // was put there.
+                let mut mirrors = self.mirrors();
+                let mirroring = tokio::spawn(async move {
+                    this.try_redis(this.redis.cache_in_flight(&id, &fp, token, mirror))
+                        .await;
+                    this.mirrors().remove(&token);
+                });
+                mirrors.insert(token, mirroring);
             }
             (Begin::Replay(outcome), Some(ttl)) => {
                 self.try_redis(self.redis.cache_completed(id, fp, outcome, ttl))
@@ -360,7 +386,14 @@ impl Store for HybridStore {
         let release = move |token| -> futures::future::BoxFuture<'static, ()> {
             Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
         };
-        detached_claim(claim, release).await
+        // The caller waits as long as a Postgres-only `begin` would, plus one Redis call.
+        let budget = self.pg.call_timeout() + self.redis.call_budget();
+        match tokio::time::timeout(budget, detached_claim(claim, release)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(Error::unavailable(format!(
+                "the claim did not settle within {budget:?}"
+            ))),
+        }
     }
 
     async fn complete(
@@ -402,6 +435,11 @@ impl Store for HybridStore {
         self.pg.release(id, token).await?;
         if self.mirror_ttl.is_zero() {
             return Ok(()); // no mirror to drop
+        }
+        // The lease's mirror may still be on its way: the delete goes after it.
+        let pending = self.mirrors().remove(&token);
+        if let Some(mirroring) = pending {
+            let _ = tokio::time::timeout(self.redis.call_budget(), mirroring).await;
         }
         // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
         // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.

@@ -537,6 +537,11 @@ impl RedisStore {
         Ok(())
     }
 
+    /// The hard budget of one call (see [`RedisStoreBuilder::call_budget`]).
+    pub fn call_budget(&self) -> Duration {
+        self.budget
+    }
+
     /// Sends `PING`: how the hybrid store's breaker probes.
     pub async fn ping(&self) -> Result<()> {
         let mut conn = self.conn.clone();
