@@ -11,6 +11,7 @@
 mod fault;
 mod http_level;
 mod report;
+mod scale;
 mod stats;
 mod store_level;
 
@@ -26,6 +27,7 @@ use idempotency_test::services;
 
 pub use fault::Bucket;
 pub use report::Report;
+pub use scale::{ScaleSettings, run as run_scale};
 pub use stats::Measured;
 
 use crate::{

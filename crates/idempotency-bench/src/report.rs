@@ -124,7 +124,7 @@ impl Report {
                 m.group, m.name, m.ops, m.errors, m.ops_per_sec, m.p50_us, m.p99_us, m.p999_us
             ));
         }
-        s.push_str("\n| ratio (throughput) | value |\n|---|---:|\n");
+        s.push_str("\n| ratio | value |\n|---|---:|\n");
         for (what, r) in &self.ratios {
             s.push_str(&format!("| {what} | {r:.2} |\n"));
         }
