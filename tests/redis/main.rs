@@ -208,3 +208,123 @@ fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
         }
     });
 }
+
+/// Records written by the earlier layout (one hash per record) are still served after an
+/// upgrade, until they expire: a completed one replays, a live lease is in flight and its
+/// owner (holding the token from before the upgrade) can still complete it, a lease past its
+/// end is taken over. Forgetting them would execute again every key retried across a deploy.
+#[test]
+fn records_of_the_earlier_layout_are_still_served() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let redis = services::redis().await.expect("redis");
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let now_ms: u64 = {
+            let (s, us): (u64, u64) = redis::cmd("TIME")
+                .query_async(&mut conn)
+                .await
+                .expect("time");
+            s * 1000 + us / 1000
+        };
+        let outcome = Outcome::new(201).with_body("from before the upgrade");
+        let (done, live, over) = (fresh_id(), fresh_id(), fresh_id());
+        let token = idempotency_core::LeaseToken::generate();
+        let fp_a = fp("a");
+        let hset = |id: &idempotency_core::RecordId, fields: Vec<(&str, Vec<u8>)>| {
+            let mut cmd = redis::cmd("HSET");
+            cmd.arg(store.key(id));
+            for (name, value) in fields {
+                cmd.arg(name).arg(value);
+            }
+            cmd
+        };
+        let fp_bytes = fp_a.as_bytes().to_vec();
+        let _: i64 = hset(
+            &done,
+            vec![
+                ("st", b"1".to_vec()),
+                ("fp", fp_bytes.clone()),
+                ("tok", token.to_string().into_bytes()),
+                ("out", outcome.encode().to_vec()),
+            ],
+        )
+        .query_async(&mut conn)
+        .await
+        .expect("hset");
+        let _: i64 = hset(
+            &live,
+            vec![
+                ("st", b"0".to_vec()),
+                ("fp", fp_bytes.clone()),
+                ("tok", token.to_string().into_bytes()),
+                ("exp", (now_ms + 60_000).to_string().into_bytes()),
+            ],
+        )
+        .query_async(&mut conn)
+        .await
+        .expect("hset");
+        let _: i64 = hset(
+            &over,
+            vec![
+                ("st", b"0".to_vec()),
+                ("fp", fp_bytes.clone()),
+                ("tok", token.to_string().into_bytes()),
+                ("exp", (now_ms - 1_000).to_string().into_bytes()),
+            ],
+        )
+        .query_async(&mut conn)
+        .await
+        .expect("hset");
+        for id in [&done, &live, &over] {
+            let _: i64 = redis::cmd("PEXPIRE")
+                .arg(store.key(id))
+                .arg(3_600_000)
+                .query_async(&mut conn)
+                .await
+                .expect("pexpire");
+        }
+
+        assert_eq!(
+            store.begin(&done, &fp_a, LONG).await.expect("begin"),
+            Begin::Replay(outcome.clone())
+        );
+        assert_eq!(
+            store.peek(&done, &fp_a).await.expect("peek"),
+            idempotency_redis::Peek::Found(Begin::Replay(outcome.clone()))
+        );
+        assert_eq!(
+            store.begin(&done, &fp("b"), LONG).await.expect("begin"),
+            Begin::Mismatch
+        );
+        assert!(matches!(
+            store.begin(&live, &fp_a, LONG).await.expect("begin"),
+            Begin::InFlight { .. }
+        ));
+        store
+            .renew(&live, token, LONG)
+            .await
+            .expect("the old owner renews");
+        store
+            .complete(&live, token, &outcome, LONG)
+            .await
+            .expect("the old owner completes");
+        assert_eq!(
+            store.begin(&live, &fp_a, LONG).await.expect("begin"),
+            Begin::Replay(outcome.clone())
+        );
+        let taken = execute(&*store, &over, &fp_a, LONG).await;
+        assert!(matches!(
+            store.complete(&over, token, &outcome, LONG).await,
+            Err(Error::LeaseLost)
+        ));
+        store
+            .release(&over, taken)
+            .await
+            .expect("the new owner releases");
+        execute(&*store, &over, &fp_a, LONG).await;
+    });
+}

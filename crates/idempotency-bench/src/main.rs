@@ -23,7 +23,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--out" => out = PathBuf::from(value()?),
             "--only" => settings.only.push(value()?),
             "--scale" => scale = Some(scale.unwrap_or_default()),
-            "--scale-rows" => scale.get_or_insert_with(ScaleSettings::default).rows = value()?.parse()?,
+            "--scale-rows" => {
+                scale.get_or_insert_with(ScaleSettings::default).rows = value()?.parse()?
+            }
             "--scale-expired" => {
                 scale.get_or_insert_with(ScaleSettings::default).expired = value()?.parse()?
             }

@@ -1,9 +1,11 @@
 //! The Redis store of the idempotency framework: the fast path.
 //!
-//! [`RedisStore`] implements [`Store`](idempotency_core::Store) with one Lua script per
-//! operation (atomic, one round trip, `EVALSHA` with reload on `NOSCRIPT`). A record is one
-//! hash at `{prefix}:{<record id hex>}`; the braces are a cluster hash tag. Lease and retention
-//! are TTLs kept by Redis, so no application clock is involved.
+//! [`RedisStore`] implements [`Store`](idempotency_core::Store) with one atomic round trip per
+//! operation: a claim is a plain `SET NX GET`; the writes fenced on the lease token are Lua
+//! scripts (`EVALSHA` with reload on `NOSCRIPT`). A record is one string at
+//! `{prefix}:{<record id hex>}` (state, fingerprint, token, outcome); the braces are a cluster
+//! hash tag. Lease and retention are TTLs kept by Redis, so no application clock is involved.
+//! Records of the earlier hash layout are still served until they expire.
 //!
 //! On its own, Redis is a best-effort guarantee: a record lost to eviction, `FLUSHALL`, a
 //! restart without persistence or a failover executes again. The store refuses an evicting

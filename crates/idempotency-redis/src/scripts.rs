@@ -1,32 +1,85 @@
-//! The Lua scripts: each operation is one atomic round trip.
+//! The record layout and the Lua scripts that need atomicity beyond one command.
 //!
-//! A record is one hash at `{prefix}:{<record id hex>}` (the braces are a cluster hash tag,
-//! so any key a record ever gets shares its slot) with fields `st` (0 in flight, 1 completed),
-//! `fp` (fingerprint), `tok` (lease token), `out` (encoded outcome) and, while in flight,
-//! `exp` (the lease's end in milliseconds on Redis' own clock, `TIME`). No application clock
-//! is involved.
+//! A record is one string at `{prefix}:{<record id hex>}` (the braces are a cluster hash tag,
+//! so any key a record ever gets shares its slot):
 //!
-//! An in-flight record outlives its lease by `LATE_COMPLETION_GRACE` (`ARGV` `grace ms`): an
-//! expired lease is taken over by the next `begin`, but until then the owner's late
-//! `complete` or `release` still finds its token and is accepted. A completed record's TTL is
-//! its retention. Mirrors the hybrid store writes (`cache_in_flight`) carry no `exp`: their
-//! TTL is their whole life.
+//! | bytes  | content                                                                  |
+//! |--------|--------------------------------------------------------------------------|
+//! | 0      | state: `0` a lease, `m` a lease mirrored from Postgres, `1` completed, `c` a cancelled claim |
+//! | 1..33  | fingerprint                                                              |
+//! | 33..49 | lease token (16 bytes)                                                   |
+//! | 49..   | the encoded outcome (completed records)                                  |
+//!
+//! Lease and retention are key TTLs counted by Redis; no application clock is involved. A
+//! lease (`0`) lives `lease + LATE_COMPLETION_GRACE`: its lease is over once less than the
+//! grace is left (`PTTL <= grace`), and it is then taken over by the next `begin`, but until
+//! that happens its owner's late `complete` or `release` still finds its token and is
+//! accepted. A mirror (`m`) lives exactly its TTL.
+//!
+//! A claim is a plain `SET … NX GET PX` (with `PTTL` in the same pipeline): no script on the
+//! common path. Scripts remain where the record must be checked and changed atomically: a
+//! takeover, and the writes fenced on the token (`complete`, `release`, `renew`, `cancel`).
+//!
+//! Records written by earlier versions (a hash with fields `st`, `fp`, `tok`, `out`, `exp`)
+//! are still read and written in their own layout until they expire, so an upgrade forgets
+//! no key: a claim on such a key fails its `SET` (`WRONGTYPE`) and runs [`legacy_begin`],
+//! and every script below branches on the key's type.
 
 use redis::Script;
+
+/// Byte offsets of the layout above.
+pub(crate) const FP: std::ops::Range<usize> = 1..33;
+pub(crate) const TOKEN: std::ops::Range<usize> = 33..49;
+pub(crate) const OUTCOME: usize = 49;
+
+/// The value of a record in state `state`.
+pub(crate) fn value(state: u8, fp: &[u8; 32], token: &[u8; 16], outcome: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(OUTCOME + outcome.len());
+    v.push(state);
+    v.extend_from_slice(fp);
+    v.extend_from_slice(token);
+    v.extend_from_slice(outcome);
+    v
+}
 
 /// Redis' clock in milliseconds (scripts replicate their effects, so `TIME` is allowed).
 const NOW_MS: &str = "local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 ";
 
-/// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token, lease ms,
-/// grace ms. Returns `{'x'}` execute, `{'r', outcome}` replay, `{'i', ms left}` in flight,
-/// `{'m'}` mismatch, `{'c'}` cancelled (see [`cancel`]). An in-flight record past its `exp`
-/// is taken over (replaced, so the old token is fenced off).
-pub(crate) fn begin() -> Script {
+/// `KEYS[1]` record; `ARGV` the new lease's value, its TTL (lease + grace) ms, grace ms,
+/// token. Takes the record over when there is none, its lease is over, or it is another
+/// claim's cancel marker. Returns `{'x'}` taken, `{'c'}` this very claim was cancelled, or
+/// `{'v', value, pttl}`: the live record, which answers.
+pub(crate) fn takeover() -> Script {
+    Script::new(
+        r"
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then return {'h'} end
+local v = redis.call('GET', KEYS[1])
+if v then
+  local st = string.sub(v, 1, 1)
+  local pttl = redis.call('PTTL', KEYS[1])
+  if st == 'c' then
+    if string.sub(v, 34, 49) == ARGV[4] then return {'c'} end
+  elseif not (st == '0' and pttl <= tonumber(ARGV[3])) then
+    return {'v', v, pttl}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {'x'}
+",
+    )
+}
+
+/// The claim of the earlier hash layout, for a key still holding such a record.
+/// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token (text),
+/// lease ms, grace ms. Returns `{'x'}` execute, `{'r', outcome}` replay, `{'i', ms left}` in
+/// flight, `{'m'}` mismatch, `{'c'}` cancelled, `{'s'}` no hash there any more (claim again).
+pub(crate) fn legacy_begin() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
 if redis.call('EXISTS', KEYS[2]) == 1 then return {{'c'}} end
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {{'s'}} end
 local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp')
 local live = cur[1] and (cur[1] == '1' or not cur[4] or tonumber(cur[4]) > now)
 if not live then
@@ -44,95 +97,91 @@ return {{'i', redis.call('PTTL', KEYS[1])}}
     ))
 }
 
-/// `KEYS[1]` record; `ARGV` token, outcome, retention ms. Returns 1, or 0 when the token
-/// does not own the record (the fence). The lease may have run out: nobody took over, or the
-/// token would differ. Completed by this token already: 1, and nothing changes.
-pub(crate) fn complete() -> Script {
-    Script::new(
-        r"
-local cur = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if cur[2] ~= ARGV[1] then return 0 end
-if cur[1] == '1' then return 1 end
-redis.call('HSET', KEYS[1], 'st', '1', 'out', ARGV[2])
-redis.call('HDEL', KEYS[1], 'exp')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-",
-    )
-}
-
-/// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, tombstone ms. Undoes a
-/// claim whose answer never arrived, whether or not it has run yet: deletes the record if
-/// this token holds it, else leaves a tombstone that makes the claim refuse when it runs late.
-/// (A plain release could overtake the claim: after a timeout the client reconnects, and the
-/// two commands travel on different connections.)
-pub(crate) fn cancel() -> Script {
-    Script::new(
-        r"
-local cur = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if cur[1] == '0' and cur[2] == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
-return 0
-",
-    )
-}
-
-/// `KEYS[1]` record; `ARGV` token. Deletes the in-flight record the token owns.
-pub(crate) fn release() -> Script {
-    Script::new(
-        r"
-local cur = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if cur[1] ~= '0' or cur[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-",
-    )
-}
-
-/// `KEYS[1]` record; `ARGV` token, lease ms, grace ms. Extends the lease the token owns (a
-/// mirror without `exp` just gets the new TTL).
-pub(crate) fn renew() -> Script {
-    Script::new(&format!(
-        r"{NOW_MS}
-local cur = redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp')
-if cur[1] ~= '0' or cur[2] ~= ARGV[1] then return 0 end
-local lease = tonumber(ARGV[2])
-if cur[3] then
-  redis.call('HSET', KEYS[1], 'exp', string.format('%.0f', now + lease))
-  redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[3]))
+/// Reads the record of either layout for the fenced scripts: `st`, `tok` (`ARGV[1]` form for
+/// the current layout, `ARGV[2]` — the token as text — for a legacy hash), and the value.
+const READ_FENCED: &str = r"
+local legacy = redis.call('TYPE', KEYS[1]).ok == 'hash'
+local st, mine, v
+if legacy then
+  local cur = redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp')
+  st, mine = cur[1], cur[2] == ARGV[2]
+  if st == '0' and not cur[3] then st = 'm' end
 else
-  redis.call('PEXPIRE', KEYS[1], lease)
+  v = redis.call('GET', KEYS[1])
+  if v then st, mine = string.sub(v, 1, 1), string.sub(v, 34, 49) == ARGV[1] end
+end
+";
+
+/// `KEYS[1]` record; `ARGV` token, token text, outcome, retention ms. Returns 1, or 0 when
+/// the token does not own the record (the fence). The lease may have run out: nobody took
+/// over, or the token would differ. Completed by this token already: 1, and nothing changes.
+pub(crate) fn complete() -> Script {
+    Script::new(&format!(
+        r"{READ_FENCED}
+if not mine then return 0 end
+if st == '1' then return 1 end
+if st ~= '0' and st ~= 'm' then return 0 end
+if legacy then
+  redis.call('HSET', KEYS[1], 'st', '1', 'out', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'exp')
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+else
+  redis.call('SET', KEYS[1], '1' .. string.sub(v, 2, 49) .. ARGV[3], 'PX', ARGV[4])
 end
 return 1
 "
     ))
 }
 
-/// `KEYS[1]` record; `ARGV` fingerprint, token, lease ms. Mirrors a lease another store
-/// granted, unless the record is already there.
-pub(crate) fn cache_in_flight() -> Script {
-    Script::new(
-        r"
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'st', '0', 'fp', ARGV[1], 'tok', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+/// `KEYS[1]` record; `ARGV` token, token text. Deletes the lease (or mirror) the token owns.
+pub(crate) fn release() -> Script {
+    Script::new(&format!(
+        r"{READ_FENCED}
+if not mine or (st ~= '0' and st ~= 'm') then return 0 end
+redis.call('DEL', KEYS[1])
 return 1
-",
-    )
+"
+    ))
 }
 
-/// `KEYS[1]` record; `ARGV` fingerprint, outcome, ttl ms. Caches an outcome another store
-/// holds (it replaces any in-flight mirror: the outcome is the truth).
-pub(crate) fn cache_completed() -> Script {
-    Script::new(
-        r"
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'st', '1', 'fp', ARGV[1], 'out', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+/// `KEYS[1]` record; `ARGV` token, token text, lease ms, grace ms. Extends the lease the
+/// token owns by `lease` from now (a mirror just gets the new TTL).
+pub(crate) fn renew() -> Script {
+    Script::new(&format!(
+        r"{NOW_MS}{READ_FENCED}
+if not mine or (st ~= '0' and st ~= 'm') then return 0 end
+local lease = tonumber(ARGV[3])
+if st == 'm' then
+  redis.call('PEXPIRE', KEYS[1], lease)
+elseif legacy then
+  redis.call('HSET', KEYS[1], 'exp', string.format('%.0f', now + lease))
+  redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[4]))
+else
+  redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[4]))
+end
 return 1
-",
-    )
+"
+    ))
+}
+
+/// `KEYS[1]` record, `KEYS[2]` the claim's legacy tombstone; `ARGV` token, token text,
+/// marker ms. Undoes a claim whose answer never arrived, whether or not it has run yet: it
+/// deletes the lease if this token holds it; else, when the key is free, it leaves a cancel
+/// marker there (the late claim's `SET NX` then fails on it, and the takeover script refuses
+/// for this token). A record of someone else's makes the late claim fail as long as it is
+/// there; the legacy tombstone covers a claim on an old hash.
+pub(crate) fn cancel() -> Script {
+    Script::new(&format!(
+        r"{READ_FENCED}
+if mine and (st == '0' or st == 'm') then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+if not st then
+  redis.call('SET', KEYS[1], 'c' .. string.rep('\0', 32) .. ARGV[1], 'PX', ARGV[3])
+end
+return 0
+"
+    ))
 }

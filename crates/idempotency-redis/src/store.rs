@@ -1,4 +1,5 @@
-//! `RedisStore`: the record state machine as Lua scripts, one round trip per operation.
+//! `RedisStore`: the record state machine in one Redis string per record, one round trip per
+//! operation: plain commands where they suffice, Lua scripts where a write is fenced.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -60,19 +61,19 @@ impl ConnectionLike for Conn {
 }
 
 struct Scripts {
-    begin: Script,
+    takeover: Script,
+    legacy_begin: Script,
     cancel: Script,
     complete: Script,
     release: Script,
     renew: Script,
-    cache_in_flight: Script,
-    cache_completed: Script,
 }
 
 /// A [`Store`] on Redis: the fast path.
 ///
-/// Every operation is one Lua script, so one round trip and atomic. Lease and retention are
-/// key TTLs counted by Redis. Calls are bounded three ways: a connect timeout, a response
+/// Every operation is one round trip and atomic: a claim is a plain `SET NX GET` (with
+/// `PTTL` in the same pipeline), the token-fenced writes are Lua scripts (see the layout in
+/// `scripts.rs`). Lease and retention are key TTLs counted by Redis. Calls are bounded three ways: a connect timeout, a response
 /// timeout, and a hard budget per call, so a hung Redis costs at most the budget and then
 /// [`Error::Unavailable`].
 ///
@@ -189,13 +190,12 @@ impl RedisStoreBuilder {
             prefix: self.prefix.into(),
             budget: self.budget,
             scripts: Arc::new(Scripts {
-                begin: scripts::begin(),
+                takeover: scripts::takeover(),
+                legacy_begin: scripts::legacy_begin(),
                 cancel: scripts::cancel(),
                 complete: scripts::complete(),
                 release: scripts::release(),
                 renew: scripts::renew(),
-                cache_in_flight: scripts::cache_in_flight(),
-                cache_completed: scripts::cache_completed(),
             }),
         };
         match self.eviction {
@@ -232,8 +232,71 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+fn grace() -> u64 {
+    millis(idempotency_core::LATE_COMPLETION_GRACE)
+}
+
 fn grace_ms() -> String {
-    millis(idempotency_core::LATE_COMPLETION_GRACE).to_string()
+    grace().to_string()
+}
+
+/// A lease token as the layout stores it (16 bytes), and as the legacy hash did (text).
+fn token_forms(token: LeaseToken) -> ([u8; 16], String) {
+    (*token.as_uuid().as_bytes(), token.to_string())
+}
+
+/// Whether a command met a record of the earlier (hash) layout.
+fn wrong_type(error: &redis::RedisError) -> bool {
+    error.code() == Some("WRONGTYPE")
+        || error
+            .clone()
+            .into_server_errors()
+            .is_some_and(|errors| errors.iter().any(|(_, e)| e.code() == "WRONGTYPE"))
+}
+
+/// What a record found by a claim says.
+enum Found {
+    Answer(Begin),
+    /// A lease that is over, or another claim's cancel marker: take it over.
+    Free,
+    /// This very claim's cancel marker: it ran after it was given up.
+    Cancelled,
+}
+
+/// Reads a record of the current layout (`value`, with `pttl` ms left) for a claim with
+/// fingerprint `fp` and token `token`.
+fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> Result<Found> {
+    if value.len() < scripts::OUTCOME {
+        return Err(Error::Corrupt("a record shorter than its header".into()));
+    }
+    let same_fp = value[scripts::FP] == fp.as_bytes()[..];
+    let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0).max(1));
+    // Gone (or expiring) between the two commands: free.
+    if pttl < 0 && pttl != -1 {
+        return Ok(Found::Free);
+    }
+    Ok(match value[0] {
+        b'c' if value[scripts::TOKEN] == token[..] => Found::Cancelled,
+        b'c' => Found::Free,
+        b'0' => {
+            let lease_left = pttl - i64::try_from(grace()).unwrap_or(i64::MAX);
+            if pttl != -1 && lease_left <= 0 {
+                Found::Free
+            } else if !same_fp {
+                Found::Answer(Begin::Mismatch)
+            } else {
+                Found::Answer(Begin::InFlight {
+                    retry_after: left(lease_left),
+                })
+            }
+        }
+        _ if !same_fp => Found::Answer(Begin::Mismatch),
+        b'm' => Found::Answer(Begin::InFlight {
+            retry_after: left(pttl),
+        }),
+        b'1' => Found::Answer(Begin::Replay(decode_outcome(&value[scripts::OUTCOME..])?)),
+        _ => return Err(Error::Corrupt("a record in an unknown state".into())),
+    })
 }
 
 fn decode_outcome(bytes: &[u8]) -> Result<Outcome> {
@@ -254,6 +317,13 @@ fn parse_begin(value: Value, token: LeaseToken) -> Result<Begin> {
         (b"c", _) => {
             return Err(Error::unavailable(
                 "the claim ran after it was given up and cancelled",
+            ));
+        }
+        (b"s", _) => {
+            // The old record expired between the failed `SET` and this script: nothing was
+            // written; the caller's retry claims in the current layout.
+            return Err(Error::unavailable(
+                "the record changed layout during the claim",
             ));
         }
         (b"m", _) => Begin::Mismatch,
@@ -390,22 +460,134 @@ impl RedisStore {
         }
     }
 
-    /// The begin script, run to its end in a task of its own (see [`Store::begin`]).
+    /// The claim, run to its end in a task of its own (see [`Store::begin`]): a plain
+    /// `SET NX GET` with `PTTL` in one pipeline; the takeover script only when the record it
+    /// found is free to take (a lease that is over, a cancel marker), the legacy script only
+    /// for a record of the earlier layout.
     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         let token = LeaseToken::generate();
-        let token_text = token.to_string();
-        let lease = millis(lease).to_string();
+        let (raw, _) = token_forms(token);
+        let key = self.key(id);
+        let ttl = millis(lease).saturating_add(grace());
+        let fresh = scripts::value(b'0', fp.as_bytes(), &raw, &[]);
         // Longer than the caller waits: an answer that comes late is still read, and a lease
         // it granted released, rather than left to expire.
+        let budget = self.budget * 4;
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(&key)
+            .arg(&fresh)
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(ttl)
+            .cmd("PTTL")
+            .arg(&key);
+        let mut conn = self.conn.clone();
+        let claimed: Result<(Option<Vec<u8>>, i64)> =
+            match tokio::time::timeout(budget, pipe.query_async(&mut conn)).await {
+                Ok(Ok(reply)) => Ok(reply),
+                Ok(Err(error)) if wrong_type(&error) => {
+                    return self.claim_legacy(id, fp, lease, token).await;
+                }
+                Ok(Err(error)) => Err(Error::unavailable(error)),
+                Err(_) => Err(Error::unavailable(format!(
+                    "Redis did not answer within {budget:?}"
+                ))),
+            };
+        let found = match claimed {
+            Ok((None, _)) => return Ok(Begin::Execute(token)),
+            Ok((Some(value), pttl)) => read_record(&value, pttl, fp, &raw),
+            Err(error) => {
+                self.cancel_later(id, token);
+                return Err(error);
+            }
+        };
+        match found? {
+            Found::Answer(answer) => Ok(answer),
+            Found::Cancelled => Err(Error::unavailable(
+                "the claim ran after it was given up and cancelled",
+            )),
+            Found::Free => self.take_over(id, fp, lease, token, &fresh).await,
+        }
+    }
+
+    /// Takes a free record over (atomically re-checked), or reads the record that is there.
+    async fn take_over(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        token: LeaseToken,
+        fresh: &[u8],
+    ) -> Result<Begin> {
+        let (raw, _) = token_forms(token);
+        let ttl = millis(lease).saturating_add(grace()).to_string();
+        let taken: Result<Value> = self
+            .run_keys(
+                self.budget * 4,
+                &self.scripts.takeover,
+                &[self.key(id)],
+                &[fresh, ttl.as_bytes(), grace_ms().as_bytes(), &raw],
+            )
+            .await;
+        let items = match taken {
+            Ok(Value::Array(items)) => items,
+            Ok(other) => {
+                return Err(Error::Corrupt(format!(
+                    "unexpected takeover reply {other:?}"
+                )));
+            }
+            Err(error) => {
+                self.cancel_later(id, token);
+                return Err(error);
+            }
+        };
+        match (items.first(), items.get(1), items.get(2)) {
+            (Some(Value::BulkString(tag)), _, _) if tag == b"x" => {
+                tracing::info!(record = %id, "took over an expired idempotency lease");
+                Ok(Begin::Execute(token))
+            }
+            (Some(Value::BulkString(tag)), _, _) if tag == b"c" => Err(Error::unavailable(
+                "the claim ran after it was given up and cancelled",
+            )),
+            (Some(Value::BulkString(tag)), _, _) if tag == b"h" => {
+                self.claim_legacy(id, fp, lease, token).await
+            }
+            (Some(Value::BulkString(tag)), Some(Value::BulkString(v)), Some(Value::Int(pttl)))
+                if tag == b"v" =>
+            {
+                match read_record(v, *pttl, fp, &raw)? {
+                    Found::Answer(answer) => Ok(answer),
+                    // The script found it live; a clock edge between its two reads here.
+                    _ => Ok(Begin::InFlight {
+                        retry_after: Duration::from_millis(1),
+                    }),
+                }
+            }
+            _ => Err(Error::Corrupt("malformed takeover reply".into())),
+        }
+    }
+
+    /// The claim on a key that still holds a record of the earlier (hash) layout.
+    async fn claim_legacy(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        token: LeaseToken,
+    ) -> Result<Begin> {
+        let (_, text) = token_forms(token);
+        let lease = millis(lease).to_string();
         let keys = [self.key(id), self.tombstone(id, token)];
         let claimed: Result<Value> = self
             .run_keys(
                 self.budget * 4,
-                &self.scripts.begin,
+                &self.scripts.legacy_begin,
                 &keys,
                 &[
                     &fp.as_bytes()[..],
-                    token_text.as_bytes(),
+                    text.as_bytes(),
                     lease.as_bytes(),
                     grace_ms().as_bytes(),
                 ],
@@ -414,15 +596,18 @@ impl RedisStore {
         match claimed {
             Ok(value) => parse_begin(value, token),
             Err(error) => {
-                // Unknown whether the script ran, or will: a hung Redis runs the commands
-                // queued on the connection when it resumes, after the client gave up. Cancel
-                // the claim in a way that holds in either order (see `scripts::cancel`).
-                let this = self.clone();
-                let id = *id;
-                tokio::spawn(async move { this.cancel_claim(&id, token, &keys).await });
+                self.cancel_later(id, token);
                 Err(error)
             }
         }
+    }
+
+    /// Unknown whether a claim ran, or will: a hung Redis runs the commands queued on the
+    /// connection when it resumes, after the client gave up. Cancel it in a way that holds in
+    /// either order (see `scripts::cancel`).
+    fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
+        let (this, id) = (self.clone(), *id);
+        tokio::spawn(async move { this.cancel_claim(&id, token).await });
     }
 
     /// The tombstone of one claim: same hash tag, so same cluster slot, as the record.
@@ -432,8 +617,9 @@ impl RedisStore {
 
     /// Retries the cancel script until Redis answers (for at most the grace period): until
     /// then a late claim could still land.
-    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, keys: &[String; 2]) {
-        let token_text = token.to_string();
+    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken) {
+        let (raw, text) = token_forms(token);
+        let keys = [self.key(id), self.tombstone(id, token)];
         let ttl = grace_ms();
         let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
         let mut backoff = Duration::from_millis(50);
@@ -442,8 +628,8 @@ impl RedisStore {
                 .run_keys(
                     self.budget,
                     &self.scripts.cancel,
-                    keys,
-                    &[token_text.as_bytes(), ttl.as_bytes()],
+                    &keys,
+                    &[&raw, text.as_bytes(), ttl.as_bytes()],
                 )
                 .await;
             match undone {
@@ -460,15 +646,46 @@ impl RedisStore {
 
     /// Reads a record without changing it: what the hybrid store asks before Postgres.
     ///
-    /// A plain `HMGET` (cheaper for Redis than a script, and atomic for one key); only an
-    /// in-flight record costs a second command, `PTTL`, for its retry hint.
+    /// A plain `GET` and `PTTL` in one pipeline: no script.
     pub async fn peek(&self, id: &RecordId, fp: &Fingerprint) -> Result<Peek> {
         let key = self.key(id);
+        let mut conn = self.conn.clone();
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key);
+        let read: redis::RedisResult<(Option<Vec<u8>>, i64)> =
+            match tokio::time::timeout(self.budget, pipe.query_async(&mut conn)).await {
+                Ok(read) => read,
+                Err(_) => {
+                    return Err(Error::unavailable(format!(
+                        "Redis did not answer within {:?}",
+                        self.budget
+                    )));
+                }
+            };
+        let (value, pttl) = match read {
+            Ok(read) => read,
+            Err(error) if wrong_type(&error) => {
+                return self.peek_legacy(&key, fp).await;
+            }
+            Err(error) => return Err(Error::unavailable(error)),
+        };
+        let Some(value) = value else {
+            return Ok(Peek::Absent);
+        };
+        // A peek claims nothing: any token will do for reading.
+        Ok(match read_record(&value, pttl, fp, &[0; 16])? {
+            Found::Answer(answer) => Peek::Found(answer),
+            Found::Free | Found::Cancelled => Peek::Absent,
+        })
+    }
+
+    /// [`RedisStore::peek`] on a record of the earlier (hash) layout.
+    async fn peek_legacy(&self, key: &str, fp: &Fingerprint) -> Result<Peek> {
         let mut conn = self.conn.clone();
         let [state, stored_fp, out]: [Option<Vec<u8>>; 3] = self
             .timed(
                 redis::cmd("HMGET")
-                    .arg(&key)
+                    .arg(key)
                     .arg("st")
                     .arg("fp")
                     .arg("out")
@@ -487,18 +704,18 @@ impl RedisStore {
             return Ok(Peek::Found(Begin::Replay(decode_outcome(&out)?)));
         }
         let pttl: i64 = self
-            .timed(redis::cmd("PTTL").arg(&key).query_async(&mut conn))
+            .timed(redis::cmd("PTTL").arg(key).query_async(&mut conn))
             .await?;
         Ok(match u64::try_from(pttl) {
             Ok(ms) if ms > 0 => Peek::Found(Begin::InFlight {
                 retry_after: Duration::from_millis(ms),
             }),
-            // Expired between the two commands.
             _ => Peek::Absent,
         })
     }
 
-    /// Mirrors a lease granted elsewhere (Postgres), so live duplicates are answered here.
+    /// Mirrors a lease granted elsewhere (Postgres), so live duplicates are answered here:
+    /// `SET NX PX`, so a record already there (an outcome, say) is left alone.
     pub async fn cache_in_flight(
         &self,
         id: &RecordId,
@@ -506,19 +723,24 @@ impl RedisStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<()> {
-        let token = token.to_string();
-        let lease = millis(lease).to_string();
-        let _: i64 = self
-            .run(
-                &self.scripts.cache_in_flight,
-                id,
-                &[&fp.as_bytes()[..], token.as_bytes(), lease.as_bytes()],
+        let (raw, _) = token_forms(token);
+        let mut conn = self.conn.clone();
+        let _: Option<String> = self
+            .timed(
+                redis::cmd("SET")
+                    .arg(self.key(id))
+                    .arg(scripts::value(b'm', fp.as_bytes(), &raw, &[]))
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(millis(lease))
+                    .query_async(&mut conn),
             )
             .await?;
         Ok(())
     }
 
-    /// Caches an outcome stored elsewhere (Postgres) for `ttl`.
+    /// Caches an outcome stored elsewhere (Postgres) for `ttl`: a plain `SET PX`, replacing
+    /// whatever is there (a mirrored lease: the outcome is the truth).
     pub async fn cache_completed(
         &self,
         id: &RecordId,
@@ -526,12 +748,20 @@ impl RedisStore {
         outcome: &Outcome,
         ttl: Duration,
     ) -> Result<()> {
-        let ttl = millis(ttl).to_string();
-        let _: i64 = self
-            .run(
-                &self.scripts.cache_completed,
-                id,
-                &[&fp.as_bytes()[..], &outcome.encode()[..], ttl.as_bytes()],
+        let mut conn = self.conn.clone();
+        let _: Option<String> = self
+            .timed(
+                redis::cmd("SET")
+                    .arg(self.key(id))
+                    .arg(scripts::value(
+                        b'1',
+                        fp.as_bytes(),
+                        &[0; 16],
+                        &outcome.encode(),
+                    ))
+                    .arg("PX")
+                    .arg(millis(ttl))
+                    .query_async(&mut conn),
             )
             .await?;
         Ok(())
@@ -586,14 +816,15 @@ impl Store for RedisStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        let token = token.to_string();
+        let (raw, text) = token_forms(token);
         let retention = millis(retention).to_string();
         let done: i64 = self
             .run(
                 &self.scripts.complete,
                 id,
                 &[
-                    token.as_bytes(),
+                    &raw,
+                    text.as_bytes(),
                     &outcome.encode()[..],
                     retention.as_bytes(),
                 ],
@@ -603,21 +834,26 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        let token = token.to_string();
+        let (raw, text) = token_forms(token);
         let done: i64 = self
-            .run(&self.scripts.release, id, &[token.as_bytes()])
+            .run(&self.scripts.release, id, &[&raw, text.as_bytes()])
             .await?;
         Self::fenced(done)
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        let token = token.to_string();
+        let (raw, text) = token_forms(token);
         let lease = millis(lease).to_string();
         let done: i64 = self
             .run(
                 &self.scripts.renew,
                 id,
-                &[token.as_bytes(), lease.as_bytes(), grace_ms().as_bytes()],
+                &[
+                    &raw,
+                    text.as_bytes(),
+                    lease.as_bytes(),
+                    grace_ms().as_bytes(),
+                ],
             )
             .await?;
         Self::fenced(done)
