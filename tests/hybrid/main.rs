@@ -76,6 +76,29 @@ async fn shared_store() -> Option<Arc<HybridStore>> {
 
 idempotency_test::conformance_tests!(async { shared_store().await.map(|s| s as Arc<dyn Store>) });
 
+/// The suite again without the lease mirror: outcomes are then cached in Redis after
+/// `complete` answered, and a retry that comes first must be replayed by Postgres.
+mod no_mirror {
+    use super::*;
+
+    async fn store() -> Option<Arc<HybridStore>> {
+        static STORE: OnceCell<Arc<HybridStore>> = OnceCell::const_new();
+        let pg = services::postgres().await?;
+        let redis = services::redis().await?;
+        Some(
+            STORE
+                .get_or_init(|| async {
+                    let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+                    Arc::new(store.with_in_flight_mirror_ttl(Duration::ZERO))
+                })
+                .await
+                .clone(),
+        )
+    }
+
+    idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
+}
+
 /// Waits (5 s at most) until Redis mirrors the live lease of `id`.
 async fn mirror_landed(store: &HybridStore, id: &RecordId, fp: &Fingerprint) {
     for _ in 0..500 {

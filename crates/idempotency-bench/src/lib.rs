@@ -176,12 +176,18 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             measured.push(http_level::drive("http-first", name, addr, Keys::Unique, c, d).await);
         }
         // One connection: what group commit costs a lone request (nothing, it should be).
-        for (name, store) in [
-            ("layer postgres", pg_store.clone()),
-            ("layer postgres (per-request)", pg_per_request),
+        // Run A B B A, half as long each: a drift of the shared machine hits both alike.
+        let a = http_level::serve(http_level::layered(pg_store.clone())).await;
+        let b = http_level::serve(http_level::layered(pg_per_request)).await;
+        for (name, addr) in [
+            ("layer postgres", a),
+            ("layer postgres (per-request)", b),
+            ("layer postgres (per-request)", b),
+            ("layer postgres", a),
         ] {
-            let addr = http_level::serve(http_level::layered(store)).await;
-            measured.push(http_level::drive("http-first-c1", name, addr, Keys::Unique, 1, d).await);
+            let half = d / 2;
+            measured
+                .push(http_level::drive("http-first-c1", name, addr, Keys::Unique, 1, half).await);
         }
     }
     let replays = [

@@ -419,12 +419,25 @@ impl Store for HybridStore {
             return Ok(());
         };
         let ttl = retention.saturating_sub(sent.elapsed());
+        if ttl.is_zero() {
+            return Ok(());
+        }
+        if self.mirror_ttl.is_zero() {
+            // No lease mirror to replace: until the outcome lands in Redis a retry finds
+            // nothing there and asks Postgres, which replays. So the answer need not wait.
+            let (this, id, outcome) = (self.clone(), *id, outcome.clone());
+            tokio::spawn(async move {
+                this.try_redis(this.redis.cache_completed(&id, &fp, &outcome, ttl))
+                    .await;
+            });
+            return Ok(());
+        }
+        // The lease's mirror answers "in flight" until the outcome replaces it: wait for that.
         let repair = self.repair_unless_done(id, token);
-        if !ttl.is_zero()
-            && self
-                .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
-                .await
-                .is_some()
+        if self
+            .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+            .await
+            .is_some()
         {
             repair.done();
         }
