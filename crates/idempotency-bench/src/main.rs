@@ -24,10 +24,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--only" => settings.only.push(value()?),
             "--scale" => scale = Some(scale.unwrap_or_default()),
             "--scale-rows" => {
-                scale.get_or_insert_with(ScaleSettings::default).rows = value()?.parse()?
+                scale.get_or_insert_with(ScaleSettings::default).rows = value()?.parse()?;
             }
             "--scale-expired" => {
-                scale.get_or_insert_with(ScaleSettings::default).expired = value()?.parse()?
+                scale.get_or_insert_with(ScaleSettings::default).expired = value()?.parse()?;
             }
             other => return Err(format!("unknown flag {other:?}").into()),
         }
