@@ -1,7 +1,7 @@
 //! A few seconds of every scenario against real services, so the harness never rots.
 //! Asserts that everything ran and the files were written — never how fast.
 
-use idempotency_bench::{Settings, run};
+use idempotency_bench::{ScaleSettings, Settings, run, run_scale};
 
 #[test]
 fn every_scenario_runs_and_the_report_is_written() {
@@ -26,7 +26,11 @@ fn every_scenario_runs_and_the_report_is_written() {
                 .iter()
                 .filter(|m| m.group == "store-seq")
                 .count(),
-            10
+            12
+        );
+        assert!(
+            report.measured.iter().any(|m| m.group == "http-first-c1"),
+            "the 1-connection pair ran"
         );
         assert!(
             report.timeline.iter().any(|b| b.redis_paused),
@@ -43,5 +47,30 @@ fn every_scenario_runs_and_the_report_is_written() {
                 .unwrap_or(0);
             assert!(len > 0, "{file} written");
         }
+    });
+}
+
+#[test]
+fn the_scale_scenario_runs() {
+    idempotency_test::block_on(async {
+        if idempotency_test::services::skipping() {
+            return;
+        }
+        let settings = ScaleSettings {
+            rows: 30_000,
+            expired: 5_000,
+            concurrency: 4,
+            duration: std::time::Duration::from_millis(300),
+            purge_batch: 1_000,
+        };
+        let (measured, ratios) = run_scale(settings).await.expect("scale run");
+        for m in &measured {
+            assert!(m.ops > 0, "{} / {} completed nothing", m.group, m.name);
+        }
+        let purge = ratios
+            .iter()
+            .find(|(what, _)| what.starts_with("purge:"))
+            .expect("the purge ratio");
+        assert!(purge.0.contains("5000 rows purged"), "{}", purge.0);
     });
 }
