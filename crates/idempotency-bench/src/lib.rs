@@ -55,11 +55,11 @@ impl Settings {
         self.only.is_empty() || self.only.iter().any(|o| group.starts_with(o.as_str()))
     }
 
-    /// The default run: C = 32, 5 s per scenario.
+    /// The default run: C = 16, 5 s per scenario.
     pub fn full() -> Self {
         Self {
             only: Vec::new(),
-            concurrency: 32,
+            concurrency: 16,
             duration: Duration::from_secs(5),
             sequential_ops: 2000,
             fault_phase: Duration::from_secs(2),
