@@ -102,17 +102,7 @@ pub(crate) fn handwritten_hybrid(redis: redis::aio::MultiplexedConnection, pool:
 async fn handwritten_redis(State(raw): State<Raw>, headers: HeaderMap) -> Response {
     let key = format!("handr:{{{}}}", key_of(&headers));
     let mut conn = raw.redis.clone();
-    let claimed: Option<String> = redis::cmd("SET")
-        .arg(&key)
-        .arg("")
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .query_async(&mut conn)
-        .await
-        .ok()
-        .flatten();
-    if claimed.is_none() {
+    if !store_level::redis_claim(&mut conn, &key).await {
         return match redis::cmd("GET")
             .arg(&key)
             .query_async::<Option<Vec<u8>>>(&mut conn)

@@ -85,6 +85,21 @@ impl Op for PostgresBaseline {
     }
 }
 
+/// The raw Redis claim of a baseline: `SET NX PX`, true when this call set the key.
+pub(crate) async fn redis_claim(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(conn)
+        .await
+        .ok()
+        .flatten();
+    claimed.is_some()
+}
+
 /// The raw Redis cache write of a baseline.
 pub(crate) async fn cache_write(
     conn: &mut redis::aio::MultiplexedConnection,
@@ -140,17 +155,7 @@ impl Op for RedisBaseline {
     async fn run(&self, id: RecordId) -> bool {
         let mut conn = self.0.clone();
         let key = format!("baseline:{{{}}}", id.to_hex());
-        let claimed: Option<String> = redis::cmd("SET")
-            .arg(&key)
-            .arg("0")
-            .arg("NX")
-            .arg("PX")
-            .arg(30_000)
-            .query_async(&mut conn)
-            .await
-            .ok()
-            .flatten();
-        if claimed.is_none() {
+        if !redis_claim(&mut conn, &key).await {
             return false;
         }
         cache_write(&mut conn, &key, &outcome().encode()).await

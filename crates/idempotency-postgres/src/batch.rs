@@ -137,6 +137,17 @@ pub(crate) struct BeginJob {
     pub(crate) lease: Duration,
 }
 
+impl BeginJob {
+    pub(crate) fn new(id: &RecordId, fp: &Fingerprint, token: LeaseToken, lease: Duration) -> Self {
+        Self {
+            id: *id,
+            fp: *fp,
+            token,
+            lease,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct CompleteJob {
     pub(crate) id: RecordId,
@@ -156,6 +167,7 @@ pub(crate) struct FenceJob {
 
 pub(crate) trait Keyed {
     fn id(&self) -> &RecordId;
+    fn token(&self) -> LeaseToken;
     /// The lease a claim may have written (a `begin` job's token).
     fn claim(&self) -> Option<(RecordId, LeaseToken)> {
         None
@@ -166,13 +178,19 @@ impl Keyed for BeginJob {
     fn id(&self) -> &RecordId {
         &self.id
     }
+    fn token(&self) -> LeaseToken {
+        self.token
+    }
     fn claim(&self) -> Option<(RecordId, LeaseToken)> {
         Some((self.id, self.token))
     }
 }
 
 macro_rules! keyed {
-    ($($job:ty),*) => {$(impl Keyed for $job { fn id(&self) -> &RecordId { &self.id } })*};
+    ($($job:ty),*) => {$(impl Keyed for $job {
+        fn id(&self) -> &RecordId { &self.id }
+        fn token(&self) -> LeaseToken { self.token }
+    })*};
 }
 keyed!(CompleteJob, FenceJob);
 
@@ -492,6 +510,10 @@ fn shared_error(error: &sqlx::Error) -> Error {
     Error::unavailable(format!("group commit: {error}"))
 }
 
+fn tokens(jobs: &[impl Keyed], unique: &[usize]) -> Vec<uuid::Uuid> {
+    unique.iter().map(|&i| jobs[i].token().as_uuid()).collect()
+}
+
 fn ids<J: Keyed>(jobs: &[J], unique: &[usize]) -> Vec<Vec<u8>> {
     unique
         .iter()
@@ -547,7 +569,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
             sqlx::query_as::<_, BeginBatchRow>(BEGIN_BATCH_SQL)
                 .bind(ids(&jobs, &unique))
                 .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
-                .bind(each().map(|j| j.token.as_uuid()).collect::<Vec<_>>())
+                .bind(tokens(&jobs, &unique))
                 .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
                 .fetch_all(&store.batch_pool())
                 .await
@@ -612,12 +634,7 @@ fn run_complete(
         let (unique, _repeats) = split_repeats(&jobs);
         let rows = sqlx::query_as::<_, (Vec<u8>, Option<Vec<u8>>, bool)>(COMPLETE_BATCH_SQL)
             .bind(ids(&jobs, &unique))
-            .bind(
-                unique
-                    .iter()
-                    .map(|&i| jobs[i].token.as_uuid())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(tokens(&jobs, &unique))
             .bind(unique.iter().map(|&i| jobs[i].status).collect::<Vec<_>>())
             .bind(
                 unique
@@ -688,12 +705,7 @@ async fn run_fence(
     let (unique, _repeats) = split_repeats(&jobs);
     let mut query = sqlx::query_as::<_, (Vec<u8>,)>(sql)
         .bind(ids(&jobs, &unique))
-        .bind(
-            unique
-                .iter()
-                .map(|&i| jobs[i].token.as_uuid())
-                .collect::<Vec<_>>(),
-        );
+        .bind(tokens(&jobs, &unique));
     if renew {
         query = query.bind(
             unique

@@ -604,8 +604,9 @@ impl PostgresStore {
         self.call_timeout
     }
 
-    /// The claim: through a batch when group commit is on (its first round), then round by
-    /// round on the per-request path until the record's state settles the answer.
+    /// The claim, round by round until the record's state settles the answer: the first
+    /// round through a batch when group commit is on, the others (rare: a race, a takeover)
+    /// on the per-request path, each with a token of its own.
     async fn claim(
         &self,
         id: &RecordId,
@@ -613,51 +614,18 @@ impl PostgresStore {
         lease: Duration,
         tokens: &[LeaseToken],
     ) -> Result<(Begin, Option<Duration>)> {
-        let Some((first, rest)) = tokens.split_first() else {
-            return Err(Error::unavailable("no claim token left"));
-        };
-        if let Some(batches) = &self.batches {
-            let job = BeginJob {
-                id: *id,
-                fp: *fp,
-                token: *first,
-                lease,
+        for (round, token) in tokens.iter().enumerate() {
+            let job = BeginJob::new(id, fp, *token, lease);
+            let found = match (&self.batches, round) {
+                // `None`: the batch gave the call back (a lock, a race): next round.
+                (Some(batches), 0) => batches.begin.call(self, |b| &b.begin, job).await,
+                _ => self.begin_statement(&job, &self.pool).await.map(Some),
             };
-            let settled = match batches.begin.call(self, |b| &b.begin, job).await {
-                Ok(Some(round)) => self.follow(id, fp, lease, *first, round).await,
+            let settled = match found {
+                Ok(Some(found)) => self.follow(id, fp, lease, *token, found).await,
                 other => other.map(|_| None),
             };
             match settled {
-                Ok(Some(decision)) => return Ok(decision),
-                // Not settled by the batch, or a lone call's race (see `begin_inner`).
-                Ok(None) => {}
-                Err(error) if is_serialization_race(&error) => {}
-                Err(error) => return Err(error),
-            }
-            return self.begin_inner(id, fp, lease, rest).await;
-        }
-        self.begin_inner(id, fp, lease, tokens).await
-    }
-
-    async fn begin_inner(
-        &self,
-        id: &RecordId,
-        fp: &Fingerprint,
-        lease: Duration,
-        tokens: &[LeaseToken],
-    ) -> Result<(Begin, Option<Duration>)> {
-        for token in tokens {
-            let job = BeginJob {
-                id: *id,
-                fp: *fp,
-                token: *token,
-                lease,
-            };
-            let round = match self.begin_statement(&job, &self.pool).await {
-                Ok(round) => self.follow(id, fp, lease, *token, round).await,
-                Err(error) => Err(error),
-            };
-            match round {
                 Ok(Some(decision)) => return Ok(decision),
                 Ok(None) => {}
                 // Another transaction won the race; under READ COMMITTED this cannot happen,

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idempotency_postgres::PostgresStore;
+use idempotency_postgres::{PostgresStore, PostgresStoreBuilder};
 use tokio::sync::OnceCell;
 
 use crate::services;
@@ -29,22 +29,7 @@ pub async fn stoppable_postgres() -> Option<(services::Service, Arc<PostgresStor
 /// batched one must answer exactly like.
 pub async fn postgres_per_request() -> Option<Arc<PostgresStore>> {
     static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
-    let pg = services::postgres().await?;
-    Some(
-        STORE
-            .get_or_init(|| async {
-                let store = PostgresStore::builder(pg.url())
-                    .max_connections(80)
-                    .per_request()
-                    .connect()
-                    .await
-                    .expect("postgres store");
-                store.migrate().await.expect("migrations");
-                Arc::new(store)
-            })
-            .await
-            .clone(),
-    )
+    shared_postgres(&STORE, |b| b.per_request()).await
 }
 
 /// A migrated Postgres store on the binary's shared Postgres, with a pool large enough for the
@@ -52,19 +37,22 @@ pub async fn postgres_per_request() -> Option<Arc<PostgresStore>> {
 /// tests are opted out.
 pub async fn postgres() -> Option<Arc<PostgresStore>> {
     static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
+    shared_postgres(&STORE, |b| b).await
+}
+
+async fn shared_postgres(
+    cell: &'static OnceCell<Arc<PostgresStore>>,
+    configure: fn(PostgresStoreBuilder) -> PostgresStoreBuilder,
+) -> Option<Arc<PostgresStore>> {
     let pg = services::postgres().await?;
     Some(
-        STORE
-            .get_or_init(|| async {
-                let store = PostgresStore::builder(pg.url())
-                    .max_connections(80)
-                    .connect()
-                    .await
-                    .expect("postgres store");
-                store.migrate().await.expect("migrations");
-                Arc::new(store)
-            })
-            .await
-            .clone(),
+        cell.get_or_init(|| async {
+            let builder = PostgresStore::builder(pg.url()).max_connections(80);
+            let store = configure(builder).connect().await.expect("postgres store");
+            store.migrate().await.expect("migrations");
+            Arc::new(store)
+        })
+        .await
+        .clone(),
     )
 }
