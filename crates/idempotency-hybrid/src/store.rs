@@ -208,6 +208,15 @@ impl HybridStore {
 const MAX_REPAIRS: usize = 100_000;
 
 impl HybridStore {
+    /// Waits for the lease mirror of `token` written after `begin` answered, if it is still
+    /// on its way (bounded: its Redis calls, repairs before it included, are).
+    async fn mirror_landed(&self, token: &LeaseToken) {
+        let pending = self.mirrors().remove(token);
+        if let Some(mirroring) = pending {
+            let _ = tokio::time::timeout(self.redis.call_budget() * 4, mirroring).await;
+        }
+    }
+
     fn mirrors(
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>
@@ -419,10 +428,10 @@ impl Store for HybridStore {
             return Ok(());
         };
         let ttl = retention.saturating_sub(sent.elapsed());
-        if ttl.is_zero() {
-            return Ok(());
-        }
         if self.mirror_ttl.is_zero() {
+            if ttl.is_zero() {
+                return Ok(());
+            }
             // No lease mirror to replace: until the outcome lands in Redis a retry finds
             // nothing there and asks Postgres, which replays. So the answer need not wait.
             let (this, id, outcome) = (self.clone(), *id, outcome.clone());
@@ -432,12 +441,16 @@ impl Store for HybridStore {
             });
             return Ok(());
         }
-        // The lease's mirror answers "in flight" until the outcome replaces it: wait for that.
+        // The lease's mirror answers "in flight" until the outcome replaces it: wait for that,
+        // after the mirror itself if it is still on its way (or it could land after a failed
+        // write's repair).
         let repair = self.repair_unless_done(id, token);
-        if self
-            .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
-            .await
-            .is_some()
+        self.mirror_landed(&token).await;
+        if !ttl.is_zero()
+            && self
+                .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+                .await
+                .is_some()
         {
             repair.done();
         }
@@ -450,13 +463,10 @@ impl Store for HybridStore {
             return Ok(()); // no mirror to drop
         }
         // The lease's mirror may still be on its way: the delete goes after it.
-        let pending = self.mirrors().remove(&token);
-        if let Some(mirroring) = pending {
-            let _ = tokio::time::timeout(self.redis.call_budget(), mirroring).await;
-        }
+        let repair = self.repair_unless_done(id, token);
+        self.mirror_landed(&token).await;
         // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
         // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
-        let repair = self.repair_unless_done(id, token);
         let dropped = self
             .try_redis(async {
                 match self.redis.release(id, token).await {

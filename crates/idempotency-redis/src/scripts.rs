@@ -47,13 +47,15 @@ const NOW_MS: &str = "local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 ";
 
-/// `KEYS[1]` record; `ARGV` the new lease's value, its TTL (lease + grace) ms, grace ms,
-/// token. Takes the record over when there is none, its lease is over, or it is another
-/// claim's cancel marker. Returns `{'x'}` taken, `{'c'}` this very claim was cancelled, or
+/// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` the new lease's value, its TTL
+/// (lease + grace) ms, grace ms, token. Takes the record over when there is none, its lease
+/// is over, or it is another claim's cancel marker. Returns `{'x'}` taken, `{'c'}` this very
+/// claim was cancelled (its marker, or its tombstone: see [`cancel`]), or
 /// `{'v', value, pttl}`: the live record, which answers.
 pub(crate) fn takeover() -> Script {
     Script::new(
         r"
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'c'} end
 if redis.call('TYPE', KEYS[1]).ok == 'hash' then return {'h'} end
 local v = redis.call('GET', KEYS[1])
 if v then
@@ -164,12 +166,13 @@ return 1
     ))
 }
 
-/// `KEYS[1]` record, `KEYS[2]` the claim's legacy tombstone; `ARGV` token, token text,
-/// marker ms. Undoes a claim whose answer never arrived, whether or not it has run yet: it
-/// deletes the lease if this token holds it; else, when the key is free, it leaves a cancel
-/// marker there (the late claim's `SET NX` then fails on it, and the takeover script refuses
-/// for this token). A record of someone else's makes the late claim fail as long as it is
-/// there; the legacy tombstone covers a claim on an old hash.
+/// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, token text, marker ms.
+/// Undoes a claim whose answer never arrived, whether or not it has run yet: it deletes the
+/// lease if this token holds it. Else, when the key is free, it leaves a cancel marker there:
+/// the late claim's `SET NX` fails on it, and the takeover script refuses for this token.
+/// When someone else's record is there, it leaves the claim's tombstone, which the takeover
+/// and the legacy claim check; a late plain `SET NX` fails as long as that record is there
+/// (one gap remains: that record gone, then the late `SET NX`, which costs one lease).
 pub(crate) fn cancel() -> Script {
     Script::new(&format!(
         r"{READ_FENCED}
@@ -177,8 +180,9 @@ if mine and (st == '0' or st == 'm') then
   redis.call('DEL', KEYS[1])
   return 1
 end
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
-if not st then
+if st then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+else
   redis.call('SET', KEYS[1], 'c' .. string.rep('\0', 32) .. ARGV[1], 'PX', ARGV[3])
 end
 return 0

@@ -490,6 +490,10 @@ impl RedisStore {
                 Ok(Err(error)) if wrong_type(&error) => {
                     return self.claim_legacy(id, fp, lease, token).await;
                 }
+                // Refused: nothing was sent, nothing can land late.
+                Ok(Err(error)) if error.is_connection_refusal() => {
+                    return Err(Error::unavailable(error));
+                }
                 Ok(Err(error)) => Err(Error::unavailable(error)),
                 Err(_) => Err(Error::unavailable(format!(
                     "Redis did not answer within {budget:?}"
@@ -527,7 +531,7 @@ impl RedisStore {
             .run_keys(
                 self.budget * 4,
                 &self.scripts.takeover,
-                &[self.key(id)],
+                &[self.key(id), self.tombstone(id, token)],
                 &[fresh, ttl.as_bytes(), grace_ms().as_bytes(), &raw],
             )
             .await;
