@@ -32,6 +32,27 @@ use tokio::sync::oneshot;
 use crate::store::{PostgresStore, Round, RowView, millis};
 
 /// Group-commit settings of a [`PostgresStore`](crate::PostgresStore).
+///
+/// Concurrent calls of one kind share one statement; a lone call runs at once, alone. The
+/// defaults suit a database with a few cores; raise `concurrency` when one statement at a
+/// time cannot keep a bigger one busy.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotency_postgres::{GroupCommit, PostgresStore};
+///
+/// # async fn run() -> Result<(), idempotency_core::Error> {
+/// let store = PostgresStore::builder("postgres://app@127.0.0.1/app")
+///     .group_commit(
+///         GroupCommit::default()
+///             .concurrency(2)
+///             .max_batch(256)
+///             .lock_timeout(Duration::from_millis(50)),
+///     )
+///     .connect()
+///     .await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct GroupCommit {
