@@ -12,7 +12,7 @@ use std::{
 use idempotency_core::{
     Error, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RunError, Scope,
 };
-use idempotency_postgres::{PostgresStore, StateMachine, Transition};
+use idempotency_postgres::{PostgresStore, StateMachine, Transition, TransitionError};
 use idempotency_test::block_on;
 
 async fn store() -> Option<Arc<PostgresStore>> {
@@ -185,7 +185,7 @@ async fn orders(store: &PostgresStore) -> (StateMachine, String) {
         .execute(store.pool())
         .await
         .expect("insert");
-    let machine = StateMachine::new(&table)
+    let machine = StateMachine::builder(&table)
         .expect("table")
         .allow("pending", "processing")
         .allow("processing", "shipped")
@@ -240,10 +240,26 @@ fn transitions_walk_forward_and_tell_repeats_from_conflicts() {
                 .expect("t"),
             Transition::NotFound
         );
-        assert!(
-            m.transition(pool, "o1", "pending", 4).await.is_err(),
-            "nothing leads back to pending"
+        // A known status that nothing leads to: a forbidden move (a conflict), not bad
+        // input, and never "already applied" even where the row sits in it.
+        assert_eq!(
+            m.transition(pool, "o1", "pending", 4).await.expect("t"),
+            Transition::Conflict {
+                status: "completed".into(),
+                version: 4
+            }
         );
+        assert_eq!(
+            m.transition(pool, "missing", "pending", 1)
+                .await
+                .expect("t"),
+            Transition::NotFound
+        );
+        // Not a status of the machine at all: the caller's error.
+        assert!(matches!(
+            m.transition(pool, "o1", "cancelled", 4).await,
+            Err(TransitionError::UnknownTarget(status)) if status == "cancelled"
+        ));
     });
 }
 

@@ -1,7 +1,9 @@
 //! The HTTP layer: protocol tests with `oneshot` on the memory store, then end-to-end tests
 //! over real TCP sockets on the memory, Postgres, Redis and hybrid stores.
 
+mod admin;
 mod support;
+mod unknown;
 
 use std::{sync::Arc, time::Duration};
 
@@ -286,6 +288,88 @@ fn a_live_duplicate_is_409_with_retry_after() {
             .expect("seconds");
         assert!(retry_after >= 1);
         assert_eq!(first.await.expect("first").status, 201);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+/// A 409 says when the first request is likely done (what is left of the layer's mean run
+/// time), not when its 30 s lease ends: before any run finished here, a second.
+#[test]
+fn retry_after_estimates_the_run_time_not_the_lease() {
+    block_on(async {
+        let (router, _, _) = app(layer(memory()));
+        let duplicate_of = |key: &'static str| {
+            let router = router.clone();
+            async move {
+                let first = {
+                    let router = router.clone();
+                    tokio::spawn(async move {
+                        send(&router, "POST", Some(key), &[("x-delay-ms", "1200")], "{}").await
+                    })
+                };
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let dup = send(&router, "POST", Some(key), &[], "{}").await;
+                assert_eq!(dup.status, 409);
+                assert_eq!(first.await.expect("first").status, 201);
+                dup.headers["retry-after"]
+                    .to_str()
+                    .expect("ascii")
+                    .parse::<u64>()
+                    .expect("seconds")
+            }
+        };
+        // Nothing has run yet: no estimate, a second.
+        assert_eq!(duplicate_of("first-ever").await, 1);
+        // One 1.2 s run: what is left of it, far below the 30 s lease.
+        let estimate = duplicate_of("after-one-run").await;
+        assert!((1..=5).contains(&estimate), "Retry-After: {estimate}");
+    });
+}
+
+/// `IdempotencyContext` is an extractor: behind the layer it carries the key; without the
+/// layer it is a 500 problem+json (a server mistake, never a panic or a run without a
+/// guard), and `Option<IdempotencyContext>` is `None`.
+#[test]
+fn the_context_extractor_needs_the_layer() {
+    use axum::{Router, routing::post};
+    use idempotency_tower::IdempotencyContext;
+    async fn guarded(ctx: IdempotencyContext) -> String {
+        ctx.key.as_str().to_owned()
+    }
+    async fn optional(ctx: Option<IdempotencyContext>) -> String {
+        format!("{}", ctx.is_some())
+    }
+    block_on(async {
+        let with = Router::new()
+            .route("/charges", post(guarded))
+            .layer(layer(memory()));
+        let answer = send(&with, "POST", Some("k-extract"), &[], "{}").await;
+        assert_eq!((answer.status, answer.body.as_str()), (200, "k-extract"));
+
+        let without = Router::new().route("/charges", post(guarded));
+        let answer = send(&without, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(answer.status, 500);
+        assert_eq!(answer.problem_type(), "urn:idempotency:problem:internal");
+        let optional = Router::new().route("/charges", post(optional));
+        let answer = send(&optional, "POST", Some("k"), &[], "{}").await;
+        assert_eq!((answer.status, answer.body.as_str()), (200, "false"));
+    });
+}
+
+/// A layer told to read another header guards by it, and no longer reads `Idempotency-Key`.
+#[test]
+fn the_key_header_can_be_renamed() {
+    block_on(async {
+        let (router, calls, _) =
+            app(layer(memory()).header_name(axum::http::HeaderName::from_static("x-request-key")));
+        let first = send(&router, "POST", None, &[("x-request-key", "r-1")], "{}").await;
+        let again = send(&router, "POST", None, &[("x-request-key", "r-1")], "{}").await;
+        assert_eq!((first.status, again.status), (201, 201));
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+        // The draft's header is not the key any more: with a key required, 400.
+        let draft = send(&router, "POST", Some("r-2"), &[], "{}").await;
+        assert_eq!(draft.status, 400);
         assert_eq!(calls.get(), 1);
     });
 }
@@ -907,6 +991,10 @@ fn the_request_future_dropped_at_every_poll_on_postgres() {
 
 /// Sends a request for `/stream` and reads only the response head; the socket is returned
 /// still open (the caller decides whether to keep reading, stall, or hang up).
+///
+/// Raw TCP on purpose, unlike the rest of the suite (`idempotency_test::http`, hyper): a
+/// stalled reader must leave the bytes in the socket so the server's writes block, and a
+/// client library reads ahead into its own buffer.
 async fn stream_head(
     addr: std::net::SocketAddr,
     key: &str,
@@ -998,5 +1086,67 @@ fn a_declared_length_response_is_stored_before_its_last_byte() {
         assert_eq!(again.headers()["idempotent-replayed"], "true");
         hold.notify_one();
         assert_eq!(calls.get(), 1);
+    });
+}
+
+/// `advertise_expiry`: a stored response and its replays say the same `Idempotency-Expires`
+/// date, never later than the record's expiry in the store (read back with `inspect`); a
+/// response that is not stored says nothing, and neither does a layer not told to.
+#[test]
+fn the_advertised_expiry_is_on_first_responses_and_replays_and_not_after_the_store_s() {
+    block_on(async {
+        let Some(store) = idempotency_test::stores::postgres().await else {
+            return;
+        };
+        let store: Arc<dyn Store> = store;
+        let retention = Duration::from_secs(3600);
+        let policy = idempotency_core::Policy::default().with_retention(retention);
+        let (router, _, _) = app(layer(store.clone()).policy(policy).advertise_expiry(true));
+        let key = idempotency_test::unique("exp");
+        let sent = std::time::SystemTime::now();
+        let first = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        let advertised = first.headers["idempotency-expires"]
+            .to_str()
+            .expect("ascii")
+            .to_owned();
+        let until = httpdate::parse_http_date(&advertised).expect("an HTTP-date");
+        assert!(
+            until + Duration::from_secs(2) >= sent + retention,
+            "{advertised}"
+        );
+        assert!(
+            until <= std::time::SystemTime::now() + retention,
+            "{advertised}"
+        );
+        let replay = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(replay.headers["idempotent-replayed"], "true");
+        assert_eq!(replay.headers["idempotency-expires"], advertised.as_str());
+
+        let id = idempotency_core::RecordId::new(
+            &idempotency_core::Scope::new("anonymous"),
+            &idempotency_core::IdempotencyKey::new(key).expect("key"),
+        );
+        let record = store.inspect(&id).await.expect("inspect").expect("stored");
+        assert!(
+            until <= record.expires_at,
+            "advertised {advertised}, the store keeps it until {:?}",
+            record.expires_at
+        );
+
+        let failed = send(&router, "POST", Some("exp-503"), &[("x-fail", "503")], "{}").await;
+        assert_eq!(failed.status, 503);
+        assert!(failed.headers.get("idempotency-expires").is_none());
+        let (quiet, _, _) = app(layer(store));
+        let plain = send(
+            &quiet,
+            "POST",
+            Some(&idempotency_test::unique("exp")),
+            &[],
+            "{}",
+        )
+        .await;
+        assert_eq!(plain.status, 201);
+        assert!(plain.headers.get("idempotency-expires").is_none());
     });
 }

@@ -1,4 +1,5 @@
-//! A test application and a raw HTTP/1.1 client over TCP (so a test can really hang up).
+//! A test application, and the hyper client of `idempotency-test` (whose dropped requests
+//! really hang up).
 
 use std::{
     net::SocketAddr,
@@ -18,10 +19,6 @@ use axum::{
 };
 use idempotency_core::{Scope, Store};
 use idempotency_tower::{IdempotencyContext, IdempotencyLayer, Metrics};
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-};
 
 /// Counts how often the handler really ran.
 #[derive(Clone, Default)]
@@ -122,58 +119,27 @@ pub(crate) async fn serve(router: Router) -> SocketAddr {
     addr
 }
 
-/// A response read off the socket.
-#[derive(Debug)]
-pub(crate) struct Reply {
-    pub(crate) status: u16,
-    pub(crate) headers: Vec<(String, String)>,
-    pub(crate) body: String,
+pub(crate) use idempotency_test::http::Reply;
+
+fn owned<'a>(headers: &[(&'a str, &str)]) -> Vec<(&'a str, String)> {
+    headers.iter().map(|(n, v)| (*n, (*v).to_owned())).collect()
 }
 
-impl Reply {
-    pub(crate) fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
-    pub(crate) fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
-    }
-}
-
-fn request_text(path: &str, headers: &[(&str, &str)], body: &str) -> String {
-    let mut text = format!(
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (n, v) in headers {
-        text.push_str(&format!("{n}: {v}\r\n"));
-    }
-    text.push_str("\r\n");
-    text.push_str(body);
-    text
-}
-
-/// Sends one POST and reads the whole response (the server closes the connection).
+/// Sends one POST and reads the whole response (the hyper client of `idempotency-test`).
 pub(crate) async fn post(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    stream
-        .write_all(request_text(path, headers, body).as_bytes())
+    let addr = addr.to_string();
+    let headers = owned(headers);
+    idempotency_test::http::send(&addr, "POST", path, &headers, body, Duration::from_secs(30))
         .await
-        .expect("write");
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.expect("read");
-    parse(&raw)
+        .expect("a complete response")
 }
 
-/// Sends one POST and hangs up after `after`, without reading the answer: a client timeout.
+/// Sends one POST and hangs up after `after` unless answered first: a client timeout.
 pub(crate) async fn post_and_hang_up(
     addr: SocketAddr,
     path: &str,
@@ -181,31 +147,7 @@ pub(crate) async fn post_and_hang_up(
     body: &str,
     after: Duration,
 ) {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    stream
-        .write_all(request_text(path, headers, body).as_bytes())
-        .await
-        .expect("write");
-    tokio::time::sleep(after).await;
-    drop(stream);
-}
-
-fn parse(raw: &[u8]) -> Reply {
-    let text = String::from_utf8_lossy(raw);
-    let (head, body) = text.split_once("\r\n\r\n").expect("a complete response");
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|s| s.parse().ok())
-        .expect("status line");
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Reply {
-        status,
-        headers,
-        body: body.to_owned(),
-    }
+    let addr = addr.to_string();
+    let headers = owned(headers);
+    let _ = idempotency_test::http::send(&addr, "POST", path, &headers, body, after).await;
 }

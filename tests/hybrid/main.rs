@@ -276,7 +276,10 @@ impl Run {
                     .bind(&id.as_bytes()[..])
                     .execute(&mut *tx)
                     .await?;
-                PostgresStore::complete_in(&mut tx, id, token, &outcome, RETENTION).await?;
+                self.store
+                    .postgres()
+                    .complete_in(&mut tx, id, token, &outcome, RETENTION)
+                    .await?;
                 tx.commit().await?;
                 Ok(())
             }
@@ -312,7 +315,9 @@ impl Run {
         loop {
             assert!(Instant::now() < deadline, "key-{key} never settled");
             match self.store.begin(&id, &fp, LEASE).await {
-                Ok(Begin::Execute(token)) => {
+                // A takeover runs like a fresh claim: this scenario checks the store under
+                // faults, not the policy for unknown outcomes.
+                Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
                     if self.operate(&id, key, token, stats).await {
                         stats.executed.fetch_add(1, Ordering::Relaxed);
                         return;
@@ -830,5 +835,233 @@ fn cancellation_sweep_with_redis_writes_stalled() {
             "the breaker must close once Redis answers: {:?}",
             store.metrics()
         );
+    });
+}
+
+/// `clients` concurrent clients run first requests on `ids`, one after another each, and
+/// complete them with the id as body. With `every_begin_executes`, any other answer (an
+/// `Unavailable` included) fails the test; without, such keys are skipped.
+async fn first_requests(
+    store: &Arc<HybridStore>,
+    ids: &[RecordId],
+    fp: &Fingerprint,
+    clients: usize,
+    every_begin_executes: bool,
+) {
+    let clients = ids.chunks(ids.len().div_ceil(clients)).map(|chunk| {
+        let (store, chunk, fp) = (store.clone(), chunk.to_vec(), *fp);
+        tokio::spawn(async move {
+            for id in chunk {
+                match store.begin(&id, &fp, LEASE).await {
+                    Ok(Begin::Execute(token)) => {
+                        let outcome = Outcome::new(201).with_body(id.to_hex());
+                        store
+                            .complete(&id, token, &outcome, RETENTION)
+                            .await
+                            .expect("complete");
+                    }
+                    other if every_begin_executes => panic!("a first begin answered {other:?}"),
+                    _ => {}
+                }
+            }
+        })
+    });
+    for client in futures::future::join_all(clients).await {
+        client.expect("client");
+    }
+}
+
+/// The defect CI run 19 found: while Redis hung, every Redis call first waited its turn to
+/// run the queue of stale-mirror repairs, a full budget per turn, and each completion Redis
+/// was not told about added to that queue. Under load the queue grew: begins behind it
+/// outlived their own budget (a hung Redis failed requests), and a lease mirror queued there
+/// outlived the `complete` that waited for it, landing once Redis resumed and answering "in
+/// flight" for a completed key. One budget now covers the repairs and the call, and a mirror
+/// its `complete` stopped waiting for is cancelled.
+#[test]
+fn a_hung_redis_queues_no_call_behind_the_repairs() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        let store = {
+            let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+            // The breaker never opens: every call meets the hung Redis.
+            let config = BreakerConfig::default().failure_threshold(u32::MAX);
+            Arc::new(HybridStore::new(
+                store.postgres().clone(),
+                store.redis().clone(),
+                config,
+            ))
+        };
+        let fp = Fingerprint::of(b"queued");
+        let outcome = |id: &RecordId| Outcome::new(201).with_body(id.to_hex());
+
+        redis.pause().await;
+        // Twenty-four clients, each running first requests one after another: every completion
+        // leaves a repair behind, so repairs are pending whenever a call starts.
+        let ids: Vec<RecordId> = (0..96)
+            .map(|_| idempotency_test::conformance::fresh_id())
+            .collect();
+        first_requests(&store, &ids, &fp, 24, true).await;
+
+        redis.unpause().await;
+        tokio::time::sleep(Duration::from_millis(300)).await; // queued commands run
+        // No lease mirror is left in Redis for a completed key: a record there is an outcome.
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("conn");
+        for id in &ids {
+            let value: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(store.redis().key(id))
+                .query_async(&mut conn)
+                .await
+                .expect("get");
+            assert_ne!(
+                value.as_deref().and_then(<[u8]>::first),
+                Some(&b'm'),
+                "a lease mirror landed after its key completed"
+            );
+        }
+        // Every retry replays at once, and the second from Redis alone.
+        let hits = store.metrics().redis_hits;
+        for id in ids.iter().chain(&ids) {
+            assert_eq!(
+                store.begin(id, &fp, LEASE).await.expect("retry"),
+                Begin::Replay(outcome(id)),
+                "{:?}",
+                store.metrics()
+            );
+        }
+        assert!(
+            store.metrics().redis_hits >= hits + ids.len() as u64,
+            "Redis answered the second retries: {:?}",
+            store.metrics()
+        );
+    });
+}
+
+/// After a long outage, stale-mirror repairs pile up (every completion Redis could not be
+/// told about). With Redis back and healthy, that backlog must drain and the breaker close,
+/// with the default breaker, under steady load, even when one call's budget cannot cover the
+/// whole backlog.
+#[test]
+fn a_repair_backlog_drains_once_redis_is_back() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        // A short call budget: one call clears about 2,000 repairs on this machine, a third
+        // of the backlog.
+        let fast = RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("h"))
+            .connect_timeout(Duration::from_millis(30))
+            .response_timeout(Duration::from_millis(30))
+            .call_budget(Duration::from_millis(30))
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let store = Arc::new(HybridStore::new(
+            pg_store(pg.url()).await,
+            fast,
+            BreakerConfig::default(),
+        ));
+        let fp = Fingerprint::of(b"backlog");
+        assert!(breaker_closes(&store).await, "Redis answers at the start");
+
+        redis.stop().await;
+        // Completions while Redis is down: each leaves a repair behind.
+        let ids: Vec<RecordId> = (0..6_000)
+            .map(|_| idempotency_test::conformance::fresh_id())
+            .collect();
+        first_requests(&store, &ids, &fp, 16, false).await;
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
+
+        redis.start().await;
+        // Steady load on completed keys: replays, from Postgres until Redis is back in use.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut round = 0;
+        while store.metrics().breaker_state != BreakerState::Closed
+            || store.metrics().redis_hits == 0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the backlog kept Redis off: {:?}",
+                store.metrics()
+            );
+            let wave = ids[(round % 20) * 16..][..16].to_vec();
+            round += 1;
+            futures::future::join_all(wave.iter().map(|id| store.begin(id, &fp, LEASE))).await;
+        }
+    });
+}
+
+/// An operator's `force_release` while Redis is unreachable: Postgres forgets the record at
+/// once, but the answer is `Unavailable` (Redis still holds the outcome, which would replay
+/// the deleted record); the delete stays queued and runs before Redis answers this process
+/// again, and the call made again answers `Absent`. The next request executes.
+#[test]
+fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_copy() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let (redis, store) = dedicated_hybrid().await;
+        let (id, fp) = (
+            idempotency_test::conformance::fresh_id(),
+            Fingerprint::of(b"forget"),
+        );
+        let Begin::Execute(token) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("a fresh key executes")
+        };
+        let outcome = Outcome::new(201).with_body("charged");
+        store
+            .complete(&id, token, &outcome, RETENTION)
+            .await
+            .expect("complete");
+        assert!(matches!(
+            store.redis().peek(&id, &fp).await,
+            Ok(idempotency_redis::Peek::Found(Begin::Replay(_)))
+        ));
+
+        redis.pause().await;
+        let answer = store.force_release(&id, true).await;
+        assert!(
+            matches!(answer, Err(Error::Unavailable(_))),
+            "Redis still holds the copy: {answer:?}"
+        );
+        assert_eq!(
+            store.postgres().inspect(&id).await.expect("inspect"),
+            None,
+            "Postgres forgot it at once"
+        );
+        redis.unpause().await;
+
+        assert!(breaker_closes(&store).await, "{:?}", store.metrics());
+        assert!(
+            matches!(
+                store.redis().peek(&id, &fp).await,
+                Ok(idempotency_redis::Peek::Absent)
+            ),
+            "the queued delete ran before Redis answered again"
+        );
+        assert_eq!(
+            store.force_release(&id, true).await.expect("force_release"),
+            idempotency_core::ForceReleased::Absent
+        );
+        assert!(matches!(
+            store.begin(&id, &fp, LEASE).await.expect("begin"),
+            Begin::Execute(_)
+        ));
     });
 }

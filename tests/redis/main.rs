@@ -34,6 +34,66 @@ async fn store() -> Option<Arc<RedisStore>> {
 
 idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 
+/// The same suite on a store made from the application's own `ConnectionManager` (built
+/// with the `redis` crate the store re-exports, so the versions match).
+mod own_connection {
+    use super::*;
+    use idempotency_redis::redis;
+
+    async fn own_store() -> Option<Arc<RedisStore>> {
+        static STORE: OnceCell<Arc<RedisStore>> = OnceCell::const_new();
+        let redis = services::redis().await?;
+        Some(
+            STORE
+                .get_or_init(|| async {
+                    let client = redis::Client::open(redis.url()).expect("client");
+                    let manager = redis::aio::ConnectionManager::new(client)
+                        .await
+                        .expect("manager");
+                    let store = RedisStore::from_connection_manager(manager)
+                        .prefix(idempotency_test::unique("own"))
+                        .connect()
+                        .await
+                        .expect("store");
+                    Arc::new(store)
+                })
+                .await
+                .clone(),
+        )
+    }
+
+    idempotency_test::conformance_tests!(async { own_store().await.map(|s| s as Arc<dyn Store>) });
+
+    /// The record is in the application's Redis, under the configured prefix.
+    #[test]
+    fn records_land_on_the_given_connection() {
+        block_on(async {
+            let Some(store) = own_store().await else {
+                return;
+            };
+            let id = fresh_id();
+            let token = execute(&*store, &id, &fp("a"), LONG).await;
+            store
+                .complete(&id, token, &Outcome::new(201), LONG)
+                .await
+                .expect("complete");
+            let redis = services::redis().await.expect("redis");
+            let mut conn = redis::Client::open(redis.url())
+                .expect("client")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connection");
+            let value: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(store.key(&id))
+                .query_async(&mut conn)
+                .await
+                .expect("get");
+            assert!(store.key(&id).starts_with("own"), "{}", store.key(&id));
+            assert_eq!(value.and_then(|v| v.first().copied()), Some(b'1'));
+        });
+    }
+}
+
 /// The same suite on a Redis Cluster of three masters: every script touches one hash-tagged
 /// key, so every call routes to one slot.
 mod cluster {
@@ -159,6 +219,22 @@ fn an_evicting_redis_is_refused_unless_accepted() {
             }
             other => panic!("expected a configuration error, got {other:?}"),
         }
+        // RESP3 answers CONFIG GET with a map, not an array: still read, still refused
+        // (before, the map failed to decode and the check passed with a warning).
+        let resp3 = format!("{}?protocol=resp3", lru.url());
+        match RedisStore::builder(resp3.as_str()).connect().await {
+            Err(Error::Config(why)) => assert!(why.contains("allkeys-lru"), "{why}"),
+            other => panic!("RESP3: expected a configuration error, got {other:?}"),
+        }
+        // The same through a connection the application made itself.
+        let client = idempotency_redis::redis::Client::open(resp3.as_str()).expect("client");
+        let manager = idempotency_redis::redis::aio::ConnectionManager::new(client)
+            .await
+            .expect("manager");
+        assert!(matches!(
+            RedisStore::from_connection_manager(manager).connect().await,
+            Err(Error::Config(_))
+        ));
         RedisStore::builder(lru.url())
             .eviction_check(EvictionCheck::Warn)
             .connect()
@@ -316,7 +392,7 @@ fn records_of_the_earlier_layout_are_still_served() {
             store.begin(&live, &fp_a, LONG).await.expect("begin"),
             Begin::Replay(outcome.clone())
         );
-        let taken = execute(&*store, &over, &fp_a, LONG).await;
+        let taken = idempotency_test::conformance::take_over(&*store, &over, &fp_a, LONG).await;
         assert!(matches!(
             store.complete(&over, token, &outcome, LONG).await,
             Err(Error::LeaseLost)

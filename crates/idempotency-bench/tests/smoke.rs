@@ -74,3 +74,34 @@ fn the_scale_scenario_runs() {
         assert!(purge.0.contains("5000 rows purged"), "{}", purge.0);
     });
 }
+
+/// `--help` documents every flag, and a wrong flag is a usage error (exit 2), not a run.
+#[test]
+fn the_cli_documents_its_flags_and_refuses_unknown_ones() {
+    let bin = env!("CARGO_BIN_EXE_idempotency-bench");
+    let help = std::process::Command::new(bin)
+        .arg("--help")
+        .output()
+        .expect("run --help");
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(help.status.success(), "{text}");
+    for flag in [
+        "--smoke",
+        "--concurrency",
+        "--seconds",
+        "--ops",
+        "--out",
+        "--only",
+        "--scale",
+        "--scale-rows",
+        "--scale-expired",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
+    }
+    let wrong = std::process::Command::new(bin)
+        .args(["--concurrency", "0"])
+        .output()
+        .expect("run with a bad value");
+    assert_eq!(wrong.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("--concurrency"));
+}

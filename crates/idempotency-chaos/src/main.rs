@@ -60,7 +60,7 @@ struct Args {
     /// The payments-demo binary (default: next to this one; `cargo build -p payments-demo`).
     #[arg(long, env = "CHAOS_DEMO_BIN")]
     demo_bin: Option<PathBuf>,
-    /// Where logs and the nginx configuration go (default: target/chaos/<seed>).
+    /// Where logs and the nginx configuration go (default: `target/chaos/<seed>`).
     #[arg(long)]
     work_dir: Option<PathBuf>,
 }

@@ -96,11 +96,15 @@ impl<T: GrantsLease> Drop for Receiver<T> {
 
 /// An answer that may grant a lease: [`Begin`], or `Begin` with extra data such as a TTL.
 pub trait GrantsLease: Send + 'static {
-    /// The token of the lease this answer grants, if any.
+    /// The token of the lease to release when nobody receives this answer, if any.
     fn granted(&self) -> Option<LeaseToken>;
 }
 
 impl GrantsLease for Begin {
+    /// `Execute` only. A `TakeOver` lease whose claimer went away is left to run out, not
+    /// released: released, the record of the unfinished attempt before it would be gone,
+    /// and the next `begin` would answer a fresh `Execute` instead of `TakeOver` (its
+    /// outcome still unknown). It costs one lease of `InFlight`.
     fn granted(&self) -> Option<LeaseToken> {
         match self {
             Begin::Execute(token) => Some(*token),

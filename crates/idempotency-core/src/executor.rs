@@ -131,6 +131,13 @@ impl<S: Store + ?Sized> Executor<S> {
         let lease = self.policy.lease();
         let token = match self.store.begin(&id, fingerprint, lease).await {
             Ok(Begin::Execute(token)) => token,
+            Ok(Begin::TakeOver(token)) => {
+                // An earlier attempt's lease ran out before it stored a result: it may have
+                // had its effect. The executor runs the operation again (an effect keyed by
+                // the record id, under a unique constraint, makes that safe); say so.
+                tracing::warn!(record = %id, "an earlier attempt's outcome is unknown (its lease ran out); running again");
+                token
+            }
             Ok(Begin::Replay(outcome)) => {
                 let value = serde_json::from_slice(&outcome.body).map_err(|e| {
                     RunError::Store(Error::Corrupt(format!(

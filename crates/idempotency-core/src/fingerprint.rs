@@ -48,6 +48,11 @@ impl Fingerprint {
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
+
+    /// Lowercase hex, as the admin view shows it.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.as_bytes())
+    }
 }
 
 impl fmt::Debug for Fingerprint {

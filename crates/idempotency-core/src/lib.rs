@@ -11,6 +11,8 @@
 //! - [`Store`]: the record state machine (`begin` → `Execute` / `Replay` / `InFlight` /
 //!   `Mismatch`, then `complete` or `release`, fenced by a [`LeaseToken`]);
 //! - [`Policy`]: lease, retention and which statuses are stored;
+//! - [`Inspection`] and [`ForceReleased`]: what an operator sees of a record and may do to
+//!   it ([`Store::inspect`], [`Store::force_release`]);
 //! - [`MemoryStore`]: the in-process store (single process only);
 //! - [`spawn_purger`]: batched deletion of expired records for any store;
 //! - [`Executor`]: run any async operation at most once per key (queue consumers, jobs).
@@ -21,8 +23,10 @@
 mod detach;
 mod executor;
 mod fingerprint;
+mod inspect;
 mod key;
 mod memory;
+mod observe;
 mod outcome;
 mod policy;
 mod purge;
@@ -31,8 +35,10 @@ mod store;
 pub use detach::{GrantsLease, detached_claim, release_orphan};
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use inspect::{ForceReleased, Inspection, RecordState, system_time_from_millis};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
+pub use observe::{Answer, observe};
 pub use outcome::{DecodeError, Outcome};
 pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, spawn_purger};

@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use crate::{
-    Begin, Error, Fingerprint, LATE_COMPLETION_GRACE, LeaseToken, Outcome, RecordId, Result, Store,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
+    Outcome, RecordId, Result, Store,
 };
 
 /// A [`Store`] in this process's memory.
@@ -48,6 +49,7 @@ struct ManualClock {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Record {
     fingerprint: Fingerprint,
+    created_at: Instant,
     state: State,
 }
 
@@ -98,8 +100,8 @@ impl MemoryStore {
     /// let lease = Duration::from_secs(2);
     /// assert!(matches!(store.begin(&id, &fp, lease).await, Ok(Begin::Execute(_))));
     /// let snapshot = store.snapshot();
-    /// store.advance(Duration::from_secs(2)); // the lease ends: a takeover executes
-    /// assert!(matches!(store.begin(&id, &fp, lease).await, Ok(Begin::Execute(_))));
+    /// store.advance(Duration::from_secs(2)); // the lease ends unfinished: taken over
+    /// assert!(matches!(store.begin(&id, &fp, lease).await, Ok(Begin::TakeOver(_))));
     /// assert_ne!(store, snapshot);
     /// # });
     /// ```
@@ -221,31 +223,53 @@ impl std::hash::Hash for MemoryStore {
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let mut records = self.lock();
-        let now = self.now();
-        if let Some(record) = records.get(id).filter(|r| r.is_live(now)) {
-            if record.fingerprint != *fp {
-                return Ok(Begin::Mismatch);
+        crate::observe(self.name(), "begin", async {
+            let mut records = self.lock();
+            let now = self.now();
+            if let Some(record) = records.get(id).filter(|r| r.is_live(now)) {
+                if record.fingerprint != *fp {
+                    return Ok(Begin::Mismatch);
+                }
+                return Ok(match &record.state {
+                    State::Completed { outcome, .. } => Begin::Replay(outcome.clone()),
+                    State::InFlight { lease_until, .. } => Begin::InFlight {
+                        retry_after: *lease_until - now,
+                    },
+                });
             }
-            return Ok(match &record.state {
-                State::Completed { outcome, .. } => Begin::Replay(outcome.clone()),
-                State::InFlight { lease_until, .. } => Begin::InFlight {
-                    retry_after: *lease_until - now,
+            // An expired lease still there was never completed: its outcome is unknown, and
+            // only the same request may take it over.
+            let taken_over = match records.get(id) {
+                Some(Record {
+                    state: State::InFlight { .. },
+                    fingerprint,
+                    ..
+                }) if fingerprint != fp => return Ok(Begin::Mismatch),
+                Some(Record {
+                    state: State::InFlight { .. },
+                    ..
+                }) => true,
+                _ => false,
+            };
+            let token = self.new_token();
+            records.insert(
+                *id,
+                Record {
+                    fingerprint: *fp,
+                    created_at: now,
+                    state: State::InFlight {
+                        token,
+                        lease_until: now + lease,
+                    },
                 },
-            });
-        }
-        let token = self.new_token();
-        records.insert(
-            *id,
-            Record {
-                fingerprint: *fp,
-                state: State::InFlight {
-                    token,
-                    lease_until: now + lease,
-                },
-            },
-        );
-        Ok(Begin::Execute(token))
+            );
+            Ok(if taken_over {
+                Begin::TakeOver(token)
+            } else {
+                Begin::Execute(token)
+            })
+        })
+        .await
     }
 
     async fn complete(
@@ -255,44 +279,53 @@ impl Store for MemoryStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        {
-            let records = self.lock();
-            if let Some(Record {
-                state: State::Completed { token: owner, .. },
-                ..
-            }) = records.get(id)
-                && *owner == token
+        crate::observe(self.name(), "complete", async {
             {
-                return Ok(()); // completed by this token already: the first outcome stands
+                let records = self.lock();
+                if let Some(Record {
+                    state: State::Completed { token: owner, .. },
+                    ..
+                }) = records.get(id)
+                    && *owner == token
+                {
+                    return Ok(()); // completed by this token already: the first outcome stands
+                }
             }
-        }
-        self.with_owned(id, token, |records| {
-            if let Some(record) = records.get_mut(id) {
-                record.state = State::Completed {
-                    token,
-                    outcome: outcome.clone(),
-                    expires_at: self.now() + retention,
-                };
-            }
+            self.with_owned(id, token, |records| {
+                if let Some(record) = records.get_mut(id) {
+                    record.state = State::Completed {
+                        token,
+                        outcome: outcome.clone(),
+                        expires_at: self.now() + retention,
+                    };
+                }
+            })
         })
+        .await
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        self.with_owned(id, token, |records| {
-            records.remove(id);
+        crate::observe(self.name(), "release", async {
+            self.with_owned(id, token, |records| {
+                records.remove(id);
+            })
         })
+        .await
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        self.with_owned(id, token, |records| {
-            if let Some(Record {
-                state: State::InFlight { lease_until, .. },
-                ..
-            }) = records.get_mut(id)
-            {
-                *lease_until = self.now() + lease;
-            }
+        crate::observe(self.name(), "renew", async {
+            self.with_owned(id, token, |records| {
+                if let Some(Record {
+                    state: State::InFlight { lease_until, .. },
+                    ..
+                }) = records.get_mut(id)
+                {
+                    *lease_until = self.now() + lease;
+                }
+            })
         })
+        .await
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
@@ -312,6 +345,58 @@ impl Store for MemoryStore {
             records.remove(id);
         }
         Ok(expired.len() as u64)
+    }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        let records = self.lock();
+        let now = self.now();
+        // This store's clock is an `Instant`: its times are mapped onto the wall clock now.
+        let wall = |at: Instant| {
+            let wall_now = std::time::SystemTime::now();
+            if at >= now {
+                wall_now + (at - now)
+            } else {
+                wall_now - (now - at)
+            }
+        };
+        Ok(records.get(id).and_then(|record| match &record.state {
+            State::InFlight { lease_until, .. } => Some(Inspection::in_flight(
+                record.fingerprint,
+                Some(wall(record.created_at)),
+                wall(*lease_until),
+                lease_until.saturating_duration_since(now),
+            )),
+            State::Completed {
+                outcome,
+                expires_at,
+                ..
+            } => (*expires_at > now).then(|| {
+                Inspection::completed(
+                    record.fingerprint,
+                    Some(wall(record.created_at)),
+                    wall(*expires_at),
+                    outcome.status,
+                )
+            }),
+        }))
+    }
+
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+        let mut records = self.lock();
+        let now = self.now();
+        let found = match records.get(id).map(|r| &r.state) {
+            None => ForceReleased::Absent,
+            Some(State::InFlight { .. }) => ForceReleased::Released,
+            Some(State::Completed { expires_at, .. }) if *expires_at <= now => {
+                ForceReleased::Absent
+            }
+            Some(State::Completed { .. }) if include_completed => ForceReleased::Deleted,
+            Some(State::Completed { .. }) => ForceReleased::Completed,
+        };
+        if matches!(found, ForceReleased::Released | ForceReleased::Deleted) {
+            records.remove(id);
+        }
+        Ok(found)
     }
 
     fn name(&self) -> &'static str {

@@ -33,7 +33,7 @@ pub struct Policy {
 /// Statuses in the cacheable ranges that still mean "not done, try again".
 const RETRYABLE_4XX: [u16; 4] = [408, 409, 425, 429];
 
-/// The default cache rule of DESIGN.md.
+/// The default cache rule of `docs/design.md` ("What is cached").
 pub fn default_cacheable(status: u16) -> bool {
     (200..500).contains(&status) && !RETRYABLE_4XX.contains(&status)
 }

@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use uuid::Uuid;
 
-use crate::{Fingerprint, Outcome, RecordId};
+use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId};
 
 /// How long an expired lease that nobody took over stays in the store, so that its owner's
 /// late `complete` or `release` is still accepted: the purge leaves it alone this long, and
@@ -85,11 +85,21 @@ impl fmt::Display for LeaseToken {
     }
 }
 
-/// The answer of [`Store::begin`]: exactly one of four.
+/// The answer of [`Store::begin`]: exactly one of five.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Begin {
     /// The caller owns the key and must run the operation, then `complete` or `release`.
     Execute(LeaseToken),
+    /// As `Execute`, but the key was taken over from an earlier attempt whose lease ran out
+    /// before it completed (it crashed, hung, or lost its connection): **that attempt's
+    /// outcome is unknown**, and it may have had its effect (was the card charged?). Check
+    /// before running the operation again, then `complete` or `release` as for `Execute`.
+    ///
+    /// Reported while the expired lease's record exists, that is for at least
+    /// [`LATE_COMPLETION_GRACE`] after the lease ran out; a key retried later than that
+    /// answers `Execute`. A completed record past its retention, or a released one, is a
+    /// fresh start: `Execute`.
+    TakeOver(LeaseToken),
     /// The operation completed earlier with the same fingerprint: return this outcome.
     Replay(Outcome),
     /// Another attempt holds a live lease; try again after about `retry_after`.
@@ -101,9 +111,26 @@ pub enum Begin {
     Mismatch,
 }
 
+impl Begin {
+    /// The token of the lease this answer grants: `Execute` and `TakeOver`.
+    ///
+    /// ```
+    /// use idempotency_core::{Begin, LeaseToken};
+    /// let token = LeaseToken::generate();
+    /// assert_eq!(Begin::TakeOver(token).lease_token(), Some(token));
+    /// assert_eq!(Begin::Mismatch.lease_token(), None);
+    /// ```
+    pub fn lease_token(&self) -> Option<LeaseToken> {
+        match self {
+            Begin::Execute(token) | Begin::TakeOver(token) => Some(*token),
+            _ => None,
+        }
+    }
+}
+
 /// A place that records, per record id, whether an operation ran and what it returned.
 ///
-/// The state machine every implementation follows (DESIGN.md):
+/// The state machine every implementation follows (`docs/design.md`):
 ///
 /// ```text
 /// absent/expired --begin--> InFlight{token, lease_until} --complete(token)--> Completed{outcome}
@@ -111,10 +138,14 @@ pub enum Begin {
 ///                                \--lease expired, begin--> InFlight{new token}
 /// ```
 ///
-/// - `begin` on an absent record, on a record whose lease expired, or on a completed record
-///   past its retention, claims it and returns `Execute` with a new token.
+/// - `begin` on an absent record, or on a completed record past its retention, claims it and
+///   returns `Execute` with a new token; on a record whose lease expired (not completed), it
+///   takes it over and returns `TakeOver` with a new token.
 /// - On a live record with another fingerprint it returns `Mismatch`; with the same
-///   fingerprint `Replay` when completed and `InFlight` while leased.
+///   fingerprint `Replay` when completed and `InFlight` while leased. An unfinished record
+///   whose lease ran out is taken over by the same fingerprint only; another fingerprint is
+///   `Mismatch` as long as the record exists (Redis: up to [`LATE_COMPLETION_GRACE`] past
+///   the lease; Postgres and memory: until the purge removes it, the same grace later).
 /// - `complete`, `release` and `renew` succeed only while the token owns the record, and
 ///   otherwise return [`Error::LeaseLost`] and change nothing. A token owns an in-flight
 ///   record until another `begin` takes it over — **even after its lease ran out**: a late
@@ -191,6 +222,23 @@ pub trait Store: Send + Sync + 'static {
     /// by themselves return 0.
     async fn purge_expired(&self, batch: usize) -> Result<u64>;
 
+    /// Reads the live record under `id` for an operator: `None` when there is none (never
+    /// claimed, released, or past its retention). An in-flight record whose lease ran out is
+    /// still reported (lease remaining zero) until a `begin` takes it over or the purge
+    /// removes it: that is the record of an attempt whose outcome is unknown.
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>>;
+
+    /// Deletes the record under `id` for an operator, whoever holds it: an in-flight record
+    /// always, a completed one only with `include_completed`. Fencing-safe: the token that
+    /// owned it no longer owns anything, so its late `complete`, `renew` or `release`
+    /// answers [`Error::LeaseLost`] and changes nothing. The answer says what was found.
+    ///
+    /// Fencing covers the store, not the world: a holder still running its operation goes on
+    /// running it, and the next `begin` executes it again. Release leases whose holder is
+    /// gone (a lease that ran out: [`RecordState::InFlight`](crate::RecordState) with no
+    /// lease left) or known to be stuck.
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased>;
+
     /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).
     fn name(&self) -> &'static str;
 }
@@ -217,6 +265,12 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         (**self).purge_expired(batch).await
+    }
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        (**self).inspect(id).await
+    }
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+        (**self).force_release(id, include_completed).await
     }
     fn name(&self) -> &'static str {
         (**self).name()

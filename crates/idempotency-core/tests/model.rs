@@ -17,7 +17,11 @@
 //! - (c) `answerable once owners stopped`: when no worker holds a lease and the last lease
 //!   granted or renewed has run out, a `begin` does not answer `InFlight`;
 //! - (d) `fenced writes change nothing`: a `complete`/`release`/`renew` with a token that does
-//!   not own the record answers `LeaseLost` and leaves the store as it was.
+//!   not own the record answers `LeaseLost` and leaves the store as it was;
+//! - (e) `a takeover is reported exactly when a lease ran out unfinished`: `begin` answers
+//!   `TakeOver` (the earlier attempt's outcome is unknown) when, and only when, the record
+//!   was claimed and neither completed nor released; a fresh key, a released one, or a
+//!   completed one past its retention is `Execute`.
 
 use std::time::Duration;
 
@@ -89,6 +93,8 @@ struct State {
     lease_until: u8,
     bad_replay: bool,
     fence_broken: bool,
+    takeover_misreported: bool,
+    takeover_reported: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -164,6 +170,8 @@ impl Model for Protocol {
             lease_until: 0,
             bad_replay: false,
             fence_broken: false,
+            takeover_misreported: false,
+            takeover_reported: false,
         }]
     }
 
@@ -200,7 +208,17 @@ impl Model for Protocol {
                     return None;
                 };
                 match block_on(next.store.0.begin(&self.id, &self.fp, LEASE)).ok()? {
-                    Begin::Execute(token) => {
+                    answer @ (Begin::Execute(_) | Begin::TakeOver(_)) => {
+                        let token = answer.lease_token()?;
+                        // (e) `TakeOver` exactly when an owner's lease ran out unfinished:
+                        // somebody claimed, and neither completed nor released.
+                        let unfinished = next.owner.is_some() && next.completed.is_none();
+                        if matches!(answer, Begin::TakeOver(_)) != unfinished {
+                            next.takeover_misreported = true;
+                        }
+                        if matches!(answer, Begin::TakeOver(_)) {
+                            next.takeover_reported = true;
+                        }
                         // A new retention window after the last one expired...
                         if next
                             .completed_until
@@ -352,6 +370,10 @@ impl Model for Protocol {
             Property::always("no claim while a lease lives", |_, s: &State| {
                 !s.double_claim
             }),
+            Property::always(
+                "a takeover is reported exactly when a lease ran out unfinished",
+                |_, s: &State| !s.takeover_misreported,
+            ),
             // Reachability: the bounds reach the cases the properties are about.
             Property::sometimes("a completion after its lease ran out", |_, s: &State| {
                 s.late_completion_accepted
@@ -359,6 +381,7 @@ impl Model for Protocol {
             Property::sometimes("a crashed owner is taken over", |_, s: &State| {
                 s.crashed_owner_taken_over && s.effects == 2
             }),
+            Property::sometimes("a takeover reported", |_, s: &State| s.takeover_reported),
             Property::sometimes("a replay", |_, s: &State| {
                 s.completed.is_some()
                     && s.workers.iter().filter(|w| **w == Worker::Finished).count() >= 2

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 /// The breaker's state, as reported in metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BreakerState {
     /// Redis is used.
     Closed,
@@ -34,6 +35,7 @@ impl BreakerState {
 
 /// Breaker tuning.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct BreakerConfig {
     /// Consecutive Redis failures that open the breaker (default 3).
     pub failure_threshold: u32,
@@ -41,6 +43,31 @@ pub struct BreakerConfig {
     pub base_backoff: Duration,
     /// Longest open period (default 5 s).
     pub max_backoff: Duration,
+}
+
+impl BreakerConfig {
+    /// Consecutive Redis failures that open the breaker.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_hybrid::BreakerConfig;
+    ///
+    /// let config = BreakerConfig::default()
+    ///     .failure_threshold(5)
+    ///     .backoff(Duration::from_millis(100), Duration::from_secs(10));
+    /// assert_eq!(config.failure_threshold, 5);
+    /// ```
+    pub fn failure_threshold(mut self, failures: u32) -> Self {
+        self.failure_threshold = failures.max(1);
+        self
+    }
+
+    /// The first open period and the longest one (each failed probe doubles it).
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.base_backoff = base;
+        self.max_backoff = max.max(base);
+        self
+    }
 }
 
 impl Default for BreakerConfig {
@@ -70,12 +97,30 @@ pub(crate) struct Breaker {
 
 impl Breaker {
     pub(crate) fn new(config: BreakerConfig) -> Self {
+        publish(BreakerState::Closed);
         Self {
             config,
             inner: Mutex::new(Inner::Closed { failures: 0 }),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
         }
+    }
+
+    /// Describes the hybrid store's metrics (their help texts) to the installed `metrics`
+    /// recorder.
+    pub(crate) fn describe() {
+        metrics::describe_gauge!(
+            "idempotency_breaker_state",
+            "Redis breaker state (1 for the current one)."
+        );
+        metrics::describe_counter!(
+            "idempotency_breaker_opened_total",
+            "Times the Redis breaker opened."
+        );
+        metrics::describe_counter!(
+            "idempotency_breaker_closed_total",
+            "Times the Redis breaker closed again."
+        );
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -106,6 +151,7 @@ impl Breaker {
             Inner::Closed { .. } => false,
             Inner::Open { until, backoff } if Instant::now() >= until => {
                 *inner = Inner::HalfOpen { backoff };
+                publish(BreakerState::HalfOpen);
                 tracing::info!("Redis breaker half-open: probing");
                 true
             }
@@ -125,6 +171,7 @@ impl Breaker {
                 until: Instant::now(),
                 backoff,
             };
+            publish(BreakerState::Open);
         }
     }
 
@@ -133,6 +180,8 @@ impl Breaker {
         if !matches!(*inner, Inner::Closed { failures: 0 }) {
             if !matches!(*inner, Inner::Closed { .. }) {
                 self.closed.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_breaker_closed_total").increment(1);
+                publish(BreakerState::Closed);
                 tracing::info!("Redis breaker closed: Redis answers again");
             }
             *inner = Inner::Closed { failures: 0 };
@@ -158,6 +207,8 @@ impl Breaker {
             backoff: open_for,
         };
         self.opened.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("idempotency_breaker_opened_total").increment(1);
+        publish(BreakerState::Open);
         tracing::warn!(?open_for, "Redis breaker open: serving from Postgres alone");
     }
 }
@@ -189,6 +240,19 @@ impl Drop for Permit<'_> {
             tracing::debug!("Redis breaker probe cancelled; the next call probes");
             self.breaker.abandon_probe();
         }
+    }
+}
+
+/// The breaker's state as the gauge `idempotency_breaker_state{state}`: 1 for the current
+/// state, 0 for the others (one breaker per process is what it describes).
+fn publish(now: BreakerState) {
+    for state in [
+        BreakerState::Closed,
+        BreakerState::Open,
+        BreakerState::HalfOpen,
+    ] {
+        metrics::gauge!("idempotency_breaker_state", "state" => state.as_str())
+            .set(f64::from(u8::from(state == now)));
     }
 }
 

@@ -11,7 +11,8 @@ use std::{
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId, Result,
+    Store, detached_claim,
 };
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore};
@@ -61,7 +62,7 @@ struct Shared {
     breaker: Breaker,
     /// Mirrors that may be stale: their record was completed or released in Postgres while
     /// Redis could not be told. Fenced deletes run at the next successful Redis call.
-    repairs: std::sync::Mutex<std::collections::VecDeque<(RecordId, LeaseToken)>>,
+    repairs: std::sync::Mutex<Repairs>,
     repairing: tokio::sync::Mutex<()>,
     /// Lease mirrors written after `begin` answered, until they land.
     mirrors: std::sync::Mutex<std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>,
@@ -73,6 +74,7 @@ struct Shared {
 
 /// A snapshot of the hybrid store's counters, for metrics and health checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HybridMetrics {
     /// `begin`s answered by Redis alone.
     pub redis_hits: u64,
@@ -113,7 +115,7 @@ impl HybridStore {
             mirror_ttl: Duration::from_secs(2),
             inner: Arc::new(Shared {
                 breaker: Breaker::new(breaker),
-                repairs: std::sync::Mutex::new(std::collections::VecDeque::new()),
+                repairs: std::sync::Mutex::default(),
                 repairing: tokio::sync::Mutex::new(()),
                 mirrors: std::sync::Mutex::default(),
                 redis_hits: AtomicU64::new(0),
@@ -148,6 +150,32 @@ impl HybridStore {
         &self.redis
     }
 
+    /// Describes the hybrid store's metrics (help texts) to the installed `metrics`
+    /// recorder. The store counts through the facade — `idempotency_redis_hits_total`,
+    /// `idempotency_redis_misses_total`, `idempotency_redis_errors_total`,
+    /// `idempotency_redis_fallbacks_total`, `idempotency_breaker_opened_total`,
+    /// `idempotency_breaker_closed_total` and the gauge `idempotency_breaker_state{state}` —
+    /// and here, for [`HybridStore::metrics`].
+    pub fn describe_metrics() {
+        metrics::describe_counter!(
+            "idempotency_redis_hits_total",
+            "begin calls answered by Redis alone."
+        );
+        metrics::describe_counter!(
+            "idempotency_redis_misses_total",
+            "begin calls Redis could not answer."
+        );
+        metrics::describe_counter!(
+            "idempotency_redis_errors_total",
+            "Redis calls that failed or timed out."
+        );
+        metrics::describe_counter!(
+            "idempotency_redis_fallbacks_total",
+            "Calls served by Postgres alone."
+        );
+        crate::breaker::Breaker::describe();
+    }
+
     /// The counters and the breaker state.
     pub fn metrics(&self) -> HybridMetrics {
         let s = &self.inner;
@@ -165,38 +193,55 @@ impl HybridStore {
     /// Runs a Redis call through the breaker. `None` means "Redis had nothing to say": it is
     /// skipped (breaker open), failed or timed out. Never an error: Redis is an optimisation.
     ///
+    /// Pending repairs run first, within one call budget: a call never queues behind other
+    /// calls' repairs longer than that (under load with Redis hung, the queue would outgrow
+    /// every caller's budget). What the breaker hears is what Redis did: a caller that only
+    /// waited for another's repairs reports nothing, and one whose deletes were answered
+    /// reports success even when the backlog outlasted its budget, so a long backlog left by
+    /// an outage drains, across calls, on a healthy Redis instead of keeping it off.
+    ///
     /// Cancel-safe: the breaker permit reports nothing when dropped (a dropped probe hands
     /// the probe to the next call), and repairs taken for this call go back in the queue.
     async fn try_redis<T>(&self, call: impl Future<Output = Result<T>>) -> Option<T> {
         let s = &self.inner;
         let Some(permit) = s.breaker.allow() else {
-            s.fallbacks.fetch_add(1, Ordering::Relaxed);
+            s.fallback();
             return None;
         };
-        // Stale mirrors go first: on this FIFO connection the deletes run after any late
-        // write, and before the call reads.
-        if !self.repair_mirrors().await {
-            s.redis_errors.fetch_add(1, Ordering::Relaxed);
-            s.fallbacks.fetch_add(1, Ordering::Relaxed);
-            permit.failure();
-            return None;
+        let budget = self.redis.call_budget();
+        let mut progress = RepairProgress::default();
+        match tokio::time::timeout(budget, self.repair_mirrors(&mut progress)).await {
+            Ok(true) => {}
+            Err(_) if progress.answered > 0 => {
+                permit.success();
+                s.fallback();
+                return None;
+            }
+            Err(_) if !progress.held => {
+                drop(permit); // waited for another caller's repairs: no news of Redis
+                s.fallback();
+                return None;
+            }
+            Ok(false) | Err(_) => {
+                s.redis_failed(permit, "repairing stale mirrors failed or timed out");
+                return None;
+            }
         }
+        // The call has a budget of its own (the store's).
         match call.await {
             Ok(value) => {
                 permit.success();
                 Some(value)
             }
             Err(Error::Unavailable(error)) => {
-                s.redis_errors.fetch_add(1, Ordering::Relaxed);
-                s.fallbacks.fetch_add(1, Ordering::Relaxed);
-                permit.failure();
-                tracing::debug!(%error, "Redis call failed; Postgres serves alone");
+                s.redis_failed(permit, &error.to_string());
                 None
             }
             // Redis answered (so it is up) but with something unusable: ignore the answer.
             Err(error) => {
                 permit.success();
                 s.redis_errors.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_redis_errors_total").increment(1);
                 tracing::warn!(%error, "unusable answer from Redis; asking Postgres");
                 None
             }
@@ -204,16 +249,91 @@ impl HybridStore {
     }
 }
 
+impl Shared {
+    fn repairs(&self) -> std::sync::MutexGuard<'_, Repairs> {
+        self.repairs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn fallback(&self) {
+        self.fallbacks.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("idempotency_redis_fallbacks_total").increment(1);
+    }
+
+    fn redis_failed(&self, permit: crate::breaker::Permit<'_>, error: &str) {
+        self.redis_errors.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("idempotency_redis_errors_total").increment(1);
+        self.fallback();
+        permit.failure();
+        tracing::debug!(%error, "Redis call failed; Postgres serves alone");
+    }
+}
+
+/// A Redis copy that may be stale: the lease mirror of this token, or (`None`, after an
+/// operator's `force_release`) whatever Redis holds for the record.
+type Repair = (RecordId, Option<LeaseToken>);
+
+/// Stale mirrors to delete (see [`Shared::repairs`]).
+#[derive(Debug, Default)]
+struct Repairs {
+    queue: std::collections::VecDeque<Repair>,
+    /// Taken by the caller running them and not answered yet: reads wait for these too.
+    taken: usize,
+}
+
+impl Repairs {
+    fn push(&mut self, repair: Repair) {
+        if self.queue.len() >= MAX_REPAIRS {
+            // The oldest mirror repair goes (a mirror expires by its TTL); an operator's
+            // forget stays: the cached outcome it deletes would replay for its retention.
+            match self.queue.iter().position(|(_, token)| token.is_some()) {
+                Some(oldest) => {
+                    self.queue.remove(oldest);
+                }
+                None => {
+                    self.queue.pop_front();
+                }
+            }
+        }
+        self.queue.push_back(repair);
+    }
+}
+
+/// What a call's repair step got done before its budget ran out.
+#[derive(Debug, Default)]
+struct RepairProgress {
+    /// It ran repairs (rather than only waiting for another caller's).
+    held: bool,
+    /// Deletes Redis answered.
+    answered: usize,
+}
+
 /// The most stale mirrors remembered; past it the oldest are dropped and expire by TTL.
 const MAX_REPAIRS: usize = 100_000;
 
+/// Stale-mirror deletes sent together (pipelined), and forgotten together once done.
+const REPAIR_CHUNK: usize = 256;
+
 impl HybridStore {
     /// Waits for the lease mirror of `token` written after `begin` answered, if it is still
-    /// on its way (bounded: its Redis calls, repairs before it included, are).
+    /// on its way: at most the budgets of its repairs and its call, with margin.
+    ///
+    /// A mirror not done by then — or when this wait is dropped — is cancelled: the caller
+    /// goes on to replace or delete it, and a mirror written after that would answer "in
+    /// flight" for a key whose lease is over. If its `SET` was already sent, the caller's
+    /// later commands follow it on the same connection.
     async fn mirror_landed(&self, token: &LeaseToken) {
         let pending = self.mirrors().remove(token);
         if let Some(mirroring) = pending {
-            let _ = tokio::time::timeout(self.redis.call_budget() * 4, mirroring).await;
+            let mut mirroring = AbortOnDrop(mirroring);
+            let wait = self.redis.call_budget() * 4;
+            if tokio::time::timeout(wait, &mut mirroring.0).await.is_err() {
+                // An abort takes effect between polls: wait out the poll under way, so a SET
+                // it sent is queued before whatever the caller sends next.
+                mirroring.0.abort();
+                let _ = (&mut mirroring.0).await;
+            }
         }
     }
 
@@ -229,65 +349,76 @@ impl HybridStore {
 
     /// Remembers that the mirror of a lease may be stale (see [`Shared::repairs`]).
     fn needs_repair(&self, id: &RecordId, token: LeaseToken) {
-        let mut repairs = self
-            .inner
-            .repairs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if repairs.len() >= MAX_REPAIRS {
-            repairs.pop_front();
-        }
-        repairs.push_back((*id, token));
+        self.inner.repairs().push((*id, Some(token)));
     }
 
     /// Deletes mirrors whose lease ended while Redis was unreachable. A mirror write that
     /// timed out may still have run late, when Redis resumed; this runs after it on the same
     /// connection, and is fenced on the token, so it never touches a newer record.
-    /// Returns false when Redis failed during the repair. Callers that find repairs pending
-    /// wait for the one running them, so no read overtakes the deletes.
-    async fn repair_mirrors(&self) -> bool {
+    /// Returns false when Redis failed a delete. Callers that find repairs pending (queued,
+    /// or taken and not yet answered) wait for the one running them, so no read overtakes
+    /// the deletes.
+    ///
+    /// The repairs queued when this caller got its turn, in pipelined chunks; each delete is
+    /// forgotten as soon as Redis answers it, so a backlog drains across calls even when no
+    /// single call's budget covers it.
+    async fn repair_mirrors(&self, progress: &mut RepairProgress) -> bool {
         let s = &self.inner;
-        let pending_now = || {
-            !s.repairs
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .is_empty()
-        };
-        if !pending_now() {
-            return true;
+        {
+            let repairs = s.repairs();
+            if repairs.queue.is_empty() && repairs.taken == 0 {
+                return true;
+            }
         }
         let _repairing = s.repairing.lock().await;
-        // Whatever this call does not finish (it failed, or it was dropped mid-way) goes back
-        // in the queue when `pending` drops.
-        let mut pending = Requeue {
-            shared: s,
-            items: s
-                .repairs
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .drain(..)
-                .collect(),
-        };
-        if pending.items.is_empty() {
-            return true;
-        }
-        // Concurrent: the deletes pipeline on the multiplexed connection.
-        let results = futures::future::join_all(
-            pending
+        progress.held = true;
+        let mut left = s.repairs().queue.len();
+        while left > 0 {
+            // Whatever this chunk does not finish (failed, or dropped mid-way) goes back in
+            // the queue when `pending` drops.
+            let mut pending = {
+                let mut repairs = s.repairs();
+                let n = left.min(REPAIR_CHUNK).min(repairs.queue.len());
+                let items: Vec<_> = repairs.queue.drain(..n).collect();
+                repairs.taken += items.len();
+                Requeue {
+                    shared: s,
+                    done: vec![false; items.len()],
+                    items,
+                }
+            };
+            if pending.items.is_empty() {
+                break;
+            }
+            left -= pending.items.len();
+            // Concurrent: the deletes pipeline on the multiplexed connection.
+            let mut deletes: futures::stream::FuturesUnordered<_> = pending
                 .items
                 .iter()
-                .map(|(id, token)| self.redis.release(id, *token)),
-        )
-        .await;
-        let failed: Vec<_> = pending
-            .items
-            .drain(..)
-            .zip(results)
-            .filter(|(_, r)| matches!(r, Err(Error::Unavailable(_))))
-            .map(|(repair, _)| repair)
-            .collect();
-        pending.items = failed;
-        pending.items.is_empty()
+                .copied()
+                .enumerate()
+                .map(|(i, (id, token))| async move {
+                    let deleted = match token {
+                        Some(token) => self.redis.release(&id, token).await,
+                        None => self.redis.force_release(&id, true).await.map(|_| ()),
+                    };
+                    (i, deleted)
+                })
+                .collect();
+            let mut failed = false;
+            while let Some((i, result)) = futures::StreamExt::next(&mut deletes).await {
+                if matches!(result, Err(Error::Unavailable(_))) {
+                    failed = true;
+                } else {
+                    pending.done[i] = true;
+                    progress.answered += 1;
+                }
+            }
+            if failed {
+                return false;
+            }
+        }
+        true
     }
 
     /// Remembers the mirror of this lease as possibly stale unless the Redis step that
@@ -300,20 +431,30 @@ impl HybridStore {
     }
 }
 
-/// Repairs taken out of the queue; those still here when it drops go back.
+/// A spawned task cancelled when its handle drops (see [`HybridStore::mirror_landed`]).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Repairs taken out of the queue; those not done when it drops go back.
 struct Requeue<'a> {
     shared: &'a Shared,
-    items: Vec<(RecordId, LeaseToken)>,
+    items: Vec<Repair>,
+    done: Vec<bool>,
 }
 
 impl Drop for Requeue<'_> {
     fn drop(&mut self) {
-        if !self.items.is_empty() {
-            self.shared
-                .repairs
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .extend(self.items.drain(..));
+        let mut repairs = self.shared.repairs();
+        repairs.taken -= self.items.len();
+        for (repair, done) in self.items.drain(..).zip(&self.done) {
+            if !done {
+                repairs.push(repair);
+            }
         }
     }
 }
@@ -345,10 +486,13 @@ impl HybridStore {
         match self.try_redis(self.redis.peek(id, fp)).await {
             Some(Peek::Found(answer)) => {
                 self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_redis_hits_total").increment(1);
                 return Ok(answer);
             }
-            Some(Peek::Absent) => {
+            // Absent, or anything a later Redis store may report: Postgres decides.
+            Some(_) => {
                 self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_redis_misses_total").increment(1);
             }
             None => {}
         }
@@ -358,7 +502,7 @@ impl HybridStore {
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
         match (&answer, ttl) {
-            (Begin::Execute(token), _) if !self.mirror_ttl.is_zero() => {
+            (Begin::Execute(token) | Begin::TakeOver(token), _) if !self.mirror_ttl.is_zero() => {
                 // After answering: the operation need not wait for its lease's mirror. A
                 // `release` of this token waits for it (so its fenced delete runs after the
                 // mirror, not before), a `complete` need not (the outcome replaces it, and a
@@ -390,19 +534,25 @@ impl Store for HybridStore {
     /// Cancel-safe: the steps (in `claim`) run in a task of their own, and a lease granted
     /// after the caller went away is released (see [`detached_claim`]).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
-        let claim = async move { this.claim(&id, &fp, lease).await };
-        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
-        };
-        // The caller waits as long as a Postgres-only `begin` would, plus one Redis call.
-        let budget = self.pg.call_timeout() + self.redis.call_budget();
-        match tokio::time::timeout(budget, detached_claim(claim, release)).await {
-            Ok(answer) => answer,
-            Err(_) => Err(Error::unavailable(format!(
-                "the claim did not settle within {budget:?}"
-            ))),
-        }
+        idempotency_core::observe(self.name(), "begin", async {
+            let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+            let claim = async move { this.claim(&id, &fp, lease).await };
+            let release = move |token| -> futures::future::BoxFuture<'static, ()> {
+                Box::pin(
+                    async move { idempotency_core::release_orphan(&releaser, &id, token).await },
+                )
+            };
+            // The caller waits as long as a Postgres-only `begin` would, plus the Redis step
+            // (its repairs' budget and its call's).
+            let budget = self.pg.call_timeout() + self.redis.call_budget() * 2;
+            match tokio::time::timeout(budget, detached_claim(claim, release)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(Error::unavailable(format!(
+                    "the claim did not settle within {budget:?}"
+                ))),
+            }
+        })
+        .await
     }
 
     async fn complete(
@@ -412,96 +562,149 @@ impl Store for HybridStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        // Postgres first: once it has the outcome, a lost Redis write costs one Postgres
-        // read later. The Redis copy expires no later than the row: the row's retention
-        // started when Postgres ran the statement, which was before `sent` returned.
-        let sent = Instant::now();
-        let fp = self
-            .pg
-            .complete_with_fingerprint(id, token, outcome, retention)
-            .await?;
-        let Some(fp) = fp else {
-            // This token had completed it before (the first call's answer was lost, or the
-            // application used `complete_in`): `outcome` here was not stored, so it is not
-            // cached; the lease's mirror, if any, is dropped so duplicates ask Postgres.
-            self.needs_repair(id, token);
-            return Ok(());
-        };
-        let ttl = retention.saturating_sub(sent.elapsed());
-        if self.mirror_ttl.is_zero() {
-            if ttl.is_zero() {
+        idempotency_core::observe(self.name(), "complete", async {
+            // Postgres first: once it has the outcome, a lost Redis write costs one Postgres
+            // read later. The Redis copy expires no later than the row: the row's retention
+            // started when Postgres ran the statement, which was before `sent` returned.
+            let sent = Instant::now();
+            let fp = self
+                .pg
+                .complete_with_fingerprint(id, token, outcome, retention)
+                .await?;
+            let Some(fp) = fp else {
+                // This token had completed it before (the first call's answer was lost, or the
+                // application used `complete_in`): `outcome` here was not stored, so it is not
+                // cached; the lease's mirror, if any, is dropped so duplicates ask Postgres.
+                self.needs_repair(id, token);
+                return Ok(());
+            };
+            let ttl = retention.saturating_sub(sent.elapsed());
+            if self.mirror_ttl.is_zero() {
+                if ttl.is_zero() {
+                    return Ok(());
+                }
+                // No lease mirror to replace: until the outcome lands in Redis a retry finds
+                // nothing there and asks Postgres, which replays. So the answer need not wait.
+                let (this, id, outcome) = (self.clone(), *id, outcome.clone());
+                tokio::spawn(async move {
+                    this.try_redis(this.redis.cache_completed(&id, &fp, &outcome, ttl))
+                        .await;
+                });
                 return Ok(());
             }
-            // No lease mirror to replace: until the outcome lands in Redis a retry finds
-            // nothing there and asks Postgres, which replays. So the answer need not wait.
-            let (this, id, outcome) = (self.clone(), *id, outcome.clone());
-            tokio::spawn(async move {
-                this.try_redis(this.redis.cache_completed(&id, &fp, &outcome, ttl))
-                    .await;
-            });
-            return Ok(());
-        }
-        // The lease's mirror answers "in flight" until the outcome replaces it: wait for that,
-        // after the mirror itself if it is still on its way (or it could land after a failed
-        // write's repair).
-        let repair = self.repair_unless_done(id, token);
-        self.mirror_landed(&token).await;
-        if !ttl.is_zero()
-            && self
-                .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
-                .await
-                .is_some()
-        {
-            repair.done();
-        }
-        Ok(())
+            // The lease's mirror answers "in flight" until the outcome replaces it: wait for that,
+            // after the mirror itself if it is still on its way (or it could land after a failed
+            // write's repair).
+            let repair = self.repair_unless_done(id, token);
+            self.mirror_landed(&token).await;
+            if !ttl.is_zero()
+                && self
+                    .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+                    .await
+                    .is_some()
+            {
+                repair.done();
+            }
+            Ok(())
+        })
+        .await
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        self.pg.release(id, token).await?;
-        if self.mirror_ttl.is_zero() {
-            return Ok(()); // no mirror to drop
-        }
-        // The lease's mirror may still be on its way: the delete goes after it.
-        let repair = self.repair_unless_done(id, token);
-        self.mirror_landed(&token).await;
-        // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
-        // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
-        let dropped = self
-            .try_redis(async {
-                match self.redis.release(id, token).await {
+        idempotency_core::observe(self.name(), "release", async {
+            self.pg.release(id, token).await?;
+            if self.mirror_ttl.is_zero() {
+                return Ok(()); // no mirror to drop
+            }
+            // The lease's mirror may still be on its way: the delete goes after it.
+            let repair = self.repair_unless_done(id, token);
+            self.mirror_landed(&token).await;
+            // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
+            // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
+            let dropped = self
+                .try_redis(async {
+                    match self.redis.release(id, token).await {
+                        Err(Error::LeaseLost) => Ok(()),
+                        other => other,
+                    }
+                })
+                .await;
+            if dropped.is_some() {
+                repair.done();
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        idempotency_core::observe(self.name(), "renew", async {
+            self.pg.renew(id, token, lease).await?;
+            if self.mirror_ttl.is_zero() {
+                return Ok(());
+            }
+            self.try_redis(async {
+                match self
+                    .redis
+                    .renew(id, token, lease.min(self.mirror_ttl))
+                    .await
+                {
                     Err(Error::LeaseLost) => Ok(()),
                     other => other,
                 }
             })
             .await;
-        if dropped.is_some() {
-            repair.done();
-        }
-        Ok(())
-    }
-
-    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        self.pg.renew(id, token, lease).await?;
-        if self.mirror_ttl.is_zero() {
-            return Ok(());
-        }
-        self.try_redis(async {
-            match self
-                .redis
-                .renew(id, token, lease.min(self.mirror_ttl))
-                .await
-            {
-                Err(Error::LeaseLost) => Ok(()),
-                other => other,
-            }
+            Ok(())
         })
-        .await;
-        Ok(())
+        .await
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         self.pg.purge_expired(batch).await
+    }
+
+    /// Postgres decides, so Postgres is read.
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        idempotency_core::observe(self.name(), "inspect", self.pg.inspect(id)).await
+    }
+
+    /// Postgres first (the decision), then whatever Redis holds for the record: a lease
+    /// mirror would answer "in flight", a cached outcome would replay a deleted record.
+    ///
+    /// The Redis delete goes through the repair queue, so it runs before this process reads
+    /// Redis again; it is queued before the Postgres call too (an early delete only costs a
+    /// cache miss), so a call dropped or failed after Postgres committed still leaves it
+    /// queued. A copy already on its way to Redis — the outcome of a `complete`, or of a
+    /// replay, that read Postgres before the delete — could land after it: the delete runs
+    /// again once every such write is over (a Postgres call timeout and eight Redis budgets
+    /// later). When Redis could not be told now, the answer is `Unavailable` (the record is
+    /// gone from Postgres; the delete stays queued in this process): call again, which
+    /// answers `Absent` once Redis has it.
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+        idempotency_core::observe(self.name(), "force_release", async {
+            self.inner.repairs().push((*id, None));
+            let found = self.pg.force_release(id, include_completed).await?;
+            if found == ForceReleased::Completed {
+                return Ok(found); // kept: its cached copy stays right
+            }
+            self.inner.repairs().push((*id, None));
+            let (again, forget) = (self.clone(), *id);
+            let writes_over = self.pg.call_timeout() + self.redis.call_budget() * 8;
+            tokio::spawn(async move {
+                tokio::time::sleep(writes_over).await;
+                again.inner.repairs().push((forget, None));
+                again.try_redis(async { Ok(()) }).await;
+            });
+            // Run by the repair step every Redis call takes first.
+            match self.try_redis(async { Ok(()) }).await {
+                Some(()) => Ok(found),
+                None => Err(Error::unavailable(
+                    "released in Postgres, but Redis could not be told yet: its copy is \
+                     queued for deletion in this process; call again",
+                )),
+            }
+        })
+        .await
     }
 
     fn name(&self) -> &'static str {

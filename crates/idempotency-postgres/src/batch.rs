@@ -546,7 +546,7 @@ fn ids<J: Keyed>(jobs: &[J], unique: &[usize]) -> Vec<Vec<u8>> {
 /// cycle), and reads the live row of every other key, in one statement. The read runs in the
 /// statement's snapshot, like `BEGIN_SQL`'s: a key inserted concurrently answers nothing and
 /// its caller reads again on the per-request path.
-const BEGIN_BATCH_SQL: &str = "
+pub(crate) const BEGIN_BATCH_SQL: &str = "
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::uuid[], $4::int8[])
         AS t(record_id, fingerprint, lease_token, lease_ms)
@@ -587,7 +587,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
         let (unique, _repeats) = split_repeats(&jobs);
         let each = || unique.iter().map(|&i| &jobs[i]);
         let rows: std::result::Result<Vec<_>, _> =
-            sqlx::query_as::<_, BeginBatchRow>(BEGIN_BATCH_SQL)
+            sqlx::query_as::<_, BeginBatchRow>(store.sql.get(BEGIN_BATCH_SQL))
                 .bind(ids(&jobs, &unique))
                 .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
                 .bind(tokens(&jobs, &unique))
@@ -623,7 +623,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
 
 /// Completes every row its token still owns; for the others, says whether the same token
 /// completed it already (a retried `complete`). Rows it cannot place go the per-request way.
-const COMPLETE_BATCH_SQL: &str = "
+pub(crate) const COMPLETE_BATCH_SQL: &str = "
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::uuid[], $3::int2[], $4::bytea[], $5::int8[])
         AS t(record_id, lease_token, status, response, retention_ms)
@@ -653,29 +653,31 @@ fn run_complete(
             )];
         }
         let (unique, _repeats) = split_repeats(&jobs);
-        let rows = sqlx::query_as::<_, (Vec<u8>, Option<Vec<u8>>, bool)>(COMPLETE_BATCH_SQL)
-            .bind(ids(&jobs, &unique))
-            .bind(tokens(&jobs, &unique))
-            .bind(unique.iter().map(|&i| jobs[i].status).collect::<Vec<_>>())
-            .bind(
-                unique
-                    .iter()
-                    .map(|&i| &jobs[i].response[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                unique
-                    .iter()
-                    .map(|&i| millis(jobs[i].retention))
-                    .collect::<Vec<_>>(),
-            )
-            .fetch_all(&store.batch_pool())
-            .await
-            .map(|rows| {
-                rows.into_iter()
-                    .map(|(id, f, fresh)| (id, (f, fresh)))
-                    .collect()
-            });
+        let rows = sqlx::query_as::<_, (Vec<u8>, Option<Vec<u8>>, bool)>(
+            store.sql.get(COMPLETE_BATCH_SQL),
+        )
+        .bind(ids(&jobs, &unique))
+        .bind(tokens(&jobs, &unique))
+        .bind(unique.iter().map(|&i| jobs[i].status).collect::<Vec<_>>())
+        .bind(
+            unique
+                .iter()
+                .map(|&i| &jobs[i].response[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            unique
+                .iter()
+                .map(|&i| millis(jobs[i].retention))
+                .collect::<Vec<_>>(),
+        )
+        .fetch_all(&store.batch_pool())
+        .await
+        .map(|rows| {
+            rows.into_iter()
+                .map(|(id, f, fresh)| (id, (f, fresh)))
+                .collect()
+        });
         spread(&jobs, &unique, rows, |_, row| match row {
             Some((Some(fp), fresh)) => {
                 let fp = crate::store::fingerprint(fp)?;
@@ -687,13 +689,13 @@ fn run_complete(
     })
 }
 
-const RELEASE_BATCH_SQL: &str = "
+pub(crate) const RELEASE_BATCH_SQL: &str = "
 DELETE FROM idempotency_keys k
 USING unnest($1::bytea[], $2::uuid[]) AS t(record_id, lease_token)
 WHERE k.record_id = t.record_id AND k.lease_token = t.lease_token AND k.state = 0
 RETURNING k.record_id";
 
-const RENEW_BATCH_SQL: &str = "
+pub(crate) const RENEW_BATCH_SQL: &str = "
 UPDATE idempotency_keys k SET expires_at = clock_timestamp() + t.lease_ms * interval '1 millisecond'
 FROM unnest($1::bytea[], $2::uuid[], $3::int8[]) AS t(record_id, lease_token, lease_ms)
 WHERE k.record_id = t.record_id AND k.lease_token = t.lease_token AND k.state = 0
@@ -724,7 +726,7 @@ async fn run_fence(
         return vec![lone(done)];
     }
     let (unique, _repeats) = split_repeats(&jobs);
-    let mut query = sqlx::query_as::<_, (Vec<u8>,)>(sql)
+    let mut query = sqlx::query_as::<_, (Vec<u8>,)>(store.sql.get(sql))
         .bind(ids(&jobs, &unique))
         .bind(tokens(&jobs, &unique));
     if renew {

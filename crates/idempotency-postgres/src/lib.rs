@@ -12,6 +12,10 @@
 //! - purge expired rows with [`idempotency_core::spawn_purger`] (batched, `SKIP LOCKED`);
 //! - [`StateMachine`]: guarded status transitions with a version column (optimistic locking).
 //!
+//! ## Features
+#![doc = document_features::document_features!()]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+//!
 //! ```no_run
 //! use std::{sync::Arc, time::Duration};
 //! use idempotency_core::{spawn_purger, Store};
@@ -29,8 +33,13 @@
 
 mod batch;
 mod store;
+mod table;
 mod transitions;
 
 pub use batch::{GroupCommit, GroupCommitStats};
 pub use store::{PostgresStore, PostgresStoreBuilder, migrator};
 pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};
+
+/// The `sqlx` crate this store is built on, so an application's own pool (for
+/// [`PostgresStore::from_pool`]) is of the same version.
+pub use sqlx;

@@ -4,14 +4,18 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId, Result,
+    Store, detached_claim, system_time_from_millis,
 };
 use sqlx::{
     PgConnection, PgPool,
-    postgres::{PgConnectOptions, PgPoolOptions},
+    postgres::{PgConnectOptions, PgPoolOptions, PgSslMode},
 };
 
-use crate::batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats};
+use crate::{
+    batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats},
+    table::{Statements, Table, quoted},
+};
 
 /// How many times `begin` re-runs when the row it saw vanished or was taken over between two
 /// statements. Each retry means another client made progress, so the loop cannot spin long.
@@ -44,6 +48,9 @@ const MAX_BEGIN_ROUNDS: usize = 8;
 pub struct PostgresStore {
     pool: PgPool,
     call_timeout: Duration,
+    table: Table,
+    /// The statements, for `table`.
+    pub(crate) sql: Statements,
     /// Group commit (`None`: one statement per call, the per-request store).
     batches: Option<Arc<Batches>>,
 }
@@ -57,9 +64,31 @@ pub struct PostgresStoreBuilder {
     statement_timeout: Duration,
     call_timeout: Duration,
     group_commit: Option<GroupCommit>,
+    table: String,
 }
 
 impl PostgresStoreBuilder {
+    /// The key table (default `idempotency_keys`), optionally schema-qualified:
+    /// `"payments.idempotency_keys"`. Lowercase letters, digits and `_`; anything else is an
+    /// [`Error::Config`] at [`connect`](Self::connect). [`PostgresStore::migrate`] creates it
+    /// (and its schema) and records its migrations in `<table>_migrations` beside it.
+    ///
+    /// ```no_run
+    /// use idempotency_postgres::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), idempotency_core::Error> {
+    /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app")
+    ///     .table("payments.charge_keys")
+    ///     .connect()
+    ///     .await?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
     /// Group-commit settings (on by default, see [`GroupCommit`]). The batches run on a pool
     /// of their own, `concurrency` × 4 connections at most, beside the `max_connections` of
     /// the per-request statements.
@@ -103,10 +132,23 @@ impl PostgresStoreBuilder {
     /// Builds the pool. Connections open lazily, so this succeeds while the database is down;
     /// the first call then reports [`Error::Unavailable`].
     pub async fn connect(self) -> Result<PostgresStore> {
+        let table = Table::parse(&self.table)?;
         let options: PgConnectOptions = self
             .url
             .parse()
             .map_err(|e| Error::Config(format!("invalid Postgres URL: {e}")))?;
+        // A URL that requires TLS must not wait for the first call to learn that this build
+        // cannot speak it.
+        if !cfg!(feature = "tls-rustls")
+            && matches!(
+                options.get_ssl_mode(),
+                PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
+            )
+        {
+            return Err(Error::Config(
+                "the Postgres URL requires TLS (sslmode): enable the `tls-rustls` feature".into(),
+            ));
+        }
         // The statements assume READ COMMITTED (a conflicting insert waits, then re-reads;
         // a takeover re-checks the row it waited on). Pin it, so a server whose default is
         // SERIALIZABLE does not turn ordinary races into serialization failures.
@@ -155,6 +197,8 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             pool,
             call_timeout: self.call_timeout,
+            sql: Statements::for_table(&table, ALL_SQL),
+            table,
             batches,
         })
     }
@@ -181,7 +225,7 @@ fn db_error(error: sqlx::Error) -> Error {
         // undefined_table: the migrations have not run. No retry will fix that.
         if db.code().as_deref() == Some("42P01") {
             return Error::Config(format!(
-                "{db}: run PostgresStore::migrate (or idempotency_postgres::migrator()) first"
+                "{db}: run the store's migrate() (or apply its migrator()) first"
             ));
         }
     }
@@ -255,7 +299,9 @@ const READ_SQL: &str = "
 SELECT fingerprint, state, response, (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
 FROM idempotency_keys WHERE record_id = $1";
 
-/// Compare-and-set takeover of an expired row. Under READ COMMITTED a concurrent takeover
+/// Compare-and-set takeover of an expired row: a completed one past its retention, or a
+/// lease that ran out unfinished for the same request (another request under the key is a
+/// mismatch: it must not inherit an unknown outcome). Under READ COMMITTED a concurrent takeover
 /// blocks on the row lock, re-checks `expires_at <= clock_timestamp()` against the new
 /// version and updates nothing: exactly one taker wins. A late `complete` of the old owner
 /// that committed first makes the row live again, and the takeover updates nothing.
@@ -264,7 +310,7 @@ UPDATE idempotency_keys
 SET fingerprint = $2, state = 0, lease_token = $3,
     expires_at = clock_timestamp() + $4 * interval '1 millisecond',
     status = NULL, response = NULL, created_at = clock_timestamp(), completed_at = NULL
-WHERE record_id = $1 AND expires_at <= clock_timestamp()
+WHERE record_id = $1 AND expires_at <= clock_timestamp() AND (state = 1 OR fingerprint = $2)
 RETURNING (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8";
 
 /// Re-arms a lease just granted whose write waited on a lock (see `fresh_grant`).
@@ -298,6 +344,12 @@ WHERE record_id = $1 AND lease_token = $2 AND state = 1";
 const RELEASE_SQL: &str = "
 DELETE FROM idempotency_keys WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 
+/// Ends the token's lease now and keeps its row: an unfinished attempt (see `Begin::TakeOver`)
+/// whose record must stay for the next `begin` to report.
+const EXPIRE_SQL: &str = "
+UPDATE idempotency_keys SET expires_at = clock_timestamp()
+WHERE record_id = $1 AND lease_token = $2 AND state = 0";
+
 const RENEW_SQL: &str = "
 UPDATE idempotency_keys SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
 WHERE record_id = $1 AND lease_token = $2 AND state = 0";
@@ -315,6 +367,49 @@ DELETE FROM idempotency_keys WHERE record_id IN (
     LIMIT $1 FOR UPDATE SKIP LOCKED
 )";
 
+/// The operator's read of a record: its state and times, by the database's clock.
+const INSPECT_SQL: &str = "
+SELECT state, fingerprint, status,
+       (extract(epoch FROM created_at) * 1000)::float8,
+       (extract(epoch FROM expires_at) * 1000)::float8,
+       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
+FROM idempotency_keys WHERE record_id = $1";
+
+/// The operator's release: an in-flight row whoever holds it (its token goes with the row,
+/// so the owner's late writes find nothing to update), a live completed row when `$2`. A
+/// concurrent `complete` holds the row lock: the delete waits, re-checks `state` against
+/// the completed row and leaves it unless `$2`.
+const FORCE_RELEASE_SQL: &str = "
+DELETE FROM idempotency_keys
+WHERE record_id = $1 AND (state = 0 OR ($2 AND expires_at > clock_timestamp()))
+RETURNING state";
+
+/// Why `FORCE_RELEASE_SQL` deleted nothing: a live completed row, or none.
+const LIVE_COMPLETED_SQL: &str = "
+SELECT 1 FROM idempotency_keys
+WHERE record_id = $1 AND state = 1 AND expires_at > clock_timestamp()";
+
+/// Every statement on the key table, rewritten for another table at connect.
+pub(crate) const ALL_SQL: &[&str] = &[
+    BEGIN_SQL,
+    READ_SQL,
+    TAKEOVER_SQL,
+    REARM_SQL,
+    COMPLETE_SQL,
+    COMPLETED_BY_SQL,
+    RELEASE_SQL,
+    RENEW_SQL,
+    EXPIRE_SQL,
+    PURGE_SQL,
+    INSPECT_SQL,
+    FORCE_RELEASE_SQL,
+    LIVE_COMPLETED_SQL,
+    crate::batch::BEGIN_BATCH_SQL,
+    crate::batch::COMPLETE_BATCH_SQL,
+    crate::batch::RELEASE_BATCH_SQL,
+    crate::batch::RENEW_BATCH_SQL,
+];
+
 impl PostgresStore {
     /// Starts configuring a store for `url`.
     pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
@@ -325,6 +420,7 @@ impl PostgresStore {
             statement_timeout: Duration::from_secs(2),
             call_timeout: Duration::from_secs(3),
             group_commit: Some(GroupCommit::default()),
+            table: "idempotency_keys".to_owned(),
         }
     }
 
@@ -338,8 +434,29 @@ impl PostgresStore {
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
+            table: Table::default(),
+            sql: Statements::default(),
             batches: Some(batches),
         }
+    }
+
+    /// This store on another key table than `idempotency_keys` (see
+    /// [`PostgresStoreBuilder::table`]), for a store made with [`PostgresStore::from_pool`].
+    pub fn with_table(mut self, table: &str) -> Result<Self> {
+        self.table = Table::parse(table)?;
+        self.sql = Statements::for_table(&self.table, ALL_SQL);
+        // Queues of its own: a batch runs the statements of the store that started it, so
+        // sharing the original's would run this store's calls on the other table.
+        self.batches = self
+            .batches
+            .as_deref()
+            .map(|b| Arc::new(Batches::new(b.pool.clone(), b.settings)));
+        Ok(self)
+    }
+
+    /// The key table, as the statements name it (`"schema"."table"` or `"table"`).
+    pub fn table(&self) -> String {
+        self.table.qualified()
     }
 
     /// How many calls and statements the group commit has served so far (zeros for a
@@ -380,10 +497,57 @@ impl PostgresStore {
         &self.pool
     }
 
-    /// Applies the embedded migrations. Safe to run twice and from several processes at once
-    /// (a Postgres advisory lock serialises them).
+    /// Applies the embedded migrations to this store's table. Safe to run twice and from
+    /// several processes at once (a Postgres advisory lock serialises them). A table in a
+    /// schema that does not exist yet gets its schema (which needs the database's CREATE
+    /// privilege; an existing schema needs none).
     pub async fn migrate(&self) -> Result<()> {
-        migrator().run(&self.pool).await.map_err(Error::unavailable)
+        if let Some(schema) = self.table.schema() {
+            let (exists,): (bool,) =
+                sqlx::query_as("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                    .bind(schema)
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(Error::unavailable)?;
+            if !exists {
+                let create = format!("CREATE SCHEMA IF NOT EXISTS {}", quoted(schema));
+                sqlx::query(sqlx::AssertSqlSafe(create))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(Error::unavailable)?;
+            }
+        }
+        self.migrator()
+            .run(&self.pool)
+            .await
+            .map_err(Error::unavailable)
+    }
+
+    /// The embedded migrations written for this store's table: [`migrator()`] for the
+    /// default one; for another, the same migrations on that table, recorded in
+    /// `<table>_migrations` (its schema must exist: [`PostgresStore::migrate`] creates it).
+    pub fn migrator(&self) -> sqlx::migrate::Migrator {
+        let embedded = migrator();
+        if self.table.is_default() {
+            return embedded;
+        }
+        let migrations = embedded
+            .iter()
+            .map(|m| {
+                sqlx::migrate::Migration::new(
+                    m.version,
+                    m.description.clone(),
+                    m.migration_type,
+                    sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(
+                        self.table.rewrite(m.sql.as_str()),
+                    )),
+                    m.no_tx,
+                )
+            })
+            .collect();
+        let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
+        migrator.dangerous_set_table_name(self.table.migrations_table());
+        migrator
     }
 
     async fn timed<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
@@ -419,20 +583,26 @@ impl PostgresStore {
     ///     .execute(&mut *tx)
     ///     .await?;
     /// let outcome = Outcome::new(201).with_body(r#"{"id":"ch_1"}"#);
-    /// PostgresStore::complete_in(&mut tx, &id, token, &outcome, Duration::from_secs(86_400)).await?;
+    /// store.complete_in(&mut tx, &id, token, &outcome, Duration::from_secs(86_400)).await?;
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
     pub async fn complete_in(
+        &self,
         conn: &mut PgConnection,
         id: &RecordId,
         token: LeaseToken,
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        Self::complete_returning(conn, id, token, outcome, retention)
-            .await
-            .map(|_| ())
+        let job = CompleteJob {
+            id: *id,
+            token,
+            status: outcome.status as i16,
+            response: outcome.encode().to_vec(),
+            retention,
+        };
+        self.complete_encoded(conn, &job).await.map(|_| ())
     }
 
     /// Completes and returns the record's fingerprint (one statement): what a cache in front
@@ -470,32 +640,16 @@ impl PostgresStore {
         pool: &PgPool,
     ) -> Result<Option<Fingerprint>> {
         let mut conn = pool.acquire().await.map_err(db_error)?;
-        Self::complete_encoded(&mut conn, job).await
-    }
-
-    async fn complete_returning(
-        conn: &mut PgConnection,
-        id: &RecordId,
-        token: LeaseToken,
-        outcome: &Outcome,
-        retention: Duration,
-    ) -> Result<Option<Fingerprint>> {
-        let job = CompleteJob {
-            id: *id,
-            token,
-            status: outcome.status as i16,
-            response: outcome.encode().to_vec(),
-            retention,
-        };
-        Self::complete_encoded(conn, &job).await
+        self.complete_encoded(&mut conn, job).await
     }
 
     async fn complete_encoded(
+        &self,
         conn: &mut PgConnection,
         job: &CompleteJob,
     ) -> Result<Option<Fingerprint>> {
         let (id, token) = (&job.id, job.token);
-        let row: Option<(Vec<u8>, bool)> = sqlx::query_as(COMPLETE_SQL)
+        let row: Option<(Vec<u8>, bool)> = sqlx::query_as(self.sql.get(COMPLETE_SQL))
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
             .bind(job.status)
@@ -509,7 +663,7 @@ impl PostgresStore {
             // A concurrent `complete` by this same token (a retry racing a call that was given
             // up but still held the row lock) committed while this statement waited: its
             // snapshot cannot see that. Look again in a new statement before saying LeaseLost.
-            None => sqlx::query_as::<_, (Vec<u8>, bool)>(COMPLETED_BY_SQL)
+            None => sqlx::query_as::<_, (Vec<u8>, bool)>(self.sql.get(COMPLETED_BY_SQL))
                 .bind(&id.as_bytes()[..])
                 .bind(token.as_uuid())
                 .fetch_optional(&mut *conn)
@@ -524,7 +678,7 @@ impl PostgresStore {
     /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
     fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<(Begin, Option<Duration>)>> {
         let (stored_fp, state, response, remaining_ms) = row;
-        if remaining_ms <= 0.0 {
+        if remaining_ms <= 0.0 && (state == 1 || stored_fp == fp.as_bytes()) {
             return Ok(None); // expired: take it over
         }
         let remaining = Duration::from_millis(remaining_ms.ceil() as u64);
@@ -573,7 +727,8 @@ impl PostgresStore {
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
     /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its
     /// own bound is generous (four call timeouts: it only has to end); a statement it gave
-    /// up on may still commit, so every token it may have written is then released.
+    /// up on may still commit, so every token it may have written is then released (or,
+    /// for a takeover of an unfinished lease, ended and kept).
     pub async fn claim_with_ttl(
         &self,
         id: &RecordId,
@@ -583,15 +738,29 @@ impl PostgresStore {
         let budget = self.call_timeout * 4;
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
             std::array::from_fn(|_| LeaseToken::generate());
-        match tokio::time::timeout(budget, self.claim(id, fp, lease, &tokens)).await {
+        // The tokens of rounds that tried to take an unfinished lease over, noted before the
+        // statement is sent: a grant of theirs must be ended, not deleted (see below).
+        let takeovers = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let claim = self.claim(id, fp, lease, &tokens, &takeovers);
+        match tokio::time::timeout(budget, claim).await {
             Ok(answer) => answer,
             Err(_) => {
                 let (late, id) = (self.clone(), *id);
                 tokio::spawn(async move {
                     // Once the server has had time to finish or cancel the statement.
                     tokio::time::sleep(late.call_timeout).await;
+                    let takeovers = takeovers
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .clone();
                     for token in tokens {
-                        idempotency_core::release_orphan(&late, &id, token).await;
+                        if takeovers.contains(&token) {
+                            // Deleted, the unfinished attempt before it would be forgotten
+                            // and the next `begin` would answer `Execute`.
+                            late.expire_orphan(&id, token).await;
+                        } else {
+                            idempotency_core::release_orphan(&late, &id, token).await;
+                        }
                     }
                 });
                 Err(Error::unavailable("Postgres claim did not settle"))
@@ -613,6 +782,7 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
         tokens: &[LeaseToken],
+        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
     ) -> Result<(Begin, Option<Duration>)> {
         for (round, token) in tokens.iter().enumerate() {
             let job = BeginJob::new(id, fp, *token, lease);
@@ -622,7 +792,7 @@ impl PostgresStore {
                 _ => self.begin_statement(&job, &self.pool).await.map(Some),
             };
             let settled = match found {
-                Ok(Some(found)) => self.follow(id, fp, lease, *token, found).await,
+                Ok(Some(found)) => self.follow(id, fp, lease, *token, found, takeovers).await,
                 other => other.map(|_| None),
             };
             match settled {
@@ -641,10 +811,16 @@ impl PostgresStore {
 
     /// The per-request claim statement: insert, or read the live row.
     pub(crate) async fn begin_statement(&self, job: &BeginJob, pool: &PgPool) -> Result<Round> {
-        let row: Option<BeginRow> = claim_query(BEGIN_SQL, &job.id, &job.fp, job.token, job.lease)
-            .fetch_optional(pool)
-            .await
-            .map_err(db_error)?;
+        let row: Option<BeginRow> = claim_query(
+            self.sql.get(BEGIN_SQL),
+            &job.id,
+            &job.fp,
+            job.token,
+            job.lease,
+        )
+        .fetch_optional(pool)
+        .await
+        .map_err(db_error)?;
         match row {
             Some((true, _, _, _, Some(left))) => Ok(Round::Granted(left)),
             Some((false, Some(f), Some(s), r, Some(ms))) => Ok(Round::Row((f, s, r, ms))),
@@ -663,12 +839,13 @@ impl PostgresStore {
         lease: Duration,
         token: LeaseToken,
         round: Round,
+        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let view = match round {
-            Round::Granted(left) => return self.fresh_grant(id, token, lease, left).await,
+            Round::Granted(left) => return self.fresh_grant(id, token, lease, left, false).await,
             Round::Row(view) => Some(view),
             // Conflict with a row our snapshot cannot see: read it in a new statement.
-            Round::Hidden => sqlx::query_as::<_, RowView>(READ_SQL)
+            Round::Hidden => sqlx::query_as::<_, RowView>(self.sql.get(READ_SQL))
                 .bind(&id.as_bytes()[..])
                 .fetch_optional(&self.pool)
                 .await
@@ -677,16 +854,28 @@ impl PostgresStore {
         let Some(view) = view else {
             return Ok(None); // released or purged in between: insert again
         };
+        // An expired lease (not a completed row past its retention) never stored its outcome.
+        let unfinished = view.1 == 0;
         if let Some(decision) = Self::decide(fp, view)? {
             return Ok(Some(decision));
         }
-        let taken: Option<(f64,)> = claim_query(TAKEOVER_SQL, id, fp, token, lease)
+        if unfinished {
+            takeovers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(token);
+        }
+        let taken: Option<(f64,)> = claim_query(self.sql.get(TAKEOVER_SQL), id, fp, token, lease)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
         if let Some((left,)) = taken {
-            tracing::info!(record = %id, "took over an expired idempotency lease");
-            return self.fresh_grant(id, token, lease, left).await;
+            tracing::info!(record = %id, unfinished, "took over an expired idempotency record");
+            let granted = self.fresh_grant(id, token, lease, left, unfinished).await?;
+            return Ok(granted.map(|(answer, ttl)| match answer {
+                Begin::Execute(token) if unfinished => (Begin::TakeOver(token), ttl),
+                other => (other, ttl),
+            }));
         }
         // Another attempt took it over first (or the owner completed late): its row decides,
         // in the next round.
@@ -705,6 +894,7 @@ impl PostgresStore {
         token: LeaseToken,
         lease: Duration,
         mut left_ms: f64,
+        unfinished: bool,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let half = lease.as_secs_f64() * 500.0;
         for _ in 0..2 {
@@ -712,7 +902,7 @@ impl PostgresStore {
                 return Ok(Some((Begin::Execute(token), Some(lease))));
             }
             tracing::info!(record = %id, left_ms, "a claim waited on a lock: re-arming its lease");
-            let rearmed: Option<(f64,)> = sqlx::query_as(REARM_SQL)
+            let rearmed: Option<(f64,)> = sqlx::query_as(self.sql.get(REARM_SQL))
                 .bind(&id.as_bytes()[..])
                 .bind(token.as_uuid())
                 .bind(millis(lease))
@@ -724,8 +914,11 @@ impl PostgresStore {
                 None => return Ok(None), // taken over meanwhile: look again
             }
         }
-        // Still waiting on locks: give this grant back, and the next round looks again.
-        sqlx::query(RELEASE_SQL)
+        // Still waiting on locks: give this grant back, and the next round looks again. A
+        // grant taken over from an unfinished lease is given back as an expired lease, not
+        // deleted: the next round must still see (and report) the unfinished attempt.
+        let give_back = if unfinished { EXPIRE_SQL } else { RELEASE_SQL };
+        sqlx::query(self.sql.get(give_back))
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
             .execute(&self.pool)
@@ -738,7 +931,7 @@ impl PostgresStore {
 impl PostgresStore {
     /// The per-request `release`: whether the token owned the in-flight row.
     pub(crate) async fn release_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
-        let done = sqlx::query(RELEASE_SQL)
+        let done = sqlx::query(self.sql.get(RELEASE_SQL))
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
             .execute(pool)
@@ -749,7 +942,7 @@ impl PostgresStore {
 
     /// The per-request `renew`: whether the token owned the in-flight row.
     pub(crate) async fn renew_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
-        let done = sqlx::query(RENEW_SQL)
+        let done = sqlx::query(self.sql.get(RENEW_SQL))
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
             .bind(millis(job.lease))
@@ -762,7 +955,7 @@ impl PostgresStore {
 
 /// A claim statement (`BEGIN_SQL`, `TAKEOVER_SQL`) with its four parameters bound.
 fn claim_query<'q, O>(
-    sql: &'static str,
+    sql: sqlx::SqlStr,
     id: &'q RecordId,
     fp: &'q Fingerprint,
     token: LeaseToken,
@@ -782,10 +975,106 @@ fn fenced(owned: bool) -> Result<()> {
     if owned { Ok(()) } else { Err(Error::LeaseLost) }
 }
 
+impl PostgresStore {
+    /// Ends a lease whose claimer went away and keeps its row (see `claim_with_ttl`), retried
+    /// for a while when Postgres is unavailable.
+    async fn expire_orphan(&self, id: &RecordId, token: LeaseToken) {
+        for attempt in 0..6u32 {
+            let done = self
+                .timed(async {
+                    sqlx::query(self.sql.get(EXPIRE_SQL))
+                        .bind(&id.as_bytes()[..])
+                        .bind(token.as_uuid())
+                        .execute(&self.pool)
+                        .await
+                        .map_err(db_error)
+                })
+                .await;
+            match done {
+                Ok(_) => return,
+                Err(error) => {
+                    tracing::warn!(%error, record = %id, attempt, "could not end an orphaned lease");
+                    tokio::time::sleep(Duration::from_millis(250) * 2u32.pow(attempt)).await;
+                }
+            }
+        }
+    }
+
+    async fn inspect_row(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        type Row = (i16, Vec<u8>, Option<i16>, f64, f64, f64);
+        let row: Option<Row> = sqlx::query_as(self.sql.get(INSPECT_SQL))
+            .bind(&id.as_bytes()[..])
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        let Some((state, fingerprint, status, created, expires, left)) = row else {
+            return Ok(None);
+        };
+        let fingerprint = self::fingerprint(fingerprint)?;
+        let (created, expires) = (
+            Some(system_time_from_millis(created)),
+            system_time_from_millis(expires),
+        );
+        Ok(match (state, status) {
+            (0, _) => Some(Inspection::in_flight(
+                fingerprint,
+                created,
+                expires,
+                Duration::from_secs_f64(left.max(0.0) / 1000.0),
+            )),
+            // Past its retention the row is gone for every other call: so it is here.
+            (1, _) if left <= 0.0 => None,
+            (1, Some(status)) => Some(Inspection::completed(
+                fingerprint,
+                created,
+                expires,
+                u16::try_from(status).map_err(|_| Error::Corrupt("negative status".into()))?,
+            )),
+            _ => return Err(Error::Corrupt("unexpected key row".into())),
+        })
+    }
+
+    async fn force_release_row(
+        &self,
+        id: &RecordId,
+        include_completed: bool,
+    ) -> Result<ForceReleased> {
+        let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
+            .bind(&id.as_bytes()[..])
+            .bind(include_completed)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        if let Some((state,)) = deleted {
+            return Ok(if state == 0 {
+                ForceReleased::Released
+            } else {
+                ForceReleased::Deleted
+            });
+        }
+        if include_completed {
+            // Anything live was deletable: a row found now arrived after the delete.
+            return Ok(ForceReleased::Absent);
+        }
+        let completed: Option<(i32,)> = sqlx::query_as(self.sql.get(LIVE_COMPLETED_SQL))
+            .bind(&id.as_bytes()[..])
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(match completed {
+            Some(_) => ForceReleased::Completed,
+            None => ForceReleased::Absent,
+        })
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        Ok(self.begin_with_ttl(id, fp, lease).await?.0)
+        idempotency_core::observe(self.name(), "begin", async {
+            Ok(self.begin_with_ttl(id, fp, lease).await?.0)
+        })
+        .await
     }
 
     async fn complete(
@@ -795,48 +1084,57 @@ impl Store for PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        self.complete_with_fingerprint(id, token, outcome, retention)
-            .await
-            .map(|_| ())
+        idempotency_core::observe(self.name(), "complete", async {
+            self.complete_with_fingerprint(id, token, outcome, retention)
+                .await
+                .map(|_| ())
+        })
+        .await
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        let job = || FenceJob {
-            id: *id,
-            token,
-            lease: Duration::ZERO,
-        };
-        self.timed(async {
-            if let Some(batches) = &self.batches
-                && let Some(done) = batches.release.call(self, |b| &b.release, job()).await?
-            {
-                return fenced(done);
-            }
-            fenced(self.release_statement(&job(), &self.pool).await?)
+        idempotency_core::observe(self.name(), "release", async {
+            let job = || FenceJob {
+                id: *id,
+                token,
+                lease: Duration::ZERO,
+            };
+            self.timed(async {
+                if let Some(batches) = &self.batches
+                    && let Some(done) = batches.release.call(self, |b| &b.release, job()).await?
+                {
+                    return fenced(done);
+                }
+                fenced(self.release_statement(&job(), &self.pool).await?)
+            })
+            .await
         })
         .await
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        let job = || FenceJob {
-            id: *id,
-            token,
-            lease,
-        };
-        self.timed(async {
-            if let Some(batches) = &self.batches
-                && let Some(done) = batches.renew.call(self, |b| &b.renew, job()).await?
-            {
-                return fenced(done);
-            }
-            fenced(self.renew_statement(&job(), &self.pool).await?)
+        idempotency_core::observe(self.name(), "renew", async {
+            let job = || FenceJob {
+                id: *id,
+                token,
+                lease,
+            };
+            self.timed(async {
+                if let Some(batches) = &self.batches
+                    && let Some(done) = batches.renew.call(self, |b| &b.renew, job()).await?
+                {
+                    return fenced(done);
+                }
+                fenced(self.renew_statement(&job(), &self.pool).await?)
+            })
+            .await
         })
         .await
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         self.timed(async {
-            let done = sqlx::query(PURGE_SQL)
+            let done = sqlx::query(self.sql.get(PURGE_SQL))
                 .bind(i64::try_from(batch).unwrap_or(i64::MAX))
                 .bind(millis(idempotency_core::LATE_COMPLETION_GRACE))
                 .execute(&self.pool)
@@ -844,6 +1142,19 @@ impl Store for PostgresStore {
                 .map_err(db_error)?;
             Ok(done.rows_affected())
         })
+        .await
+    }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        idempotency_core::observe(self.name(), "inspect", self.timed(self.inspect_row(id))).await
+    }
+
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+        idempotency_core::observe(
+            self.name(),
+            "force_release",
+            self.timed(self.force_release_row(id, include_completed)),
+        )
         .await
     }
 

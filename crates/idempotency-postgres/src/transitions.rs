@@ -4,6 +4,7 @@ use sqlx::{AssertSqlSafe, Encode, PgExecutor, Postgres, Type};
 
 /// What a transition attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Transition {
     /// The row moved to the new status; `version` is its new version.
     Applied {
@@ -17,7 +18,7 @@ pub enum Transition {
         version: i64,
     },
     /// The row is elsewhere: the caller's version is stale, or the move is not allowed from
-    /// the row's current status.
+    /// the row's current status (backwards, a skip, or to a status no move leads to).
     Conflict {
         /// The row's current status.
         status: String,
@@ -43,8 +44,10 @@ pub enum TransitionError {
         /// Where it ends.
         to: String,
     },
-    /// No declared transition leads to this status.
-    #[error("no transition leads to status {0:?}")]
+    /// The status is not one of the machine's (no declared transition starts or ends
+    /// there). A known status that no transition leads to is not this error but a
+    /// [`Transition::Conflict`]: the move is forbidden, not malformed.
+    #[error("{0:?} is not a status of this state machine")]
     UnknownTarget(String),
     /// The database failed.
     #[error(transparent)]
@@ -62,7 +65,7 @@ pub enum TransitionError {
 /// ```
 /// use idempotency_postgres::StateMachine;
 ///
-/// let orders = StateMachine::new("orders")
+/// let orders = StateMachine::builder("orders")
 ///     .unwrap()
 ///     .allow("pending", "processing")
 ///     .allow("processing", "shipped")
@@ -71,6 +74,9 @@ pub enum TransitionError {
 ///     .unwrap();
 /// assert!(orders.can_move("pending", "processing"));
 /// assert!(!orders.can_move("shipped", "pending"));
+/// // "pending" is a status (moving there is forbidden); "cancelled" is not one.
+/// assert!(orders.is_state("pending") && !orders.is_target("pending"));
+/// assert!(!orders.is_state("cancelled"));
 /// ```
 #[derive(Debug, Clone)]
 pub struct StateMachine {
@@ -104,8 +110,10 @@ pub struct StateMachineBuilder {
 
 impl StateMachine {
     /// Starts declaring the machine of `table`, with columns `id`, `status`, `version`.
-    #[allow(clippy::new_ret_no_self)] // a builder, so the transitions are declared once
-    pub fn new(table: &str) -> Result<StateMachineBuilder, TransitionError> {
+    ///
+    /// # Errors
+    /// [`TransitionError::InvalidIdentifier`] when `table` is not a plain SQL identifier.
+    pub fn builder(table: &str) -> Result<StateMachineBuilder, TransitionError> {
         Ok(StateMachineBuilder {
             machine: StateMachine {
                 table: identifier(table)?,
@@ -122,12 +130,35 @@ impl StateMachine {
         self.transitions.iter().any(|(f, t)| f == from && t == to)
     }
 
+    /// The former name of [`StateMachine::builder`].
+    #[deprecated(since = "0.1.0", note = "use `StateMachine::builder`")]
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(table: &str) -> Result<StateMachineBuilder, TransitionError> {
+        Self::builder(table)
+    }
+
     /// Whether any declared transition leads to `to`.
     pub fn is_target(&self, to: &str) -> bool {
         self.transitions.iter().any(|(_, t)| t == to)
     }
 
+    /// Whether `status` is one of the machine's statuses (a declared transition starts or
+    /// ends there).
+    pub fn is_state(&self, status: &str) -> bool {
+        self.transitions
+            .iter()
+            .any(|(f, t)| f == status || t == status)
+    }
+
     /// Attempts `-> to` on row `id`, expecting it at `expected_version`.
+    ///
+    /// A status no transition leads to (the machine's start, say) is never applied: the
+    /// answer is [`Transition::Conflict`] with the row's status, or
+    /// [`Transition::NotFound`].
+    ///
+    /// # Errors
+    /// [`TransitionError::UnknownTarget`] when `to` is not a status of the machine, and
+    /// [`TransitionError::Database`] when a statement fails.
     pub async fn transition<'e, I>(
         &self,
         executor: impl PgExecutor<'e> + Copy,
@@ -144,25 +175,28 @@ impl StateMachine {
             .filter(|(_, t)| t == to)
             .map(|(f, _)| f.as_str())
             .collect();
-        if from.is_empty() {
+        if !self.is_state(to) {
             return Err(TransitionError::UnknownTarget(to.to_owned()));
         }
         let (t, idc, st, ver) = (&self.table, &self.id, &self.status, &self.version);
-        let update = format!(
-            "UPDATE {t} SET {st} = $2, {ver} = {ver} + 1 \
-             WHERE {idc} = $1 AND {ver} = $3 AND {st} = ANY($4) RETURNING {ver}"
-        );
-        let applied: Option<(i64,)> = sqlx::query_as(AssertSqlSafe(update))
-            .bind(id.clone())
-            .bind(to)
-            .bind(expected_version)
-            .bind(&from)
-            .fetch_optional(executor)
-            .await?;
-        if let Some((version,)) = applied {
-            return Ok(Transition::Applied { version });
+        if !from.is_empty() {
+            let update = format!(
+                "UPDATE {t} SET {st} = $2, {ver} = {ver} + 1 \
+                 WHERE {idc} = $1 AND {ver} = $3 AND {st} = ANY($4) RETURNING {ver}"
+            );
+            let applied: Option<(i64,)> = sqlx::query_as(AssertSqlSafe(update))
+                .bind(id.clone())
+                .bind(to)
+                .bind(expected_version)
+                .bind(&from)
+                .fetch_optional(executor)
+                .await?;
+            if let Some((version,)) = applied {
+                return Ok(Transition::Applied { version });
+            }
         }
-        // Zero rows: read the row (a new statement, so a new snapshot) to say why.
+        // Zero rows (or no move leads to `to`): read the row (a new statement, so a new
+        // snapshot) to say why.
         let read = format!("SELECT {st}::text, {ver} FROM {t} WHERE {idc} = $1");
         let row: Option<(String, i64)> = sqlx::query_as(AssertSqlSafe(read))
             .bind(id)
@@ -170,7 +204,10 @@ impl StateMachine {
             .await?;
         Ok(match row {
             None => Transition::NotFound,
-            Some((status, version)) if status == to => Transition::AlreadyApplied { version },
+            // Only a move can have put the row there: a repeat of it.
+            Some((status, version)) if status == to && !from.is_empty() => {
+                Transition::AlreadyApplied { version }
+            }
             Some((status, version)) => Transition::Conflict { status, version },
         })
     }
@@ -231,7 +268,7 @@ mod tests {
 
     #[test]
     fn identifiers_are_validated() {
-        assert!(StateMachine::new("orders").is_ok());
+        assert!(StateMachine::builder("orders").is_ok());
         for bad in [
             "",
             "Orders",
@@ -240,10 +277,10 @@ mod tests {
             "a-b",
             &"x".repeat(64),
         ] {
-            assert!(StateMachine::new(bad).is_err(), "{bad}");
+            assert!(StateMachine::builder(bad).is_err(), "{bad}");
         }
         assert!(
-            StateMachine::new("t")
+            StateMachine::builder("t")
                 .unwrap()
                 .columns("id", "st\"atus", "version")
                 .is_err()
@@ -252,14 +289,14 @@ mod tests {
 
     #[test]
     fn backwards_moves_cannot_be_declared() {
-        let cyclic = StateMachine::new("t")
+        let cyclic = StateMachine::builder("t")
             .unwrap()
             .allow("a", "b")
             .allow("b", "c")
             .allow("c", "a")
             .build();
         assert!(matches!(cyclic, Err(TransitionError::Backwards { .. })));
-        let self_loop = StateMachine::new("t").unwrap().allow("a", "a").build();
+        let self_loop = StateMachine::builder("t").unwrap().allow("a", "a").build();
         assert!(self_loop.is_err());
     }
 }

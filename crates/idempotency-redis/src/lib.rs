@@ -1,7 +1,7 @@
 //! The Redis store of the idempotency framework: the fast path.
 //!
-//! [`RedisStore`] implements [`Store`](idempotency_core::Store) with one atomic round trip per
-//! operation: a claim is a plain `SET NX GET`; the writes fenced on the lease token are Lua
+//! [`RedisStore`] implements [`Store`](idempotency_core::Store) with atomic operations of
+//! one round trip (two for a claim that finds a live lease): a claim is a plain `SET NX GET`; the writes fenced on the lease token are Lua
 //! scripts (`EVALSHA` with reload on `NOSCRIPT`). A record is one string at
 //! `{prefix}:{<record id hex>}` (state, fingerprint, token, outcome); the braces are a cluster
 //! hash tag. Lease and retention are TTLs kept by Redis, so no application clock is involved.
@@ -13,9 +13,9 @@
 //! hybrid store, which also uses [`RedisStore::peek`], [`RedisStore::cache_in_flight`] and
 //! [`RedisStore::cache_completed`].
 //!
-//! | feature   | enables                                      | default |
-//! |-----------|----------------------------------------------|---------|
-//! | `cluster` | [`RedisStore::cluster_builder`] (Redis Cluster) | no      |
+//! ## Features
+#![doc = document_features::document_features!()]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //!
 //! ```no_run
 //! use idempotency_redis::RedisStore;
@@ -29,3 +29,7 @@ mod scripts;
 mod store;
 
 pub use store::{EvictionCheck, Peek, RedisStore, RedisStoreBuilder};
+
+/// The `redis` crate this store is built on, so an application's own client (for
+/// [`RedisStore::from_connection_manager`]) is of the same version.
+pub use redis;

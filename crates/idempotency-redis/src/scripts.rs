@@ -8,7 +8,7 @@
 //! | 0      | state: `0` a lease, `m` a lease mirrored from Postgres, `1` completed, `c` a cancelled claim |
 //! | 1..33  | fingerprint                                                              |
 //! | 33..49 | lease token (16 bytes)                                                   |
-//! | 49..   | the encoded outcome (completed records)                                  |
+//! | 49..   | the encoded outcome (completed records); `t` (a lease that took an unfinished one over) |
 //!
 //! Lease and retention are key TTLs counted by Redis; no application clock is involved. A
 //! lease (`0`) lives `lease + LATE_COMPLETION_GRACE`: its lease is over once less than the
@@ -16,8 +16,8 @@
 //! that happens its owner's late `complete` or `release` still finds its token and is
 //! accepted. A mirror (`m`) lives exactly its TTL.
 //!
-//! A claim is a plain `SET … NX GET PX` (with `PTTL` in the same pipeline): no script on the
-//! common path. Scripts remain where the record must be checked and changed atomically: a
+//! A claim is a plain `SET … NX GET PX` (a `PTTL` follows only when it finds a lease): no
+//! script on the common path. Scripts remain where the record must be checked and changed atomically: a
 //! takeover, and the writes fenced on the token (`complete`, `release`, `renew`, `cancel`).
 //!
 //! Records written by earlier versions (a hash with fields `st`, `fp`, `tok`, `out`, `exp`)
@@ -49,9 +49,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 /// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` the new lease's value, its TTL
 /// (lease + grace) ms, grace ms, token. Takes the record over when there is none, its lease
-/// is over, or it is another claim's cancel marker. Returns `{'x'}` taken, `{'c'}` this very
-/// claim was cancelled (its marker, or its tombstone: see [`cancel`]), or
-/// `{'v', value, pttl}`: the live record, which answers.
+/// is over (for the same fingerprint: an unfinished lease is not another request's), or it
+/// is another claim's cancel marker. Returns `{'x'}` taken, `{'t'}` taken from a lease that
+/// ran out unfinished (its outcome is unknown), `{'c'}` this very claim was
+/// cancelled (its marker, or its tombstone: see [`cancel`]), or `{'v', value, pttl}`: the
+/// live record, which answers.
 pub(crate) fn takeover() -> Script {
     Script::new(
         r"
@@ -65,7 +67,13 @@ if v then
     if string.sub(v, 34, 49) == ARGV[4] then return {'c'} end
   elseif not (st == '0' and pttl <= tonumber(ARGV[3])) then
     return {'v', v, pttl}
+  elseif string.sub(v, 2, 33) ~= string.sub(ARGV[1], 2, 33) then
+    return {'v', v, pttl}
   end
+end
+if v and string.sub(v, 1, 1) == '0' then
+  redis.call('SET', KEYS[1], ARGV[1] .. 't', 'PX', ARGV[2])
+  return {'t'}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'x'}
@@ -75,8 +83,9 @@ return {'x'}
 
 /// The claim of the earlier hash layout, for a key still holding such a record.
 /// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token (text),
-/// lease ms, grace ms. Returns `{'x'}` execute, `{'r', outcome}` replay, `{'i', ms left}` in
-/// flight, `{'m'}` mismatch, `{'c'}` cancelled, `{'s'}` no hash there any more (claim again).
+/// lease ms, grace ms. Returns `{'x'}` execute, `{'t'}` execute after a lease that ran out
+/// unfinished, `{'r', outcome}` replay, `{'i', ms left}` in flight, `{'m'}` mismatch, `{'c'}`
+/// cancelled, `{'s'}` no hash there any more (claim again).
 pub(crate) fn legacy_begin() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
@@ -84,11 +93,13 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return {{'c'}} end
 if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {{'s'}} end
 local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp')
 local live = cur[1] and (cur[1] == '1' or not cur[4] or tonumber(cur[4]) > now)
+if not live and cur[1] == '0' and cur[2] ~= ARGV[1] then return {{'m'}} end
 if not live then
   local lease = tonumber(ARGV[3])
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'st', '0', 'fp', ARGV[1], 'tok', ARGV[2], 'exp', string.format('%.0f', now + lease))
   redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[4]))
+  if cur[1] == '0' then return {{'t'}} end
   return {{'x'}}
 end
 if cur[2] ~= ARGV[1] then return {{'m'}} end
@@ -166,9 +177,11 @@ return 1
     ))
 }
 
-/// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, token text, marker ms.
-/// Undoes a claim whose answer never arrived, whether or not it has run yet: it deletes the
-/// lease if this token holds it. Else, when the key is free, it leaves a cancel marker there:
+/// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, token text, marker ms,
+/// grace ms. Undoes a claim whose answer never arrived, whether or not it has run yet: if
+/// this token holds the lease, it is deleted; a lease that took an unfinished one over
+/// (marked `t` after the token) is ended instead (its TTL becomes the grace) and kept, so the
+/// next `begin` still reports the unfinished attempt. Else, when the key is free, it leaves a cancel marker there:
 /// the late claim's `SET NX` fails on it, and the takeover script refuses for this token.
 /// When someone else's record is there, it leaves the claim's tombstone, which the takeover
 /// and the legacy claim check; a late plain `SET NX` fails as long as that record is there
@@ -176,6 +189,10 @@ return 1
 pub(crate) fn cancel() -> Script {
     Script::new(&format!(
         r"{READ_FENCED}
+if mine and st == '0' and not legacy and string.sub(v, 50, 50) == 't' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return 1
+end
 if mine and (st == '0' or st == 'm') then
   redis.call('DEL', KEYS[1])
   return 1
@@ -188,4 +205,52 @@ end
 return 0
 "
     ))
+}
+
+/// `KEYS[1]` record. The operator's read: `{'n', now}` no record, `{'v', now, pttl, value}`,
+/// or `{'h', now, pttl, st, fp, out, exp}` for the earlier hash layout; every element a
+/// string, `now` Redis' clock in ms.
+pub(crate) fn inspect() -> Script {
+    Script::new(&format!(
+        r"{NOW_MS}
+local pttl = tostring(redis.call('PTTL', KEYS[1]))
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then
+  local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp')
+  return {{'h', tostring(now), pttl, cur[1] or '', cur[2] or '', cur[3] or '', cur[4] or ''}}
+end
+local v = redis.call('GET', KEYS[1])
+if not v then return {{'n', tostring(now)}} end
+return {{'v', tostring(now), pttl, v}}
+"
+    ))
+}
+
+/// `KEYS[1]` record; `ARGV[1]` `1` to delete a completed record too. The operator's
+/// release, whoever holds the record: the token goes with it, so the owner's late fenced
+/// writes find nothing. Returns 1 a lease (or mirror) deleted, 2 a completed record deleted,
+/// 3 a completed record kept, 0 none (a cancel marker counts as none).
+pub(crate) fn force_release() -> Script {
+    Script::new(
+        r"
+local st
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then
+  st = redis.call('HGET', KEYS[1], 'st')
+else
+  local v = redis.call('GET', KEYS[1])
+  if v then st = string.sub(v, 1, 1) end
+end
+if st == '0' or st == 'm' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if st == '1' then
+  if ARGV[1] == '1' then
+    redis.call('DEL', KEYS[1])
+    return 2
+  end
+  return 3
+end
+return 0
+",
+    )
 }

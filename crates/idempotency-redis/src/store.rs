@@ -1,21 +1,24 @@
 //! `RedisStore`: the record state machine in one Redis string per record, one round trip per
-//! operation: plain commands where they suffice, Lua scripts where a write is fenced.
+//! operation (a claim that finds a live lease reads its TTL in a second one): plain commands
+//! where they suffice, Lua scripts where a write is fenced.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Error, Fingerprint, LeaseToken, Outcome, RecordId, Result, Store, detached_claim,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
+    Outcome, RecordId, Result, Store, detached_claim, system_time_from_millis,
 };
 use redis::{
     Cmd, Pipeline, RedisFuture, Script, Value,
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
 };
 
-use crate::scripts;
+use crate::scripts::{self, FP, OUTCOME};
 
 /// What the read-only [`RedisStore::peek`] finds.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Peek {
     /// No record (never written, expired, evicted or flushed).
     Absent,
@@ -67,12 +70,15 @@ struct Scripts {
     complete: Script,
     release: Script,
     renew: Script,
+    inspect: Script,
+    force_release: Script,
 }
 
 /// A [`Store`] on Redis: the fast path.
 ///
-/// Every operation is one round trip and atomic: a claim is a plain `SET NX GET` (with
-/// `PTTL` in the same pipeline), the token-fenced writes are Lua scripts (see the layout in
+/// Every operation is atomic and, but for a claim that finds a live lease (which reads the
+/// lease's TTL in a second round trip), one round trip: a claim is a plain `SET NX GET`, the
+/// token-fenced writes are Lua scripts (see the layout in
 /// `scripts.rs`). Lease and retention are key TTLs counted by Redis. Calls are bounded three ways: a connect timeout, a response
 /// timeout, and a hard budget per call, so a hung Redis costs at most the budget and then
 /// [`Error::Unavailable`].
@@ -113,6 +119,7 @@ impl std::fmt::Debug for RedisStore {
 
 /// What to do about a Redis whose `maxmemory-policy` may evict records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum EvictionCheck {
     /// Refuse to start (the default for a Redis-only store).
     Refuse,
@@ -122,16 +129,30 @@ pub enum EvictionCheck {
     Skip,
 }
 
+/// A connection the application made itself (see [`RedisStore::from_connection_manager`]).
+#[derive(Clone)]
+struct Given(Conn);
+
+impl std::fmt::Debug for Given {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Given(..)")
+    }
+}
+
 /// Configures and connects a [`RedisStore`].
 #[derive(Debug, Clone)]
 pub struct RedisStoreBuilder {
     urls: Vec<String>,
     cluster: bool,
+    given: Option<Given>,
     prefix: String,
     connect_timeout: Duration,
     response_timeout: Duration,
     budget: Duration,
     eviction: EvictionCheck,
+    /// PEM root certificates for `rediss://` (none: the system's).
+    #[cfg(feature = "tls-rustls")]
+    tls_roots: Option<Vec<u8>>,
 }
 
 impl RedisStoreBuilder {
@@ -165,14 +186,87 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Trusts these root certificates (PEM, one or more) for a `rediss://` URL instead of
+    /// the system's: the private CA of a managed Redis. The server's certificate must name
+    /// the URL's host. Needs the `tls-rustls` feature; a `redis://` URL with roots given is
+    /// refused at [`connect`](Self::connect) (the roots would protect nothing).
+    ///
+    /// ```no_run
+    /// use idempotency_redis::RedisStore;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let ca = std::fs::read("/etc/ssl/redis-ca.pem")?;
+    /// let store = RedisStore::builder("rediss://redis.internal:6380/")
+    ///     .tls_root_certificates(ca)
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls-rustls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls-rustls")))]
+    pub fn tls_root_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_roots = Some(pem.into());
+        self
+    }
+
+    /// Refuses URLs whose TLS would not be what it looks like: `rediss://` without the TLS
+    /// feature, `#insecure` (no certificate check), roots given for a URL without TLS.
+    /// Installs the ring crypto provider for `rediss://` unless the application installed
+    /// one first (rustls needs one per process; install yours before connecting).
+    fn check_tls(&self) -> Result<()> {
+        let tls = self.urls.iter().any(|u| u.starts_with("rediss://"));
+        if self.urls.iter().any(|u| u.contains("#insecure")) {
+            return Err(Error::Config(
+                "a Redis URL with #insecure turns certificate checks off: not accepted".into(),
+            ));
+        }
+        #[cfg(feature = "tls-rustls")]
+        {
+            if self.tls_roots.is_some() && !tls {
+                return Err(Error::Config(
+                    "TLS root certificates were given for a URL without TLS: use rediss://".into(),
+                ));
+            }
+            if tls {
+                let _ = rustls::crypto::ring::default_provider().install_default();
+            }
+        }
+        if tls && !cfg!(feature = "tls-rustls") {
+            return Err(Error::Config(
+                "a rediss:// URL needs the `tls-rustls` feature of idempotency-redis".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A client for the first URL, with the given TLS roots if any.
+    fn client(&self) -> Result<redis::Client> {
+        self.check_tls()?;
+        let url = self.urls[0].as_str();
+        let invalid = |e: redis::RedisError| Error::Config(format!("invalid Redis URL: {e}"));
+        #[cfg(feature = "tls-rustls")]
+        if let Some(pem) = &self.tls_roots {
+            let certificates = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            };
+            return redis::Client::build_with_tls(url, certificates).map_err(invalid);
+        }
+        redis::Client::open(url).map_err(invalid)
+    }
+
     /// Connects (lazily for a standalone Redis, so the store can start while Redis is down
-    /// when the eviction check is skipped), then checks the eviction policy.
+    /// when the eviction check is skipped), then checks the eviction policy. With the check
+    /// on, a Redis that cannot be reached — down, or refusing the TLS handshake — is
+    /// [`Error::Unavailable`]: nothing was checked. A server that refuses `CONFIG` (managed
+    /// Redis often does) is only a warning.
     pub async fn connect(self) -> Result<RedisStore> {
-        let conn = if self.cluster {
+        let conn = if let Some(Given(conn)) = self.given.clone() {
+            conn
+        } else if self.cluster {
             self.connect_cluster().await?
         } else {
-            let client = redis::Client::open(self.urls[0].as_str())
-                .map_err(|e| Error::Config(format!("invalid Redis URL: {e}")))?;
+            let client = self.client()?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(self.connect_timeout))
                 .set_response_timeout(Some(self.response_timeout))
@@ -196,6 +290,8 @@ impl RedisStoreBuilder {
                 complete: scripts::complete(),
                 release: scripts::release(),
                 renew: scripts::renew(),
+                inspect: scripts::inspect(),
+                force_release: scripts::force_release(),
             }),
         };
         match self.eviction {
@@ -207,10 +303,22 @@ impl RedisStoreBuilder {
 
     #[cfg(feature = "cluster")]
     async fn connect_cluster(&self) -> Result<Conn> {
-        let client = redis::cluster::ClusterClient::builder(self.urls.clone())
+        self.check_tls()?;
+        let builder = redis::cluster::ClusterClient::builder(self.urls.clone())
             .connection_timeout(self.connect_timeout)
             .response_timeout(self.response_timeout)
-            .retries(1)
+            .retries(1);
+        #[cfg(feature = "tls-rustls")]
+        let builder = {
+            match &self.tls_roots {
+                Some(pem) => builder.certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                }),
+                None => builder,
+            }
+        };
+        let client = builder
             .build()
             .map_err(|e| Error::Config(format!("invalid Redis Cluster nodes: {e}")))?;
         let conn = tokio::time::timeout(self.budget * 4, client.get_async_connection())
@@ -225,6 +333,22 @@ impl RedisStoreBuilder {
         Err(Error::Config(
             "Redis Cluster needs the `cluster` feature of idempotency-redis".into(),
         ))
+    }
+}
+
+/// The value of a one-parameter `CONFIG GET` reply: an array `[name, value]` (RESP2) or a
+/// map `{name: value}` (RESP3).
+fn config_value(reply: &Value) -> Option<String> {
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    };
+    match reply {
+        Value::Array(items) if items.len() == 2 => text(&items[1]),
+        Value::Map(pairs) if pairs.len() == 1 => text(&pairs[0].1),
+        _ => None,
     }
 }
 
@@ -271,7 +395,7 @@ fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> R
     }
     let same_fp = value[scripts::FP] == fp.as_bytes()[..];
     let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0).max(1));
-    // Gone (or expiring) between the two commands: free.
+    // Gone (or expiring) between reading the value and its TTL: free.
     if pttl < 0 && pttl != -1 {
         return Ok(Found::Free);
     }
@@ -280,7 +404,9 @@ fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> R
         b'c' => Found::Free,
         b'0' => {
             let lease_left = pttl - i64::try_from(grace()).unwrap_or(i64::MAX);
-            if pttl != -1 && lease_left <= 0 {
+            // Over, but unfinished: taken over by the same request only (another request
+            // under this key must not inherit its unknown outcome).
+            if pttl != -1 && lease_left <= 0 && same_fp {
                 Found::Free
             } else if !same_fp {
                 Found::Answer(Begin::Mismatch)
@@ -314,6 +440,7 @@ fn parse_begin(value: Value, token: LeaseToken) -> Result<Begin> {
     };
     Ok(match (tag, items.get(1)) {
         (b"x", _) => Begin::Execute(token),
+        (b"t", _) => Begin::TakeOver(token),
         (b"c", _) => {
             return Err(Error::unavailable(
                 "the claim ran after it was given up and cancelled",
@@ -341,11 +468,14 @@ impl RedisStore {
         RedisStoreBuilder {
             urls: vec![url.into()],
             cluster: false,
+            given: None,
             prefix: "idem".into(),
             connect_timeout: Duration::from_millis(250),
             response_timeout: Duration::from_millis(250),
             budget: Duration::from_millis(500),
             eviction: EvictionCheck::Refuse,
+            #[cfg(feature = "tls-rustls")]
+            tls_roots: None,
         }
     }
 
@@ -356,6 +486,48 @@ impl RedisStore {
     ) -> RedisStoreBuilder {
         RedisStoreBuilder {
             urls: nodes.into_iter().map(Into::into).collect(),
+            cluster: true,
+            ..Self::builder(String::new())
+        }
+    }
+
+    /// Starts configuring a store on a connection the application already has, so the
+    /// store shares its TLS, credentials, timeouts and reconnect policy (and its one
+    /// multiplexed socket). The builder's connect and response timeouts do not apply to it;
+    /// the call budget does.
+    ///
+    /// ```no_run
+    /// use idempotency_redis::{RedisStore, redis};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
+    /// let manager = redis::aio::ConnectionManager::new(client).await?;
+    /// let store = RedisStore::from_connection_manager(manager)
+    ///     .prefix("payments")
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_connection_manager(manager: ConnectionManager) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            given: Some(Given(Conn::Single(manager))),
+            ..Self::builder(String::new())
+        }
+    }
+
+    /// [`RedisStore::from_connection_manager`] for a Redis Cluster connection (needs the
+    /// `cluster` feature).
+    ///
+    /// Build the client **without** `read_from_replicas`: the store's reads (`GET`, `PTTL`)
+    /// must see the primary, or a lagging replica answers "in flight" or "key reused" for a
+    /// record the primary has already moved on from.
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
+    pub fn from_cluster_connection(
+        conn: redis::cluster_async::ClusterConnection,
+    ) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            given: Some(Given(Conn::Cluster(conn))),
             cluster: true,
             ..Self::builder(String::new())
         }
@@ -377,9 +549,37 @@ impl RedisStore {
         }
     }
 
+    /// The TTL `read_record` needs for a lease or a mirror (whether its lease is over, and
+    /// the `Retry-After`), asked only then: a first request or a replay reads one value and
+    /// no TTL. The record is read again with it, so value and TTL always belong together; a
+    /// lease found over is only ever taken by the takeover script, which checks again. Other
+    /// states need none (`-1`). Within the caller's `deadline`: one budget for both reads.
+    async fn pttl_if_live(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(Vec<u8>, i64)> {
+        if !matches!(value.first(), Some(b'0' | b'm')) {
+            return Ok((value, -1));
+        }
+        // The value again with its TTL, in one pipeline: a record that changed in between
+        // (completed, say) is read whole, never a lease with the TTL of a retention.
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+        let mut conn = self.conn.clone();
+        let (again, pttl): (Option<Vec<u8>>, i64) =
+            match tokio::time::timeout_at(deadline, pipe.query_async(&mut conn)).await {
+                Ok(reply) => reply.map_err(Error::unavailable)?,
+                Err(_) => return Err(Error::unavailable("Redis did not answer within the budget")),
+            };
+        // Gone in between: free (`-2`), which only ever leads to the takeover's re-check.
+        Ok(again.map_or((value, -2), |again| (again, pttl)))
+    }
+
     async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
         let mut conn = self.conn.clone();
-        let reply: redis::RedisResult<Vec<String>> = self
+        let reply: redis::RedisResult<Value> = self
             .timed(async {
                 Ok(redis::cmd("CONFIG")
                     .arg("GET")
@@ -388,15 +588,40 @@ impl RedisStore {
                     .await)
             })
             .await?;
-        let policy = match reply {
-            Ok(pair) if pair.len() == 2 => pair[1].clone(),
-            // Managed Redis often disables CONFIG: we cannot know, so say so and go on.
-            Ok(_) | Err(_) => {
+        let policy = match reply.as_ref().map(config_value) {
+            Ok(Some(policy)) => policy,
+            // Anything but the server's own refusal (down, refused, a failed TLS handshake,
+            // a client misconfiguration): nothing was checked, and a store that cannot reach
+            // Redis must not start as if it had been.
+            Err(error) if error.code().is_none() => {
+                return Err(Error::unavailable(format!(
+                    "cannot reach Redis to check its maxmemory-policy: {error}"
+                )));
+            }
+            // Managed Redis often disables CONFIG (or the user may not run it): the server
+            // refused (an error reply: unknown command, NOPERM), we cannot know, so say so and
+            // go on.
+            Err(error) => {
                 tracing::warn!(
+                    %error,
                     "cannot read Redis maxmemory-policy (CONFIG disabled?): make sure it is `noeviction`, \
                      or an evicted idempotency record will execute again"
                 );
                 return Ok(());
+            }
+            // An answer this store cannot read is no reason to assume the safe policy.
+            Ok(None) => {
+                let why = format!(
+                    "cannot read Redis maxmemory-policy from the reply {reply:?}: make sure it is \
+                     `noeviction`, then accept with EvictionCheck::Warn"
+                );
+                return match check {
+                    EvictionCheck::Refuse => Err(Error::Config(why)),
+                    _ => {
+                        tracing::warn!("{why}");
+                        Ok(())
+                    }
+                };
             }
         };
         if policy == "noeviction" {
@@ -473,19 +698,17 @@ impl RedisStore {
         // Longer than the caller waits: an answer that comes late is still read, and a lease
         // it granted released, rather than left to expire.
         let budget = self.budget * 4;
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET")
-            .arg(&key)
+        let deadline = tokio::time::Instant::now() + budget;
+        let mut set = redis::cmd("SET");
+        set.arg(&key)
             .arg(&fresh)
             .arg("NX")
             .arg("GET")
             .arg("PX")
-            .arg(ttl)
-            .cmd("PTTL")
-            .arg(&key);
+            .arg(ttl);
         let mut conn = self.conn.clone();
-        let claimed: Result<(Option<Vec<u8>>, i64)> =
-            match tokio::time::timeout(budget, pipe.query_async(&mut conn)).await {
+        let claimed: Result<Option<Vec<u8>>> =
+            match tokio::time::timeout(budget, set.query_async(&mut conn)).await {
                 Ok(Ok(reply)) => Ok(reply),
                 Ok(Err(error)) if wrong_type(&error) => {
                     return self.claim_legacy(id, fp, lease, token).await;
@@ -500,8 +723,12 @@ impl RedisStore {
                 ))),
             };
         let found = match claimed {
-            Ok((None, _)) => return Ok(Begin::Execute(token)),
-            Ok((Some(value), pttl)) => read_record(&value, pttl, fp, &raw),
+            Ok(None) => return Ok(Begin::Execute(token)),
+            // Someone else's record: this claim wrote nothing, so nothing needs cancelling.
+            Ok(Some(value)) => {
+                let (value, pttl) = self.pttl_if_live(&key, value, deadline).await?;
+                read_record(&value, pttl, fp, &raw)
+            }
             Err(error) => {
                 self.cancel_later(id, token);
                 return Err(error);
@@ -548,9 +775,10 @@ impl RedisStore {
             }
         };
         match (items.first(), items.get(1), items.get(2)) {
-            (Some(Value::BulkString(tag)), _, _) if tag == b"x" => {
+            (Some(Value::BulkString(tag)), _, _) if tag == b"x" => Ok(Begin::Execute(token)),
+            (Some(Value::BulkString(tag)), _, _) if tag == b"t" => {
                 tracing::info!(record = %id, "took over an expired idempotency lease");
-                Ok(Begin::Execute(token))
+                Ok(Begin::TakeOver(token))
             }
             (Some(Value::BulkString(tag)), _, _) if tag == b"c" => Err(Error::unavailable(
                 "the claim ran after it was given up and cancelled",
@@ -633,7 +861,7 @@ impl RedisStore {
                     self.budget,
                     &self.scripts.cancel,
                     &keys,
-                    &[&raw, text.as_bytes(), ttl.as_bytes()],
+                    &[&raw, text.as_bytes(), ttl.as_bytes(), grace_ms().as_bytes()],
                 )
                 .await;
             match undone {
@@ -653,20 +881,23 @@ impl RedisStore {
     /// A plain `GET` and `PTTL` in one pipeline: no script.
     pub async fn peek(&self, id: &RecordId, fp: &Fingerprint) -> Result<Peek> {
         let key = self.key(id);
+        let deadline = tokio::time::Instant::now() + self.budget;
         let mut conn = self.conn.clone();
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key);
-        let read: redis::RedisResult<(Option<Vec<u8>>, i64)> =
-            match tokio::time::timeout(self.budget, pipe.query_async(&mut conn)).await {
-                Ok(read) => read,
-                Err(_) => {
-                    return Err(Error::unavailable(format!(
-                        "Redis did not answer within {:?}",
-                        self.budget
-                    )));
-                }
-            };
-        let (value, pttl) = match read {
+        let read: redis::RedisResult<Option<Vec<u8>>> = match tokio::time::timeout_at(
+            deadline,
+            redis::cmd("GET").arg(&key).query_async(&mut conn),
+        )
+        .await
+        {
+            Ok(read) => read,
+            Err(_) => {
+                return Err(Error::unavailable(format!(
+                    "Redis did not answer within {:?}",
+                    self.budget
+                )));
+            }
+        };
+        let value = match read {
             Ok(read) => read,
             Err(error) if wrong_type(&error) => {
                 return self.peek_legacy(&key, fp).await;
@@ -676,6 +907,7 @@ impl RedisStore {
         let Some(value) = value else {
             return Ok(Peek::Absent);
         };
+        let (value, pttl) = self.pttl_if_live(&key, value, deadline).await?;
         // A peek claims nothing: any token will do for reading.
         Ok(match read_record(&value, pttl, fp, &[0; 16])? {
             Found::Answer(answer) => Peek::Found(answer),
@@ -794,23 +1026,101 @@ impl RedisStore {
     }
 }
 
+/// Decodes the reply of [`scripts::inspect`].
+fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
+    let corrupt = || Error::Corrupt("unexpected inspect reply".into());
+    let number = |i: usize| -> Result<i64> {
+        let field = reply.get(i).ok_or_else(corrupt)?;
+        std::str::from_utf8(field)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(corrupt)
+    };
+    let kind = reply.first().ok_or_else(corrupt)?;
+    if kind == b"n" {
+        return Ok(None);
+    }
+    let (now, pttl) = (number(1)?, number(2)?);
+    let at = |ms: i64| system_time_from_millis(ms as f64);
+    let grace = i64::try_from(LATE_COMPLETION_GRACE.as_millis()).unwrap_or(i64::MAX);
+    let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    let fingerprint = |bytes: &[u8]| -> Result<Fingerprint> {
+        let bytes: [u8; 32] = bytes.try_into().map_err(|_| corrupt())?;
+        Ok(Fingerprint::from_bytes(bytes))
+    };
+    let status = |encoded: &[u8]| decode_outcome(encoded).map(|o| o.status);
+    match kind.as_slice() {
+        b"v" => {
+            let value = reply.get(3).ok_or_else(corrupt)?;
+            if value.len() < OUTCOME {
+                return Ok(None); // not a record
+            }
+            let fp = fingerprint(&value[FP])?;
+            Ok(match value[0] {
+                // A lease lives `lease + grace`: its lease is over once the grace is all
+                // that is left.
+                b'0' => Some(Inspection::in_flight(
+                    fp,
+                    None,
+                    at(now + pttl - grace),
+                    left(pttl - grace),
+                )),
+                b'm' => Some(Inspection::in_flight(fp, None, at(now + pttl), left(pttl))),
+                b'1' => Some(Inspection::completed(
+                    fp,
+                    None,
+                    at(now + pttl),
+                    status(&value[OUTCOME..])?,
+                )),
+                _ => None,
+            })
+        }
+        b"h" => {
+            let field = |i: usize| reply.get(i).map(Vec::as_slice).ok_or_else(corrupt);
+            let fp = fingerprint(field(4)?)?;
+            Ok(match field(3)? {
+                b"1" => Some(Inspection::completed(
+                    fp,
+                    None,
+                    at(now + pttl),
+                    status(field(5)?)?,
+                )),
+                b"0" if field(6)?.is_empty() => {
+                    Some(Inspection::in_flight(fp, None, at(now + pttl), left(pttl)))
+                }
+                b"0" => {
+                    let exp = number(6)?;
+                    Some(Inspection::in_flight(fp, None, at(exp), left(exp - now)))
+                }
+                _ => None,
+            })
+        }
+        _ => Err(corrupt()),
+    }
+}
+
 #[async_trait]
 impl Store for RedisStore {
     /// Cancel-safe: the script runs in a task of its own, and a lease it grants after this
     /// call was dropped or ran out of budget is released (see [`detached_claim`]).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
-        let claim = async move { this.claim(&id, &fp, lease).await };
-        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
-        };
-        match tokio::time::timeout(self.budget, detached_claim(claim, release)).await {
-            Ok(answer) => answer,
-            Err(_) => Err(Error::unavailable(format!(
-                "Redis did not answer within {:?}",
-                self.budget
-            ))),
-        }
+        idempotency_core::observe(self.name(), "begin", async {
+            let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+            let claim = async move { this.claim(&id, &fp, lease).await };
+            let release = move |token| -> futures::future::BoxFuture<'static, ()> {
+                Box::pin(
+                    async move { idempotency_core::release_orphan(&releaser, &id, token).await },
+                )
+            };
+            match tokio::time::timeout(self.budget, detached_claim(claim, release)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(Error::unavailable(format!(
+                    "Redis did not answer within {:?}",
+                    self.budget
+                ))),
+            }
+        })
+        .await
     }
 
     async fn complete(
@@ -820,52 +1130,85 @@ impl Store for RedisStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
-        let (raw, text) = token_forms(token);
-        let retention = millis(retention).to_string();
-        let done: i64 = self
-            .run(
-                &self.scripts.complete,
-                id,
-                &[
-                    &raw,
-                    text.as_bytes(),
-                    &outcome.encode()[..],
-                    retention.as_bytes(),
-                ],
-            )
-            .await?;
-        Self::fenced(done)
+        idempotency_core::observe(self.name(), "complete", async {
+            let (raw, text) = token_forms(token);
+            let retention = millis(retention).to_string();
+            let done: i64 = self
+                .run(
+                    &self.scripts.complete,
+                    id,
+                    &[
+                        &raw,
+                        text.as_bytes(),
+                        &outcome.encode()[..],
+                        retention.as_bytes(),
+                    ],
+                )
+                .await?;
+            Self::fenced(done)
+        })
+        .await
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        let (raw, text) = token_forms(token);
-        let done: i64 = self
-            .run(&self.scripts.release, id, &[&raw, text.as_bytes()])
-            .await?;
-        Self::fenced(done)
+        idempotency_core::observe(self.name(), "release", async {
+            let (raw, text) = token_forms(token);
+            let done: i64 = self
+                .run(&self.scripts.release, id, &[&raw, text.as_bytes()])
+                .await?;
+            Self::fenced(done)
+        })
+        .await
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        let (raw, text) = token_forms(token);
-        let lease = millis(lease).to_string();
-        let done: i64 = self
-            .run(
-                &self.scripts.renew,
-                id,
-                &[
-                    &raw,
-                    text.as_bytes(),
-                    lease.as_bytes(),
-                    grace_ms().as_bytes(),
-                ],
-            )
-            .await?;
-        Self::fenced(done)
+        idempotency_core::observe(self.name(), "renew", async {
+            let (raw, text) = token_forms(token);
+            let lease = millis(lease).to_string();
+            let done: i64 = self
+                .run(
+                    &self.scripts.renew,
+                    id,
+                    &[
+                        &raw,
+                        text.as_bytes(),
+                        lease.as_bytes(),
+                        grace_ms().as_bytes(),
+                    ],
+                )
+                .await?;
+            Self::fenced(done)
+        })
+        .await
     }
 
     /// Redis expires records by itself (key TTLs): nothing to purge.
     async fn purge_expired(&self, _batch: usize) -> Result<u64> {
         Ok(0)
+    }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        idempotency_core::observe(self.name(), "inspect", async {
+            let reply: Vec<Vec<u8>> = self.run(&self.scripts.inspect, id, &[]).await?;
+            inspection(&reply)
+        })
+        .await
+    }
+
+    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+        idempotency_core::observe(self.name(), "force_release", async {
+            let completed_too: &[u8] = if include_completed { b"1" } else { b"0" };
+            let found: i64 = self
+                .run(&self.scripts.force_release, id, &[completed_too])
+                .await?;
+            Ok(match found {
+                1 => ForceReleased::Released,
+                2 => ForceReleased::Deleted,
+                3 => ForceReleased::Completed,
+                _ => ForceReleased::Absent,
+            })
+        })
+        .await
     }
 
     fn name(&self) -> &'static str {

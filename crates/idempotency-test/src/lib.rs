@@ -4,7 +4,9 @@
 //!   stop, start, pause and unpause them for fault injection;
 //! - [`conformance`]: the store conformance suite and [`conformance_tests!`], which every store
 //!   runs;
+//! - [`http`]: an HTTP/1.1 client (hyper) whose dropped requests hang up;
 //! - [`stores`]: stores built once per binary on the shared services;
+//! - [`tls`]: a CA made at test time, for the TLS-enabled services;
 //! - [`block_on`]: runs a test on the binary's one shared runtime.
 //!
 //! Service-backed tests share one runtime per test binary because connection pools and the
@@ -12,8 +14,10 @@
 //! `#[tokio::test]` runtime breaks when that runtime shuts down and the next test reuses it.
 
 pub mod conformance;
+pub mod http;
 pub mod services;
 pub mod stores;
+pub mod tls;
 
 use std::{future::Future, sync::OnceLock};
 

@@ -30,6 +30,8 @@ use testcontainers::{
 };
 use tokio::sync::OnceCell;
 
+use crate::tls::TestCa;
+
 /// The label on every container the harness starts, so CI can remove leftovers of a run
 /// that was killed before it could clean up.
 pub const LABEL: &str = "io.idempotency.test";
@@ -60,6 +62,8 @@ pub struct Service {
     url: String,
     ports: Vec<u16>,
     container: Option<ContainerAsync<GenericImage>>,
+    /// The CA the server's certificate chains to, when it speaks TLS.
+    tls_ca: Option<String>,
 }
 
 impl Service {
@@ -72,6 +76,7 @@ impl Service {
     pub fn node_urls(&self) -> Vec<String> {
         let scheme = match self.kind {
             Kind::Postgres => return vec![self.url.clone()],
+            Kind::Redis | Kind::RedisCluster if self.tls_ca.is_some() => "rediss",
             Kind::Redis | Kind::RedisCluster => "redis",
         };
         self.ports
@@ -108,7 +113,13 @@ impl Service {
             .start()
             .await
             .expect("starting the container");
-        wait_ready(self.kind, &self.ports, Duration::from_secs(60)).await;
+        wait_ready(
+            self.kind,
+            &self.node_urls(),
+            self.tls_ca.as_deref(),
+            Duration::from_secs(60),
+        )
+        .await;
     }
 
     /// Freezes the server: connections stay open and calls hang (the "hung server" fault).
@@ -184,6 +195,7 @@ fn external(kind: Kind, url: String) -> Service {
         kind,
         url,
         ports: Vec::new(),
+        tls_ca: None,
         container: None,
     }
 }
@@ -216,19 +228,48 @@ fn host_network() -> bool {
 
 /// Starts a dedicated Postgres container (owned by the caller, removed on drop).
 pub async fn start_postgres() -> Service {
+    start_postgres_with(None).await
+}
+
+/// Starts a dedicated Postgres that accepts TLS connections only, with a certificate `ca`
+/// signed for 127.0.0.1. The URL asks for `sslmode=verify-full` against the CA's file.
+pub async fn start_postgres_tls(ca: &TestCa) -> Service {
+    start_postgres_with(Some(ca)).await
+}
+
+async fn start_postgres_with(tls: Option<&TestCa>) -> Service {
     let port = free_port();
+    // The server's key must belong to the server's user, readable by it alone.
+    let (install_tls, ssl_args) = match tls {
+        Some(_) => (
+            "install -o postgres -g postgres -m 600 /tls/server.key /tmp/server.key; \
+             install -o postgres -g postgres -m 644 /tls/server.crt /tmp/server.crt;",
+            "-c ssl=on -c ssl_cert_file=/tmp/server.crt -c ssl_key_file=/tmp/server.key",
+        ),
+        None => ("", "-c ssl=off"),
+    };
     let request = match local_image() {
         Some((name, tag)) => {
             // The Debian package's cluster only allows peer/scram: trust the loopback test
-            // client, and run the server directly so it is the process that receives signals.
-            // fsync=off is safe for the crash tests (a killed process leaves its writes in the
-            // page cache); synchronous_commit=off would not be: it loses acknowledged commits.
+            // client (over TLS only, when TLS is on), and run the server directly so it is
+            // the process that receives signals. fsync=off is safe for the crash tests (a
+            // killed process leaves its writes in the page cache); synchronous_commit=off
+            // would not be: it loses acknowledged commits.
+            let hba = match tls {
+                Some(_) => {
+                    "sed -i '1i hostssl all all 127.0.0.1/32 trust' /etc/postgresql/15/main/pg_hba.conf; \
+                     sed -i '1i hostnossl all all all reject' /etc/postgresql/15/main/pg_hba.conf;"
+                }
+                None => {
+                    "sed -i '1i host all all 127.0.0.1/32 trust' /etc/postgresql/15/main/pg_hba.conf;"
+                }
+            };
             let script = format!(
-                "set -e; sed -i '1i host all all 127.0.0.1/32 trust' /etc/postgresql/15/main/pg_hba.conf; \
+                "set -e; {hba} {install_tls} \
                  mkdir -p /var/run/postgresql; chown postgres /var/run/postgresql; \
                  exec setpriv --reuid=postgres --regid=postgres --init-groups \
                  /usr/lib/postgresql/15/bin/postgres -c config_file=/etc/postgresql/15/main/postgresql.conf \
-                 -c listen_addresses=127.0.0.1 -c port={port} -c ssl=off -c fsync=off \
+                 -c listen_addresses=127.0.0.1 -c port={port} {ssl_args} -c fsync=off \
                  -c full_page_writes=off -c max_connections=300"
             );
             GenericImage::new(name, tag)
@@ -238,25 +279,76 @@ pub async fn start_postgres() -> Service {
                 .with_cmd(["sh", "-c", &script])
         }
         None => {
+            // The official image: TLS is offered (its entrypoint writes pg_hba.conf, which
+            // trusts any connection), and the URL's verify-full still checks the server.
             let (name, tag) = split_image("IDEMPOTENCY_TEST_POSTGRES_IMAGE", "postgres:16-alpine");
+            let ssl_args = ssl_args.replace("/tmp/", "/var/lib/postgresql/");
+            let install_tls = install_tls.replace("/tmp/", "/var/lib/postgresql/");
+            let script = format!(
+                "set -e; {install_tls} exec docker-entrypoint.sh postgres {ssl_args} \
+                 -c fsync=off -c max_connections=300"
+            );
             GenericImage::new(name, tag)
+                .with_wait_for(WaitFor::message_on_stderr(
+                    "database system is ready to accept connections",
+                ))
                 .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
-                .with_cmd(["postgres", "-c", "fsync=off", "-c", "max_connections=300"])
+                .with_cmd(["sh", "-c", &script])
         }
     };
+    let request = with_server_certificate(request, tls);
     let container = run(request, Kind::Postgres, port, 5432).await;
-    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
-    wait_ready(Kind::Postgres, &[port], Duration::from_secs(90)).await;
+    let url = match tls {
+        Some(ca) => format!(
+            "postgres://postgres@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={}",
+            ca.ca_path().display()
+        ),
+        None => format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+    };
+    let tls_ca = tls.map(|ca| ca.ca_pem().to_owned());
+    wait_ready(
+        Kind::Postgres,
+        std::slice::from_ref(&url),
+        tls_ca.as_deref(),
+        Duration::from_secs(90),
+    )
+    .await;
     Service {
         kind: Kind::Postgres,
         url,
         ports: vec![port],
         container: Some(container),
+        tls_ca,
+    }
+}
+
+/// Copies the server's certificate and key (and the CA) to `/tls/` in the container.
+fn with_server_certificate(
+    request: impl Into<testcontainers::ContainerRequest<GenericImage>>,
+    tls: Option<&TestCa>,
+) -> testcontainers::ContainerRequest<GenericImage> {
+    let request = request.into();
+    match tls {
+        Some(ca) => request
+            .with_copy_to("/tls/server.crt", ca.server_cert_pem().as_bytes().to_vec())
+            .with_copy_to("/tls/server.key", ca.server_key_pem().as_bytes().to_vec())
+            .with_copy_to("/tls/ca.crt", ca.ca_pem().as_bytes().to_vec()),
+        None => request,
     }
 }
 
 /// Starts a dedicated standalone Redis container (owned by the caller, removed on drop).
 pub async fn start_redis(options: RedisOptions) -> Service {
+    start_redis_with(options, None).await
+}
+
+/// Starts a dedicated Redis that speaks TLS only (`rediss://`), with a certificate `ca`
+/// signed for 127.0.0.1; clients need not present one.
+pub async fn start_redis_tls(ca: &TestCa) -> Service {
+    start_redis_with(RedisOptions::default(), Some(ca)).await
+}
+
+async fn start_redis_with(options: RedisOptions, tls: Option<&TestCa>) -> Service {
     let port = free_port();
     let mut args: Vec<String> = [
         "redis-server",
@@ -269,10 +361,32 @@ pub async fn start_redis(options: RedisOptions) -> Service {
     ]
     .map(String::from)
     .to_vec();
+    let port_args = |args: &mut Vec<String>| {
+        args.extend(["--bind", "127.0.0.1"].map(String::from));
+        match tls {
+            Some(_) => args.extend(
+                [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port.to_string(),
+                    "--tls-cert-file",
+                    "/tls/server.crt",
+                    "--tls-key-file",
+                    "/tls/server.key",
+                    "--tls-ca-cert-file",
+                    "/tls/ca.crt",
+                    "--tls-auth-clients",
+                    "no",
+                ]
+                .map(String::from),
+            ),
+            None => args.extend(["--port".to_owned(), port.to_string()]),
+        }
+    };
     let request = match local_image() {
         Some((name, tag)) => {
-            args.extend(["--bind", "127.0.0.1", "--port"].map(String::from));
-            args.push(port.to_string());
+            port_args(&mut args);
             args.extend(options.args);
             GenericImage::new(name, tag)
                 .with_wait_for(WaitFor::message_on_stdout("Ready to accept connections"))
@@ -280,9 +394,8 @@ pub async fn start_redis(options: RedisOptions) -> Service {
         }
         None => {
             let (name, tag) = split_image("IDEMPOTENCY_TEST_REDIS_IMAGE", "redis:7-alpine");
-            if host_network() {
-                args.extend(["--bind", "127.0.0.1", "--port"].map(String::from));
-                args.push(port.to_string());
+            if host_network() || tls.is_some() {
+                port_args(&mut args);
             }
             args.extend(options.args);
             GenericImage::new(name, tag)
@@ -290,14 +403,31 @@ pub async fn start_redis(options: RedisOptions) -> Service {
                 .with_cmd(args)
         }
     };
-    let container = run(request, Kind::Redis, port, 6379).await;
-    wait_ready(Kind::Redis, &[port], Duration::from_secs(60)).await;
+    let request = with_server_certificate(request, tls);
+    let container = run(request, Kind::Redis, port, port_in_container(tls, port)).await;
+    let scheme = if tls.is_some() { "rediss" } else { "redis" };
+    let url = format!("{scheme}://127.0.0.1:{port}/");
+    let tls_ca = tls.map(|ca| ca.ca_pem().to_owned());
+    wait_ready(
+        Kind::Redis,
+        std::slice::from_ref(&url),
+        tls_ca.as_deref(),
+        Duration::from_secs(60),
+    )
+    .await;
     Service {
         kind: Kind::Redis,
-        url: format!("redis://127.0.0.1:{port}/"),
+        url,
         ports: vec![port],
         container: Some(container),
+        tls_ca,
     }
+}
+
+/// The port Redis listens on inside its container: 6379, unless the TLS variant chose the
+/// published one.
+fn port_in_container(tls: Option<&TestCa>, port: u16) -> u16 {
+    if tls.is_some() { port } else { 6379 }
 }
 
 /// Starts a Redis Cluster of three masters (no replicas) in one container on the host
@@ -347,6 +477,7 @@ pub async fn start_redis_cluster() -> Option<Service> {
         url: format!("redis://127.0.0.1:{}/", ports[0]),
         ports: ports.to_vec(),
         container: Some(container),
+        tls_ca: None,
     })
 }
 
@@ -398,39 +529,46 @@ fn reap_on_exit(id: &str) {
         .spawn();
 }
 
-/// Waits until the server speaks its protocol on every port (a published port accepts TCP
-/// before the server inside listens, so a TCP connect proves nothing).
-async fn wait_ready(kind: Kind, ports: &[u16], limit: Duration) {
+/// Waits until the server speaks its protocol at every URL (a published port accepts TCP
+/// before the server inside listens, so a TCP connect proves nothing). `tls_ca`: the CA a
+/// `rediss://` server's certificate chains to (a Postgres URL names its own).
+async fn wait_ready(kind: Kind, urls: &[String], tls_ca: Option<&str>, limit: Duration) {
     let started = Instant::now();
-    for port in ports {
+    for url in urls {
         loop {
             let ready = match kind {
                 Kind::Postgres => {
                     use sqlx::Connection;
-                    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
-                    match sqlx::PgConnection::connect(&url).await {
+                    match sqlx::PgConnection::connect(url).await {
                         Ok(conn) => conn.close().await.is_ok(),
                         Err(_) => false,
                     }
                 }
-                Kind::Redis | Kind::RedisCluster => {
-                    let url = format!("redis://127.0.0.1:{port}/");
-                    async {
-                        let client = redis::Client::open(url).ok()?;
-                        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                        let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
-                        Some(pong == "PONG")
-                    }
-                    .await
-                    .unwrap_or(false)
+                Kind::Redis | Kind::RedisCluster => async {
+                    let client = match tls_ca {
+                        Some(ca) => redis::Client::build_with_tls(
+                            url.as_str(),
+                            redis::TlsCertificates {
+                                client_tls: None,
+                                root_cert: Some(ca.as_bytes().to_vec()),
+                            },
+                        )
+                        .ok()?,
+                        None => redis::Client::open(url.as_str()).ok()?,
+                    };
+                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                    let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
+                    Some(pong == "PONG")
                 }
+                .await
+                .unwrap_or(false),
             };
             if ready {
                 break;
             }
             assert!(
                 started.elapsed() < limit,
-                "{kind:?} on 127.0.0.1:{port} did not become ready within {limit:?}"
+                "{kind:?} at {url} did not become ready within {limit:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -32,6 +32,16 @@ pub async fn postgres_per_request() -> Option<Arc<PostgresStore>> {
     shared_postgres(&STORE, |b| b.per_request()).await
 }
 
+/// The same as [`postgres`] on a key table of its own in a schema of its own,
+/// [`OWN_TABLE`]: every statement and the migration rewritten for it.
+pub async fn postgres_own_table() -> Option<Arc<PostgresStore>> {
+    static STORE: OnceCell<Arc<PostgresStore>> = OnceCell::const_new();
+    shared_postgres(&STORE, |b| b.table(OWN_TABLE)).await
+}
+
+/// The table of [`postgres_own_table`].
+pub const OWN_TABLE: &str = "idem_test.charge_keys";
+
 /// A migrated Postgres store on the binary's shared Postgres, with a pool large enough for the
 /// concurrency tests (64 racing `begin`s, each on its own connection). `None` when service
 /// tests are opted out.

@@ -1,10 +1,20 @@
 //! Reading the `Idempotency-Key` header.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use idempotency_core::{IdempotencyKey, KeyError};
 
 /// The header's name (lowercase, as `http` stores it).
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// The response header saying until when a stored outcome replays, as an HTTP-date (RFC
+/// 9110 §5.6.7, like `Expires`), on first responses and replays when the layer is told to
+/// ([`IdempotencyLayer::advertise_expiry`](crate::IdempotencyLayer::advertise_expiry)).
+///
+/// Not (yet) in the IETF draft: the working group discusses advertising the retention
+/// (ietf-wg-httpapi/idempotency issues #35 and #49). An absolute date rather than a
+/// duration, so a response that spent time in transit or in a client's queue still says the
+/// truth, and so a replay needs no arithmetic.
+pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
 
 /// Why a request's key was refused (400).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,8 +26,11 @@ pub(crate) enum KeyProblem {
 /// Reads the key: one header line holding an RFC 8941 sf-string (`"abc-1"`), or a bare
 /// value as most clients send it (`abc-1`), both naming the same key. Lists, parameters,
 /// other item types and repeated header lines are refused.
-pub(crate) fn parse(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyProblem> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+pub(crate) fn parse(
+    headers: &HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<IdempotencyKey>, KeyProblem> {
+    let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };

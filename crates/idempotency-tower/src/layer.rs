@@ -26,15 +26,21 @@ pub(crate) struct Config {
     pub(crate) policy: Policy,
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
+    /// The header carrying the key (`Idempotency-Key` unless configured).
+    pub(crate) header: http::HeaderName,
     pub(crate) scope: Arc<ScopeFn>,
     pub(crate) body_fingerprint: BodyFingerprint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) max_request_body: usize,
     pub(crate) max_stored_body: usize,
     pub(crate) store_set_cookie: bool,
+    pub(crate) advertise_expiry: bool,
+    pub(crate) outcome_unknown: crate::OutcomeUnknown,
     pub(crate) wait: Option<Duration>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) detached: Arc<Detached>,
+    /// How long operations here take: the 409's `Retry-After`.
+    pub(crate) run_time: Arc<crate::retry_after::RunTime>,
 }
 
 /// Counts operations running in their own tasks, so shutdown can wait for them.
@@ -138,15 +144,19 @@ impl IdempotencyLayer {
                 policy: Policy::default(),
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
+                header: http::HeaderName::from_static(crate::IDEMPOTENCY_KEY),
                 scope: Arc::new(|_| Scope::global()),
                 body_fingerprint: BodyFingerprint::Raw,
                 fingerprint_headers: Vec::new(),
                 max_request_body: 1 << 20,
                 max_stored_body: 1 << 20,
                 store_set_cookie: false,
+                advertise_expiry: false,
+                outcome_unknown: crate::OutcomeUnknown::Reexecute,
                 wait: None,
                 metrics: Arc::new(Metrics::default()),
                 detached: Arc::default(),
+                run_time: Arc::default(),
             }),
         }
     }
@@ -167,6 +177,21 @@ impl IdempotencyLayer {
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.edit(|c| c.methods = methods)
+    }
+
+    /// Reads the key from another header than `Idempotency-Key` (for an API that already
+    /// names it, say, `X-Request-Key`). The draft's header is then not read at all.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use http::HeaderName;
+    /// use idempotency_tower::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(idempotency_core::MemoryStore::new()))
+    ///     .header_name(HeaderName::from_static("x-request-key"));
+    /// ```
+    pub fn header_name(self, name: http::HeaderName) -> Self {
+        self.edit(|c| c.header = name)
     }
 
     /// Refuse requests without a key with 400 (default: let them pass through unprotected).
@@ -227,6 +252,34 @@ impl IdempotencyLayer {
     /// another client session).
     pub fn store_set_cookie(self, store: bool) -> Self {
         self.edit(|c| c.store_set_cookie = store)
+    }
+
+    /// Say until when the outcome replays: a stored response (the first one, and every
+    /// replay of it) carries `Idempotency-Expires` (see [`IDEMPOTENCY_EXPIRES`](crate::IDEMPOTENCY_EXPIRES)), an
+    /// HTTP-date. Off by default.
+    ///
+    /// The date is this server's clock when the handler answered, plus the policy's
+    /// retention. The store counts the retention from when the outcome lands (its own
+    /// clock, a moment later), so the advertised date is never later than the real expiry
+    /// — up to the clock skew between this server and the store. A retry sent before it
+    /// replays; one sent after it may run the operation again.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::MemoryStore;
+    /// use idempotency_tower::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new())).advertise_expiry(true);
+    /// ```
+    pub fn advertise_expiry(self, advertise: bool) -> Self {
+        self.edit(|c| c.advertise_expiry = advertise)
+    }
+
+    /// What to do when an earlier attempt with the request's key never stored its outcome
+    /// (its lease ran out: it crashed or hung, and may have had its effect): see
+    /// [`OutcomeUnknown`](crate::OutcomeUnknown). Default: run again.
+    pub fn on_outcome_unknown(self, policy: crate::OutcomeUnknown) -> Self {
+        self.edit(|c| c.outcome_unknown = policy)
     }
 
     /// Instead of 409, wait up to `wait` for an in-flight attempt to finish and answer with

@@ -39,10 +39,11 @@
 //! | body over the limit (by `Content-Length`, or while reading a chunked body) | 413 `urn:idempotency:problem:payload-too-large` |
 //! | first request | runs the handler; stores the response if cacheable |
 //! | retry after completion | the stored response + `Idempotent-Replayed: true` |
-//! | retry while the first still runs | 409 `urn:idempotency:problem:in-flight` + `Retry-After` (or, with [`IdempotencyLayer::wait_for_in_flight`], waits for the replay) |
+//! | retry while the first still runs | 409 `urn:idempotency:problem:in-flight` + `Retry-After` (what is left of the layer's mean run time, not the lease) (or, with [`IdempotencyLayer::wait_for_in_flight`], waits for the replay) |
 //! | same key, different method/path/body | 422 `urn:idempotency:problem:key-reused` |
 //! | store down | 503 `urn:idempotency:problem:store-unavailable` + `Retry-After`; the handler does not run |
 //! | handler panics | 500 `urn:idempotency:problem:internal`; the key is released |
+//! | an earlier attempt's lease ran out before it stored an outcome (it crashed or hung) | per [`IdempotencyLayer::on_outcome_unknown`]: runs again (default); or 409 `urn:idempotency:problem:outcome-unknown`, stored (for the retention) until an operator deletes the record; or the application's reconcile hook finds the effect and it is replayed |
 //!
 //! Keys are read as an RFC 8941 sf-string (`"abc"`) or a bare value (`abc`): both name the
 //! same key. Every error body is `application/problem+json` (RFC 9457).
@@ -79,26 +80,44 @@
 //!
 //! # Handlers
 //! Handlers find the [`IdempotencyContext`] (record id, scope, key) in the request
-//! extensions.
+//! extensions; with the `axum` feature it is an extractor (a 500 problem+json, not a
+//! panic, when the layer is missing; `Option<IdempotencyContext>` where a key is optional).
+//!
+//! # Features
+#![doc = document_features::document_features!()]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "admin")]
+mod admin;
 mod canonical;
+#[cfg(feature = "axum")]
+mod extract;
 mod future;
 mod key;
 mod layer;
 mod metrics;
 mod problem;
+mod retry_after;
 mod service;
+mod unknown;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 use idempotency_core::{BoxError, IdempotencyKey, RecordId, Scope};
 
+#[cfg(feature = "admin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
+pub use admin::{admin_router, record_view};
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub use extract::MissingIdempotencyLayer;
 pub use future::ResponseFuture;
-pub use key::IDEMPOTENCY_KEY;
+pub use key::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 pub use layer::IdempotencyLayer;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use problem::Problem;
 pub use service::Idempotency;
+pub use unknown::{OutcomeUnknown, Reconcile, Unresolved};
 
 /// The body type the middleware hands to the inner service and returns.
 pub type Body = UnsyncBoxBody<Bytes, BodyError>;

@@ -1,17 +1,23 @@
 //! Counters of the middleware's decisions.
 
-use std::{
-    fmt::Write,
-    sync::atomic::{AtomicU64, Ordering},
-};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Counters of every decision the layer takes; share them with a `/metrics` endpoint.
+/// Counters of every decision the layer takes.
+///
+/// Each decision is counted through the [`metrics`](https://docs.rs/metrics) facade
+/// (`idempotency_executions_total`, `idempotency_replays_total`, … — the fields of
+/// [`MetricsSnapshot`] with the prefix `idempotency_` and the suffix `_total`), so the
+/// recorder the application installed exports them; and here, per layer, for
+/// [`Metrics::snapshot`].
 ///
 /// ```
-/// use idempotency_tower::Metrics;
+/// use std::sync::Arc;
+/// use idempotency_tower::{IdempotencyLayer, Metrics};
 ///
-/// let metrics = Metrics::default();
-/// assert!(metrics.render_prometheus().contains("idempotency_executions_total 0"));
+/// // With e.g. metrics-exporter-prometheus installed as the recorder:
+/// Metrics::describe();
+/// let layer = IdempotencyLayer::new(Arc::new(idempotency_core::MemoryStore::new()));
+/// assert_eq!(layer.metrics().snapshot().executions, 0);
 /// ```
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -29,6 +35,7 @@ pub struct Metrics {
 
 /// A copy of the counters at one instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MetricsSnapshot {
     /// Operations run and completed with a stored outcome.
     pub executions: u64,
@@ -53,8 +60,11 @@ pub struct MetricsSnapshot {
 }
 
 impl Metrics {
-    pub(crate) fn inc(counter: &AtomicU64) {
+    /// Counts one decision here (for [`Metrics::snapshot`]) and through the `metrics`
+    /// facade, as the counter `name`.
+    pub(crate) fn inc(counter: &AtomicU64, name: &'static str) {
         counter.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(name).increment(1);
     }
 
     /// Reads every counter.
@@ -74,67 +84,42 @@ impl Metrics {
         }
     }
 
-    /// The counters in the Prometheus text exposition format.
-    pub fn render_prometheus(&self) -> String {
-        let s = self.snapshot();
-        let mut out = String::new();
-        for (name, help, value) in [
-            (
-                "idempotency_executions_total",
-                "Operations executed with a stored outcome.",
-                s.executions,
-            ),
-            (
-                "idempotency_replays_total",
-                "Requests answered with a stored outcome.",
-                s.replays,
-            ),
-            (
-                "idempotency_released_total",
-                "Operations whose outcome was not cacheable.",
-                s.released,
-            ),
-            (
-                "idempotency_conflicts_total",
-                "Requests refused with 409 (in flight).",
-                s.conflicts,
-            ),
-            (
-                "idempotency_mismatches_total",
-                "Requests refused with 422 (key reused).",
-                s.mismatches,
-            ),
-            (
-                "idempotency_too_large_total",
-                "Requests refused with 413.",
-                s.too_large,
-            ),
-            (
-                "idempotency_bad_keys_total",
-                "Requests refused with 400 (key missing or invalid).",
-                s.bad_keys,
-            ),
-            (
-                "idempotency_unavailable_total",
-                "Requests refused with 503 (store unavailable).",
-                s.unavailable,
-            ),
-            (
-                "idempotency_panics_total",
-                "Handlers that panicked.",
-                s.panics,
-            ),
-            (
-                "idempotency_lease_lost_total",
-                "Completions refused because the lease was lost.",
-                s.lease_lost,
-            ),
-        ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
-            );
-        }
-        out
+    /// Describes the counters (their help texts) to the installed `metrics` recorder; call
+    /// it once after installing one (the Prometheus exporter prints them as `# HELP`).
+    pub fn describe() {
+        metrics::describe_counter!(
+            "idempotency_executions_total",
+            "Operations executed with a stored outcome."
+        );
+        metrics::describe_counter!(
+            "idempotency_replays_total",
+            "Requests answered with a stored outcome."
+        );
+        metrics::describe_counter!(
+            "idempotency_released_total",
+            "Operations whose outcome was not cacheable."
+        );
+        metrics::describe_counter!(
+            "idempotency_conflicts_total",
+            "Requests refused with 409 (in flight)."
+        );
+        metrics::describe_counter!(
+            "idempotency_mismatches_total",
+            "Requests refused with 422 (key reused)."
+        );
+        metrics::describe_counter!("idempotency_too_large_total", "Requests refused with 413.");
+        metrics::describe_counter!(
+            "idempotency_bad_keys_total",
+            "Requests refused with 400 (key missing or invalid)."
+        );
+        metrics::describe_counter!(
+            "idempotency_unavailable_total",
+            "Requests refused with 503 (store unavailable)."
+        );
+        metrics::describe_counter!("idempotency_panics_total", "Handlers that panicked.");
+        metrics::describe_counter!(
+            "idempotency_lease_lost_total",
+            "Completions refused because the lease was lost."
+        );
     }
 }

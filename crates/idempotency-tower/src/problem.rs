@@ -25,6 +25,15 @@ pub enum Problem {
     StoreUnavailable,
     /// 500: the handler panicked or the store failed unexpectedly; the key was released.
     Internal,
+    /// 404 (admin routes): no live record for this scope and key.
+    RecordNotFound,
+    /// 409 (admin routes): the record is completed; deleting it needs `?completed=true`.
+    RecordCompleted,
+    /// 400 (admin routes): a query parameter this API does not know.
+    InvalidRequest,
+    /// 409: an earlier attempt with this key never stored its outcome; an operator must
+    /// reconcile it ([`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject)).
+    OutcomeUnknown,
 }
 
 impl Problem {
@@ -38,14 +47,19 @@ impl Problem {
             Self::PayloadTooLarge => "urn:idempotency:problem:payload-too-large",
             Self::StoreUnavailable => "urn:idempotency:problem:store-unavailable",
             Self::Internal => "urn:idempotency:problem:internal",
+            Self::RecordNotFound => "urn:idempotency:problem:record-not-found",
+            Self::RecordCompleted => "urn:idempotency:problem:record-completed",
+            Self::InvalidRequest => "urn:idempotency:problem:invalid-request",
+            Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
         }
     }
 
     /// The HTTP status.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey => StatusCode::BAD_REQUEST,
-            Self::InFlight => StatusCode::CONFLICT,
+            Self::MissingKey | Self::InvalidKey | Self::InvalidRequest => StatusCode::BAD_REQUEST,
+            Self::InFlight | Self::RecordCompleted | Self::OutcomeUnknown => StatusCode::CONFLICT,
+            Self::RecordNotFound => StatusCode::NOT_FOUND,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -63,6 +77,10 @@ impl Problem {
             Self::PayloadTooLarge => "Request body too large",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::Internal => "Internal error",
+            Self::RecordNotFound => "No record for this Idempotency-Key",
+            Self::RecordCompleted => "The record is completed",
+            Self::InvalidRequest => "Invalid request",
+            Self::OutcomeUnknown => "The outcome of an earlier attempt is unknown",
         }
     }
 

@@ -21,7 +21,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
-    Body, BodyError, IdempotencyContext, Metrics, ResponseFuture, full,
+    Body, BodyError, IdempotencyContext, Metrics, OutcomeUnknown, ResponseFuture, full,
     key::{self, KeyProblem},
     layer::Config,
     problem::Problem,
@@ -134,27 +134,27 @@ where
     if !config.methods.contains(request.method()) {
         return pass_through(inner, request).await;
     }
-    let key = match key::parse(request.headers()) {
+    let key = match key::parse(request.headers(), &config.header) {
         Ok(Some(key)) => key,
         Ok(None) if !config.require_key => return pass_through(inner, request).await,
         Ok(None) => {
-            Metrics::inc(&m.bad_keys);
+            Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
             let detail = "this endpoint requires an Idempotency-Key header: send one unique key per operation";
             return Ok(Problem::MissingKey.response(detail, None));
         }
         Err(KeyProblem::Multiple) => {
-            Metrics::inc(&m.bad_keys);
+            Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
             let detail = "send the Idempotency-Key header exactly once";
             return Ok(Problem::InvalidKey.response(detail, None));
         }
         Err(KeyProblem::Invalid(why)) => {
-            Metrics::inc(&m.bad_keys);
+            Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
             return Ok(Problem::InvalidKey.response(&why, None));
         }
     };
     let (parts, body) = request.into_parts();
     let Some(body) = buffer_request(&config, &parts, body).await else {
-        Metrics::inc(&m.too_large);
+        Metrics::inc(&m.too_large, "idempotency_too_large_total");
         let detail = format!(
             "the request body is larger than {} bytes, the most this endpoint accepts",
             config.max_request_body
@@ -255,14 +255,18 @@ where
                 span.record("decision", "execute");
                 return execute(config, inner, parts, body, keyed, token).await;
             }
+            Ok(Begin::TakeOver(token)) => {
+                span.record("decision", "outcome_unknown");
+                return outcome_unknown(config, inner, parts, body, keyed, token).await;
+            }
             Ok(Begin::Replay(outcome)) => {
                 span.record("decision", "replay");
-                Metrics::inc(&m.replays);
+                Metrics::inc(&m.replays, "idempotency_replays_total");
                 return Ok(replay(outcome));
             }
             Ok(Begin::Mismatch) => {
                 span.record("decision", "mismatch");
-                Metrics::inc(&m.mismatches);
+                Metrics::inc(&m.mismatches, "idempotency_mismatches_total");
                 let detail = "this Idempotency-Key was already used for a different request \
                               (method, path or body differ); use a new key for a new operation";
                 return Ok(Problem::Mismatch.response(detail, None));
@@ -277,13 +281,16 @@ where
                     }
                 }
                 span.record("decision", "in_flight");
-                Metrics::inc(&m.conflicts);
+                Metrics::inc(&m.conflicts, "idempotency_conflicts_total");
                 let detail = "a request with this Idempotency-Key is still being processed; retry after the indicated delay";
-                return Ok(Problem::InFlight.response(detail, Some(retry_after)));
+                let wait = config
+                    .run_time
+                    .retry_after(config.policy.lease(), retry_after);
+                return Ok(Problem::InFlight.response(detail, Some(wait)));
             }
             Err(Error::Unavailable(error)) => {
                 span.record("decision", "unavailable");
-                Metrics::inc(&m.unavailable);
+                Metrics::inc(&m.unavailable, "idempotency_unavailable_total");
                 tracing::warn!(%error, "idempotency store unavailable; refusing to run unguarded");
                 let detail = "the request was not processed because its idempotency could not be guaranteed; retry later with the same key";
                 return Ok(Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1))));
@@ -296,6 +303,153 @@ where
             }
         }
     }
+}
+
+/// The key was taken over from an attempt that never stored its outcome: the layer's
+/// [`OutcomeUnknown`] policy decides. This request owns the lease meanwhile; dropped before
+/// it settles, the lease runs out and the next retry is asked the same question (the record
+/// stays an expired lease, so it is taken over again, never a fresh `Execute`).
+async fn outcome_unknown<S, ResBody>(
+    config: Arc<Config>,
+    inner: S,
+    parts: Parts,
+    body: Bytes,
+    keyed: Keyed,
+    token: LeaseToken,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let policy = config.outcome_unknown.clone();
+    let label = match &policy {
+        OutcomeUnknown::Reject => "reject",
+        OutcomeUnknown::Reconcile(_) => "reconcile",
+        _ => "reexecute",
+    };
+    metrics::counter!("idempotency_outcome_unknown_total", "policy" => label).increment(1);
+    tracing::warn!(record = %keyed.id, policy = label, "an earlier attempt's lease ran out before it stored an outcome");
+    let id = keyed.id;
+    let known = match policy {
+        OutcomeUnknown::Reject => {
+            let detail = "an earlier request with this Idempotency-Key did not finish, and \
+                          whether its operation took effect is unknown: it must be reconciled \
+                          before this key can be used again";
+            let problem = Problem::OutcomeUnknown;
+            let body = serde_json::json!({
+                "type": problem.type_uri(),
+                "title": problem.title(),
+                "status": problem.status().as_u16(),
+                "detail": detail,
+            });
+            Outcome::new(problem.status().as_u16())
+                .with_header("content-type", "application/problem+json")
+                .with_body(body.to_string())
+        }
+        OutcomeUnknown::Reconcile(hook) => {
+            // In a task of its own, like the operation: a hook that found the effect gets
+            // its outcome stored even if this request is gone by then.
+            let unresolved = crate::Unresolved {
+                record_id: id,
+                method: parts.method.clone(),
+                uri: parts.uri.clone(),
+                headers: parts.headers.clone(),
+                body: body.clone(),
+            };
+            let (task_config, hook) = (config.clone(), hook.clone());
+            let settled = tokio::spawn(async move {
+                let config = task_config;
+                let lease = config.policy.lease();
+                // The lease is renewed while the hook runs, and the hook gets half a lease:
+                // a hook that outlived the lease would let another retry take over and ask
+                // (and maybe run) again meanwhile.
+                let check = tokio::time::timeout(lease / 2, hook.check(unresolved));
+                tokio::pin!(check);
+                let every = config.policy.renew_every();
+                let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+                let found = loop {
+                    tokio::select! {
+                        found = &mut check => break found,
+                        _ = renew.tick() => {
+                            if let Err(error) = config.store.renew(&id, token, lease).await {
+                                tracing::warn!(%error, "could not renew the idempotency lease");
+                            }
+                        }
+                    }
+                };
+                match found {
+                    Ok(Ok(Some(outcome))) => {
+                        complete(&config, id, token, &outcome).await;
+                        Reconciled::Found(outcome)
+                    }
+                    // Nothing happened: run, on a whole lease, if the key is still ours.
+                    Ok(Ok(None)) => match config.store.renew(&id, token, lease).await {
+                        Ok(()) => Reconciled::Nothing,
+                        Err(Error::LeaseLost) => Reconciled::Lost("lease lost".into()),
+                        Err(error) => Reconciled::Unknown(error.to_string()),
+                    },
+                    Ok(Err(error)) => Reconciled::Unknown(error.to_string()),
+                    Err(_) => Reconciled::Unknown(format!("no answer within {:?}", lease / 2)),
+                }
+            })
+            .await;
+            match settled {
+                Ok(Reconciled::Found(outcome)) => {
+                    Metrics::inc(&config.metrics.replays, "idempotency_replays_total");
+                    return Ok(replay(outcome));
+                }
+                Ok(Reconciled::Nothing) => {
+                    return execute(config, inner, parts, body, keyed, token).await;
+                }
+                Ok(Reconciled::Lost(error)) => {
+                    tracing::warn!(%error, record = %id, "the key was taken over while reconciling");
+                    let detail =
+                        "a request with this Idempotency-Key is being processed; retry later";
+                    return Ok(Problem::InFlight.response(detail, Some(config.policy.lease())));
+                }
+                Ok(Reconciled::Unknown(error)) => {
+                    tracing::error!(%error, record = %id, "the reconcile hook failed; the key stays unresolved");
+                }
+                Err(_panic) => {
+                    tracing::error!(record = %id, "the reconcile hook panicked; the key stays unresolved");
+                }
+            }
+            // Not released: released, the next `begin` would be a fresh `Execute` and skip
+            // the question. The lease runs out, and the next retry asks again.
+            let detail = "an earlier request with this Idempotency-Key did not finish, and \
+                          whether it took effect could not be checked; retry later with the same key";
+            return Ok(Problem::StoreUnavailable.response(detail, Some(config.policy.lease())));
+        }
+        _ => return execute(config, inner, parts, body, keyed, token).await,
+    };
+    // Reject: the verdict is the key's outcome until an operator deletes it.
+    let store_it = {
+        let (config, outcome) = (config.clone(), known.clone());
+        tokio::spawn(async move { complete(&config, id, token, &outcome).await })
+    };
+    let _ = store_it.await;
+    let mut response = Response::new(full(known.body));
+    *response.status_mut() = Problem::OutcomeUnknown.status();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    Ok(response)
+}
+
+/// What a reconcile hook settled.
+enum Reconciled {
+    /// The earlier attempt's effect, now the stored outcome.
+    Found(Outcome),
+    /// No effect: the operation runs (the lease is renewed and still ours).
+    Nothing,
+    /// No effect, but another attempt took the key over meanwhile.
+    Lost(String),
+    /// The hook failed, panicked or took too long.
+    Unknown(String),
 }
 
 /// `begin`, run to its end even if the request future is dropped (a client hang-up, an outer
@@ -386,6 +540,7 @@ async fn run_detached<S, ResBody>(
     let lease = config.policy.lease();
     let limit = config.max_stored_body;
     let policy = config.policy.clone();
+    let started = Instant::now();
     // The handler (and, for a small body of known size, reading it), guarded against panics.
     let operation = AssertUnwindSafe(async move {
         let response = inner.call(request).await?;
@@ -420,7 +575,7 @@ async fn run_detached<S, ResBody>(
     };
     let produced = match result {
         Err(_panic) => {
-            Metrics::inc(&m.panics);
+            Metrics::inc(&m.panics, "idempotency_panics_total");
             release(&config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
             let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
@@ -431,9 +586,12 @@ async fn run_detached<S, ResBody>(
             let _ = reply.send(Err(error));
             return;
         }
-        Ok(Ok(produced)) => produced,
+        Ok(Ok(produced)) => {
+            config.run_time.record(started.elapsed());
+            produced
+        }
     };
-    let (parts, body) = match produced {
+    let (mut parts, body) = match produced {
         Produced::Buffered(parts, Ok(body)) => (parts, body),
         Produced::Buffered(parts, Err(error)) => {
             // The handler ran and answered; its body broke off. Never a second execution:
@@ -445,12 +603,13 @@ async fn run_detached<S, ResBody>(
             let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
             return;
         }
-        Produced::Streaming(parts, body) => {
+        Produced::Streaming(mut parts, body) => {
             if config.policy.is_cacheable(parts.status.as_u16()) {
+                advertise_expiry(&config, &mut parts);
                 // The same renewal schedule goes on: no gap at the handover.
                 stream(&config, id, token, parts, body, reply, &mut renew).await;
             } else {
-                Metrics::inc(&m.released);
+                Metrics::inc(&m.released, "idempotency_released_total");
                 release(&config, id, token, "outcome not cacheable").await;
                 let _ = reply.send(Ok(Response::from_parts(parts, boxed(body))));
             }
@@ -458,10 +617,11 @@ async fn run_detached<S, ResBody>(
         }
     };
     if config.policy.is_cacheable(parts.status.as_u16()) {
+        advertise_expiry(&config, &mut parts);
         let outcome = to_outcome(&config, &parts, Some(&body), BodyMark::Whole);
         complete(&config, id, token, &outcome).await;
     } else {
-        Metrics::inc(&m.released);
+        Metrics::inc(&m.released, "idempotency_released_total");
         release(&config, id, token, "outcome not cacheable").await;
     }
     let _ = reply.send(Ok(Response::from_parts(parts, full(body))));
@@ -559,7 +719,7 @@ async fn stream<ResBody, E>(
                 break false;
             }
             Err(_panic) => {
-                Metrics::inc(&config.metrics.panics);
+                Metrics::inc(&config.metrics.panics, "idempotency_panics_total");
                 abandon(&mut client);
                 break false;
             }
@@ -687,14 +847,30 @@ async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static
 async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) {
     let m = &config.metrics;
     match complete_retrying(&*config.store, &id, token, outcome, &config.policy).await {
-        Ok(()) => Metrics::inc(&m.executions),
+        Ok(()) => Metrics::inc(&m.executions, "idempotency_executions_total"),
         Err(Error::LeaseLost) => {
-            Metrics::inc(&m.lease_lost);
+            Metrics::inc(&m.lease_lost, "idempotency_lease_lost_total");
             tracing::error!("lease lost before completion: another attempt owns the key now");
         }
         Err(error) => {
             tracing::error!(%error, "the outcome could not be stored; a retry after the lease expires runs again");
         }
+    }
+}
+
+/// Adds `Idempotency-Expires` to a response about to be stored, when configured: stored with
+/// it, every replay says the same date. Read before the outcome is written, so the date is
+/// never after the store's own expiry (clock skew aside).
+fn advertise_expiry(config: &Config, parts: &mut http::response::Parts) {
+    if !config.advertise_expiry {
+        return;
+    }
+    let until = std::time::SystemTime::now() + config.policy.retention();
+    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(until)) {
+        parts.headers.insert(
+            http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES),
+            value,
+        );
     }
 }
 

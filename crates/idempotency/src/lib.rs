@@ -4,14 +4,13 @@
 //! This is the crate applications depend on. It re-exports the core types and, behind
 //! features, the backends:
 //!
-//! | feature    | enables                                                     | default |
-//! |------------|-------------------------------------------------------------|---------|
-//! | (none)     | core types, the `Store` trait, [`MemoryStore`] (one process) | yes     |
-//! | `postgres` | [`postgres::PostgresStore`]: the unique-constraint key table  | no      |
-//! | `redis`    | [`redis::RedisStore`]: Lua-script leases and cached outcomes  | no      |
-//! | `redis-cluster` | Redis Cluster support for the Redis store                | no      |
-//! | `hybrid`   | [`hybrid::HybridStore`]: Redis first, Postgres decides (implies both) | no |
-//! | `tower`    | [`tower::IdempotencyLayer`]: the tower/axum middleware (IETF draft) | no |
+//! ## Features
+#![doc = document_features::document_features!()]
+//!
+//! Each backend module re-exports the client crate it is built on —
+//! `idempotency::postgres::sqlx` and `idempotency::redis::redis` — so an application that
+//! brings its own pool (`PostgresStore::from_pool`) or connection
+//! (`RedisStore::from_connection_manager`) builds it with the same version.
 //!
 //! ```
 //! use std::time::Duration;
@@ -25,6 +24,13 @@
 //!     Begin::Execute(token) => {
 //!         let outcome = Outcome::new(201).with_body("ch_1"); // charge the card once
 //!         store.complete(&id, token, &outcome, Duration::from_secs(86_400)).await?;
+//!     }
+//!     Begin::TakeOver(token) => {
+//!         // An earlier attempt's lease ran out before it stored an outcome: it may have
+//!         // charged. Look for its charge by the record id; found, store it as the outcome
+//!         // (not found: charge, as for `Execute`).
+//!         let found = Outcome::new(201).with_body("ch_1");
+//!         store.complete(&id, token, &found, Duration::from_secs(86_400)).await?;
 //!     }
 //!     Begin::Replay(outcome) => println!("already charged: {:?}", outcome.body),
 //!     Begin::InFlight { retry_after } => println!("retry in {retry_after:?}"),

@@ -3,7 +3,7 @@
 use std::{sync::Arc, time::Duration};
 
 use axum::{
-    Extension, Json, Router,
+    Json, Router,
     extract::{Path, Query, State},
     http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header, request::Parts},
     response::{IntoResponse, Response},
@@ -11,9 +11,9 @@ use axum::{
 };
 use bytes::Bytes;
 use idempotency::{
-    Scope,
+    Outcome, Scope, Store,
     hybrid::HybridStore,
-    tower::{IdempotencyContext, IdempotencyLayer, Metrics, Problem},
+    tower::{IdempotencyContext, IdempotencyLayer, OutcomeUnknown, Problem},
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -32,7 +32,8 @@ pub(crate) struct App {
     pub(crate) pool: Option<sqlx::PgPool>,
     pub(crate) hybrid: Option<HybridStore>,
     pub(crate) redis: Option<idempotency::redis::RedisStore>,
-    pub(crate) metrics: Arc<Metrics>,
+    /// Renders what the library counted through the `metrics` facade.
+    pub(crate) prometheus: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 /// The scope of a key: the account. A stand-in for the authenticated principal.
@@ -62,6 +63,89 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .route("/metrics", get(metrics))
         .merge(keyed)
         .with_state(app)
+}
+
+/// The operator's routes under `/admin` (`GET`/`DELETE /admin/idempotency/keys/{account}/{key}`),
+/// for requests bearing `Authorization: Bearer <token>`: the demo's stand-in for the
+/// application's own operator authentication.
+pub(crate) fn admin(store: Arc<dyn Store>, token: String) -> Router {
+    let token: Arc<str> = token.into();
+    Router::new().nest(
+        "/admin",
+        idempotency::tower::admin_router(store).layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let token = token.clone();
+                async move {
+                    let presented = request
+                        .headers()
+                        .get(header::AUTHORIZATION)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("Bearer "));
+                    // Compared in constant time: the token is a password.
+                    let allowed = presented.is_some_and(|p| {
+                        bool::from(subtle::ConstantTimeEq::ct_eq(
+                            p.as_bytes(),
+                            token.as_bytes(),
+                        ))
+                    });
+                    if !allowed {
+                        let mut denied = problem(
+                            StatusCode::UNAUTHORIZED,
+                            "unauthorized",
+                            "Operator credentials required",
+                            "send Authorization: Bearer <ADMIN_TOKEN>",
+                        );
+                        denied
+                            .headers_mut()
+                            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                        return denied;
+                    }
+                    next.run(request).await
+                }
+            },
+        )),
+    )
+}
+
+/// The layer's reconcile hook: the charge a crashed attempt made, answered as the 201 that
+/// attempt would have answered (replayed); no charge, the request runs.
+pub(crate) fn reconcile(app: Arc<App>) -> OutcomeUnknown {
+    OutcomeUnknown::reconcile(move |unresolved| {
+        let app = app.clone();
+        async move {
+            let Some(charge) = app.charges.by_record(&unresolved.record_id).await? else {
+                return Ok(None);
+            };
+            // The record id charged before, perhaps for another request that used the key
+            // before its record expired: answer with the charge only if it is this one's.
+            let asked = validate(&unresolved.body).ok();
+            if !asked.is_some_and(|new| {
+                charge.amount == new.amount
+                    && charge.currency == new.currency
+                    && charge.customer == new.customer
+            }) {
+                let reused = Problem::Mismatch;
+                let body = json!({
+                    "type": reused.type_uri(),
+                    "title": reused.title(),
+                    "status": reused.status().as_u16(),
+                    "detail": "this Idempotency-Key already created a charge for a different request; use a new key for a new charge",
+                });
+                return Ok(Some(
+                    Outcome::new(reused.status().as_u16())
+                        .with_header("content-type", "application/problem+json")
+                        .with_body(body.to_string()),
+                ));
+            }
+            tracing::info!(charge = %charge.id, "an attempt crashed after charging: its charge is the outcome");
+            Ok(Some(
+                Outcome::new(201)
+                    .with_header("content-type", "application/json")
+                    .with_header("location", format!("/charges/{}", charge.id))
+                    .with_body(serde_json::to_vec(&charge)?),
+            ))
+        }
+    })
 }
 
 pub(crate) fn problem(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response {
@@ -167,7 +251,7 @@ fn validate(body: &Bytes) -> Result<NewCharge, Box<Response>> {
 
 async fn create_charge(
     State(app): State<Arc<App>>,
-    Extension(ctx): Extension<IdempotencyContext>,
+    ctx: IdempotencyContext,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -203,7 +287,18 @@ async fn create_charge(
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return response;
     }
+    let crash = match headers.get("x-demo-crash").map(|v| v.as_bytes()) {
+        None => false,
+        Some(b"after-charge") => true,
+        Some(_) => return invalid("X-Demo-Crash supports only after-charge"),
+    };
     match app.charges.create(&ctx.record_id, &new).await {
+        Ok(Created::New(_)) if crash => {
+            // The charge row is committed; the outcome is not stored: the process dies as a
+            // crash would, and the key's lease runs out unfinished (outcome unknown).
+            tracing::warn!("X-Demo-Crash: after-charge: aborting the process");
+            std::process::abort();
+        }
         Ok(Created::New(charge)) => {
             let location = format!("/charges/{}", charge.id);
             (
@@ -294,55 +389,15 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
     Json(json!({ "mode": app.mode.to_string(), "stores": stores })).into_response()
 }
 
+/// The Prometheus exposition of every counter, gauge and histogram the library recorded
+/// (the layer's decisions, the hybrid store's Redis use and breaker, each store call's
+/// latency).
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let mut text = app.metrics.render_prometheus();
-    if let Some(h) = &app.hybrid {
-        let m = h.metrics();
-        for (name, help, value) in [
-            (
-                "idempotency_redis_hits_total",
-                "begin calls answered by Redis alone.",
-                m.redis_hits,
-            ),
-            (
-                "idempotency_redis_misses_total",
-                "begin calls Redis could not answer.",
-                m.redis_misses,
-            ),
-            (
-                "idempotency_redis_errors_total",
-                "Redis calls that failed or timed out.",
-                m.redis_errors,
-            ),
-            (
-                "idempotency_redis_fallbacks_total",
-                "Calls served by Postgres alone.",
-                m.fallbacks,
-            ),
-            (
-                "idempotency_breaker_opened_total",
-                "Times the Redis breaker opened.",
-                m.breaker_opened,
-            ),
-            (
-                "idempotency_breaker_closed_total",
-                "Times the Redis breaker closed again.",
-                m.breaker_closed,
-            ),
-        ] {
-            text.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n"
-            ));
-        }
-        text.push_str("# HELP idempotency_breaker_state Redis breaker state (1 for the current one).\n# TYPE idempotency_breaker_state gauge\n");
-        for state in ["closed", "open", "half_open"] {
-            let on = u8::from(m.breaker_state.as_str() == state);
-            text.push_str(&format!(
-                "idempotency_breaker_state{{state=\"{state}\"}} {on}\n"
-            ));
-        }
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.prometheus.render(),
+    )
+        .into_response()
 }
 
 fn with_etag(status: StatusCode, order: &Order) -> Response {
@@ -361,7 +416,7 @@ fn order_not_found(id: &str) -> Response {
 
 async fn create_order(
     State(app): State<Arc<App>>,
-    Extension(ctx): Extension<IdempotencyContext>,
+    ctx: IdempotencyContext,
     body: Bytes,
 ) -> Response {
     #[derive(Deserialize)]
@@ -450,11 +505,13 @@ async fn transition_order(
     struct Move {
         to: String,
     }
+    // Any status of the machine is well-formed; whether the move is allowed is the
+    // machine's answer (409), not a matter of syntax (400).
     let to = match serde_json::from_slice::<Move>(&body) {
-        Ok(m) if ["processing", "shipped", "completed"].contains(&m.to.as_str()) => m.to,
+        Ok(m) if crate::orders::machine().is_state(&m.to) => m.to,
         _ => {
             return invalid(
-                "the body must be {\"to\": \"processing\" | \"shipped\" | \"completed\"}",
+                "the body must be {\"to\": \"pending\" | \"processing\" | \"shipped\" | \"completed\"}",
             );
         }
     };
@@ -490,6 +547,13 @@ async fn transition_order(
             &format!(
                 "an order cannot move from {status} to {to}: the path is pending -> processing -> shipped -> completed"
             ),
+        ),
+        // A transition answer this demo does not know yet: say so rather than guess.
+        _ => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "unexpected-transition",
+            "Unexpected transition answer",
+            "the order's state machine answered in a way this server does not handle",
         ),
     }
 }

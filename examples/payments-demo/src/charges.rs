@@ -141,6 +141,26 @@ impl Charges {
         }
     }
 
+    /// The charge a record id made, if any: what an attempt that crashed after charging
+    /// and before its outcome was stored left behind (the layer's reconcile hook asks).
+    pub(crate) async fn by_record(&self, record: &RecordId) -> Result<Option<Charge>, sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => {
+                let m = memory
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                Ok(m.by_record.get(record).map(|id| m.by_id[id].clone()))
+            }
+            Charges::Postgres(pool) => Ok(sqlx::query_as::<_, Row>(
+                "SELECT id, amount, currency, customer, status, created_at FROM charges WHERE record_id = $1",
+            )
+            .bind(&record.as_bytes()[..])
+            .fetch_optional(pool)
+            .await?
+            .map(from_row)),
+        }
+    }
+
     pub(crate) async fn get(&self, id: &str) -> Result<Option<Charge>, sqlx::Error> {
         match self {
             Charges::Memory(memory) => {

@@ -1,12 +1,13 @@
-//! A minimal HTTP/1.1 client over TCP for the storm tool: one connection per request, so a
-//! client timeout really hangs up on the server, as a mobile client or a gateway would.
+//! The storm tool's HTTP client: a hyper 1.x HTTP/1.1 connection per request, driven inside
+//! the request's own future, so a client timeout really hangs up on the server (dropping the
+//! future drops the socket), as a mobile client or a gateway would.
 
 use std::time::Duration;
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-};
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, body::Bytes};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 #[derive(Debug)]
 pub(crate) struct Reply {
@@ -46,49 +47,53 @@ pub(crate) async fn request(
     body: &str,
     timeout: Duration,
 ) -> Result<Reply, Failure> {
+    let io = |e: &dyn std::fmt::Display| Failure::Io(e.to_string());
     let exchange = async {
-        let mut stream = TcpStream::connect(authority)
+        let stream = TcpStream::connect(authority).await.map_err(|e| io(&e))?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| Failure::Io(e.to_string()))?;
-        let mut text = format!(
-            "{method} {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\ncontent-length: {}\r\n",
-            body.len()
-        );
+            .map_err(|e| io(&e))?;
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", authority);
         for (name, value) in headers {
-            text.push_str(&format!("{name}: {value}\r\n"));
+            request = request.header(*name, value);
         }
-        text.push_str("\r\n");
-        text.push_str(body);
-        stream
-            .write_all(text.as_bytes())
-            .await
-            .map_err(|e| Failure::Io(e.to_string()))?;
-        let mut raw = Vec::new();
-        stream
-            .read_to_end(&mut raw)
-            .await
-            .map_err(|e| Failure::Io(e.to_string()))?;
-        parse(&raw).ok_or_else(|| Failure::Io("malformed response".into()))
+        let request = request
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .map_err(|e| io(&e))?;
+        let exchange = async {
+            let response = sender.send_request(request).await?;
+            let status = response.status().as_u16();
+            let headers = response
+                .headers()
+                .iter()
+                .map(|(n, v)| {
+                    let value = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                    (n.as_str().to_owned(), value)
+                })
+                .collect();
+            let body = response.into_body().collect().await?.to_bytes();
+            Ok::<_, hyper::Error>(Reply {
+                status,
+                headers,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            })
+        };
+        // The connection runs here, not in a task of its own: when this future is dropped,
+        // the socket closes with it.
+        tokio::select! {
+            reply = exchange => reply.map_err(|e| io(&e)),
+            ended = connection => Err(match ended {
+                Ok(()) => Failure::Io("the server closed the connection".into()),
+                Err(e) => io(&e),
+            }),
+        }
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(result) => result,
         // Dropping the exchange closes the socket: the server sees the client go away.
         Err(_) => Err(Failure::TimedOut),
     }
-}
-
-fn parse(raw: &[u8]) -> Option<Reply> {
-    let text = String::from_utf8_lossy(raw);
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    let mut lines = head.lines();
-    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Some(Reply {
-        status,
-        headers,
-        body: body.to_owned(),
-    })
 }

@@ -32,6 +32,8 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     /// How long one attempt holds its key before a retry may take it over.
     pub(crate) lease: Duration,
+    /// The bearer token of the operator's routes under `/admin`; unset, they are not mounted.
+    pub(crate) admin_token: Option<String>,
 }
 
 /// A positive number of milliseconds from `name`, or `default`.
@@ -50,7 +52,7 @@ fn millis_var(name: &str, value: Option<String>, default: Duration) -> Result<Du
 
 impl Config {
     /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE`,
-    /// `IDEMPOTENCY_RETENTION_MS` and `IDEMPOTENCY_LEASE_MS`.
+    /// `IDEMPOTENCY_RETENTION_MS`, `IDEMPOTENCY_LEASE_MS` and `ADMIN_TOKEN`.
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let database_url = var("DATABASE_URL");
@@ -101,6 +103,7 @@ impl Config {
             mode,
             retention,
             lease,
+            admin_token: var("ADMIN_TOKEN"),
         })
     }
 }

@@ -5,6 +5,7 @@
 //! retry-storm tool: `cargo run --release -p payments-demo -- storm --url http://127.0.0.1:3000`.
 #![allow(clippy::print_stdout)]
 
+mod admin;
 mod app;
 mod charges;
 mod client;
@@ -13,6 +14,8 @@ mod orders;
 mod storm;
 
 use std::{process::ExitCode, sync::Arc, time::Duration};
+
+use clap::Parser;
 
 use idempotency::{
     MemoryStore, Policy, Store, hybrid::HybridStore, postgres::PostgresStore, redis::RedisStore,
@@ -26,6 +29,38 @@ use crate::{
     orders::Orders,
 };
 
+/// A payments gateway whose `POST /charges` runs once per `Idempotency-Key`.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "payments-demo",
+    version,
+    after_help = "`serve` (the default) is configured by the environment:\n  \
+        BIND                      listen address (default 127.0.0.1:3000)\n  \
+        DATABASE_URL              Postgres: the guarantee (with REDIS_URL: the hybrid store)\n  \
+        REDIS_URL                 Redis: the fast path\n  \
+        IDEMPOTENCY_STORE         memory | postgres | redis | hybrid (default: from the URLs)\n  \
+        IDEMPOTENCY_LEASE_MS      how long a first request holds its key\n  \
+        IDEMPOTENCY_RETENTION_MS  how long an outcome is replayed\n  \
+        ADMIN_TOKEN               mounts /admin/idempotency/keys/{account}/{key} (GET, DELETE)\n                            for Authorization: Bearer <ADMIN_TOKEN>"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Serve the demo (the default).
+    Serve,
+    /// The retry storm: many charges, each sent several times with one key, against a
+    /// running demo; exits 0 only if each was charged once.
+    Storm(storm::Args),
+    /// The operator's tools on the store named by DATABASE_URL / REDIS_URL (as `serve`
+    /// picks it): inspect a key's record, release a stuck one.
+    #[command(subcommand)]
+    Admin(admin::Command),
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -36,23 +71,10 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("storm") => storm::main(&args[1..]).await,
-        Some("-h" | "--help") => {
-            println!(
-                "usage: payments-demo            serve (configured by BIND, DATABASE_URL, REDIS_URL, IDEMPOTENCY_STORE, IDEMPOTENCY_RETENTION_MS)"
-            );
-            println!(
-                "       payments-demo storm --url <base> [--charges N] [--sends M] [--client-timeout-ms T]"
-            );
-            ExitCode::SUCCESS
-        }
-        Some(other) => {
-            eprintln!("unknown command {other:?}; see --help");
-            ExitCode::from(2)
-        }
-        None => match serve().await {
+    match Cli::parse().command {
+        Some(Command::Storm(args)) => storm::main(args).await,
+        Some(Command::Admin(command)) => admin::main(command).await,
+        None | Some(Command::Serve) => match serve().await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("payments-demo: {error}");
@@ -62,31 +84,23 @@ async fn main() -> ExitCode {
     }
 }
 
-fn demo_migrator() -> sqlx::migrate::Migrator {
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.dangerous_set_table_name("_payments_demo_migrations");
-    migrator
+/// The stores `serve` (and `admin`) run on, as the configuration names them.
+pub(crate) struct Stores {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) postgres: Option<PostgresStore>,
+    pub(crate) hybrid: Option<HybridStore>,
+    pub(crate) redis: Option<RedisStore>,
 }
 
-async fn serve() -> Result<(), Box<dyn std::error::Error>> {
-    let config = Config::from_env()?;
-    tracing::info!(mode = %config.mode, bind = %config.bind, "starting payments-demo");
-
+/// Connects the configured store (no migrations: `serve` runs them).
+pub(crate) async fn connect(config: &Config) -> Result<Stores, Box<dyn std::error::Error>> {
     let postgres = match &config.database_url {
-        Some(url) => {
-            let pg = PostgresStore::builder(url.as_str())
+        Some(url) => Some(
+            PostgresStore::builder(url.as_str())
                 .max_connections(20)
                 .connect()
-                .await?;
-            pg.migrate()
-                .await
-                .map_err(|e| format!("migrating the key table: {e}"))?;
-            demo_migrator()
-                .run(pg.pool())
-                .await
-                .map_err(|e| format!("migrating the charges table: {e}"))?;
-            Some(pg)
-        }
+                .await?,
+        ),
         None => None,
     };
     let redis_builder = config.redis_url.as_ref().map(|url| {
@@ -112,6 +126,46 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
             (Arc::new(hybrid.clone()), Some(hybrid), Some(redis))
         }
     };
+    Ok(Stores {
+        store,
+        postgres,
+        hybrid,
+        redis,
+    })
+}
+
+fn demo_migrator() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name("_payments_demo_migrations");
+    migrator
+}
+
+async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+    let config = Config::from_env()?;
+    tracing::info!(mode = %config.mode, bind = %config.bind, "starting payments-demo");
+    // The recorder first: the stores and the layer count through the `metrics` facade from
+    // the moment they exist (the breaker publishes its state when it is built).
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("installing the metrics recorder: {e}"))?;
+    idempotency::tower::Metrics::describe();
+    HybridStore::describe_metrics();
+
+    let Stores {
+        store,
+        postgres,
+        hybrid,
+        redis,
+    } = connect(&config).await?;
+    if let Some(pg) = &postgres {
+        pg.migrate()
+            .await
+            .map_err(|e| format!("migrating the key table: {e}"))?;
+        demo_migrator()
+            .run(pg.pool())
+            .await
+            .map_err(|e| format!("migrating the charges table: {e}"))?;
+    }
     let purger = idempotency::spawn_purger(store.clone(), Duration::from_secs(60), 1000);
 
     // Not the charge and order handlers' own 422: they answer a key reused after its record
@@ -122,10 +176,6 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         .with_retention(config.retention)
         .with_lease(config.lease)
         .with_cacheable(|status| idempotency::default_cacheable(status) && status != 422);
-    let layer = IdempotencyLayer::new(store)
-        .require_key(true)
-        .scope_fn(app::scope)
-        .policy(policy);
     let pool = postgres.as_ref().map(|pg| pg.pool().clone());
     let app = Arc::new(App {
         mode: config.mode,
@@ -140,9 +190,19 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         pool,
         hybrid,
         redis,
-        metrics: layer.metrics(),
+        prometheus,
     });
-    let router = app::router(app, layer.clone());
+    // An attempt that crashed between the charge and its stored outcome (its lease ran out
+    // unfinished): the charge row, found by its unique record id, is the outcome.
+    let layer = IdempotencyLayer::new(store.clone())
+        .require_key(true)
+        .scope_fn(app::scope)
+        .policy(policy)
+        .on_outcome_unknown(app::reconcile(app.clone()));
+    let mut router = app::router(app, layer.clone());
+    if let Some(token) = config.admin_token.clone() {
+        router = router.merge(app::admin(store, token));
+    }
     let listener = tokio::net::TcpListener::bind(&config.bind).await?;
     let addr = listener.local_addr()?;
     println!(

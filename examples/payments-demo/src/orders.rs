@@ -20,7 +20,7 @@ pub(crate) struct Order {
 
 /// The only forward path, declared once.
 pub(crate) fn machine() -> StateMachine {
-    StateMachine::new("orders")
+    StateMachine::builder("orders")
         .and_then(|m| {
             m.allow("pending", "processing")
                 .allow("processing", "shipped")
@@ -168,7 +168,9 @@ impl Orders {
                 let Some(order) = m.by_id.get_mut(id) else {
                     return Ok(Transition::NotFound);
                 };
-                Ok(if order.status == to {
+                // As the Postgres machine answers: a status no move leads to is never
+                // "already applied", only forbidden.
+                Ok(if order.status == to && machine.is_target(to) {
                     Transition::AlreadyApplied {
                         version: order.version,
                     }

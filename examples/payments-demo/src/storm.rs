@@ -26,47 +26,30 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::client::{self, Failure};
 
-struct Args {
+/// Fires N logical charges at a running demo, each sent M times with one key, then checks
+/// that the demo recorded exactly N charges (exit status 0), or says how many it did.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// The demo's base URL (plain HTTP/1.1), e.g. http://127.0.0.1:3000.
+    #[arg(long, env = "STORM_URL")]
     url: String,
+    /// Logical charges (distinct idempotency keys).
+    #[arg(long, env = "STORM_CHARGES", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..))]
     charges: u64,
+    /// Sends per charge, all with the charge's key (the first two at once).
+    #[arg(long, env = "STORM_SENDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
     sends: u64,
-    client_timeout: Duration,
-    concurrency: usize,
-}
-
-fn parse(args: &[String]) -> Result<Args, String> {
-    let mut parsed = Args {
-        url: String::new(),
-        charges: 100,
-        sends: 5,
-        client_timeout: Duration::from_millis(500),
-        concurrency: 32,
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        let number = |v: &String| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{flag} takes a whole number, not {v:?}"))
-        };
-        match flag.as_str() {
-            "--url" => parsed.url = value()?.clone(),
-            "--charges" => parsed.charges = number(value()?)?,
-            "--sends" => parsed.sends = number(value()?)?,
-            "--client-timeout-ms" => {
-                parsed.client_timeout = Duration::from_millis(number(value()?)?);
-            }
-            "--concurrency" => parsed.concurrency = number(value()?)?.max(1) as usize,
-            other => return Err(format!("unknown flag {other:?}")),
-        }
-    }
-    if parsed.url.is_empty() {
-        return Err("--url <base> is required, e.g. --url http://127.0.0.1:3000".into());
-    }
-    if parsed.charges == 0 || parsed.sends == 0 {
-        return Err("--charges and --sends must be at least 1".into());
-    }
-    Ok(parsed)
+    /// How long the client waits for an answer before it hangs up and retries; every third
+    /// charge asks the handler to take longer than this.
+    #[arg(long = "client-timeout-ms", env = "STORM_CLIENT_TIMEOUT_MS", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    client_timeout_ms: u64,
+    /// Logical charges in flight at once.
+    #[arg(long, env = "STORM_CONCURRENCY", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    concurrency: u64,
 }
 
 #[derive(Default)]
@@ -79,14 +62,9 @@ struct Tally {
     errors: AtomicU64,
 }
 
-pub(crate) async fn main(args: &[String]) -> ExitCode {
-    let args = match parse(args) {
-        Ok(args) => args,
-        Err(error) => {
-            eprintln!("storm: {error}");
-            return ExitCode::from(2);
-        }
-    };
+pub(crate) async fn main(args: Args) -> ExitCode {
+    let client_timeout = Duration::from_millis(args.client_timeout_ms);
+    let concurrency = usize::try_from(args.concurrency).unwrap_or(1);
     let authority = match client::authority(&args.url) {
         Ok(a) => a,
         Err(error) => {
@@ -102,7 +80,7 @@ pub(crate) async fn main(args: &[String]) -> ExitCode {
         ProgressStyle::with_template("{spinner} storm [{bar:40}] {pos}/{len} charges {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let limit = Arc::new(tokio::sync::Semaphore::new(args.concurrency));
+    let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..args.charges {
@@ -113,7 +91,7 @@ pub(crate) async fn main(args: &[String]) -> ExitCode {
             customer.clone(),
             progress.clone(),
         );
-        let (sends, timeout) = (args.sends, args.client_timeout);
+        let (sends, timeout) = (args.sends, client_timeout);
         let key = format!("storm-{run}-{i}");
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
@@ -127,7 +105,7 @@ pub(crate) async fn main(args: &[String]) -> ExitCode {
     progress.finish_with_message(format!("in {:.1?}", started.elapsed()));
 
     // Slow charges may still be running server-side: wait for the count to settle.
-    let recorded = settle(&authority, &customer, args.charges, args.client_timeout).await;
+    let recorded = settle(&authority, &customer, args.charges, client_timeout).await;
     let t = |c: &AtomicU64| c.load(Ordering::Relaxed);
     println!();
     println!(

@@ -3,7 +3,7 @@
 //! Streams deliver at least once: a consumer that dies after doing the work but before
 //! `XACK` gets the message again (another consumer claims it with `XAUTOCLAIM`), and producers
 //! that retry publish the same charge twice. Each message names its charge; the
-//! [`Executor`](idempotency::Executor) runs the effect once per charge id over the Postgres
+//! [`Executor`] runs the effect once per charge id over the Postgres
 //! store, and every repeat — redelivery or duplicate — replays the stored result and is
 //! acknowledged without a second effect.
 //!

@@ -10,6 +10,16 @@ use stream_consumer::{Consumer, publish};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The library reports through `tracing` (a span per store call, warnings when a store
+    // fails): without a subscriber they would vanish. RUST_LOG filters, e.g.
+    // `RUST_LOG=info,idempotency_core=debug` for the store spans.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let db = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
     let redis_url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL")?;
     let store = PostgresStore::builder(db).connect().await?;

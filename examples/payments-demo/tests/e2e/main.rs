@@ -8,7 +8,6 @@ use std::{
 };
 
 use idempotency_test::{block_on, services};
-use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_payments-demo");
 
@@ -69,25 +68,9 @@ impl Drop for Demo {
     }
 }
 
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
+use idempotency_test::http::Reply;
 
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-}
-
-/// A blocking HTTP/1.1 exchange on a fresh connection.
+/// An HTTP/1.1 exchange on a fresh connection (the hyper client of `idempotency-test`).
 fn call(
     base: &str,
     method: &str,
@@ -95,36 +78,17 @@ fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Option<Reply> {
-    use std::io::{Read, Write};
     let authority = base.strip_prefix("http://").expect("http");
-    let mut stream = std::net::TcpStream::connect(authority).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .ok()?;
-    let mut text = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (n, v) in headers {
-        text.push_str(&format!("{n}: {v}\r\n"));
-    }
-    text.push_str("\r\n");
-    text.push_str(body);
-    stream.write_all(text.as_bytes()).ok()?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    let mut lines = head.lines();
-    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Some(Reply {
-        status,
-        headers,
-        body: body.to_owned(),
-    })
+    let headers: Vec<(&str, String)> = headers.iter().map(|(n, v)| (*n, (*v).to_owned())).collect();
+    block_on(idempotency_test::http::send(
+        authority,
+        method,
+        path,
+        &headers,
+        body,
+        Duration::from_secs(20),
+    ))
+    .ok()
 }
 
 fn post(demo: &Demo, key: Option<&str>, extra: &[(&str, &str)], body: &str) -> Reply {
@@ -288,6 +252,23 @@ fn exercise(demo: &Demo, mode: &str) {
         "{}",
         metrics.body
     );
+    // Through the `metrics` facade: the help text, and each store call's latency by store,
+    // operation and answer.
+    assert!(
+        metrics
+            .body
+            .contains("# HELP idempotency_replays_total Requests answered with a stored outcome."),
+        "{}",
+        metrics.body
+    );
+    let begin = format!(
+        "idempotency_store_call_seconds_count{{store=\"{mode}\",operation=\"begin\",answer=\"execute\"}}"
+    );
+    assert!(
+        metrics.body.contains(&begin),
+        "{begin} in\n{}",
+        metrics.body
+    );
     if mode == "hybrid" {
         assert!(
             metrics
@@ -384,7 +365,14 @@ fn exercise_orders(demo: &Demo) {
     };
     assert_problem(&step(None, "processing"), 428);
     assert_problem(&step(Some("\"x\""), "processing"), 400);
-    assert_problem(&step(Some("\"1\""), "pending"), 400);
+    // Not a status of orders: a bad body, 400. A status nothing leads to: forbidden, 409.
+    assert_problem(&step(Some("\"1\""), "cancelled"), 400);
+    let forbidden = step(Some("\"1\""), "pending");
+    assert_problem(&forbidden, 409);
+    assert_eq!(
+        forbidden.json()["type"],
+        "urn:payments-demo:problem:forbidden-transition"
+    );
     let moved = step(Some("\"1\""), "processing");
     assert_eq!(
         (moved.status, moved.header("etag")),
@@ -399,6 +387,8 @@ fn exercise_orders(demo: &Demo) {
         (repeat.status, repeat.json()["version"].as_i64()),
         (200, Some(2))
     );
+    // Back to the start (processing -> pending): 409.
+    assert_problem(&step(Some("\"2\""), "pending"), 409);
     // A stale If-Match: 412. A skip (processing -> completed): 409.
     assert_problem(&step(Some("\"1\""), "shipped"), 412);
     assert_problem(&step(Some("\"2\""), "completed"), 409);
@@ -687,4 +677,204 @@ fn a_mode_without_its_url_is_a_clear_startup_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("needs DATABASE_URL"), "{err}");
+}
+
+/// `--help` documents the commands and every storm flag; a bad value is a usage error
+/// (exit 2) that names the flag, before anything is sent.
+#[test]
+fn the_cli_documents_its_flags_and_refuses_bad_ones() {
+    let run = |args: &[&str]| Command::new(BIN).args(args).output().expect("run");
+    let help = run(&["--help"]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(help.status.success(), "{text}");
+    for word in ["serve", "storm", "DATABASE_URL", "IDEMPOTENCY_STORE"] {
+        assert!(text.contains(word), "--help lacks {word}:\n{text}");
+    }
+    let storm_help = run(&["storm", "--help"]);
+    let text = String::from_utf8_lossy(&storm_help.stdout);
+    assert!(storm_help.status.success(), "{text}");
+    for flag in [
+        "--url",
+        "--charges",
+        "--sends",
+        "--client-timeout-ms",
+        "--concurrency",
+    ] {
+        assert!(text.contains(flag), "storm --help lacks {flag}:\n{text}");
+    }
+    let bad = run(&["storm", "--url", "http://127.0.0.1:9", "--charges", "0"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--charges"));
+    let missing = run(&["storm"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("--url"));
+}
+
+/// The operator's surface, over HTTP and from the command line, against the same store: a
+/// charge's record seen completed, kept against a plain release, deleted when asked; the
+/// routes refuse anyone without the token, and are not there at all without `ADMIN_TOKEN`.
+fn admin_surface(env: &[(&str, &str)], _mode: &str) {
+    let mut with_token = env.to_vec();
+    with_token.push(("ADMIN_TOKEN", "s3cret-operator-token"));
+    let demo = Demo::start(&with_token);
+    let account = format!("acct-{}", uuid::Uuid::new_v4().simple());
+    let key = uuid::Uuid::new_v4().to_string();
+    let body = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{account}"}}"#);
+    let created = post(&demo, Some(&key), &[("x-account-id", &account)], &body);
+    assert_eq!(created.status, 201, "{}", created.body);
+
+    let path = format!("/admin/idempotency/keys/{account}/{key}");
+    let admin = |method: &str, path: &str, token: Option<&str>| {
+        let bearer = token.map(|t| format!("Bearer {t}"));
+        let headers: Vec<(&str, &str)> = bearer
+            .iter()
+            .map(|b| ("authorization", b.as_str()))
+            .collect();
+        call(&demo.base, method, path, &headers, "").expect("admin call")
+    };
+    for token in [
+        None,
+        Some("wrong"),
+        Some("s3cret-operator-token-but-longer"),
+    ] {
+        let denied = admin("GET", &path, token);
+        assert_problem(&denied, 401);
+        assert_eq!(denied.header("www-authenticate"), Some("Bearer"));
+    }
+    let view = admin("GET", &path, Some("s3cret-operator-token"));
+    assert_eq!(view.status, 200, "{}", view.body);
+    let json = view.json();
+    assert_eq!(json["state"], "completed", "{json}");
+    assert_eq!(json["status"], 201, "{json}");
+    assert_eq!(json["scope"], account.as_str());
+    assert!(
+        json["expires_at"].as_str().is_some_and(chrono_like),
+        "{json}"
+    );
+    let kept = admin("DELETE", &path, Some("s3cret-operator-token"));
+    assert_problem(&kept, 409);
+
+    // The command line, on the store the server runs on.
+    let cli = |args: &[&str]| {
+        let mut command = Command::new(BIN);
+        command
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
+            .env_remove("IDEMPOTENCY_STORE")
+            .arg("admin")
+            .args(args)
+            .args(["--scope", &account, "--key", &key]);
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        command.output().expect("run payments-demo admin")
+    };
+    let inspected = cli(&["inspect"]);
+    assert_eq!(inspected.status.code(), Some(0), "{inspected:?}");
+    let json: serde_json::Value = serde_json::from_slice(&inspected.stdout).expect("JSON");
+    assert_eq!(json["state"], "completed", "{json}");
+    assert_eq!(json["record_id"], view.json()["record_id"]);
+    let refused = cli(&["release"]);
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--completed"));
+    let deleted = cli(&["release", "--completed"]);
+    assert_eq!(deleted.status.code(), Some(0), "{deleted:?}");
+    assert_eq!(cli(&["inspect"]).status.code(), Some(1));
+    assert_problem(&admin("GET", &path, Some("s3cret-operator-token")), 404);
+    assert_eq!(demo.stop(), 0, "graceful shutdown");
+
+    // Without ADMIN_TOKEN the routes do not exist.
+    let plain = Demo::start(env);
+    let absent = call(
+        &plain.base,
+        "GET",
+        &path,
+        &[("authorization", "Bearer s3cret-operator-token")],
+        "",
+    )
+    .expect("call");
+    assert_eq!(absent.status, 404);
+    assert_eq!(plain.stop(), 0);
+}
+
+#[test]
+fn hybrid_mode_admin_surface() {
+    in_mode("hybrid", admin_surface);
+}
+
+#[test]
+fn the_admin_cli_refuses_the_memory_store() {
+    let out = Command::new(BIN)
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env_remove("IDEMPOTENCY_STORE")
+        .args(["admin", "inspect", "--scope", "a", "--key", "k"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("DATABASE_URL"));
+}
+
+/// The process dies right after a charge committed, before its outcome was stored
+/// (`X-Demo-Crash: after-charge`). Restarted, and one lease later, the retry of the same
+/// key and body is that charge, replayed (the reconcile hook found it by its record id):
+/// not a second charge, not a 500.
+fn crash_after_charge(env: &[(&str, &str)], _mode: &str) {
+    let mut env = env.to_vec();
+    env.push(("IDEMPOTENCY_LEASE_MS", "1000"));
+    let customer = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    let body = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
+    let key = uuid::Uuid::new_v4().to_string();
+
+    let mut demo = Demo::start(&env);
+    let crashed = call(
+        &demo.base,
+        "POST",
+        "/charges",
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", &key),
+            ("x-demo-crash", "after-charge"),
+        ],
+        &body,
+    );
+    assert!(
+        crashed.is_none(),
+        "the process died before answering: {crashed:?}"
+    );
+    let status = demo.child.wait().expect("wait");
+    assert!(!status.success(), "aborted: {status:?}");
+    drop(demo);
+
+    let demo = Demo::start(&env);
+    std::thread::sleep(Duration::from_millis(1_200)); // the crashed attempt's lease runs out
+    let retry = post(&demo, Some(&key), &[], &body);
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    let charge = retry.json()["id"].as_str().expect("id").to_owned();
+    let again = post(&demo, Some(&key), &[], &body);
+    assert_eq!(again.json()["id"], charge.as_str());
+
+    let listed = call(
+        &demo.base,
+        "GET",
+        &format!("/charges?customer={customer}"),
+        &[],
+        "",
+    )
+    .expect("list");
+    let listed = listed.json();
+    assert_eq!(listed["count"], 1, "charged once: {listed}");
+    assert_eq!(listed["data"][0]["id"], charge.as_str());
+    assert_eq!(demo.stop(), 0);
+}
+
+#[test]
+fn postgres_mode_crash_after_charge_is_reconciled() {
+    in_mode("postgres", crash_after_charge);
+}
+
+#[test]
+fn hybrid_mode_crash_after_charge_is_reconciled() {
+    in_mode("hybrid", crash_after_charge);
 }

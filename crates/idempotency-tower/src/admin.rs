@@ -1,0 +1,240 @@
+//! The operator's routes: read a key's record, release a stuck one.
+//!
+//! Mount [`admin_router`] behind the application's own authentication: it answers for any
+//! scope it is asked about.
+
+use std::{collections::HashMap, sync::Arc, time::SystemTime};
+
+use axum::{
+    Router,
+    extract::{Path, RawQuery, State, rejection::PathRejection},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use http::{HeaderValue, StatusCode, header};
+use idempotency_core::{
+    Error, ForceReleased, IdempotencyKey, Inspection, RecordId, RecordState, Scope, Store,
+};
+
+use crate::Problem;
+
+/// The admin routes over `store`, to nest under a prefix of the application's choice:
+///
+/// - `GET /idempotency/keys/{scope}/{key}`: `200` with the record as JSON (below), or `404`
+///   problem+json when there is none;
+/// - `DELETE /idempotency/keys/{scope}/{key}`: `204` after releasing an in-flight record
+///   (whoever holds it: the holder's late completion is refused), `409` problem+json for a
+///   completed record unless the query says `?completed=true` (then it is deleted and the key
+///   runs again on its next request), `404` when there is none;
+/// - the same two without `{scope}` (`/idempotency/keys/{key}`) for the global scope.
+///
+/// **Releasing a live lease lets the operation run again while its holder may still be
+/// running it.** Fencing refuses the holder's later writes to the store (its outcome is not
+/// stored), not its side effects. Release a lease whose holder is known to be gone — a
+/// `lease_remaining_ms` of 0 says its lease ran out — or one you know is stuck.
+///
+/// `{scope}` is what the layer's scope function returns for the requests that use the key
+/// (the whole string, percent-encoded in the path); `{key}` is the `Idempotency-Key` value.
+/// A malformed key is `400`, an unreachable store `503`, both problem+json.
+///
+/// The JSON view:
+///
+/// ```json
+/// {"scope": "acct_1", "key": "order-42", "record_id": "…64 hex…",
+///  "state": "in_flight", "fingerprint": "…64 hex…",
+///  "created_at": "2026-12-01T05:40:00.123Z", "expires_at": "2026-12-01T05:40:30.123Z",
+///  "lease_remaining_ms": 29874}
+/// ```
+///
+/// A completed record has `"state": "completed"` and `"status": 201` instead of
+/// `lease_remaining_ms`; `created_at` is `null` where the store does not keep it (Redis).
+/// Times are the store's clock, RFC 3339 in UTC.
+///
+/// The routes carry no authentication of their own:
+///
+/// ```
+/// use std::sync::Arc;
+/// use axum::{Router, extract::Request, http::StatusCode, middleware::{self, Next}, response::Response};
+/// use idempotency_core::{MemoryStore, Store};
+///
+/// async fn operators_only(request: Request, next: Next) -> Result<Response, StatusCode> {
+///     let bearer = request.headers().get("authorization").and_then(|v| v.to_str().ok());
+///     if bearer != Some("Bearer s3cret") {
+///         return Err(StatusCode::UNAUTHORIZED);
+///     }
+///     Ok(next.run(request).await)
+/// }
+///
+/// let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+/// let app: Router = Router::new().nest(
+///     "/admin",
+///     idempotency_tower::admin_router(store).layer(middleware::from_fn(operators_only)),
+/// );
+/// ```
+pub fn admin_router(store: Arc<dyn Store>) -> Router {
+    Router::new()
+        .route(
+            "/idempotency/keys/{scope}/{key}",
+            get(inspect).delete(release),
+        )
+        // The global scope (`Scope::global()`, the layer's default) is the empty string: an
+        // empty path segment that proxies merging slashes would lose.
+        .route("/idempotency/keys/{key}", get(inspect).delete(release))
+        .with_state(store)
+}
+
+/// The scope and key named by the path (no scope segment: the global scope).
+type Named = Result<Path<HashMap<String, String>>, PathRejection>;
+
+fn problem(problem: Problem, detail: &str) -> Response {
+    problem.response(detail, None).map(axum::body::Body::new)
+}
+
+fn store_problem(error: &Error) -> Response {
+    match error {
+        Error::Unavailable(_) => problem(
+            Problem::StoreUnavailable,
+            &format!("the store did not answer: {error}"),
+        ),
+        _ => problem(Problem::Internal, &format!("the store failed: {error}")),
+    }
+}
+
+/// The scope, key and record the path names; a path that does not decode, or a malformed
+/// key, is a 400 problem.
+fn record_id(named: Named) -> Result<(String, IdempotencyKey, RecordId), Box<Response>> {
+    let Path(mut params) = named.map_err(|rejection| {
+        Box::new(problem(
+            Problem::InvalidRequest,
+            &format!("the path does not name a scope and key: {rejection}"),
+        ))
+    })?;
+    let scope = params.remove("scope").unwrap_or_default();
+    let key = params.remove("key").unwrap_or_default();
+    let key = IdempotencyKey::new(key.clone()).map_err(|e| {
+        Box::new(problem(
+            Problem::InvalidKey,
+            &format!("{key:?} is not a valid key: {e}"),
+        ))
+    })?;
+    let id = RecordId::new(&Scope::new(scope.clone()), &key);
+    Ok((scope, key, id))
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    jiff::Timestamp::try_from(t)
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}
+
+/// The JSON view of a record that `GET /idempotency/keys/{scope}/{key}` answers (see
+/// [`admin_router`]), for tools that read the store themselves (a CLI, a log line).
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use idempotency_core::{Fingerprint, IdempotencyKey, Inspection, RecordId, Scope};
+///
+/// let key = IdempotencyKey::new("order-42").unwrap();
+/// let id = RecordId::new(&Scope::new("acct_1"), &key);
+/// let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_567_600);
+/// let record = Inspection::completed(Fingerprint::of(b"body"), None, at, 201);
+/// let view = idempotency_tower::record_view("acct_1", &key, &id, &record);
+/// assert_eq!(view["state"], "completed");
+/// assert_eq!(view["status"], 201);
+/// assert_eq!(view["expires_at"], "2025-12-01T05:40:00Z");
+/// ```
+pub fn record_view(
+    scope: &str,
+    key: &IdempotencyKey,
+    id: &RecordId,
+    record: &Inspection,
+) -> serde_json::Value {
+    let key = key.as_str();
+    let mut view = serde_json::json!({
+        "scope": scope,
+        "key": key,
+        "record_id": id.to_hex(),
+        "fingerprint": record.fingerprint.to_hex(),
+        "created_at": record.created_at.map(rfc3339),
+        "expires_at": rfc3339(record.expires_at),
+    });
+    match record.state {
+        RecordState::InFlight { lease_remaining } => {
+            view["state"] = "in_flight".into();
+            view["lease_remaining_ms"] = (lease_remaining.as_millis() as u64).into();
+        }
+        RecordState::Completed { status } => {
+            view["state"] = "completed".into();
+            view["status"] = status.into();
+        }
+        // A state a newer core knows: shown by name, without its details.
+        other => view["state"] = format!("{other:?}").into(),
+    }
+    view
+}
+
+async fn inspect(State(store): State<Arc<dyn Store>>, named: Named) -> Response {
+    let (scope, key, id) = match record_id(named) {
+        Ok(named) => named,
+        Err(response) => return *response,
+    };
+    match store.inspect(&id).await {
+        Ok(Some(record)) => {
+            let mut response = record_view(&scope, &key, &id, &record)
+                .to_string()
+                .into_response();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
+        Ok(None) => problem(
+            Problem::RecordNotFound,
+            "no live record for this scope and key (never used, released, or past its retention)",
+        ),
+        Err(error) => store_problem(&error),
+    }
+}
+
+async fn release(
+    State(store): State<Arc<dyn Store>>,
+    named: Named,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let mut completed = false;
+    for pair in query.as_deref().unwrap_or("").split('&') {
+        match pair.split_once('=').unwrap_or((pair, "")) {
+            ("", _) => {}
+            ("completed", "true") => completed = true,
+            ("completed", "false") => completed = false,
+            _ => {
+                return problem(
+                    Problem::InvalidRequest,
+                    &format!("unknown query {pair:?}: the only parameter is completed=true|false"),
+                );
+            }
+        }
+    }
+    let (_, _, id) = match record_id(named) {
+        Ok(named) => named,
+        Err(response) => return *response,
+    };
+    match store.force_release(&id, completed).await {
+        Ok(ForceReleased::Released | ForceReleased::Deleted) => {
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Ok(ForceReleased::Completed) => problem(
+            Problem::RecordCompleted,
+            "the record is completed: its outcome replays to retries; delete it with ?completed=true to let the key run again",
+        ),
+        Ok(ForceReleased::Absent) => problem(
+            Problem::RecordNotFound,
+            "no live record for this scope and key (never used, released, or past its retention)",
+        ),
+        // `ForceReleased` may grow: an answer this version does not know changed nothing it
+        // can vouch for.
+        Ok(other) => problem(Problem::Internal, &format!("unexpected answer {other:?}")),
+        Err(error) => store_problem(&error),
+    }
+}

@@ -1,0 +1,104 @@
+//! What the layer does when an earlier attempt's outcome is unknown ([`Begin::TakeOver`]).
+//!
+//! [`Begin::TakeOver`]: idempotency_core::Begin::TakeOver
+
+use std::{fmt, future::Future, sync::Arc};
+
+use futures::future::BoxFuture;
+use idempotency_core::{BoxError, Outcome, RecordId};
+
+type Hook =
+    dyn Fn(Unresolved) -> BoxFuture<'static, Result<Option<Outcome>, BoxError>> + Send + Sync;
+
+/// What a reconcile hook is asked about: the key's record, and the request retrying it (the
+/// same request as the unfinished attempt: an unfinished lease is taken over by the same
+/// fingerprint only). A hook compares what it finds with the request before answering
+/// with it: a record id can outlive its retention and be reused by another operation.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Unresolved {
+    /// The record whose earlier attempt never stored an outcome.
+    pub record_id: RecordId,
+    /// The retry's method.
+    pub method: http::Method,
+    /// The retry's URI.
+    pub uri: http::Uri,
+    /// The retry's headers.
+    pub headers: http::HeaderMap,
+    /// The retry's body.
+    pub body: bytes::Bytes,
+}
+
+/// The policy for a request whose key was held by an earlier attempt that never stored an
+/// outcome: its lease ran out (the process crashed mid-operation, or hung). Was the card
+/// charged? The store cannot know; this decides who finds out.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotency_core::{MemoryStore, Outcome};
+/// use idempotency_tower::{IdempotencyLayer, OutcomeUnknown};
+///
+/// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new())).on_outcome_unknown(
+///     OutcomeUnknown::reconcile(|unresolved| async move {
+///         // Look for the effect the crashed attempt may have had, by its record id:
+///         // `SELECT id FROM charges WHERE record_id = $1`. Found (for this request): its
+///         // response.
+///         let _ = unresolved.record_id;
+///         let charged: Option<String> = None;
+///         Ok(charged.map(|id| Outcome::new(201).with_body(format!(r#"{{"id":"{id}"}}"#))))
+///     }),
+/// );
+/// ```
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum OutcomeUnknown {
+    /// Run the operation again (the default). Right when the operation is idempotent by
+    /// itself: its effect is keyed by the record id under a unique constraint.
+    #[default]
+    Reexecute,
+    /// Answer `409` problem+json `urn:idempotency:problem:outcome-unknown` and keep that
+    /// answer: it is stored as the key's outcome (for the policy's retention), so every
+    /// retry gets it until an operator reconciles the operation and deletes the record (the
+    /// admin routes, `DELETE …?completed=true`), after which the next request runs. Past
+    /// the retention the key is forgotten like any other: reconcile within it.
+    Reject,
+    /// Ask the application first: the hook gets the record id and the request
+    /// ([`Unresolved`]) and looks for the earlier attempt's effect. `Some(outcome)`: the effect happened; the outcome is stored and
+    /// answered as a replay (`Idempotent-Replayed: true`), and the operation does not run
+    /// again. `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
+    /// within half a lease: nobody knows yet; the answer is `503` with `Retry-After` and the
+    /// key stays unresolved (the next retry asks again once this attempt's lease ran out).
+    /// The lease is renewed while the hook runs.
+    Reconcile(Reconcile),
+}
+
+/// The hook of [`OutcomeUnknown::Reconcile`]; build it with [`OutcomeUnknown::reconcile`].
+#[derive(Clone)]
+pub struct Reconcile(Arc<Hook>);
+
+impl Reconcile {
+    pub(crate) async fn check(&self, unresolved: Unresolved) -> Result<Option<Outcome>, BoxError> {
+        (self.0)(unresolved).await
+    }
+}
+
+impl OutcomeUnknown {
+    /// [`OutcomeUnknown::Reconcile`] with `hook`.
+    pub fn reconcile<F, Fut>(hook: F) -> Self
+    where
+        F: Fn(Unresolved) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<Outcome>, BoxError>> + Send + 'static,
+    {
+        Self::Reconcile(Reconcile(Arc::new(move |id| Box::pin(hook(id)))))
+    }
+}
+
+impl fmt::Debug for OutcomeUnknown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Reexecute => "Reexecute",
+            Self::Reject => "Reject",
+            Self::Reconcile(_) => "Reconcile(..)",
+        })
+    }
+}

@@ -1,0 +1,107 @@
+//! `payments-demo admin`: the operator's tools, run against the store itself (the server's
+//! `/admin` routes do the same over HTTP).
+
+use std::process::ExitCode;
+
+use idempotency::{ForceReleased, IdempotencyKey, RecordId, Scope};
+
+use crate::config::{Config, Mode};
+
+/// Which record: the account (the demo's scope, its `X-Account-Id`) and the key.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Record {
+    /// The account the key belongs to (the `X-Account-Id` of its requests; `anonymous`
+    /// when they sent none).
+    #[arg(long)]
+    scope: String,
+    /// The `Idempotency-Key` value.
+    #[arg(long)]
+    key: String,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum Command {
+    /// Prints the key's record as JSON; exits 1 when there is none.
+    Inspect(Record),
+    /// Releases the key's in-flight record (its holder's late completion is refused), so the
+    /// next request runs; exits 1 when there is none, or it is completed and --completed
+    /// was not given.
+    Release {
+        #[command(flatten)]
+        record: Record,
+        /// Delete a completed record too: the key then runs again on its next request.
+        #[arg(long)]
+        completed: bool,
+    },
+}
+
+pub(crate) async fn main(command: Command) -> ExitCode {
+    match run(command).await {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("payments-demo admin: {error}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let config = Config::from_env()?;
+    if config.mode == Mode::Memory {
+        return Err(
+            "the memory store lives inside the server process: set DATABASE_URL and/or \
+                    REDIS_URL, or use the server's /admin routes (ADMIN_TOKEN)"
+                .into(),
+        );
+    }
+    let store = crate::connect(&config).await?.store;
+    let named = |record: &Record| -> Result<(IdempotencyKey, RecordId), String> {
+        let key = IdempotencyKey::new(record.key.clone())
+            .map_err(|e| format!("--key {:?}: {e}", record.key))?;
+        let id = RecordId::new(&Scope::new(record.scope.clone()), &key);
+        Ok((key, id))
+    };
+    match command {
+        Command::Inspect(record) => {
+            let (key, id) = named(&record)?;
+            match store.inspect(&id).await? {
+                Some(found) => {
+                    let view = idempotency::tower::record_view(&record.scope, &key, &id, &found);
+                    println!("{view}");
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("no live record for this scope and key");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        Command::Release { record, completed } => {
+            let (_, id) = named(&record)?;
+            Ok(match store.force_release(&id, completed).await? {
+                ForceReleased::Released => {
+                    println!("released: the in-flight record is gone, the next request runs");
+                    ExitCode::SUCCESS
+                }
+                ForceReleased::Deleted => {
+                    println!("deleted: the completed record is gone, the next request runs again");
+                    ExitCode::SUCCESS
+                }
+                ForceReleased::Completed => {
+                    eprintln!(
+                        "the record is completed (its outcome replays): pass --completed to delete it"
+                    );
+                    ExitCode::FAILURE
+                }
+                ForceReleased::Absent => {
+                    eprintln!("no live record for this scope and key");
+                    ExitCode::FAILURE
+                }
+                other => {
+                    eprintln!("unexpected answer {other:?}");
+                    ExitCode::FAILURE
+                }
+            })
+        }
+    }
+}

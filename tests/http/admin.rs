@@ -1,0 +1,269 @@
+//! The operator's routes (`admin_router`) over real stores, next to the layer whose records
+//! they show: the scope and key in the path name the record the layer wrote.
+
+use std::{sync::Arc, sync::atomic::Ordering, time::Duration};
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use idempotency_core::{Begin, IdempotencyKey, RecordId, Scope, Store};
+use idempotency_test::block_on;
+use idempotency_tower::admin_router;
+use tower::ServiceExt;
+
+use crate::support::{app, layer};
+
+struct Answer {
+    status: u16,
+    content_type: String,
+    json: serde_json::Value,
+}
+
+async fn call(router: &axum::Router, method: &str, uri: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut request = axum::http::Request::builder().method(method).uri(uri);
+    for (n, v) in headers {
+        request = request.header(*n, *v);
+    }
+    let body = if method == "POST" {
+        Body::from(r#"{"amount":1000}"#)
+    } else {
+        Body::empty()
+    };
+    let response = router
+        .clone()
+        .oneshot(request.body(body).expect("request"))
+        .await
+        .expect("infallible");
+    let status = response.status().as_u16();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().expect("ascii").to_owned())
+        .unwrap_or_default();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let json = if bytes.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::String(
+            String::from_utf8_lossy(&bytes).into_owned(),
+        ))
+    };
+    Answer {
+        status,
+        content_type,
+        json,
+    }
+}
+
+fn problem(answer: &Answer, status: u16, kind: &str) {
+    assert_eq!(answer.status, status, "{}", answer.json);
+    assert_eq!(answer.content_type, "application/problem+json");
+    assert_eq!(answer.json["type"], kind, "{}", answer.json);
+}
+
+async fn admin_routes(store: Arc<dyn Store>) {
+    let (charges, calls, _) = app(layer(store.clone()));
+    let router = charges.nest("/admin", admin_router(store.clone()));
+    let account = idempotency_test::unique("acct");
+    let key = idempotency_test::unique("order");
+    let path = format!("/admin/idempotency/keys/{account}/{key}");
+    let charge = [
+        ("idempotency-key", key.as_str()),
+        ("x-account-id", account.as_str()),
+    ];
+
+    // Nothing yet.
+    problem(
+        &call(&router, "GET", &path, &[]).await,
+        404,
+        "urn:idempotency:problem:record-not-found",
+    );
+    problem(
+        &call(&router, "DELETE", &path, &[]).await,
+        404,
+        "urn:idempotency:problem:record-not-found",
+    );
+
+    // The layer's record, found under the scope and key of the request.
+    assert_eq!(call(&router, "POST", "/charges", &charge).await.status, 201);
+    let view = call(&router, "GET", &path, &[]).await;
+    assert_eq!(view.status, 200, "{}", view.json);
+    assert_eq!(view.content_type, "application/json");
+    assert_eq!(view.json["state"], "completed", "{}", view.json);
+    assert_eq!(view.json["status"], 201);
+    assert_eq!(view.json["scope"], account.as_str());
+    assert_eq!(view.json["key"], key.as_str());
+    let id = RecordId::new(
+        &Scope::new(account.clone()),
+        &IdempotencyKey::new(key.clone()).expect("key"),
+    );
+    assert_eq!(view.json["record_id"], id.to_hex());
+    assert_eq!(view.json["fingerprint"].as_str().map(str::len), Some(64));
+    assert!(
+        view.json["expires_at"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z')),
+        "{}",
+        view.json
+    );
+
+    // A completed record stays unless asked for; then the key runs again.
+    problem(
+        &call(&router, "DELETE", &path, &[]).await,
+        409,
+        "urn:idempotency:problem:record-completed",
+    );
+    assert_eq!(call(&router, "POST", "/charges", &charge).await.status, 201);
+    assert_eq!(calls.0.load(Ordering::SeqCst), 1, "the retry replayed");
+    problem(
+        &call(&router, "DELETE", &format!("{path}?completed=maybe"), &[]).await,
+        400,
+        "urn:idempotency:problem:invalid-request",
+    );
+    assert_eq!(
+        call(&router, "DELETE", &format!("{path}?completed=true"), &[])
+            .await
+            .status,
+        204
+    );
+    problem(
+        &call(&router, "GET", &path, &[]).await,
+        404,
+        "urn:idempotency:problem:record-not-found",
+    );
+    assert_eq!(call(&router, "POST", "/charges", &charge).await.status, 201);
+    assert_eq!(
+        calls.0.load(Ordering::SeqCst),
+        2,
+        "deleted, the key ran again"
+    );
+
+    // A stuck attempt (claimed, never finished): seen in flight, released, and its owner
+    // fenced off; the next request runs.
+    let stuck_key = idempotency_test::unique("stuck");
+    let stuck = RecordId::new(
+        &Scope::new(account.clone()),
+        &IdempotencyKey::new(stuck_key.clone()).expect("key"),
+    );
+    let fp = idempotency_core::Fingerprint::of(b"whatever the owner sent");
+    let Begin::Execute(token) = store
+        .begin(&stuck, &fp, Duration::from_secs(60))
+        .await
+        .expect("begin")
+    else {
+        panic!("a fresh key executes");
+    };
+    let stuck_path = format!("/admin/idempotency/keys/{account}/{stuck_key}");
+    let view = call(&router, "GET", &stuck_path, &[]).await;
+    assert_eq!(view.json["state"], "in_flight", "{}", view.json);
+    let left = view.json["lease_remaining_ms"]
+        .as_u64()
+        .expect("lease left");
+    assert!(left > 30_000 && left <= 60_000, "{}", view.json);
+    assert_eq!(call(&router, "DELETE", &stuck_path, &[]).await.status, 204);
+    assert!(matches!(
+        store
+            .complete(
+                &stuck,
+                token,
+                &idempotency_core::Outcome::new(201),
+                Duration::from_secs(60)
+            )
+            .await,
+        Err(idempotency_core::Error::LeaseLost)
+    ));
+    let retry = [
+        ("idempotency-key", stuck_key.as_str()),
+        ("x-account-id", account.as_str()),
+    ];
+    assert_eq!(call(&router, "POST", "/charges", &retry).await.status, 201);
+    assert_eq!(calls.0.load(Ordering::SeqCst), 3);
+
+    // The global scope (the layer's default) has no scope segment.
+    let global_key = idempotency_test::unique("global");
+    let global = RecordId::new(
+        &Scope::global(),
+        &IdempotencyKey::new(global_key.clone()).expect("key"),
+    );
+    let Begin::Execute(_) = store
+        .begin(&global, &fp, Duration::from_secs(60))
+        .await
+        .expect("begin")
+    else {
+        panic!("a fresh key executes");
+    };
+    let global_path = format!("/admin/idempotency/keys/{global_key}");
+    let view = call(&router, "GET", &global_path, &[]).await;
+    assert_eq!(view.json["state"], "in_flight", "{}", view.json);
+    assert_eq!(view.json["scope"], "");
+    assert_eq!(call(&router, "DELETE", &global_path, &[]).await.status, 204);
+    problem(
+        &call(&router, "GET", &global_path, &[]).await,
+        404,
+        "urn:idempotency:problem:record-not-found",
+    );
+
+    // A path that does not decode is a problem too.
+    problem(
+        &call(
+            &router,
+            "GET",
+            &format!("/admin/idempotency/keys/{account}/%FF"),
+            &[],
+        )
+        .await,
+        400,
+        "urn:idempotency:problem:invalid-request",
+    );
+
+    // A key the layer would refuse is refused here too.
+    let long = "k".repeat(300);
+    problem(
+        &call(
+            &router,
+            "GET",
+            &format!("/admin/idempotency/keys/{account}/{long}"),
+            &[],
+        )
+        .await,
+        400,
+        "urn:idempotency:problem:invalid-key",
+    );
+}
+
+#[test]
+fn admin_routes_on_the_memory_store() {
+    block_on(admin_routes(Arc::new(idempotency_core::MemoryStore::new())));
+}
+
+#[test]
+fn admin_routes_on_postgres() {
+    block_on(async {
+        let Some(store) = idempotency_test::stores::postgres().await else {
+            return;
+        };
+        admin_routes(store).await;
+    });
+}
+
+#[test]
+fn admin_routes_on_the_hybrid_store() {
+    block_on(async {
+        let (Some(pg), Some(redis)) = (
+            idempotency_test::stores::postgres().await,
+            idempotency_test::services::redis().await,
+        ) else {
+            return;
+        };
+        let redis = idempotency_redis::RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("admin"));
+        let store = idempotency_hybrid::HybridStore::connect((*pg).clone(), redis)
+            .await
+            .expect("hybrid");
+        admin_routes(Arc::new(store)).await;
+    });
+}

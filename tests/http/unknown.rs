@@ -1,0 +1,177 @@
+//! An earlier attempt that never stored its outcome (`Begin::TakeOver`), met by each
+//! `OutcomeUnknown` policy of the layer, over Postgres.
+
+use std::{sync::Arc, time::Duration};
+
+use idempotency_core::{
+    Begin, Fingerprint, IdempotencyKey, Outcome, Policy, RecordId, Scope, Store,
+};
+use idempotency_test::block_on;
+use idempotency_tower::OutcomeUnknown;
+
+use crate::{
+    send,
+    support::{app, layer},
+};
+
+/// A key whose attempt "crashed": claimed directly with a short lease that then ran out.
+async fn crashed_attempt(store: &dyn Store) -> (String, RecordId) {
+    let key = idempotency_test::unique("crashed");
+    let id = RecordId::new(
+        &Scope::new("anonymous"),
+        &IdempotencyKey::new(key.clone()).expect("key"),
+    );
+    // The same request the test then retries through the layer: `POST /charges` with `{}`.
+    let request = Fingerprint::builder()
+        .method("POST")
+        .path_and_query("/charges")
+        .body(b"{}")
+        .finish();
+    let claimed = store
+        .begin(&id, &request, Duration::from_millis(300))
+        .await
+        .expect("begin");
+    assert!(matches!(claimed, Begin::Execute(_)), "{claimed:?}");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    (key, id)
+}
+
+async fn postgres() -> Option<Arc<dyn Store>> {
+    let store: Arc<dyn Store> = idempotency_test::stores::postgres().await?;
+    Some(store)
+}
+
+#[test]
+fn another_request_under_the_key_of_a_crashed_attempt_is_422() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let (router, calls, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+        let (key, _) = crashed_attempt(&*store).await;
+        let other = send(&router, "POST", Some(&key), &[], r#"{"amount":9999}"#).await;
+        assert_eq!(other.status, 422, "{}", other.body);
+        assert_eq!(calls.get(), 0);
+    });
+}
+
+#[test]
+fn reexecute_runs_the_operation_again() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let (router, calls, _) = app(layer(store.clone()));
+        let (key, _) = crashed_attempt(&*store).await;
+        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(answer.status, 201, "{}", answer.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn reject_answers_409_and_keeps_answering_it_until_an_operator_deletes_the_record() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let (router, calls, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+        let (key, id) = crashed_attempt(&*store).await;
+        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(answer.status, 409, "{}", answer.body);
+        assert_eq!(
+            answer.problem_type(),
+            "urn:idempotency:problem:outcome-unknown"
+        );
+        assert!(answer.headers.get("retry-after").is_none());
+        let again = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(again.status, 409);
+        assert_eq!(
+            again.problem_type(),
+            "urn:idempotency:problem:outcome-unknown"
+        );
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 0, "the operation never ran again");
+        let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert_eq!(
+            kept.state,
+            idempotency_core::RecordState::Completed { status: 409 }
+        );
+
+        // The operator reconciled it and deletes the verdict: the key runs again.
+        assert_eq!(
+            store.force_release(&id, true).await.expect("force_release"),
+            idempotency_core::ForceReleased::Deleted
+        );
+        let after = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(after.status, 201, "{}", after.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+#[test]
+fn reconcile_replays_what_the_hook_found_and_runs_when_it_found_nothing() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        // The hook "finds" a charge for the first key only.
+        let (found_key, found_id) = crashed_attempt(&*store).await;
+        let (clean_key, _) = crashed_attempt(&*store).await;
+        let found = found_id;
+        let policy = OutcomeUnknown::reconcile(move |unresolved| async move {
+            assert_eq!(unresolved.body, "{}", "the hook sees the retry's request");
+            Ok((unresolved.record_id == found).then(|| {
+                Outcome::new(201)
+                    .with_header("content-type", "application/json")
+                    .with_body(r#"{"id":"ch_found"}"#)
+            }))
+        });
+        let (router, calls, _) = app(layer(store.clone())
+            .policy(Policy::default())
+            .on_outcome_unknown(policy));
+        let answer = send(&router, "POST", Some(&found_key), &[], "{}").await;
+        assert_eq!(answer.status, 201, "{}", answer.body);
+        assert_eq!(answer.body, r#"{"id":"ch_found"}"#);
+        assert_eq!(answer.headers["idempotent-replayed"], "true");
+        let again = send(&router, "POST", Some(&found_key), &[], "{}").await;
+        assert_eq!(
+            again.body, r#"{"id":"ch_found"}"#,
+            "stored: a retry replays it"
+        );
+        assert_eq!(calls.get(), 0, "the effect was found: no second run");
+
+        let clean = send(&router, "POST", Some(&clean_key), &[], "{}").await;
+        assert_eq!(clean.status, 201, "{}", clean.body);
+        assert!(clean.headers.get("idempotent-replayed").is_none());
+        assert_eq!(calls.get(), 1, "nothing found: the operation ran");
+    });
+}
+
+#[test]
+fn a_failing_reconcile_hook_answers_503_and_runs_nothing() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let policy = OutcomeUnknown::reconcile(|_| async { Err("the ledger is down".into()) });
+        let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
+        let (key, id) = crashed_attempt(&*store).await;
+        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(answer.status, 503, "{}", answer.body);
+        assert!(answer.headers.get("retry-after").is_some());
+        assert_eq!(calls.get(), 0);
+        // Not released: the key stays unresolved (in flight under this attempt's lease),
+        // so no retry can slip through as a fresh `Execute`.
+        let held = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert!(matches!(
+            held.state,
+            idempotency_core::RecordState::InFlight { .. }
+        ));
+        let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(retry.status, 409, "{}", retry.body);
+        assert_eq!(calls.get(), 0);
+    });
+}
