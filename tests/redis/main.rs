@@ -112,7 +112,13 @@ mod cluster {
             STORE
                 .get_or_init(|| async {
                     Arc::new(
+                        // Three Redis processes share CI's two cores with the rest of the
+                        // suite: a reply can take longer than the 250 ms default response
+                        // timeout, and this suite checks answers, not latency (a CI run
+                        // failed two first claims with `Unavailable(timed out)`).
                         RedisStore::cluster_builder(cluster.node_urls())
+                            .connect_timeout(Duration::from_secs(1))
+                            .response_timeout(Duration::from_secs(1))
                             .call_budget(Duration::from_secs(2))
                             .connect()
                             .await
