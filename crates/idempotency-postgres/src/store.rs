@@ -212,6 +212,14 @@ pub fn migrator() -> sqlx::migrate::Migrator {
     migrator
 }
 
+/// Whether a call failed before its statement left the pool (no connection to send it on),
+/// so it cannot have written anything.
+fn never_sent(error: &Error) -> bool {
+    matches!(error, Error::Unavailable(source)
+        if source.downcast_ref::<sqlx::Error>().is_some_and(|e| matches!(e,
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)))
+}
+
 /// Whether a statement failed only because it raced another under a stricter isolation
 /// level than the store assumes (a pool the application configured): run it again.
 pub(crate) fn is_serialization_race(error: &Error) -> bool {
@@ -741,31 +749,59 @@ impl PostgresStore {
         // The tokens of rounds that tried to take an unfinished lease over, noted before the
         // statement is sent: a grant of theirs must be ended, not deleted (see below).
         let takeovers = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let claim = self.claim(id, fp, lease, &tokens, &takeovers);
+        // The token a failed claim may have left on the row (see `claim`).
+        let in_doubt = std::sync::Mutex::new(None);
+        let claim = self.claim(id, fp, lease, &tokens, &takeovers, &in_doubt);
         match tokio::time::timeout(budget, claim).await {
+            Ok(Err(error)) => {
+                // An error is not "nothing happened": the connection can break after the
+                // server committed a grant. Left, that lease would run out unfinished and
+                // the retry would hear `TakeOver` (outcome unknown) for an operation that
+                // never ran.
+                let token = in_doubt
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take();
+                if let Some(token) = token {
+                    self.settle_orphans_later(*id, vec![token], takeovers);
+                }
+                Err(error)
+            }
             Ok(answer) => answer,
             Err(_) => {
-                let (late, id) = (self.clone(), *id);
-                tokio::spawn(async move {
-                    // Once the server has had time to finish or cancel the statement.
-                    tokio::time::sleep(late.call_timeout).await;
-                    let takeovers = takeovers
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .clone();
-                    for token in tokens {
-                        if takeovers.contains(&token) {
-                            // Deleted, the unfinished attempt before it would be forgotten
-                            // and the next `begin` would answer `Execute`.
-                            late.expire_orphan(&id, token).await;
-                        } else {
-                            idempotency_core::release_orphan(&late, &id, token).await;
-                        }
-                    }
-                });
+                self.settle_orphans_later(*id, tokens.to_vec(), takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
+    }
+
+    /// Gives back the grants a claim nobody will answer may have made, once the server has
+    /// had time to finish or cancel its statement: released, or ended and kept when they
+    /// took an unfinished lease over. Fenced on each token, so a token never written
+    /// changes nothing.
+    fn settle_orphans_later(
+        &self,
+        id: RecordId,
+        tokens: Vec<LeaseToken>,
+        takeovers: Arc<std::sync::Mutex<Vec<LeaseToken>>>,
+    ) {
+        let late = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(late.call_timeout).await;
+            let takeovers = takeovers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            for token in tokens {
+                if takeovers.contains(&token) {
+                    // Deleted, the unfinished attempt before it would be forgotten and the
+                    // next `begin` would answer `Execute`.
+                    late.expire_orphan(&id, token).await;
+                } else {
+                    idempotency_core::release_orphan(&late, &id, token).await;
+                }
+            }
+        });
     }
 
     /// The hard budget of one call (see [`PostgresStoreBuilder::call_timeout`]).
@@ -776,6 +812,10 @@ impl PostgresStore {
     /// The claim, round by round until the record's state settles the answer: the first
     /// round through a batch when group commit is on, the others (rare: a race, a takeover)
     /// on the per-request path, each with a token of its own.
+    ///
+    /// `in_doubt` holds the token of the round under way once one of its statements may
+    /// have written it: an error from there on may hide a committed grant. Only that round's
+    /// token can be on the row; a round that ends without an answer holds nothing.
     async fn claim(
         &self,
         id: &RecordId,
@@ -783,21 +823,37 @@ impl PostgresStore {
         lease: Duration,
         tokens: &[LeaseToken],
         takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
+        in_doubt: &std::sync::Mutex<Option<LeaseToken>>,
     ) -> Result<(Begin, Option<Duration>)> {
+        let note = |token| {
+            *in_doubt
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
+        };
         for (round, token) in tokens.iter().enumerate() {
             let job = BeginJob::new(id, fp, *token, lease);
+            let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
                 // `None`: the batch gave the call back (a lock, a race): next round.
                 (Some(batches), 0) => batches.begin.call(self, |b| &b.begin, job).await,
                 _ => self.begin_statement(&job, &self.pool).await.map(Some),
             };
+            // A batch gives back its own in-doubt claims; a statement that never left the
+            // pool wrote nothing.
+            let maybe_written = match &found {
+                Ok(_) => true,
+                Err(error) => !batched && !never_sent(error),
+            };
+            if maybe_written {
+                note(Some(*token));
+            }
             let settled = match found {
                 Ok(Some(found)) => self.follow(id, fp, lease, *token, found, takeovers).await,
                 other => other.map(|_| None),
             };
             match settled {
                 Ok(Some(decision)) => return Ok(decision),
-                Ok(None) => {}
+                Ok(None) => note(None),
                 // Another transaction won the race; under READ COMMITTED this cannot happen,
                 // under a pool configured SERIALIZABLE it can: the next round reads the winner.
                 Err(error) if is_serialization_race(&error) => {}
