@@ -786,6 +786,9 @@ fn a_cancelled_breaker_probe_does_not_keep_redis_off() {
             store.begin(&id, &fp, LEASE).await.expect("begin");
         }
         tokio::time::sleep(Duration::from_millis(400)).await; // past the first backoff
+        // Paused again from now: opening the breaker can take longer than the first pause
+        // on a loaded machine (a CI run saw the probe answer within 100 ms).
+        pause_writes(redis.url(), 2_000).await;
         // The next Redis call is the probe; its write hangs and its caller hangs up.
         let probe = tokio::time::timeout(
             Duration::from_millis(100),
