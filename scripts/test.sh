@@ -20,4 +20,5 @@ if [ -z "${IDEMPOTENCY_TEST_POSTGRES_URL:-}${IDEMPOTENCY_TEST_REDIS_URL:-}${IDEM
   fi
 fi
 
-cargo test --workspace "$@"
+# Every test binary runs even after one fails: one run shows every failure.
+cargo test --workspace --no-fail-fast "$@"
