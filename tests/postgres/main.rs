@@ -743,51 +743,6 @@ fn an_extreme_duration_in_a_batch_fails_nobody() {
     });
 }
 
-/// A TCP relay to Postgres that, once armed, cuts the first connection whose server reply
-/// completes a statement (a `SELECT n` command tag: every claim statement is a `WITH …
-/// INSERT … SELECT`, run outside a transaction) before that reply reaches the client: the
-/// server has committed, the client only sees its connection break.
-async fn cutting_relay(upstream: String, armed: Arc<std::sync::atomic::AtomicBool>) -> u16 {
-    use std::sync::atomic::Ordering;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("relay listens");
-    let port = listener.local_addr().expect("relay address").port();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                continue;
-            };
-            let armed = armed.clone();
-            tokio::spawn(async move {
-                let (mut client_rx, mut client_tx) = client.into_split();
-                let (mut server_rx, mut server_tx) = server.into_split();
-                let upward = tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
-                });
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = match server_rx.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    };
-                    let reply = &buf[..n];
-                    let completed = reply.windows(7).any(|w| w == b"SELECT ");
-                    if completed && armed.swap(false, Ordering::SeqCst) {
-                        break; // the reply is dropped and both sides are closed
-                    }
-                    if client_tx.write_all(reply).await.is_err() {
-                        break;
-                    }
-                }
-                upward.abort();
-            });
-        }
-    });
-    port
-}
-
 /// A claim whose answer is lost on the way back (the connection breaks after Postgres
 /// committed the lease) is `Unavailable` to its caller, and the lease it wrote is given
 /// back: nothing ran, so the retry is a fresh `Execute`. Left to run out, the lease would
@@ -801,7 +756,13 @@ fn a_claim_whose_answer_is_lost_leaves_no_lease() {
         let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
         let upstream = format!("{}:{}", options.get_host(), options.get_port());
         let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let port = cutting_relay(upstream.clone(), armed.clone()).await;
+        // Every claim statement is a `WITH … INSERT … SELECT` run outside a transaction: a reply
+        // carrying the `SELECT n` command tag comes after the commit.
+        let port =
+            idempotency_test::relay::cutting_relay(upstream.clone(), armed.clone(), |reply| {
+                reply.windows(7).any(|w| w == b"SELECT ")
+            })
+            .await;
         let relayed = pg.url().replace(&upstream, &format!("127.0.0.1:{port}"));
         assert_ne!(relayed, pg.url(), "the store goes through the relay");
         for store in [

@@ -410,3 +410,83 @@ fn records_of_the_earlier_layout_are_still_served() {
         execute(&*store, &over, &fp_a, LONG).await;
     });
 }
+
+/// A takeover of an earlier-layout record whose answer is lost on the way back: the claim is
+/// `Unavailable` to its caller and cancelled, and the cancel must end the takeover's lease,
+/// not delete it. Deleted, the next retry would hear `Execute` for an operation whose first
+/// attempt may have run: the unfinished lease it took over is the only trace of that attempt.
+#[test]
+fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::redis().await.expect("redis");
+        let prefix = idempotency_test::unique("lost");
+        let direct = RedisStore::builder(redis.url())
+            .prefix(prefix.clone())
+            .connect()
+            .await
+            .expect("store");
+        let upstream = redis
+            .url()
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .to_owned();
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The legacy claim's reply to a takeover is the array `{'t'}`.
+        let port = idempotency_test::relay::cutting_relay(upstream.clone(), armed.clone(), |r| {
+            r.windows(5).any(|w| w == b"\r\nt\r\n")
+        })
+        .await;
+        let store =
+            RedisStore::builder(redis.url().replace(&upstream, &format!("127.0.0.1:{port}")))
+                .prefix(prefix)
+                .connect()
+                .await
+                .expect("store through the relay");
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let fp_a = fp("a");
+        let (warm, over) = (fresh_id(), fresh_id());
+        for id in [&warm, &over] {
+            // A lease of the earlier layout that ran out unfinished a second ago.
+            let _: () = redis::pipe()
+                .cmd("HSET")
+                .arg(store.key(id))
+                .arg("st")
+                .arg("0")
+                .arg("fp")
+                .arg(fp_a.as_bytes().to_vec())
+                .arg("tok")
+                .arg(idempotency_core::LeaseToken::generate().to_string())
+                .arg("exp")
+                .arg("1")
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(store.key(id))
+                .arg(3_600_000)
+                .ignore()
+                .query_async(&mut conn)
+                .await
+                .expect("an earlier-layout lease");
+        }
+        // Loads the legacy script, so the armed call below is the takeover itself.
+        idempotency_test::conformance::take_over(&store, &warm, &fp_a, LONG).await;
+
+        armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let lost = store.begin(&over, &fp_a, LONG).await;
+        assert!(matches!(lost, Err(Error::Unavailable(_))), "{lost:?}");
+        assert!(
+            !armed.load(std::sync::atomic::Ordering::SeqCst),
+            "the takeover's reply was the one lost"
+        );
+        match idempotency_test::conformance::answer_within(&direct, &over, &fp_a).await {
+            Begin::TakeOver(_) => {}
+            other => panic!("the first attempt's trace was deleted: {other:?}"),
+        }
+    });
+}

@@ -84,7 +84,8 @@ return {'x'}
 /// The claim of the earlier hash layout, for a key still holding such a record.
 /// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token (text),
 /// lease ms, grace ms. Returns `{'x'}` execute, `{'t'}` execute after a lease that ran out
-/// unfinished, `{'r', outcome}` replay, `{'i', ms left}` in flight, `{'m'}` mismatch, `{'c'}`
+/// unfinished (the new lease is marked `to`, so a [`cancel`] ends it rather than deleting
+/// the only trace of that attempt), `{'r', outcome}` replay, `{'i', ms left}` in flight, `{'m'}` mismatch, `{'c'}`
 /// cancelled, `{'s'}` no hash there any more (claim again).
 pub(crate) fn legacy_begin() -> Script {
     Script::new(&format!(
@@ -99,7 +100,10 @@ if not live then
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'st', '0', 'fp', ARGV[1], 'tok', ARGV[2], 'exp', string.format('%.0f', now + lease))
   redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[4]))
-  if cur[1] == '0' then return {{'t'}} end
+  if cur[1] == '0' then
+    redis.call('HSET', KEYS[1], 'to', '1')
+    return {{'t'}}
+  end
   return {{'x'}}
 end
 if cur[2] ~= ARGV[1] then return {{'m'}} end
@@ -111,17 +115,21 @@ return {{'i', redis.call('PTTL', KEYS[1])}}
 }
 
 /// Reads the record of either layout for the fenced scripts: `st`, `tok` (`ARGV[1]` form for
-/// the current layout, `ARGV[2]` — the token as text — for a legacy hash), and the value.
+/// the current layout, `ARGV[2]` — the token as text — for a legacy hash), the value, and
+/// `took`: the lease took an unfinished one over.
 const READ_FENCED: &str = r"
 local legacy = redis.call('TYPE', KEYS[1]).ok == 'hash'
-local st, mine, v
+local st, mine, v, took
 if legacy then
-  local cur = redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp')
-  st, mine = cur[1], cur[2] == ARGV[2]
+  local cur = redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp', 'to')
+  st, mine, took = cur[1], cur[2] == ARGV[2], cur[4] == '1'
   if st == '0' and not cur[3] then st = 'm' end
 else
   v = redis.call('GET', KEYS[1])
-  if v then st, mine = string.sub(v, 1, 1), string.sub(v, 34, 49) == ARGV[1] end
+  if v then
+    st, mine = string.sub(v, 1, 1), string.sub(v, 34, 49) == ARGV[1]
+    took = string.sub(v, 50, 50) == 't'
+  end
 end
 ";
 
@@ -180,7 +188,7 @@ return 1
 /// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, token text, marker ms,
 /// grace ms. Undoes a claim whose answer never arrived, whether or not it has run yet: if
 /// this token holds the lease, it is deleted; a lease that took an unfinished one over
-/// (marked `t` after the token) is ended instead (its TTL becomes the grace) and kept, so the
+/// (marked `t` after the token, or `to` in a legacy hash) is ended instead (its TTL becomes the grace) and kept, so the
 /// next `begin` still reports the unfinished attempt. Else, when the key is free, it leaves a cancel marker there:
 /// the late claim's `SET NX` fails on it, and the takeover script refuses for this token.
 /// When someone else's record is there, it leaves the claim's tombstone, which the takeover
@@ -188,8 +196,9 @@ return 1
 /// (one gap remains: that record gone, then the late `SET NX`, which costs one lease).
 pub(crate) fn cancel() -> Script {
     Script::new(&format!(
-        r"{READ_FENCED}
-if mine and st == '0' and not legacy and string.sub(v, 50, 50) == 't' then
+        r"{NOW_MS}{READ_FENCED}
+if mine and st == '0' and took then
+  if legacy then redis.call('HSET', KEYS[1], 'exp', string.format('%.0f', now)) end
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return 1
 end

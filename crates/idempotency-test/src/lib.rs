@@ -5,6 +5,7 @@
 //! - [`conformance`]: the store conformance suite and [`conformance_tests!`], which every store
 //!   runs;
 //! - [`http`]: an HTTP/1.1 client (hyper) whose dropped requests hang up;
+//! - [`relay`]: a TCP relay that loses one reply, for "it landed but the answer was lost";
 //! - [`stores`]: stores built once per binary on the shared services;
 //! - [`tls`]: a CA made at test time, for the TLS-enabled services;
 //! - [`block_on`]: runs a test on the binary's one shared runtime.
@@ -15,6 +16,7 @@
 
 pub mod conformance;
 pub mod http;
+pub mod relay;
 pub mod services;
 pub mod stores;
 pub mod tls;
