@@ -99,6 +99,98 @@ mod no_mirror {
     idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 }
 
+/// The suite under `CachePolicy::Adaptive`, twice: once with a share no workload reaches
+/// (Redis is never read nor written: every path that skips it), once at 0.1 (the suite's
+/// own mix of first requests and duplicates turns Redis off and on as it runs, so leases
+/// granted in one mode are completed, released and renewed in the other).
+mod adaptive {
+    use super::*;
+    use idempotency_hybrid::CachePolicy;
+
+    async fn store(share: f64) -> Option<Arc<HybridStore>> {
+        let pg = services::postgres().await?;
+        let redis = services::redis().await?;
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        Some(Arc::new(store.with_cache_policy(CachePolicy::Adaptive {
+            min_duplicate_share: share,
+        })))
+    }
+
+    mod never {
+        use super::*;
+
+        async fn shared() -> Option<Arc<HybridStore>> {
+            static STORE: OnceCell<Option<Arc<HybridStore>>> = OnceCell::const_new();
+            STORE.get_or_init(|| store(2.0)).await.clone()
+        }
+
+        idempotency_test::conformance_tests!(async { shared().await.map(|s| s as Arc<dyn Store>) });
+    }
+
+    mod switching {
+        use super::*;
+
+        async fn shared() -> Option<Arc<HybridStore>> {
+            static STORE: OnceCell<Option<Arc<HybridStore>>> = OnceCell::const_new();
+            STORE.get_or_init(|| store(0.1)).await.clone()
+        }
+
+        idempotency_test::conformance_tests!(async { shared().await.map(|s| s as Arc<dyn Store>) });
+    }
+
+    /// First requests alone turn Redis off (they cost what they cost on Postgres alone); a
+    /// burst of retries turns it back on, and the retries are then answered by Redis.
+    #[test]
+    fn redis_follows_the_share_of_duplicates() {
+        block_on(async {
+            let Some(store) = store(0.1).await else {
+                return;
+            };
+            let fp = idempotency_test::conformance::fp("a");
+            let outcome = Outcome::new(201).with_body("done");
+            let first_request = || async {
+                let id = idempotency_test::conformance::fresh_id();
+                let token = idempotency_test::conformance::execute(&*store, &id, &fp, LEASE).await;
+                store
+                    .complete(&id, token, &outcome, LEASE)
+                    .await
+                    .expect("complete");
+                id
+            };
+            let mut ids = Vec::new();
+            for _ in 0..200 {
+                ids.push(first_request().await);
+            }
+            let cold = store.metrics();
+            assert!(
+                cold.redis_skipped > 0,
+                "first requests never turned Redis off: {cold:?}"
+            );
+            first_request().await;
+            let m = store.metrics();
+            assert_eq!(
+                (m.redis_skipped, m.redis_hits + m.redis_misses),
+                (cold.redis_skipped + 1, cold.redis_hits + cold.redis_misses),
+                "a first request among first requests asked Redis"
+            );
+            // A retry storm: every key retried three times.
+            for _ in 0..3 {
+                for id in &ids {
+                    assert_eq!(
+                        store.begin(id, &fp, LEASE).await.expect("retry"),
+                        Begin::Replay(outcome.clone())
+                    );
+                }
+            }
+            let storm = store.metrics();
+            assert!(
+                storm.redis_hits >= cold.redis_hits + ids.len() as u64,
+                "the retries were not answered by Redis: {storm:?}"
+            );
+        });
+    }
+}
+
 /// Waits (5 s at most) until Redis mirrors the live lease of `id`.
 async fn mirror_landed(store: &HybridStore, id: &RecordId, fp: &Fingerprint) {
     for _ in 0..500 {

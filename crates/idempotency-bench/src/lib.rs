@@ -19,7 +19,7 @@ use std::{sync::Arc, time::Duration};
 
 use idempotency::{
     MemoryStore, Store,
-    hybrid::{BreakerConfig, HybridStore},
+    hybrid::{BreakerConfig, CachePolicy, HybridStore},
     postgres::PostgresStore,
     redis::RedisStore,
 };
@@ -102,6 +102,15 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         .await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let hybrid_redis = redis_store(redis.url(), &format!("bh{run_id}")).await?;
+    // Its own store (and so its own estimate of how many requests are duplicates).
+    let hybrid_adaptive = HybridStore::new(
+        postgres.clone(),
+        hybrid_redis.clone(),
+        BreakerConfig::default(),
+    )
+    .with_cache_policy(CachePolicy::Adaptive {
+        min_duplicate_share: 0.1,
+    });
     let subjects = Subjects {
         memory: Arc::new(MemoryStore::new()),
         postgres: Arc::new(postgres.clone()),
@@ -146,6 +155,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
     let redis_store: Arc<dyn Store> = subjects.redis.clone();
     let hybrid: Arc<dyn Store> = subjects.hybrid.clone();
     let hybrid_no_mirror: Arc<dyn Store> = subjects.hybrid_no_mirror.clone();
+    let hybrid_adaptive: Arc<dyn Store> = Arc::new(hybrid_adaptive);
     let (conn, pool) = (subjects.redis_conn.clone(), subjects.pool.clone());
     let servers = [
         ("no idempotency", http_level::plain()),
@@ -164,6 +174,10 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         (
             "layer hybrid (no mirror)",
             http_level::layered(hybrid_no_mirror),
+        ),
+        (
+            "layer hybrid (adaptive)",
+            http_level::layered(hybrid_adaptive.clone()),
         ),
         (
             "hand-written hybrid",
@@ -192,6 +206,10 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
     }
     let replays = [
         ("layer hybrid", http_level::layered(hybrid)),
+        (
+            "layer hybrid (adaptive)",
+            http_level::layered(hybrid_adaptive),
+        ),
         ("layer postgres", http_level::layered(pg_store)),
         ("layer redis", http_level::layered(redis_store)),
         (

@@ -82,6 +82,12 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "layer postgres",
     );
     ratio(
+        "http first: layer hybrid (adaptive) / layer postgres".into(),
+        "http-first",
+        "layer hybrid (adaptive)",
+        "layer postgres",
+    );
+    ratio(
         "http first: layer redis / hand-written redis".into(),
         "http-first",
         "layer redis",
@@ -91,6 +97,12 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "http replay: layer hybrid / hand-written single GET".into(),
         "http-replay",
         "layer hybrid",
+        "hand-written single GET",
+    );
+    ratio(
+        "http replay: layer hybrid (adaptive) / hand-written single GET".into(),
+        "http-replay",
+        "layer hybrid (adaptive)",
         "hand-written single GET",
     );
     ratio(

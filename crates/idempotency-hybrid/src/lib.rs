@@ -13,4 +13,4 @@ mod breaker;
 mod store;
 
 pub use breaker::{BreakerConfig, BreakerState};
-pub use store::{HybridMetrics, HybridStore};
+pub use store::{CachePolicy, HybridMetrics, HybridStore};

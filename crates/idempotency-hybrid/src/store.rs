@@ -4,7 +4,7 @@ use std::{
     future::Future,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -57,6 +57,39 @@ pub struct HybridStore {
     inner: Arc<Shared>,
 }
 
+/// When the hybrid store uses Redis for a `begin` and for what it decided
+/// ([`HybridStore::with_cache_policy`]).
+///
+/// Redis pays off for duplicates (a replay or a live duplicate answered without Postgres)
+/// and costs on every first request (a `GET` that finds nothing, the lease's mirror, the
+/// outcome's copy). Which wins depends on how many requests are retries.
+///
+/// ```
+/// use idempotency_hybrid::CachePolicy;
+/// // Use Redis only while at least one `begin` in ten is a duplicate.
+/// let policy = CachePolicy::Adaptive { min_duplicate_share: 0.1 };
+/// # let _ = policy;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum CachePolicy {
+    /// Every `begin` asks Redis first; every decision is copied there (the default). Replays
+    /// of any key completed while Redis was up are answered by Redis, even while Postgres is
+    /// down.
+    Always,
+    /// Redis is read and written only while at least this share (between 0 and 1; 0 or NaN
+    /// is `Always`, above 1 is never) of recent `begin`s were duplicates (replays, live duplicates, mismatches; a moving average over about the last
+    /// 64, whoever answered them). Below it, first requests cost exactly what they cost on
+    /// Postgres alone; a surge of retries turns Redis back on within a few of them, and each
+    /// key's first replay then teaches Redis its outcome. The cost: a key completed while
+    /// Redis was off is answered by Postgres until its first replay, so it has no copy in
+    /// Redis to survive a Postgres outage.
+    Adaptive {
+        /// Between 0 (always use Redis) and 1.
+        min_duplicate_share: f64,
+    },
+}
+
 #[derive(Debug)]
 struct Shared {
     breaker: Breaker,
@@ -70,6 +103,63 @@ struct Shared {
     redis_misses: AtomicU64,
     redis_errors: AtomicU64,
     fallbacks: AtomicU64,
+    /// `begin`s that did not ask Redis: duplicates were rare ([`CachePolicy::Adaptive`]).
+    redis_skipped: AtomicU64,
+    duplicates: DuplicateShare,
+    /// The policy, for every clone: the least share of duplicates, in units of 1/65536, at
+    /// which Redis is used; 0 is [`CachePolicy::Always`].
+    min_duplicates: AtomicU32,
+    /// Under `Adaptive`, the leases whose mirror may be in Redis, until when (see
+    /// [`HybridStore::may_be_mirrored`]).
+    mirrored: std::sync::Mutex<Mirrored>,
+}
+
+/// Leases mirrored under [`CachePolicy::Adaptive`], each with the instant past which its
+/// mirror is surely gone from Redis (its TTL, plus the time a late write may take to land).
+/// Entries go at the lease's `complete` or `release`, or once past that instant: pruned when
+/// the map has doubled since the last pruning, so it holds about two mirror TTLs of leases.
+#[derive(Debug, Default)]
+struct Mirrored {
+    until: std::collections::HashMap<LeaseToken, Instant>,
+    prune_at: usize,
+}
+
+impl Mirrored {
+    fn insert(&mut self, token: LeaseToken, until: Instant) {
+        if self.until.len() >= self.prune_at {
+            let now = Instant::now();
+            self.until.retain(|_, until| *until > now);
+            self.prune_at = self.until.len() * 2 + 1024;
+        }
+        self.until.insert(token, until);
+    }
+}
+
+/// The share of recent `begin`s that were duplicates: an exponential moving average with
+/// weight 1/64, in units of 1/65536. Updates race without a lock; a lost one only shifts the
+/// average by a step, which the policy tolerates.
+#[derive(Debug)]
+struct DuplicateShare(AtomicU32);
+
+impl DuplicateShare {
+    const ONE: u32 = 1 << 16;
+
+    /// Starts at "every `begin` a duplicate": Redis is in use until measured otherwise.
+    fn new() -> Self {
+        Self(AtomicU32::new(Self::ONE))
+    }
+
+    fn observe(&self, duplicate: bool) {
+        let old = u64::from(self.0.load(Ordering::Relaxed));
+        let sample = if duplicate { u64::from(Self::ONE) } else { 0 };
+        let new = (old * 63 + sample) / 64; // ≤ ONE
+        self.0
+            .store(u32::try_from(new).unwrap_or(Self::ONE), Ordering::Relaxed);
+    }
+
+    fn at_least(&self, share: u32) -> bool {
+        self.0.load(Ordering::Relaxed) >= share
+    }
 }
 
 /// A snapshot of the hybrid store's counters, for metrics and health checks.
@@ -84,6 +174,9 @@ pub struct HybridMetrics {
     pub redis_errors: u64,
     /// Redis calls skipped or failed, so that Postgres served alone.
     pub fallbacks: u64,
+    /// `begin`s that did not ask Redis because duplicates were rare
+    /// ([`CachePolicy::Adaptive`]).
+    pub redis_skipped: u64,
     /// Times the breaker opened.
     pub breaker_opened: u64,
     /// Times the breaker closed again after being open.
@@ -122,6 +215,10 @@ impl HybridStore {
                 redis_misses: AtomicU64::new(0),
                 redis_errors: AtomicU64::new(0),
                 fallbacks: AtomicU64::new(0),
+                redis_skipped: AtomicU64::new(0),
+                duplicates: DuplicateShare::new(),
+                min_duplicates: AtomicU32::new(0),
+                mirrored: std::sync::Mutex::default(),
             }),
         }
     }
@@ -139,6 +236,79 @@ impl HybridStore {
         self
     }
 
+    /// When Redis is used at all (default [`CachePolicy::Always`]). Whatever the policy,
+    /// Postgres decides every execution: the policy moves only latency and load. It is the
+    /// store's: clones share it (set it before serving).
+    ///
+    /// ```no_run
+    /// use idempotency_hybrid::{CachePolicy, HybridStore};
+    /// # async fn run(store: HybridStore) {
+    /// // A payments API where retries are rare: first requests at Postgres-only cost, and
+    /// // Redis takes over when a retry storm comes.
+    /// let store = store.with_cache_policy(CachePolicy::Adaptive { min_duplicate_share: 0.1 });
+    /// # let _ = store;
+    /// # }
+    /// ```
+    pub fn with_cache_policy(self, policy: CachePolicy) -> Self {
+        let min = match policy {
+            CachePolicy::Always => 0,
+            // `as` saturates: NaN is 0 (always), above 1 beyond any share (never).
+            CachePolicy::Adaptive {
+                min_duplicate_share,
+            } => (min_duplicate_share * f64::from(DuplicateShare::ONE)).ceil() as u32,
+        };
+        self.inner.min_duplicates.store(min, Ordering::Relaxed);
+        self
+    }
+
+    /// Whether the policy is `Always` (or `Adaptive` at share 0, the same thing).
+    fn always(&self) -> bool {
+        self.inner.min_duplicates.load(Ordering::Relaxed) == 0
+    }
+
+    /// Whether Redis is read and written now, by the policy.
+    fn caching(&self) -> bool {
+        let min = self.inner.min_duplicates.load(Ordering::Relaxed);
+        min == 0 || self.inner.duplicates.at_least(min)
+    }
+
+    /// Whether Redis may hold a mirror of this lease, which `complete`, `release` and
+    /// `renew` must then replace, delete or extend. Under [`CachePolicy::Always`] every lease
+    /// is mirrored (when mirrors are on); under `Adaptive` only those granted while caching,
+    /// until their mirror's TTL is surely over.
+    fn may_be_mirrored(&self, token: &LeaseToken) -> bool {
+        !self.mirror_ttl.is_zero()
+            && (self.always()
+                || self
+                    .mirrored()
+                    .until
+                    .get(token)
+                    .is_some_and(|until| *until > Instant::now()))
+    }
+
+    /// Notes (under `Adaptive`) that a mirror of this lease, living `ttl` from now, may be
+    /// in Redis; a write of it may land up to four call budgets late.
+    fn note_mirror(&self, token: LeaseToken, ttl: Duration) {
+        if !self.always() {
+            let until = Instant::now() + ttl + self.redis.call_budget() * 4;
+            self.mirrored().insert(token, until);
+        }
+    }
+
+    /// The lease is over (completed or released): no mirror of it to follow any more.
+    fn forget_mirror(&self, token: &LeaseToken) {
+        if !self.always() {
+            self.mirrored().until.remove(token);
+        }
+    }
+
+    fn mirrored(&self) -> std::sync::MutexGuard<'_, Mirrored> {
+        self.inner
+            .mirrored
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The Postgres side, for the application's transactions
     /// ([`PostgresStore::complete_in`] completes a record of this store too).
     pub fn postgres(&self) -> &PostgresStore {
@@ -153,7 +323,8 @@ impl HybridStore {
     /// Describes the hybrid store's metrics (help texts) to the installed `metrics`
     /// recorder. The store counts through the facade — `idempotency_redis_hits_total`,
     /// `idempotency_redis_misses_total`, `idempotency_redis_errors_total`,
-    /// `idempotency_redis_fallbacks_total`, `idempotency_breaker_opened_total`,
+    /// `idempotency_redis_fallbacks_total`, `idempotency_redis_skipped_total`,
+    /// `idempotency_breaker_opened_total`,
     /// `idempotency_breaker_closed_total` and the gauge `idempotency_breaker_state{state}` —
     /// and here, for [`HybridStore::metrics`].
     pub fn describe_metrics() {
@@ -170,6 +341,10 @@ impl HybridStore {
             "Redis calls that failed or timed out."
         );
         metrics::describe_counter!(
+            "idempotency_redis_skipped_total",
+            "begin calls that did not ask Redis: duplicates were rare (CachePolicy::Adaptive)."
+        );
+        metrics::describe_counter!(
             "idempotency_redis_fallbacks_total",
             "Calls served by Postgres alone."
         );
@@ -184,6 +359,7 @@ impl HybridStore {
             redis_misses: s.redis_misses.load(Ordering::Relaxed),
             redis_errors: s.redis_errors.load(Ordering::Relaxed),
             fallbacks: s.fallbacks.load(Ordering::Relaxed),
+            redis_skipped: s.redis_skipped.load(Ordering::Relaxed),
             breaker_opened: s.breaker.opened.load(Ordering::Relaxed),
             breaker_closed: s.breaker.closed.load(Ordering::Relaxed),
             breaker_state: s.breaker.state(),
@@ -483,26 +659,38 @@ impl HybridStore {
     /// `begin`'s steps, run to their end by [`detached_claim`].
     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         // 1. Redis holds only what Postgres decided, so whatever it finds is the answer.
-        match self.try_redis(self.redis.peek(id, fp)).await {
-            Some(Peek::Found(answer)) => {
-                self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("idempotency_redis_hits_total").increment(1);
-                return Ok(answer);
+        //    Unless duplicates are too rare for the peek to pay (the policy).
+        let caching = self.caching();
+        if !caching {
+            self.inner.redis_skipped.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("idempotency_redis_skipped_total").increment(1);
+        } else {
+            match self.try_redis(self.redis.peek(id, fp)).await {
+                Some(Peek::Found(answer)) => {
+                    self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("idempotency_redis_hits_total").increment(1);
+                    self.inner.duplicates.observe(true);
+                    return Ok(answer);
+                }
+                // Absent, or anything a later Redis store may report: Postgres decides.
+                Some(_) => {
+                    self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("idempotency_redis_misses_total").increment(1);
+                }
+                None => {}
             }
-            // Absent, or anything a later Redis store may report: Postgres decides.
-            Some(_) => {
-                self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("idempotency_redis_misses_total").increment(1);
-            }
-            None => {}
         }
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs in `begin`'s task already: the claim needs no second one.)
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
+        let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
+        self.inner.duplicates.observe(!first);
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
         match (&answer, ttl) {
-            (Begin::Execute(token) | Begin::TakeOver(token), _) if !self.mirror_ttl.is_zero() => {
+            (Begin::Execute(token) | Begin::TakeOver(token), _)
+                if caching && !self.mirror_ttl.is_zero() =>
+            {
                 // After answering: the operation need not wait for its lease's mirror. A
                 // `release` of this token waits for it (so its fenced delete runs after the
                 // mirror, not before), a `complete` need not (the outcome replaces it, and a
@@ -511,6 +699,7 @@ impl HybridStore {
                 let mirror = lease.min(self.mirror_ttl);
                 // Spawned under the map's lock: the task removes its entry only after it
                 // was put there.
+                self.note_mirror(token, mirror);
                 let mut mirrors = self.mirrors();
                 let mirroring = tokio::spawn(async move {
                     this.try_redis(this.redis.cache_in_flight(&id, &fp, token, mirror))
@@ -519,7 +708,7 @@ impl HybridStore {
                 });
                 mirrors.insert(token, mirroring);
             }
-            (Begin::Replay(outcome), Some(ttl)) => {
+            (Begin::Replay(outcome), Some(ttl)) if self.caching() => {
                 self.try_redis(self.redis.cache_completed(id, fp, outcome, ttl))
                     .await;
             }
@@ -575,12 +764,15 @@ impl Store for HybridStore {
                 // This token had completed it before (the first call's answer was lost, or the
                 // application used `complete_in`): `outcome` here was not stored, so it is not
                 // cached; the lease's mirror, if any, is dropped so duplicates ask Postgres.
-                self.needs_repair(id, token);
+                if self.always() || self.may_be_mirrored(&token) {
+                    self.needs_repair(id, token);
+                }
+                self.forget_mirror(&token);
                 return Ok(());
             };
             let ttl = retention.saturating_sub(sent.elapsed());
-            if self.mirror_ttl.is_zero() {
-                if ttl.is_zero() {
+            if !self.may_be_mirrored(&token) {
+                if ttl.is_zero() || !self.caching() {
                     return Ok(());
                 }
                 // No lease mirror to replace: until the outcome lands in Redis a retry finds
@@ -605,6 +797,7 @@ impl Store for HybridStore {
             {
                 repair.done();
             }
+            self.forget_mirror(&token);
             Ok(())
         })
         .await
@@ -613,7 +806,7 @@ impl Store for HybridStore {
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
         idempotency_core::observe(self.name(), "release", async {
             self.pg.release(id, token).await?;
-            if self.mirror_ttl.is_zero() {
+            if !self.may_be_mirrored(&token) {
                 return Ok(()); // no mirror to drop
             }
             // The lease's mirror may still be on its way: the delete goes after it.
@@ -632,6 +825,7 @@ impl Store for HybridStore {
             if dropped.is_some() {
                 repair.done();
             }
+            self.forget_mirror(&token);
             Ok(())
         })
         .await
@@ -640,9 +834,11 @@ impl Store for HybridStore {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         idempotency_core::observe(self.name(), "renew", async {
             self.pg.renew(id, token, lease).await?;
-            if self.mirror_ttl.is_zero() {
+            if !self.may_be_mirrored(&token) {
                 return Ok(());
             }
+            // Noted before the call: a renew whose answer is lost may still have run.
+            self.note_mirror(token, lease.min(self.mirror_ttl));
             self.try_redis(async {
                 match self
                     .redis
