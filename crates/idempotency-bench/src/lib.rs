@@ -82,6 +82,22 @@ async fn redis_store(url: &str, prefix: &str) -> Result<RedisStore, idempotency:
     RedisStore::builder(url).prefix(prefix).connect().await
 }
 
+/// Drives the servers one after another, in the order given (A B B A, so that a drift of the
+/// shared machine hits both sides alike), each for `each`.
+async fn side_by_side(
+    group: &str,
+    runs: &[(&str, std::net::SocketAddr)],
+    keys: Keys,
+    connections: usize,
+    each: Duration,
+) -> Vec<Measured> {
+    let mut measured = Vec::new();
+    for &(name, addr) in runs {
+        measured.push(http_level::drive(group, name, addr, keys, connections, each).await);
+    }
+    measured
+}
+
 /// Runs every scenario and returns the report.
 pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error>> {
     let pg = services::postgres()
@@ -193,16 +209,39 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         // Run A B B A, half as long each: a drift of the shared machine hits both alike.
         let a = http_level::serve(http_level::layered(pg_store.clone())).await;
         let b = http_level::serve(http_level::layered(pg_per_request)).await;
-        for (name, addr) in [
+        let runs = [
             ("layer postgres", a),
             ("layer postgres (per-request)", b),
             ("layer postgres (per-request)", b),
             ("layer postgres", a),
-        ] {
-            let half = d / 2;
-            measured
-                .push(http_level::drive("http-first-c1", name, addr, Keys::Unique, 1, half).await);
-        }
+        ];
+        measured.extend(side_by_side("http-first-c1", &runs, Keys::Unique, 1, d / 2).await);
+        // The hybrid against Postgres alone, side by side: A B C C B A, half as long each.
+        // In the group above they run a minute apart, on a table that has grown in between,
+        // and the shared machine drifts.
+        // Redis alone against its hand-written baseline, the same way: A B B A.
+        let pg_addr = http_level::serve(http_level::layered(pg_store.clone())).await;
+        let hybrid_addr = http_level::serve(http_level::layered(hybrid.clone())).await;
+        let adaptive_addr = http_level::serve(http_level::layered(hybrid_adaptive.clone())).await;
+        let redis_addr = http_level::serve(http_level::layered(redis_store.clone())).await;
+        let hand_addr = http_level::serve(http_level::handwritten_redis_only(
+            conn.clone(),
+            pool.clone(),
+        ))
+        .await;
+        let runs = [
+            ("layer postgres", pg_addr),
+            ("layer hybrid", hybrid_addr),
+            ("layer hybrid (adaptive)", adaptive_addr),
+            ("layer hybrid (adaptive)", adaptive_addr),
+            ("layer hybrid", hybrid_addr),
+            ("layer postgres", pg_addr),
+            ("layer redis", redis_addr),
+            ("hand-written redis", hand_addr),
+            ("hand-written redis", hand_addr),
+            ("layer redis", redis_addr),
+        ];
+        measured.extend(side_by_side("http-first-abba", &runs, Keys::Unique, c, d / 2).await);
     }
     let replays = [
         ("layer hybrid", http_level::layered(hybrid)),
@@ -218,10 +257,24 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         ),
     ];
     if settings.runs("http-replay") {
+        let mut served = Vec::new();
         for (name, router) in replays {
             let addr = http_level::serve(router).await;
             measured
                 .push(http_level::drive("http-replay", name, addr, Keys::PerClient, c, d).await);
+            served.push((name, addr));
+        }
+        // The hybrid against the single `GET`, side by side (A B B A), as for first requests.
+        let addr = |wanted: &str| served.iter().find(|(name, _)| *name == wanted).map(|s| s.1);
+        if let (Some(a), Some(b)) = (addr("layer hybrid"), addr("hand-written single GET")) {
+            let runs = [
+                ("layer hybrid", a),
+                ("hand-written single GET", b),
+                ("hand-written single GET", b),
+                ("layer hybrid", a),
+            ];
+            measured
+                .extend(side_by_side("http-replay-abba", &runs, Keys::PerClient, c, d / 2).await);
         }
     }
 

@@ -111,6 +111,42 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "layer postgres",
         "hand-written single GET",
     );
+    // Mean throughput over the runs of each in the side-by-side groups (A B … B A).
+    let side_by_side = |group: &str, name: &str| {
+        let runs: Vec<f64> = m
+            .iter()
+            .filter(|x| x.group == group && x.name == name)
+            .map(|x| x.ops_per_sec)
+            .collect();
+        (!runs.is_empty()).then(|| runs.iter().sum::<f64>() / runs.len() as f64)
+    };
+    for (what, group, a, b) in [
+        ("first", "http-first-abba", "layer hybrid", "layer postgres"),
+        (
+            "first",
+            "http-first-abba",
+            "layer hybrid (adaptive)",
+            "layer postgres",
+        ),
+        (
+            "first",
+            "http-first-abba",
+            "layer redis",
+            "hand-written redis",
+        ),
+        (
+            "replay",
+            "http-replay-abba",
+            "layer hybrid",
+            "hand-written single GET",
+        ),
+    ] {
+        if let (Some(x), Some(y)) = (side_by_side(group, a), side_by_side(group, b))
+            && y > 0.0
+        {
+            out.push((format!("http {what}, side by side: {a} / {b}"), x / y));
+        }
+    }
     // Mean p99 over the runs of each (the scenario runs A B B A).
     let p99 = |name: &str| {
         let runs: Vec<f64> = m

@@ -28,9 +28,24 @@ fn every_scenario_runs_and_the_report_is_written() {
                 .count(),
             12
         );
+        for (group, runs) in [
+            ("http-first-c1", 4),
+            ("http-first-abba", 10),
+            ("http-replay-abba", 4),
+        ] {
+            assert_eq!(
+                report.measured.iter().filter(|m| m.group == group).count(),
+                runs,
+                "the side-by-side runs of {group}"
+            );
+        }
         assert!(
-            report.measured.iter().any(|m| m.group == "http-first-c1"),
-            "the 1-connection pair ran"
+            report
+                .ratios
+                .iter()
+                .any(|(what, _)| what.contains("side by side: layer hybrid (adaptive)")),
+            "{:?}",
+            report.ratios
         );
         assert!(
             report.timeline.iter().any(|b| b.redis_paused),

@@ -7,6 +7,10 @@
 //! latency, never a second execution; a failing Redis is routed around by a circuit breaker
 //! ([`BreakerConfig`]) whose state and counters are in [`HybridStore::metrics`].
 //!
+//! Redis pays for duplicates and costs on every first request. [`CachePolicy::Adaptive`]
+//! uses it only while enough recent requests are duplicates, so an API whose clients rarely
+//! retry serves first requests at Postgres-only cost and still has Redis for a retry storm.
+//!
 //! The whole algorithm is [`HybridStore`]'s `Store` impl, in `store.rs`, on one screen.
 
 mod breaker;

@@ -32,6 +32,9 @@ use crate::breaker::{Breaker, BreakerConfig, BreakerState};
 ///    outcome (with the TTL Postgres has left, so Redis never outlives the row).
 /// 4. `complete` / `release` / `renew` go to Postgres first, fenced; then to Redis.
 ///
+/// Under [`CachePolicy::Adaptive`], steps 1 and 3 (and the outcome's copy in 4) run only
+/// while duplicates are common enough for Redis to pay; otherwise the store is Postgres alone.
+///
 /// A Redis error or timeout never fails a call: the [breaker](BreakerConfig) counts it and,
 /// after a few in a row, routes everything to Postgres alone, probing Redis with capped
 /// backoff until it answers. A Postgres failure is [`Error::Unavailable`] even when Redis is
