@@ -142,7 +142,8 @@ async fn admin_routes(store: Arc<dyn Store>) {
         "deleted, the key ran again"
     );
 
-    // A stuck attempt (claimed, never finished): seen in flight, released, and its owner
+    // A stuck attempt (claimed, never finished): seen in flight; its live lease kept unless
+    // asked for (its holder may still be running); released with `?live=true`, and its owner
     // fenced off; the next request runs.
     let stuck_key = idempotency_test::unique("stuck");
     let stuck = RecordId::new(
@@ -164,7 +165,22 @@ async fn admin_routes(store: Arc<dyn Store>) {
         .as_u64()
         .expect("lease left");
     assert!(left > 30_000 && left <= 60_000, "{}", view.json);
-    assert_eq!(call(&router, "DELETE", &stuck_path, &[]).await.status, 204);
+    problem(
+        &call(&router, "DELETE", &stuck_path, &[]).await,
+        409,
+        "urn:idempotency:problem:lease-live",
+    );
+    problem(
+        &call(&router, "DELETE", &format!("{stuck_path}?live=maybe"), &[]).await,
+        400,
+        "urn:idempotency:problem:invalid-request",
+    );
+    assert_eq!(
+        call(&router, "DELETE", &format!("{stuck_path}?live=true"), &[])
+            .await
+            .status,
+        204
+    );
     assert!(matches!(
         store
             .complete(
@@ -200,7 +216,12 @@ async fn admin_routes(store: Arc<dyn Store>) {
     let view = call(&router, "GET", &global_path, &[]).await;
     assert_eq!(view.json["state"], "in_flight", "{}", view.json);
     assert_eq!(view.json["scope"], "");
-    assert_eq!(call(&router, "DELETE", &global_path, &[]).await.status, 204);
+    assert_eq!(
+        call(&router, "DELETE", &format!("{global_path}?live=true"), &[])
+            .await
+            .status,
+        204
+    );
     problem(
         &call(&router, "GET", &global_path, &[]).await,
         404,

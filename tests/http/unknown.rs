@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use idempotency_core::{
-    Begin, Fingerprint, IdempotencyKey, Outcome, Policy, RecordId, Scope, Store,
+    Begin, Fingerprint, IdempotencyKey, Outcome, Policy, RecordId, ReleaseScope, Scope, Store,
 };
 use idempotency_test::block_on;
 use idempotency_tower::OutcomeUnknown;
@@ -102,7 +102,10 @@ fn reject_answers_409_and_keeps_answering_it_until_an_operator_deletes_the_recor
 
         // The operator reconciled it and deletes the verdict: the key runs again.
         assert_eq!(
-            store.force_release(&id, true).await.expect("force_release"),
+            store
+                .force_release(&id, ReleaseScope::default().with_completed())
+                .await
+                .expect("force_release"),
             idempotency_core::ForceReleased::Deleted
         );
         let after = send(&router, "POST", Some(&key), &[], "{}").await;

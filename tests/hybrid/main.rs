@@ -17,7 +17,7 @@ use std::{
 };
 
 use idempotency_core::{
-    Begin, Error, Fingerprint, IdempotencyKey, Outcome, RecordId, Scope, Store,
+    Begin, Error, Fingerprint, IdempotencyKey, Outcome, RecordId, ReleaseScope, Scope, Store,
 };
 use idempotency_hybrid::{BreakerConfig, BreakerState, HybridStore};
 use idempotency_postgres::PostgresStore;
@@ -1130,7 +1130,9 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
         ));
 
         redis.pause().await;
-        let answer = store.force_release(&id, true).await;
+        let answer = store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await;
         assert!(
             matches!(answer, Err(Error::Unavailable(_))),
             "Redis still holds the copy: {answer:?}"
@@ -1151,7 +1153,10 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
             "the queued delete ran before Redis answered again"
         );
         assert_eq!(
-            store.force_release(&id, true).await.expect("force_release"),
+            store
+                .force_release(&id, ReleaseScope::default().with_completed())
+                .await
+                .expect("force_release"),
             idempotency_core::ForceReleased::Absent
         );
         assert!(matches!(

@@ -90,6 +90,48 @@ impl Inspection {
     }
 }
 
+/// What [`Store::force_release`](crate::Store::force_release) may delete.
+///
+/// The default deletes only an in-flight record whose lease has run out (its holder stopped
+/// renewing it). It is checked atomically with the delete, so an operator who saw a lease run
+/// out cannot delete the live lease of a retry that took the key over in the meantime and is
+/// running the operation, nor a record completed since.
+///
+/// Even then, release only after reconciling the unfinished attempt: its holder may be paused
+/// rather than gone, and after a release the next `begin` answers `Execute`, not `TakeOver`,
+/// so the "outcome unknown" signal is gone.
+///
+/// ```
+/// use idempotency_core::ReleaseScope;
+/// let scope = ReleaseScope::default();
+/// assert!(!scope.live && !scope.completed);
+/// // A holder known to be stuck: release its live lease too.
+/// assert!(ReleaseScope::default().with_live().live);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ReleaseScope {
+    /// Also an in-flight record whose lease is live: its holder may still be running the
+    /// operation, and the next `begin` runs it again.
+    pub live: bool,
+    /// Also a completed record: its outcome is forgotten and the key runs again.
+    pub completed: bool,
+}
+
+impl ReleaseScope {
+    /// Live leases too (see [`ReleaseScope::live`]).
+    pub fn with_live(mut self) -> Self {
+        self.live = true;
+        self
+    }
+
+    /// Completed records too (see [`ReleaseScope::completed`]).
+    pub fn with_completed(mut self) -> Self {
+        self.completed = true;
+        self
+    }
+}
+
 /// What [`Store::force_release`](crate::Store::force_release) found and did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -97,10 +139,13 @@ pub enum ForceReleased {
     /// An in-flight record was deleted: the next `begin` executes, and the old owner's token
     /// is fenced off (its late `complete` answers `LeaseLost`).
     Released,
-    /// A completed record was deleted (asked for with `include_completed`): the next `begin`
-    /// executes the operation again.
+    /// The record's lease is live and [`ReleaseScope::live`] was not asked: nothing changed.
+    /// Its holder renews it while it runs.
+    Live,
+    /// A completed record was deleted (asked for with [`ReleaseScope::completed`]): the next
+    /// `begin` executes the operation again.
     Deleted,
-    /// The record is completed and `include_completed` was false: nothing changed.
+    /// The record is completed and [`ReleaseScope::completed`] was not asked: nothing changed.
     Completed,
     /// There is no live record under this id.
     Absent,

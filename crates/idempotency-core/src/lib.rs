@@ -35,7 +35,7 @@ mod store;
 pub use detach::{GrantsLease, detached_claim, release_orphan};
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
-pub use inspect::{ForceReleased, Inspection, RecordState, system_time_from_millis};
+pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
 pub use observe::{Answer, observe};

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
-    Outcome, RecordId, Result, Store,
+    Outcome, RecordId, ReleaseScope, Result, Store,
 };
 
 /// A [`Store`] in this process's memory.
@@ -381,16 +381,19 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         let mut records = self.lock();
         let now = self.now();
         let found = match records.get(id).map(|r| &r.state) {
             None => ForceReleased::Absent,
+            Some(State::InFlight { lease_until, .. }) if *lease_until > now && !scope.live => {
+                ForceReleased::Live
+            }
             Some(State::InFlight { .. }) => ForceReleased::Released,
             Some(State::Completed { expires_at, .. }) if *expires_at <= now => {
                 ForceReleased::Absent
             }
-            Some(State::Completed { .. }) if include_completed => ForceReleased::Deleted,
+            Some(State::Completed { .. }) if scope.completed => ForceReleased::Deleted,
             Some(State::Completed { .. }) => ForceReleased::Completed,
         };
         if matches!(found, ForceReleased::Released | ForceReleased::Deleted) {

@@ -53,6 +53,7 @@ impl Answer for Result<ForceReleased> {
     fn label(&self) -> &'static str {
         match self {
             Ok(ForceReleased::Released) => "released",
+            Ok(ForceReleased::Live) => "live",
             Ok(ForceReleased::Deleted) => "deleted",
             Ok(ForceReleased::Completed) => "completed",
             Ok(ForceReleased::Absent) => "absent",

@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use uuid::Uuid;
 
-use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId};
+use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId, ReleaseScope};
 
 /// How long an expired lease that nobody took over stays in the store, so that its owner's
 /// late `complete` or `release` is still accepted: the purge leaves it alone this long, and
@@ -228,16 +228,18 @@ pub trait Store: Send + Sync + 'static {
     /// removes it: that is the record of an attempt whose outcome is unknown.
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>>;
 
-    /// Deletes the record under `id` for an operator, whoever holds it: an in-flight record
-    /// always, a completed one only with `include_completed`. Fencing-safe: the token that
-    /// owned it no longer owns anything, so its late `complete`, `renew` or `release`
-    /// answers [`Error::LeaseLost`] and changes nothing. The answer says what was found.
+    /// Deletes the record under `id` for an operator, within `scope`: by default
+    /// ([`ReleaseScope::default`]) only an in-flight record whose lease has run out, checked
+    /// atomically with the delete, so a retry that took the key over meanwhile keeps its live
+    /// lease ([`ForceReleased::Live`]). Fencing-safe: the token that
+    /// owned a deleted record no longer owns anything, so its late `complete`, `renew` or
+    /// `release` answers [`Error::LeaseLost`] and changes nothing. The answer says what was
+    /// found.
     ///
     /// Fencing covers the store, not the world: a holder still running its operation goes on
-    /// running it, and the next `begin` executes it again. Release leases whose holder is
-    /// gone (a lease that ran out: [`RecordState::InFlight`](crate::RecordState) with no
-    /// lease left) or known to be stuck.
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased>;
+    /// running it, and the next `begin` executes it again. Release a live lease
+    /// ([`ReleaseScope::with_live`]) only when its holder is known to be stuck.
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased>;
 
     /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).
     fn name(&self) -> &'static str;
@@ -269,8 +271,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
         (**self).inspect(id).await
     }
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
-        (**self).force_release(id, include_completed).await
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
+        (**self).force_release(id, scope).await
     }
     fn name(&self) -> &'static str {
         (**self).name()

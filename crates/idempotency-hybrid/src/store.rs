@@ -11,8 +11,8 @@ use std::{
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId, Result,
-    Store, detached_claim,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
+    ReleaseScope, Result, Store, detached_claim,
 };
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore};
@@ -579,7 +579,14 @@ impl HybridStore {
                 .map(|(i, (id, token))| async move {
                     let deleted = match token {
                         Some(token) => self.redis.release(&id, token).await,
-                        None => self.redis.force_release(&id, true).await.map(|_| ()),
+                        None => self
+                            .redis
+                            .force_release(
+                                &id,
+                                ReleaseScope::default().with_live().with_completed(),
+                            )
+                            .await
+                            .map(|_| ()),
                     };
                     (i, deleted)
                 })
@@ -879,12 +886,14 @@ impl Store for HybridStore {
     /// later). When Redis could not be told now, the answer is `Unavailable` (the record is
     /// gone from Postgres; the delete stays queued in this process): call again, which
     /// answers `Absent` once Redis has it.
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             self.inner.repairs().push((*id, None));
-            let found = self.pg.force_release(id, include_completed).await?;
-            if found == ForceReleased::Completed {
-                return Ok(found); // kept: its cached copy stays right
+            let found = self.pg.force_release(id, scope).await?;
+            if matches!(found, ForceReleased::Completed | ForceReleased::Live) {
+                // Kept in Postgres. The delete queued above still drops its copy in Redis:
+                // one cache miss, never an answer Postgres would not give.
+                return Ok(found);
             }
             self.inner.repairs().push((*id, None));
             let (again, forget) = (self.clone(), *id);

@@ -4,8 +4,8 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId, Result,
-    Store, detached_claim, system_time_from_millis,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
+    ReleaseScope, Result, Store, detached_claim, system_time_from_millis,
 };
 use sqlx::{
     PgConnection, PgPool,
@@ -383,19 +383,23 @@ SELECT state, fingerprint, status,
        (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
 FROM idempotency_keys WHERE record_id = $1";
 
-/// The operator's release: an in-flight row whoever holds it (its token goes with the row,
-/// so the owner's late writes find nothing to update), a live completed row when `$2`. A
-/// concurrent `complete` holds the row lock: the delete waits, re-checks `state` against
-/// the completed row and leaves it unless `$2`.
+/// The operator's release: an in-flight row whose lease ran out, or any in-flight row when
+/// `$2` (its token goes with the row, so the owner's late writes find nothing to update); a
+/// live completed row when `$3`. The lease is read by the same statement that deletes, so a
+/// takeover that renewed it in between is not deleted; a concurrent `complete` or takeover
+/// holds the row lock, and the delete waits and re-checks the row it leaves behind.
 const FORCE_RELEASE_SQL: &str = "
 DELETE FROM idempotency_keys
-WHERE record_id = $1 AND (state = 0 OR ($2 AND expires_at > clock_timestamp()))
+WHERE record_id = $1
+  AND ((state = 0 AND ($2 OR expires_at <= clock_timestamp()))
+       OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
 RETURNING state";
 
-/// Why `FORCE_RELEASE_SQL` deleted nothing: a live completed row, or none.
-const LIVE_COMPLETED_SQL: &str = "
-SELECT 1 FROM idempotency_keys
-WHERE record_id = $1 AND state = 1 AND expires_at > clock_timestamp()";
+/// Why `FORCE_RELEASE_SQL` deleted nothing: an in-flight row (a live lease), a live completed
+/// row, or none.
+const WHY_KEPT_SQL: &str = "
+SELECT state FROM idempotency_keys
+WHERE record_id = $1 AND (state = 0 OR expires_at > clock_timestamp())";
 
 /// Every statement on the key table, rewritten for another table at connect.
 pub(crate) const ALL_SQL: &[&str] = &[
@@ -411,7 +415,7 @@ pub(crate) const ALL_SQL: &[&str] = &[
     PURGE_SQL,
     INSPECT_SQL,
     FORCE_RELEASE_SQL,
-    LIVE_COMPLETED_SQL,
+    WHY_KEPT_SQL,
     crate::batch::BEGIN_BATCH_SQL,
     crate::batch::COMPLETE_BATCH_SQL,
     crate::batch::RELEASE_BATCH_SQL,
@@ -1090,14 +1094,11 @@ impl PostgresStore {
         })
     }
 
-    async fn force_release_row(
-        &self,
-        id: &RecordId,
-        include_completed: bool,
-    ) -> Result<ForceReleased> {
+    async fn force_release_row(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
             .bind(&id.as_bytes()[..])
-            .bind(include_completed)
+            .bind(scope.live)
+            .bind(scope.completed)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
@@ -1108,16 +1109,16 @@ impl PostgresStore {
                 ForceReleased::Deleted
             });
         }
-        if include_completed {
-            // Anything live was deletable: a row found now arrived after the delete.
-            return Ok(ForceReleased::Absent);
-        }
-        let completed: Option<(i32,)> = sqlx::query_as(self.sql.get(LIVE_COMPLETED_SQL))
+        let kept: Option<(i16,)> = sqlx::query_as(self.sql.get(WHY_KEPT_SQL))
             .bind(&id.as_bytes()[..])
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
-        Ok(match completed {
+        // What is there now. A row of a kind the scope covers arrived after the delete (a
+        // lease completed, a new claim): it is reported as found, not as absent, so the
+        // operator sees the outcome that replays, or the lease, and may call again.
+        Ok(match kept {
+            Some((0,)) => ForceReleased::Live,
             Some(_) => ForceReleased::Completed,
             None => ForceReleased::Absent,
         })
@@ -1205,11 +1206,11 @@ impl Store for PostgresStore {
         idempotency_core::observe(self.name(), "inspect", self.timed(self.inspect_row(id))).await
     }
 
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(
             self.name(),
             "force_release",
-            self.timed(self.force_release_row(id, include_completed)),
+            self.timed(self.force_release_row(id, scope)),
         )
         .await
     }

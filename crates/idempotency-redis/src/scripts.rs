@@ -234,32 +234,41 @@ return {{'v', tostring(now), pttl, v}}
     ))
 }
 
-/// `KEYS[1]` record; `ARGV[1]` `1` to delete a completed record too. The operator's
-/// release, whoever holds the record: the token goes with it, so the owner's late fenced
-/// writes find nothing. Returns 1 a lease (or mirror) deleted, 2 a completed record deleted,
-/// 3 a completed record kept, 0 none (a cancel marker counts as none).
+/// `KEYS[1]` record; `ARGV[1]` `1` to delete a live lease too, `ARGV[2]` `1` to delete a
+/// completed record too, `ARGV[3]` grace ms. The operator's release: the token goes with the
+/// record, so the owner's late fenced writes find nothing. Returns 1 a lease (or mirror)
+/// deleted, 2 a completed record deleted, 3 a completed record kept, 4 a live lease kept,
+/// 0 none (a cancel marker counts as none). A mirror is live while it exists.
 pub(crate) fn force_release() -> Script {
-    Script::new(
-        r"
-local st
+    Script::new(&format!(
+        r"{NOW_MS}
+local st, live
 if redis.call('TYPE', KEYS[1]).ok == 'hash' then
-  st = redis.call('HGET', KEYS[1], 'st')
+  local cur = redis.call('HMGET', KEYS[1], 'st', 'exp')
+  st = cur[1]
+  live = not cur[2] or tonumber(cur[2]) > now
 else
   local v = redis.call('GET', KEYS[1])
-  if v then st = string.sub(v, 1, 1) end
+  if v then
+    st = string.sub(v, 1, 1)
+    -- No TTL (-1: persisted from outside) is live, as `begin` reads it.
+    local pttl = redis.call('PTTL', KEYS[1])
+    live = st == 'm' or pttl == -1 or pttl > tonumber(ARGV[3])
+  end
 end
 if st == '0' or st == 'm' then
+  if live and ARGV[1] ~= '1' then return 4 end
   redis.call('DEL', KEYS[1])
   return 1
 end
 if st == '1' then
-  if ARGV[1] == '1' then
+  if ARGV[2] == '1' then
     redis.call('DEL', KEYS[1])
     return 2
   end
   return 3
 end
 return 0
-",
-    )
+"
+    ))
 }

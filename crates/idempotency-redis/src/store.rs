@@ -7,7 +7,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
-    Outcome, RecordId, Result, Store, detached_claim, system_time_from_millis,
+    Outcome, RecordId, ReleaseScope, Result, Store, detached_claim, system_time_from_millis,
 };
 use redis::{
     Cmd, Pipeline, RedisFuture, Script, Value,
@@ -1195,16 +1195,25 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn force_release(&self, id: &RecordId, include_completed: bool) -> Result<ForceReleased> {
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
-            let completed_too: &[u8] = if include_completed { b"1" } else { b"0" };
+            let flag = |on: bool| -> &[u8] { if on { b"1" } else { b"0" } };
             let found: i64 = self
-                .run(&self.scripts.force_release, id, &[completed_too])
+                .run(
+                    &self.scripts.force_release,
+                    id,
+                    &[
+                        flag(scope.live),
+                        flag(scope.completed),
+                        grace_ms().as_bytes(),
+                    ],
+                )
                 .await?;
             Ok(match found {
                 1 => ForceReleased::Released,
                 2 => ForceReleased::Deleted,
                 3 => ForceReleased::Completed,
+                4 => ForceReleased::Live,
                 _ => ForceReleased::Absent,
             })
         })

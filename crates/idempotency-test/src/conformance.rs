@@ -12,7 +12,7 @@ use std::{
 use bytes::Bytes;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, IdempotencyKey, LeaseToken, Outcome, RecordId,
-    RecordState, Scope, Store,
+    RecordState, ReleaseScope, Scope, Store,
 };
 
 /// A lease long enough never to expire during a case.
@@ -574,20 +574,38 @@ pub async fn inspect_reports_each_state(store: &dyn Store) {
 
 /// `force_release` frees an in-flight key for the next `begin` and fences its owner off:
 /// the old token's `complete`, `renew` and `release` answer `LeaseLost`, and the new owner's
-/// outcome is the one that replays. A lease that ran out is released alike.
+/// outcome is the one that replays. A live lease only when asked for; a lease that ran out
+/// by default.
 pub async fn force_release_fences_the_owner(store: &dyn Store) {
     let id = fresh_id();
     assert_eq!(
         store
-            .force_release(&id, false)
+            .force_release(&id, ReleaseScope::default())
             .await
             .expect("force_release"),
         ForceReleased::Absent
     );
     let old = execute(store, &id, &fp("a"), LONG).await;
+    for scope in [
+        ReleaseScope::default(),
+        ReleaseScope::default().with_completed(),
+    ] {
+        assert_eq!(
+            store
+                .force_release(&id, scope)
+                .await
+                .expect("force_release"),
+            ForceReleased::Live,
+            "a live lease is kept unless asked for ({scope:?})"
+        );
+    }
+    store
+        .renew(&id, old, LONG)
+        .await
+        .expect("the holder of a kept lease still owns it");
     assert_eq!(
         store
-            .force_release(&id, false)
+            .force_release(&id, ReleaseScope::default().with_live())
             .await
             .expect("force_release"),
         ForceReleased::Released
@@ -631,7 +649,7 @@ pub async fn force_release_fences_the_owner(store: &dyn Store) {
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(
         store
-            .force_release(&orphan, false)
+            .force_release(&orphan, ReleaseScope::default())
             .await
             .expect("force_release"),
         ForceReleased::Released
@@ -641,6 +659,34 @@ pub async fn force_release_fences_the_owner(store: &dyn Store) {
         Err(Error::LeaseLost)
     ));
     execute(store, &orphan, &fp("a"), LONG).await;
+}
+
+/// An operator saw a lease run out and releases it; meanwhile a retry took the key over and
+/// is running the operation. The release must find the takeover's live lease and keep it:
+/// deleted, the next retry would execute a third attempt while the second still runs. The
+/// check is the store's, atomic with the delete (found by an attacker's read of the admin
+/// surface).
+pub async fn force_release_spares_a_takeover(store: &dyn Store) {
+    let id = fresh_id();
+    execute(store, &id, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let taken = take_over(store, &id, &fp("a"), LONG).await;
+    assert_eq!(
+        store
+            .force_release(&id, ReleaseScope::default())
+            .await
+            .expect("force_release"),
+        ForceReleased::Live
+    );
+    let outcome = sample_outcome();
+    store
+        .complete(&id, taken, &outcome, LONG)
+        .await
+        .expect("the takeover completes");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(outcome)
+    );
 }
 
 /// A completed record stays (and replays) unless the operator asks for it explicitly; then
@@ -653,19 +699,25 @@ pub async fn force_release_keeps_a_completed_record_unless_asked(store: &dyn Sto
         .complete(&id, token, &outcome, LONG)
         .await
         .expect("complete");
-    assert_eq!(
-        store
-            .force_release(&id, false)
-            .await
-            .expect("force_release"),
-        ForceReleased::Completed
-    );
+    for scope in [ReleaseScope::default(), ReleaseScope::default().with_live()] {
+        assert_eq!(
+            store
+                .force_release(&id, scope)
+                .await
+                .expect("force_release"),
+            ForceReleased::Completed,
+            "{scope:?}"
+        );
+    }
     assert_eq!(
         store.begin(&id, &fp("a"), LONG).await.expect("begin"),
         Begin::Replay(outcome.clone())
     );
     assert_eq!(
-        store.force_release(&id, true).await.expect("force_release"),
+        store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("force_release"),
         ForceReleased::Deleted
     );
     assert_eq!(store.inspect(&id).await.expect("inspect"), None);
@@ -687,7 +739,7 @@ pub async fn force_release_keeps_a_completed_record_unless_asked(store: &dyn Sto
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(
         store
-            .force_release(&expired, true)
+            .force_release(&expired, ReleaseScope::default().with_completed())
             .await
             .expect("force_release"),
         ForceReleased::Absent
@@ -729,6 +781,7 @@ macro_rules! conformance_tests {
             inspect_reports_each_state,
             force_release_fences_the_owner,
             force_release_keeps_a_completed_record_unless_asked,
+            force_release_spares_a_takeover,
         );
         $crate::conformance_tests!(@shared $store;
             concurrent_begins_execute_once,

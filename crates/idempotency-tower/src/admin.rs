@@ -13,7 +13,8 @@ use axum::{
 };
 use http::{HeaderValue, StatusCode, header};
 use idempotency_core::{
-    Error, ForceReleased, IdempotencyKey, Inspection, RecordId, RecordState, Scope, Store,
+    Error, ForceReleased, IdempotencyKey, Inspection, RecordId, RecordState, ReleaseScope, Scope,
+    Store,
 };
 
 use crate::Problem;
@@ -23,15 +24,18 @@ use crate::Problem;
 /// - `GET /idempotency/keys/{scope}/{key}`: `200` with the record as JSON (below), or `404`
 ///   problem+json when there is none;
 /// - `DELETE /idempotency/keys/{scope}/{key}`: `204` after releasing an in-flight record
-///   (whoever holds it: the holder's late completion is refused), `409` problem+json for a
-///   completed record unless the query says `?completed=true` (then it is deleted and the key
-///   runs again on its next request), `404` when there is none;
+///   whose lease ran out (the holder's late completion is refused); `409` problem+json for a
+///   live lease unless the query says `?live=true`, and for a completed record unless it
+///   says `?completed=true` (then it is deleted, and the key runs again on its next request);
+///   `404` when there is none. Whether the lease ran out is checked by the store with the
+///   delete, so a retry that took the key over since you looked keeps its lease;
 /// - the same two without `{scope}` (`/idempotency/keys/{key}`) for the global scope.
 ///
-/// **Releasing a live lease lets the operation run again while its holder may still be
-/// running it.** Fencing refuses the holder's later writes to the store (its outcome is not
-/// stored), not its side effects. Release a lease whose holder is known to be gone — a
-/// `lease_remaining_ms` of 0 says its lease ran out — or one you know is stuck.
+/// **Releasing a live lease (`?live=true`) lets the operation run again while its holder may
+/// still be running it.** Fencing refuses the holder's later writes to the store (its outcome
+/// is not stored), not its side effects. Release a live lease only when you know its holder is
+/// stuck (it renews its lease while it runs). Release even a lease that ran out only after
+/// reconciling its attempt: afterwards the key runs again as new, not as "outcome unknown".
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key
 /// (the whole string, percent-encoded in the path); `{key}` is the `Idempotency-Key` value.
@@ -202,31 +206,46 @@ async fn release(
     named: Named,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let mut completed = false;
+    let (mut completed, mut live) = (false, false);
     for pair in query.as_deref().unwrap_or("").split('&') {
         match pair.split_once('=').unwrap_or((pair, "")) {
             ("", _) => {}
             ("completed", "true") => completed = true,
             ("completed", "false") => completed = false,
+            ("live", "true") => live = true,
+            ("live", "false") => live = false,
             _ => {
                 return problem(
                     Problem::InvalidRequest,
-                    &format!("unknown query {pair:?}: the only parameter is completed=true|false"),
+                    &format!(
+                        "unknown query {pair:?}: the parameters are live=true|false and completed=true|false"
+                    ),
                 );
             }
         }
+    }
+    let mut scope = ReleaseScope::default();
+    if live {
+        scope = scope.with_live();
+    }
+    if completed {
+        scope = scope.with_completed();
     }
     let (_, _, id) = match record_id(named) {
         Ok(named) => named,
         Err(response) => return *response,
     };
-    match store.force_release(&id, completed).await {
+    match store.force_release(&id, scope).await {
         Ok(ForceReleased::Released | ForceReleased::Deleted) => {
             StatusCode::NO_CONTENT.into_response()
         }
         Ok(ForceReleased::Completed) => problem(
             Problem::RecordCompleted,
             "the record is completed: its outcome replays to retries; delete it with ?completed=true to let the key run again",
+        ),
+        Ok(ForceReleased::Live) => problem(
+            Problem::LeaseLive,
+            "the record's lease is live: its holder renews it while the operation runs; release it with ?live=true only if you know the holder is stuck (the operation may then run twice)",
         ),
         Ok(ForceReleased::Absent) => problem(
             Problem::RecordNotFound,

@@ -29,6 +29,9 @@ pub enum Problem {
     RecordNotFound,
     /// 409 (admin routes): the record is completed; deleting it needs `?completed=true`.
     RecordCompleted,
+    /// 409 (admin routes): the record's lease is live, its holder may still be running;
+    /// releasing it needs `?live=true`.
+    LeaseLive,
     /// 400 (admin routes): a query parameter this API does not know.
     InvalidRequest,
     /// 409: an earlier attempt with this key never stored its outcome; an operator must
@@ -49,6 +52,7 @@ impl Problem {
             Self::Internal => "urn:idempotency:problem:internal",
             Self::RecordNotFound => "urn:idempotency:problem:record-not-found",
             Self::RecordCompleted => "urn:idempotency:problem:record-completed",
+            Self::LeaseLive => "urn:idempotency:problem:lease-live",
             Self::InvalidRequest => "urn:idempotency:problem:invalid-request",
             Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
         }
@@ -58,7 +62,9 @@ impl Problem {
     pub fn status(self) -> StatusCode {
         match self {
             Self::MissingKey | Self::InvalidKey | Self::InvalidRequest => StatusCode::BAD_REQUEST,
-            Self::InFlight | Self::RecordCompleted | Self::OutcomeUnknown => StatusCode::CONFLICT,
+            Self::InFlight | Self::RecordCompleted | Self::LeaseLive | Self::OutcomeUnknown => {
+                StatusCode::CONFLICT
+            }
             Self::RecordNotFound => StatusCode::NOT_FOUND,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -79,6 +85,7 @@ impl Problem {
             Self::Internal => "Internal error",
             Self::RecordNotFound => "No record for this Idempotency-Key",
             Self::RecordCompleted => "The record is completed",
+            Self::LeaseLive => "The record's lease is live",
             Self::InvalidRequest => "Invalid request",
             Self::OutcomeUnknown => "The outcome of an earlier attempt is unknown",
         }

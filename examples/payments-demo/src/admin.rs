@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use idempotency::{ForceReleased, IdempotencyKey, RecordId, Scope};
+use idempotency::{ForceReleased, IdempotencyKey, RecordId, ReleaseScope, Scope};
 
 use crate::config::{Config, Mode};
 
@@ -23,12 +23,16 @@ pub(crate) struct Record {
 pub(crate) enum Command {
     /// Prints the key's record as JSON; exits 1 when there is none.
     Inspect(Record),
-    /// Releases the key's in-flight record (its holder's late completion is refused), so the
-    /// next request runs; exits 1 when there is none, or it is completed and --completed
-    /// was not given.
+    /// Releases the key's in-flight record whose lease ran out (its holder's late completion
+    /// is refused), so the next request runs; exits 1 when there is none, or its lease is live
+    /// and --live was not given, or it is completed and --completed was not given.
     Release {
         #[command(flatten)]
         record: Record,
+        /// Release a live lease too. Its holder may still be running the charge, which then
+        /// runs twice: only for a holder you know is stuck.
+        #[arg(long)]
+        live: bool,
         /// Delete a completed record too: the key then runs again on its next request.
         #[arg(long)]
         completed: bool,
@@ -76,9 +80,20 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 }
             }
         }
-        Command::Release { record, completed } => {
+        Command::Release {
+            record,
+            live,
+            completed,
+        } => {
             let (_, id) = named(&record)?;
-            Ok(match store.force_release(&id, completed).await? {
+            let mut scope = ReleaseScope::default();
+            if live {
+                scope = scope.with_live();
+            }
+            if completed {
+                scope = scope.with_completed();
+            }
+            Ok(match store.force_release(&id, scope).await? {
                 ForceReleased::Released => {
                     println!("released: the in-flight record is gone, the next request runs");
                     ExitCode::SUCCESS
@@ -86,6 +101,13 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 ForceReleased::Deleted => {
                     println!("deleted: the completed record is gone, the next request runs again");
                     ExitCode::SUCCESS
+                }
+                ForceReleased::Live => {
+                    eprintln!(
+                        "the record's lease is live (its holder is running the charge): pass \
+                         --live to release it only if you know the holder is stuck"
+                    );
+                    ExitCode::FAILURE
                 }
                 ForceReleased::Completed => {
                     eprintln!(
