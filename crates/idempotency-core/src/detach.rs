@@ -119,6 +119,37 @@ impl<U: Send + 'static> GrantsLease for (Begin, U) {
     }
 }
 
+/// [`detached_claim`] as a store's `begin` uses it: `claim` runs to its end in a task of its
+/// own, and a lease it grants after the caller went away is given back to `store` with
+/// [`release_orphan`].
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotency_core::{detached_begin, Begin, Fingerprint, MemoryStore, RecordId, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = Arc::new(MemoryStore::new());
+/// let (id, fp) = (RecordId::from_bytes([7; 32]), Fingerprint::of(b"body"));
+/// let claimer = store.clone();
+/// let answer = detached_begin(store.clone(), id, async move {
+///     claimer.begin(&id, &fp, Duration::from_secs(30)).await
+/// })
+/// .await;
+/// assert!(matches!(answer, Ok(Begin::Execute(_))));
+/// # }
+/// ```
+pub async fn detached_begin<S, T, C>(store: S, id: crate::RecordId, claim: C) -> Result<T>
+where
+    S: crate::Store + 'static,
+    T: GrantsLease,
+    C: Future<Output = Result<T>> + Send + 'static,
+{
+    detached_claim(claim, move |token| {
+        Box::pin(async move { release_orphan(&store, &id, token).await })
+    })
+    .await
+}
+
 /// Releases a lease whose claimer went away, retrying an unavailable store with backoff for up
 /// to a minute: orphans appear exactly when the store is slow, so one try is often not enough.
 /// The release is fenced on the token, so a retry after one that landed changes nothing.

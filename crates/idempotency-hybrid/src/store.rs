@@ -12,7 +12,7 @@ use std::{
 use async_trait::async_trait;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
-    ReleaseScope, Result, Store, detached_claim,
+    ReleaseScope, Result, Store, detached_begin,
 };
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore};
@@ -666,7 +666,7 @@ impl Drop for RepairOnDrop<'_> {
 }
 
 impl HybridStore {
-    /// `begin`'s steps, run to their end by [`detached_claim`].
+    /// `begin`'s steps, run to their end by [`detached_claim`](idempotency_core::detached_claim).
     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         // 1. Redis holds only what Postgres decided, so whatever it finds is the answer.
         //    Unless duplicates are too rare for the peek to pay (the policy).
@@ -731,20 +731,15 @@ impl HybridStore {
 #[async_trait]
 impl Store for HybridStore {
     /// Cancel-safe: the steps (in `claim`) run in a task of their own, and a lease granted
-    /// after the caller went away is released (see [`detached_claim`]).
+    /// after the caller went away is released (see [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
-            let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+            let (this, id, fp) = (self.clone(), *id, *fp);
             let claim = async move { this.claim(&id, &fp, lease).await };
-            let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-                Box::pin(
-                    async move { idempotency_core::release_orphan(&releaser, &id, token).await },
-                )
-            };
             // The caller waits as long as a Postgres-only `begin` would, plus the Redis step
             // (its repairs' budget and its call's).
             let budget = self.pg.call_timeout() + self.redis.call_budget() * 2;
-            match tokio::time::timeout(budget, detached_claim(claim, release)).await {
+            match tokio::time::timeout(budget, detached_begin(self.clone(), id, claim)).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "the claim did not settle within {budget:?}"

@@ -5,7 +5,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
-    ReleaseScope, Result, Store, detached_claim, system_time_from_millis,
+    ReleaseScope, Result, Store, detached_begin, system_time_from_millis,
 };
 use sqlx::{
     PgConnection, PgPool,
@@ -724,16 +724,13 @@ impl PostgresStore {
         // The claim runs in its own task: if this call is dropped or runs out of budget after
         // the INSERT committed, the lease it granted is released instead of sitting claimed
         // by nobody until it expires.
-        let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+        let (this, id, fp) = (self.clone(), *id, *fp);
         let claim = async move { this.claim_with_ttl(&id, &fp, lease).await };
-        let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move { idempotency_core::release_orphan(&releaser, &id, token).await })
-        };
-        self.timed(detached_claim(claim, release)).await
+        self.timed(detached_begin(self.clone(), id, claim)).await
     }
 
     /// [`PostgresStore::begin_with_ttl`] without a task of its own, for a store that already
-    /// runs its claim in one (the hybrid store's `begin` is a [`detached_claim`] around Redis
+    /// runs its claim in one (the hybrid store's `begin` is a [`detached_claim`](idempotency_core::detached_claim) around Redis
     /// and this): one hand-off per claim instead of two.
     ///
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease

@@ -7,7 +7,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
-    Outcome, RecordId, ReleaseScope, Result, Store, detached_claim, system_time_from_millis,
+    Outcome, RecordId, ReleaseScope, Result, Store, detached_begin, system_time_from_millis,
 };
 use redis::{
     Cmd, Pipeline, RedisFuture, Script, Value,
@@ -1102,17 +1102,12 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
 #[async_trait]
 impl Store for RedisStore {
     /// Cancel-safe: the script runs in a task of its own, and a lease it grants after this
-    /// call was dropped or ran out of budget is released (see [`detached_claim`]).
+    /// call was dropped or ran out of budget is released (see [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
-            let (this, releaser, id, fp) = (self.clone(), self.clone(), *id, *fp);
+            let (this, id, fp) = (self.clone(), *id, *fp);
             let claim = async move { this.claim(&id, &fp, lease).await };
-            let release = move |token| -> futures::future::BoxFuture<'static, ()> {
-                Box::pin(
-                    async move { idempotency_core::release_orphan(&releaser, &id, token).await },
-                )
-            };
-            match tokio::time::timeout(self.budget, detached_claim(claim, release)).await {
+            match tokio::time::timeout(self.budget, detached_begin(self.clone(), id, claim)).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "Redis did not answer within {:?}",
