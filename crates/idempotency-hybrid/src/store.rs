@@ -81,8 +81,9 @@ pub enum CachePolicy {
     /// down.
     Always,
     /// Redis is read and written only while at least this share (between 0 and 1; 0 or NaN
-    /// is `Always`, above 1 is never) of recent `begin`s were duplicates (replays, live duplicates, mismatches; a moving average over about the last
-    /// 64, whoever answered them). Below it, first requests cost exactly what they cost on
+    /// is `Always`, above 1 is never) of recent `begin`s were duplicates (replays, live
+    /// duplicates, mismatches; a moving average over about the last 64, whoever answered
+    /// them). Below it, first requests cost exactly what they cost on
     /// Postgres alone; a surge of retries turns Redis back on within a few of them, and each
     /// key's first replay then teaches Redis its outcome. The cost: a key completed while
     /// Redis was off is answered by Postgres until its first replay, so it has no copy in
