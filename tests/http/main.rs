@@ -974,6 +974,41 @@ async fn layer_sweep(store: Arc<dyn Store>) {
     panic!("the request future never completed undropped");
 }
 
+/// A handler that answers at once runs in the request's own task: no hand-off to another
+/// task and back per request, which on a busy server cost more than the store's round trip.
+/// (A handler that has to wait moves into a task of its own: the sweep above.)
+#[test]
+fn a_handler_that_answers_at_once_runs_in_the_request_s_task() {
+    block_on(async {
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let handler_seen = seen.clone();
+        let handler = move || {
+            let seen = handler_seen.clone();
+            async move {
+                *seen.lock().expect("lock") = tokio::task::try_id();
+                (axum::http::StatusCode::CREATED, "ch_1")
+            }
+        };
+        let router = axum::Router::new()
+            .route("/charges", axum::routing::post(handler))
+            .layer(layer(memory()));
+        let request = axum::http::Request::builder()
+            .method("POST")
+            .uri("/charges")
+            .header("idempotency-key", "in-the-request-s-task")
+            .body(Body::from("{}"))
+            .expect("request");
+        let caller = tokio::spawn(async move {
+            let response = router.oneshot(request).await.expect("response");
+            assert_eq!(response.status(), 201);
+            tokio::task::id()
+        })
+        .await
+        .expect("the caller's task");
+        assert_eq!(*seen.lock().expect("lock"), Some(caller));
+    });
+}
+
 #[test]
 fn the_request_future_dropped_at_every_poll_on_memory() {
     block_on(layer_sweep(memory()));

@@ -4,30 +4,146 @@
 //! a `select!`, the store's own call budget — may still commit its claim. Nobody then holds
 //! the token: the key answers "in flight" until the lease ends, and a caller that was told
 //! `Unavailable` ("nothing changed") sees a write land after all. [`detached_claim`] closes
-//! that: the claim runs in its own task to the end, and a granted lease whose caller is gone
-//! is released at once.
+//! that: a claim whose caller goes away runs to its end in a task of its own, and a granted
+//! lease whose caller is gone is released at once.
+//!
+//! [`FinishOnDrop`] is the mechanism: the future runs in the caller's task while the caller
+//! waits — no hand-off to another task and back, which on a busy server costs more than the
+//! store's round trip — and only a future dropped before its end moves into a task.
 
 use std::{
     future::Future,
-    sync::{Arc, Mutex, PoisonError},
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    task::{Context, Poll},
 };
 
-use futures::future::BoxFuture;
-use tokio::sync::oneshot;
+use futures::{FutureExt, future::BoxFuture};
 
 use crate::{Begin, LeaseToken, Result};
 
-/// Gives an orphaned lease back (usually a spawned `Store::release`).
-type Undo = Box<dyn FnOnce(LeaseToken) -> BoxFuture<'static, ()> + Send>;
+/// What runs on the output of a [`FinishOnDrop`] future whose caller went away.
+type Orphaned<T> = Box<dyn FnOnce(T) -> BoxFuture<'static, ()> + Send>;
 
-/// Runs `claim` in its own task and returns its answer. If the returned future is dropped
-/// before it yields the answer — at any point, including after the claim committed — and the
-/// answer was `Execute(token)`, `release(token)` runs in a task of its own: a lease is never
-/// left claimed by nobody.
+/// A future that runs to its end even if it is dropped: see [`finish_on_drop`].
+#[must_use = "futures do nothing unless polled"]
+pub struct FinishOnDrop<T: Send + 'static> {
+    future: Option<BoxFuture<'static, T>>,
+    orphaned: Option<Orphaned<T>>,
+    /// The runtime it was made (or first polled) in: drops may happen outside any runtime's
+    /// context.
+    runtime: Option<tokio::runtime::Handle>,
+    /// The span it was made in, for the rest's logs.
+    span: tracing::Span,
+}
+
+impl<T: Send + 'static> std::fmt::Debug for FinishOnDrop<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FinishOnDrop")
+            .field("finished", &self.future.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Polls `future` in the caller's task and, if it is dropped before its end, moves it into a
+/// task of its own that runs it to the end and hands its output to `orphaned` (whose future
+/// runs in that task too).
 ///
-/// Store implementations wrap the body of `begin` in it (see the Postgres and Redis stores);
-/// the in-memory store needs no wrapper because its `begin` never awaits. The claim itself
-/// should be bounded (a statement timeout, a call budget), since nothing waits for it.
+/// Dropped before its first poll, it is spawned all the same: the future may own something
+/// that must be settled (a lease its caller was granted), and a yield point — a cooperative
+/// budget running out — may lie between its creation and that poll. A future that panics is
+/// not resumed: the panic reaches the caller, and nothing moves into a task.
+///
+/// ```
+/// use std::sync::{Arc, atomic::{AtomicBool, Ordering}};
+/// use idempotency_core::finish_on_drop;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let landed = Arc::new(AtomicBool::new(false));
+/// let (go, wait) = tokio::sync::oneshot::channel::<()>();
+/// let write = finish_on_drop(async move { let _ = wait.await; "written" }, {
+///     let landed = landed.clone();
+///     move |_| Box::pin(async move { landed.store(true, Ordering::SeqCst) })
+/// });
+/// // The caller gives up (an outer timeout); the write goes on in a task of its own.
+/// let gave_up = tokio::time::timeout(std::time::Duration::from_millis(10), write).await;
+/// assert!(gave_up.is_err());
+/// go.send(()).unwrap();
+/// tokio::task::yield_now().await;
+/// tokio::task::yield_now().await;
+/// assert!(landed.load(Ordering::SeqCst));
+/// # }
+/// ```
+///
+/// Made and polled outside a Tokio runtime, it runs, but dropped unfinished it cannot move
+/// anywhere: it is dropped unfinished, with a warning.
+pub fn finish_on_drop<F, O>(future: F, orphaned: O) -> FinishOnDrop<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+    O: FnOnce(F::Output) -> BoxFuture<'static, ()> + Send + 'static,
+{
+    FinishOnDrop {
+        future: Some(Box::pin(future)),
+        orphaned: Some(Box::new(orphaned)),
+        runtime: tokio::runtime::Handle::try_current().ok(),
+        span: tracing::Span::current(),
+    }
+}
+
+impl<T: Send + 'static> Future for FinishOnDrop<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let this = &mut *self;
+        if this.runtime.is_none() {
+            this.runtime = tokio::runtime::Handle::try_current().ok();
+        }
+        // Taken out while polled: a panic drops it here, so `drop` never resumes it.
+        let mut future = this
+            .future
+            .take()
+            .expect("FinishOnDrop polled after it finished");
+        match future.as_mut().poll(cx) {
+            Poll::Ready(output) => Poll::Ready(output),
+            Poll::Pending => {
+                this.future = Some(future);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<T: Send + 'static> Drop for FinishOnDrop<T> {
+    fn drop(&mut self) {
+        let (Some(future), Some(orphaned)) = (self.future.take(), self.orphaned.take()) else {
+            return;
+        };
+        let Some(runtime) = self.runtime.take() else {
+            tracing::warn!("a future that must finish was dropped outside any Tokio runtime");
+            return;
+        };
+        // A runtime that shut down meanwhile drops the task unrun: its I/O is gone anyway.
+        let rest = async move {
+            let output = future.await;
+            orphaned(output).await;
+        };
+        runtime.spawn(tracing::Instrument::instrument(rest, self.span.clone()));
+    }
+}
+/// Runs `claim` and returns its answer. If the returned future is dropped before it yields
+/// the answer — at any point, including after the claim committed — the claim runs to its
+/// end in a task of its own, and if it answered `Execute(token)`, `release(token)` runs
+/// there: a lease is never left claimed by nobody.
+///
+/// While the caller waits, the claim runs in the caller's task ([`finish_on_drop`]): no
+/// hand-off. A claim that panics answers `Unavailable`, like a store that failed: a lease it
+/// may have taken is not known, so it expires by itself.
+///
+/// Store implementations wrap the body of `begin` in it (see the Postgres and Redis stores,
+/// and [`detached_begin`]); the in-memory store needs no wrapper because its `begin` never
+/// awaits. The claim itself should be bounded (a statement timeout, a call budget), since
+/// nothing waits for it once its caller is gone.
 ///
 /// ```
 /// use idempotency_core::{detached_claim, Begin, LeaseToken};
@@ -42,56 +158,30 @@ type Undo = Box<dyn FnOnce(LeaseToken) -> BoxFuture<'static, ()> + Send>;
 /// assert_eq!(answer.unwrap(), Begin::Execute(token));
 /// # }
 /// ```
-///
-/// # Panics
-///
-/// Outside a Tokio runtime (it spawns the claim).
 pub async fn detached_claim<T, C, R>(claim: C, release: R) -> Result<T>
 where
     T: GrantsLease,
     C: Future<Output = Result<T>> + Send + 'static,
     R: FnOnce(LeaseToken) -> BoxFuture<'static, ()> + Send + 'static,
 {
-    let undo: Arc<Mutex<Option<Undo>>> = Arc::new(Mutex::new(Some(Box::new(release))));
-    let (tx, rx) = oneshot::channel();
-    let task_undo = undo.clone();
-    tokio::spawn(async move {
-        let answer = claim.await;
-        // The send fails exactly when the receiver was dropped first: the caller is gone.
-        if let Err(Ok(answer)) = tx.send(answer)
-            && let Some(token) = answer.granted()
-        {
-            run_undo(&task_undo, token);
-        }
+    let claim = AssertUnwindSafe(claim).catch_unwind().map(|answer| {
+        answer.unwrap_or_else(|_| {
+            Err(crate::Error::unavailable(
+                "the claim panicked; a lease it may have taken expires by itself",
+            ))
+        })
     });
-    let mut guard = Receiver { rx, undo };
-    match (&mut guard.rx).await {
-        Ok(answer) => answer,
-        // The task panicked: a claim it made (if any) is not known, so it expires by itself.
-        Err(_) => Err(crate::Error::unavailable(
-            "the claim task ended without an answer",
-        )),
-    }
-}
-
-/// The caller's end. Dropped with an answer still in the channel (the claim finished, the
-/// caller never read it), it releases an `Execute` lease.
-struct Receiver<T: GrantsLease> {
-    rx: oneshot::Receiver<Result<T>>,
-    undo: Arc<Mutex<Option<Undo>>>,
-}
-
-impl<T: GrantsLease> Drop for Receiver<T> {
-    fn drop(&mut self) {
-        // After `close`, a send either happened before (the value is readable now) or fails
-        // (the task releases): exactly one side sees the token.
-        self.rx.close();
-        if let Ok(Ok(answer)) = self.rx.try_recv()
-            && let Some(token) = answer.granted()
-        {
-            run_undo(&self.undo, token);
-        }
-    }
+    finish_on_drop(claim, move |answer| match answer {
+        Ok(answer) => match answer.granted() {
+            Some(token) => {
+                tracing::debug!(%token, "releasing a lease whose claimer went away");
+                release(token)
+            }
+            None => Box::pin(async {}),
+        },
+        Err(_) => Box::pin(async {}),
+    })
+    .await
 }
 
 /// An answer that may grant a lease: [`Begin`], or `Begin` with extra data such as a TTL.
@@ -119,8 +209,8 @@ impl<U: Send + 'static> GrantsLease for (Begin, U) {
     }
 }
 
-/// [`detached_claim`] as a store's `begin` uses it: `claim` runs to its end in a task of its
-/// own, and a lease it grants after the caller went away is given back to `store` with
+/// [`detached_claim`] as a store's `begin` uses it: `claim` runs to its end even if the
+/// caller goes away, and a lease it grants after that is given back to `store` with
 /// [`release_orphan`].
 ///
 /// ```
@@ -178,23 +268,17 @@ pub async fn release_orphan<S: crate::Store + ?Sized>(
     }
 }
 
-fn run_undo(undo: &Mutex<Option<Undo>>, token: LeaseToken) {
-    let Some(undo) = undo.lock().unwrap_or_else(PoisonError::into_inner).take() else {
-        return;
-    };
-    tracing::debug!(%token, "releasing a lease whose claimer went away");
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(undo(token));
-        }
-        // The runtime is shutting down: the lease expires by itself.
-        Err(_) => tracing::warn!(%token, "no runtime to release an orphaned lease; it expires"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::{sync::atomic::AtomicUsize, time::Duration};
+    use std::{
+        sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering::SeqCst},
+        },
+        time::Duration,
+    };
+
+    use tokio::sync::oneshot;
 
     use super::*;
 
@@ -204,14 +288,14 @@ mod tests {
         let released = released.clone();
         move |_| {
             Box::pin(async move {
-                released.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                released.fetch_add(1, SeqCst);
             })
         }
     }
 
     #[tokio::test]
     async fn a_dropped_caller_releases_the_lease_it_was_granted() {
-        // Dropped while the claim is still running: the task releases when it lands.
+        // Dropped while the claim is still running: it goes on in a task, which releases.
         let released = Arc::new(AtomicUsize::new(0));
         let (go, wait) = oneshot::channel::<()>();
         let claim = detached_claim::<Begin, _, _>(
@@ -223,23 +307,12 @@ mod tests {
         );
         let dropped = tokio::time::timeout(Duration::from_millis(20), claim).await;
         assert!(dropped.is_err());
+        assert_eq!(released.load(SeqCst), 0, "the claim has not answered yet");
         go.send(()).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(released.load(SeqCst), 1);
 
-        // Dropped after the answer was sent but before it was read.
-        let released = Arc::new(AtomicUsize::new(0));
-        let mut claim = Box::pin(detached_claim::<Begin, _, _>(
-            async { Ok(Begin::Execute(LeaseToken::generate())) },
-            counting_release(&released),
-        ));
-        assert!(futures::poll!(&mut claim).is_pending()); // spawns the claim
-        tokio::time::sleep(Duration::from_millis(20)).await; // it answers, unread
-        drop(claim);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 1);
-
-        // Read answers are never released, and other answers never are.
+        // Answers read by the caller are never released, and other answers never are.
         let released = Arc::new(AtomicUsize::new(0));
         detached_claim::<Begin, _, _>(
             async { Ok(Begin::Execute(LeaseToken::generate())) },
@@ -247,13 +320,107 @@ mod tests {
         )
         .await
         .unwrap();
+        let (go, wait) = oneshot::channel::<()>();
+        let finished = Arc::new(AtomicUsize::new(0));
+        let claim_finished = finished.clone();
         let mut claim = Box::pin(detached_claim::<Begin, _, _>(
-            async { Ok(Begin::Mismatch) },
+            async move {
+                let _ = wait.await;
+                claim_finished.fetch_add(1, SeqCst);
+                Ok(Begin::Mismatch)
+            },
             counting_release(&released),
         ));
         assert!(futures::poll!(&mut claim).is_pending());
         drop(claim);
+        go.send(()).unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(finished.load(SeqCst), 1, "the dropped claim ran to its end");
+        assert_eq!(released.load(SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_future_runs_to_its_end_even_unpolled() {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let step = |ran: &Arc<AtomicUsize>| {
+            let ran = ran.clone();
+            move |n: usize| -> BoxFuture<'static, ()> {
+                Box::pin(async move {
+                    ran.fetch_add(n, SeqCst);
+                })
+            }
+        };
+        // Never polled (a yield point between its making and its first poll): it runs all
+        // the same, in a task, and so does the orphan step.
+        let (go, wait) = oneshot::channel::<()>();
+        let counted = ran.clone();
+        drop(finish_on_drop(
+            async move {
+                counted.fetch_add(100, SeqCst);
+                let _ = wait.await;
+                1
+            },
+            step(&ran),
+        ));
+        go.send(()).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(ran.load(SeqCst), 101);
+        ran.store(0, SeqCst);
+
+        // Finished in the caller: the orphan step never runs.
+        assert_eq!(finish_on_drop(async { 7 }, step(&ran)).await, 7);
+        tokio::task::yield_now().await;
+        assert_eq!(ran.load(SeqCst), 0);
+
+        // Dropped mid-way: the rest and then the orphan step run in a task.
+        let (go, wait) = oneshot::channel::<()>();
+        let counted = ran.clone();
+        let mut running = Box::pin(finish_on_drop(
+            async move {
+                counted.fetch_add(10, SeqCst);
+                let _ = wait.await;
+                counted.fetch_add(10, SeqCst);
+                1
+            },
+            step(&ran),
+        ));
+        assert!(futures::poll!(&mut running).is_pending());
+        assert_eq!(ran.load(SeqCst), 10);
+        drop(running);
+        go.send(()).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(ran.load(SeqCst), 21);
+    }
+
+    #[tokio::test]
+    async fn a_future_that_panics_is_not_resumed() {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let counted = ran.clone();
+        let panicked = AssertUnwindSafe(finish_on_drop(
+            async { panic!("a bug") },
+            move |()| -> BoxFuture<'static, ()> {
+                Box::pin(async move {
+                    counted.fetch_add(1, SeqCst);
+                })
+            },
+        ))
+        .catch_unwind()
+        .await;
+        assert!(panicked.is_err());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(ran.load(SeqCst), 0, "nothing moved into a task");
+    }
+
+    #[tokio::test]
+    async fn a_claim_that_panics_answers_unavailable_and_is_not_resumed() {
+        let released = Arc::new(AtomicUsize::new(0));
+        let answer = detached_claim::<Begin, _, _>(
+            async { panic!("a store bug") },
+            counting_release(&released),
+        )
+        .await;
+        assert!(matches!(answer, Err(crate::Error::Unavailable(_))));
+        tokio::task::yield_now().await;
+        assert_eq!(released.load(SeqCst), 0);
     }
 }

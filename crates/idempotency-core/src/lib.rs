@@ -32,7 +32,9 @@ mod policy;
 mod purge;
 mod store;
 
-pub use detach::{GrantsLease, detached_begin, detached_claim, release_orphan};
+pub use detach::{
+    FinishOnDrop, GrantsLease, detached_begin, detached_claim, finish_on_drop, release_orphan,
+};
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};

@@ -693,7 +693,7 @@ impl HybridStore {
         }
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
-        //    (This runs in `begin`'s task already: the claim needs no second one.)
+        //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
         let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
         self.inner.duplicates.observe(!first);
@@ -731,8 +731,8 @@ impl HybridStore {
 
 #[async_trait]
 impl Store for HybridStore {
-    /// Cancel-safe: the steps (in `claim`) run in a task of their own, and a lease granted
-    /// after the caller went away is released (see [`detached_claim`](idempotency_core::detached_claim)).
+    /// Cancel-safe: the steps (in `claim`) run to their end even if the caller goes away (in
+    /// a task of their own then), and a lease granted after that is released (see [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
             let (this, id, fp) = (self.clone(), *id, *fp);

@@ -721,17 +721,17 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
     ) -> Result<(Begin, Option<Duration>)> {
-        // The claim runs in its own task: if this call is dropped or runs out of budget after
-        // the INSERT committed, the lease it granted is released instead of sitting claimed
-        // by nobody until it expires.
+        // The claim runs to its end even if this call is dropped or runs out of budget: a
+        // lease granted after that is released instead of sitting claimed by nobody until it
+        // expires.
         let (this, id, fp) = (self.clone(), *id, *fp);
         let claim = async move { this.claim_with_ttl(&id, &fp, lease).await };
         self.timed(detached_begin(self.clone(), id, claim)).await
     }
 
-    /// [`PostgresStore::begin_with_ttl`] without a task of its own, for a store that already
-    /// runs its claim in one (the hybrid store's `begin` is a [`detached_claim`](idempotency_core::detached_claim) around Redis
-    /// and this): one hand-off per claim instead of two.
+    /// [`PostgresStore::begin_with_ttl`] without its [`detached_claim`](idempotency_core::detached_claim),
+    /// for a store whose `begin` already wraps its claim in one (the hybrid store's wraps
+    /// Redis and this): one wrapper per claim instead of two.
     ///
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
     /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its

@@ -685,7 +685,7 @@ impl RedisStore {
         }
     }
 
-    /// The claim, run to its end in a task of its own (see [`Store::begin`]): a plain
+    /// The claim, run to its end even if `begin` is dropped (see [`Store::begin`]): a plain
     /// `SET NX GET` with `PTTL` in one pipeline; the takeover script only when the record it
     /// found is free to take (a lease that is over, a cancel marker), the legacy script only
     /// for a record of the earlier layout.
@@ -1101,8 +1101,8 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
 
 #[async_trait]
 impl Store for RedisStore {
-    /// Cancel-safe: the script runs in a task of its own, and a lease it grants after this
-    /// call was dropped or ran out of budget is released (see [`detached_claim`](idempotency_core::detached_claim)).
+    /// Cancel-safe: dropped or out of budget, the script runs to its end in a task of its own,
+    /// and a lease it grants after that is released (see [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
             let (this, id, fp) = (self.clone(), *id, *fp);

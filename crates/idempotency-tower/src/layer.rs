@@ -43,7 +43,8 @@ pub(crate) struct Config {
     pub(crate) run_time: Arc<crate::retry_after::RunTime>,
 }
 
-/// Counts operations running in their own tasks, so shutdown can wait for them.
+/// Counts running operations (in their own tasks, or in their first step in the request's),
+/// so shutdown can wait for them.
 #[derive(Debug, Default)]
 pub(crate) struct Detached {
     running: std::sync::atomic::AtomicUsize,

@@ -55,12 +55,16 @@
 //! and (by default) `Set-Cookie` are not stored.
 //!
 //! # Disconnects, cancellation, panics, long operations
-//! The claim (`Store::begin`) and the handler run in a task of their own: the request future
-//! can be dropped at any await — a client hang-up, an outer `tower::timeout`, a `select!` —
-//! and no lease is left claimed by nobody. Dropped before the claim lands, a lease granted
-//! meanwhile is released; dropped after, the handler still runs once and its outcome is
-//! stored for the retry. A panicking handler releases its lease and answers 500. A handler
-//! that runs longer than the lease renews it every third of the lease.
+//! The claim (`Store::begin`) and the handler run to their end whatever happens to the
+//! request future: it can be dropped at any await — a client hang-up, an outer
+//! `tower::timeout`, a `select!` — and no lease is left claimed by nobody. Dropped before the
+//! claim lands, a lease granted meanwhile is released; dropped after, the handler still runs
+//! once and its outcome is stored for the retry. A panicking handler releases its lease and
+//! answers 500. A handler that runs longer than the lease renews it every third of the lease.
+//!
+//! The handler's first step runs in the request's task; a handler that has to wait (almost
+//! any) continues in a task of its own, so values a layer outside this one put in a
+//! `tokio::task_local!` are not there after its first wait: pass them in request extensions.
 //!
 //! # Streaming and large responses
 //! A cacheable response whose exact length is within the stored-body limit is read whole,
@@ -125,8 +129,8 @@ pub type Body = UnsyncBoxBody<Bytes, BodyError>;
 /// The error of a [`Body`]: whatever the wrapped body failed with.
 ///
 /// A concrete type rather than a `Box<dyn Error>` in the body's type: a trait object there
-/// trips a compiler limitation (higher-ranked `Send`) when the middleware spawns the handler
-/// onto its own task.
+/// trips a compiler limitation (higher-ranked `Send`) when the middleware makes the handler
+/// able to move into a task of its own.
 #[derive(Debug)]
 pub struct BodyError(BoxError);
 

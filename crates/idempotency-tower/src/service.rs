@@ -8,7 +8,7 @@ use std::{
 };
 
 use bytes::{Buf, Bytes};
-use futures::FutureExt;
+use futures::{FutureExt, future::BoxFuture};
 use http::{HeaderValue, Request, Response, StatusCode, header, request::Parts};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -455,7 +455,8 @@ enum Reconciled {
 /// `begin`, run to its end even if the request future is dropped (a client hang-up, an outer
 /// timeout): a lease granted to a request that is gone is released. The stores guarantee
 /// this themselves; doing it here too keeps the layer safe over any `Store`. Between this
-/// answer and the task that runs the operation there is no await, so no lease is lost there.
+/// answer and the operation's first step (and its spawn, see [`execute`]) there is no yield
+/// point, so no lease is lost there.
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
     let (store, releaser) = (config.store.clone(), config.store.clone());
     let lease = config.policy.lease();
@@ -471,7 +472,13 @@ async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Resul
 /// Runs the operation in its own task, so a client that disconnects does not cancel it:
 /// the card is charged once and the retry gets the replay (the double-charge scenario).
 /// The request future only waits for the response head; the task owns the lease until the
-/// outcome is stored or released.
+/// outcome is stored or released, renewing it whatever the request's caller does.
+///
+/// The operation's first step runs here, in the request's task, in the same poll that got
+/// the lease: an operation that answers at once (a handler with nothing to wait for) needs
+/// no task, and saves the hand-off there and back, which on a busy server costs more than
+/// the store's round trip. One that has to wait moves into its own task before anything
+/// else can happen: no yield point, so no drop, lies between the claim and that hand-off.
 async fn execute<S, ResBody>(
     config: Arc<Config>,
     inner: S,
@@ -495,17 +502,25 @@ where
     let request = Request::from_parts(parts, full(body));
     let (tx, rx) = tokio::sync::oneshot::channel();
     let id = keyed.id;
+    // Counted as running until its end (see `IdempotencyLayer::drained`); a panic outside the
+    // handler (which `run_detached` catches itself) drops the reply: answered below.
     let running = config.detached.enter();
-    tokio::spawn(
+    let mut operation: BoxFuture<'static, ()> = Box::pin(
         async move {
             let _running = running;
-            run_detached(config, inner, request, id, token, tx).await;
+            let run = run_detached(config, inner, request, id, token, tx);
+            let _ = AssertUnwindSafe(run).catch_unwind().await;
         }
         .in_current_span(),
     );
+    // `poll!` polls once and never yields (no cooperative budget either): the operation has
+    // made its first step, and is spawned if it needs more, before this future can be dropped.
+    if futures::poll!(&mut operation).is_pending() {
+        tokio::spawn(operation);
+    }
     match rx.await {
         Ok(result) => result,
-        // The task itself died (a panic outside the handler): the lease expires on its own.
+        // The operation died (a panic outside the handler): the lease expires on its own.
         Err(_) => {
             Ok(Problem::Internal.response("the request failed; retry with the same key", None))
         }
@@ -565,6 +580,8 @@ async fn run_detached<S, ResBody>(
     let mut renew = tokio::time::interval_at(Instant::now() + every, every);
     let result = loop {
         tokio::select! {
+            // The operation first: one that answers at once never arms the renewal timer.
+            biased;
             result = &mut operation => break result,
             _ = renew.tick() => {
                 if let Err(error) = store.renew(&id, token, lease).await {
