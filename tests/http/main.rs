@@ -974,6 +974,48 @@ async fn layer_sweep(store: Arc<dyn Store>) {
     panic!("the request future never completed undropped");
 }
 
+/// A handler that keeps its task's cooperative budget spent (a CPU loop that yields with
+/// `consume_budget`, as tokio advises) still has its lease renewed: a retry two leases in is
+/// told "in flight", not handed the key, and the handler runs once.
+#[test]
+fn a_handler_that_spends_its_budget_still_has_its_lease_renewed() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    block_on(async {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let handler = move || {
+            let calls = counted.clone();
+            async move {
+                calls.fetch_add(1, SeqCst);
+                let until = tokio::time::Instant::now() + Duration::from_secs(3);
+                while tokio::time::Instant::now() < until {
+                    tokio::task::consume_budget().await;
+                }
+                (axum::http::StatusCode::CREATED, "ch_1")
+            }
+        };
+        let lease = idempotency_core::Policy::default().with_lease(Duration::from_secs(1));
+        let router = axum::Router::new()
+            .route("/charges", axum::routing::post(handler))
+            .layer(layer(memory()).policy(lease));
+        let request = || {
+            axum::http::Request::builder()
+                .method("POST")
+                .uri("/charges")
+                .header("idempotency-key", "busy-handler")
+                .body(Body::from("{}"))
+                .expect("request")
+        };
+        let first = tokio::spawn(router.clone().oneshot(request()));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let retry = router.clone().oneshot(request()).await.expect("retry");
+        assert_eq!(retry.status(), 409, "the lease was not renewed");
+        let first = first.await.expect("first").expect("response");
+        assert_eq!(first.status(), 201);
+        assert_eq!(calls.load(SeqCst), 1, "the handler ran once");
+    });
+}
+
 /// A handler that answers at once runs in the request's own task: no hand-off to another
 /// task and back per request, which on a busy server cost more than the store's round trip.
 /// (A handler that has to wait moves into a task of its own: the sweep above.)

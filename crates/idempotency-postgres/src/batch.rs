@@ -14,9 +14,10 @@
 //! failure fails every caller of the batch with `Unavailable`: one statement, one commit, so
 //! never a partial success that looks like a failure or the reverse.
 //!
-//! The batches run in tasks of their own: a caller that goes away does not take its
-//! neighbours' answers with it, and its own call still lands (which every store call may do;
-//! `begin`'s callers are protected by `detached_claim`).
+//! Batches of more than one run in tasks of their own: a caller that goes away does not take
+//! its neighbours' answers with it, and its own call still lands (which every store call may
+//! do; `begin`'s callers are protected by `detached_claim`). A batch of one runs in its
+//! caller's task, as the per-request statement would.
 
 use std::{
     collections::{HashSet, VecDeque},

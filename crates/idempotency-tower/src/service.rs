@@ -513,8 +513,9 @@ where
         }
         .in_current_span(),
     );
-    // `poll!` polls once and never yields (no cooperative budget either): the operation has
-    // made its first step, and is spawned if it needs more, before this future can be dropped.
+    // `poll!` polls once and never yields itself: the operation has made its first step (or
+    // found the task's cooperative budget spent), and is spawned if it needs more, before
+    // this future can be dropped.
     if futures::poll!(&mut operation).is_pending() {
         tokio::spawn(operation);
     }
@@ -580,8 +581,6 @@ async fn run_detached<S, ResBody>(
     let mut renew = tokio::time::interval_at(Instant::now() + every, every);
     let result = loop {
         tokio::select! {
-            // The operation first: one that answers at once never arms the renewal timer.
-            biased;
             result = &mut operation => break result,
             _ = renew.tick() => {
                 if let Err(error) = store.renew(&id, token, lease).await {
