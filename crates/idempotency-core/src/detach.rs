@@ -137,7 +137,8 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 /// there: a lease is never left claimed by nobody.
 ///
 /// While the caller waits, the claim runs in the caller's task ([`finish_on_drop`]): no
-/// hand-off. A claim that panics answers `Unavailable`, like a store that failed: a lease it
+/// hand-off. It is boxed here, when called, so the (often large) claim future is copied once,
+/// not at every layer of `async` around it. A claim that panics answers `Unavailable`, like a store that failed: a lease it
 /// may have taken is not known, so it expires by itself.
 ///
 /// Store implementations wrap the body of `begin` in it (see the Postgres and Redis stores,
@@ -158,7 +159,7 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 /// assert_eq!(answer.unwrap(), Begin::Execute(token));
 /// # }
 /// ```
-pub async fn detached_claim<T, C, R>(claim: C, release: R) -> Result<T>
+pub fn detached_claim<T, C, R>(claim: C, release: R) -> FinishOnDrop<Result<T>>
 where
     T: GrantsLease,
     C: Future<Output = Result<T>> + Send + 'static,
@@ -181,7 +182,6 @@ where
         },
         Err(_) => Box::pin(async {}),
     })
-    .await
 }
 
 /// An answer that may grant a lease: [`Begin`], or `Begin` with extra data such as a TTL.
@@ -228,7 +228,7 @@ impl<U: Send + 'static> GrantsLease for (Begin, U) {
 /// assert!(matches!(answer, Ok(Begin::Execute(_))));
 /// # }
 /// ```
-pub async fn detached_begin<S, T, C>(store: S, id: crate::RecordId, claim: C) -> Result<T>
+pub fn detached_begin<S, T, C>(store: S, id: crate::RecordId, claim: C) -> FinishOnDrop<Result<T>>
 where
     S: crate::Store + 'static,
     T: GrantsLease,
@@ -237,7 +237,6 @@ where
     detached_claim(claim, move |token| {
         Box::pin(async move { release_orphan(&store, &id, token).await })
     })
-    .await
 }
 
 /// Releases a lease whose claimer went away, retrying an unavailable store with backoff for up
