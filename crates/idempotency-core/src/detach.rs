@@ -26,7 +26,7 @@ use crate::{Begin, LeaseToken, Result};
 type Orphaned<T> = Box<dyn FnOnce(T) -> BoxFuture<'static, ()> + Send>;
 
 /// A future that runs to its end even if it is dropped: see [`finish_on_drop`].
-#[must_use = "futures do nothing unless polled"]
+#[must_use = "dropped, it still runs to its end, in a task of its own"]
 pub struct FinishOnDrop<T: Send + 'static> {
     future: Option<BoxFuture<'static, T>>,
     orphaned: Option<Orphaned<T>>,
@@ -136,10 +136,15 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 /// end in a task of its own, and if it answered `Execute(token)`, `release(token)` runs
 /// there: a lease is never left claimed by nobody.
 ///
+/// Calling it starts the claim: dropped even before its first poll, the claim still runs
+/// (and an `Execute` is released). Call it where it is awaited at once, not in a `select!`
+/// branch that may not be chosen or before an early return.
+///
 /// While the caller waits, the claim runs in the caller's task ([`finish_on_drop`]): no
-/// hand-off. It is boxed here, when called, so the (often large) claim future is copied once,
-/// not at every layer of `async` around it. A claim that panics answers `Unavailable`, like a store that failed: a lease it
-/// may have taken is not known, so it expires by itself.
+/// hand-off. It is boxed here, when called, so the (often large) claim future is copied
+/// once, not at every layer of `async` around it. A claim that panics answers
+/// `Unavailable`, like a store that failed: a lease it may have taken is not known, so it
+/// expires by itself.
 ///
 /// Store implementations wrap the body of `begin` in it (see the Postgres and Redis stores,
 /// and [`detached_begin`]); the in-memory store needs no wrapper because its `begin` never
@@ -211,7 +216,7 @@ impl<U: Send + 'static> GrantsLease for (Begin, U) {
 
 /// [`detached_claim`] as a store's `begin` uses it: `claim` runs to its end even if the
 /// caller goes away, and a lease it grants after that is given back to `store` with
-/// [`release_orphan`].
+/// [`release_orphan`]. Like `detached_claim`, calling it starts the claim.
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};

@@ -732,7 +732,8 @@ impl HybridStore {
 #[async_trait]
 impl Store for HybridStore {
     /// Cancel-safe: the steps (in `claim`) run to their end even if the caller goes away (in
-    /// a task of their own then), and a lease granted after that is released (see [`detached_claim`](idempotency_core::detached_claim)).
+    /// a task of their own then), and a lease granted after that is released (see
+    /// [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
             let (this, id, fp) = (self.clone(), *id, *fp);

@@ -729,9 +729,10 @@ impl PostgresStore {
         self.timed(detached_begin(self.clone(), id, claim)).await
     }
 
-    /// [`PostgresStore::begin_with_ttl`] without its [`detached_claim`](idempotency_core::detached_claim),
-    /// for a store whose `begin` already wraps its claim in one (the hybrid store's wraps
-    /// Redis and this): one wrapper per claim instead of two.
+    /// [`PostgresStore::begin_with_ttl`] without its
+    /// [`detached_claim`](idempotency_core::detached_claim), for a store whose `begin` already
+    /// wraps its claim in one (the hybrid store's wraps Redis and this): one wrapper per claim
+    /// instead of two.
     ///
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
     /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its

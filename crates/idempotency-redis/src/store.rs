@@ -1102,7 +1102,8 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
 #[async_trait]
 impl Store for RedisStore {
     /// Cancel-safe: dropped or out of budget, the script runs to its end in a task of its own,
-    /// and a lease it grants after that is released (see [`detached_claim`](idempotency_core::detached_claim)).
+    /// and a lease it grants after that is released (see
+    /// [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
             let (this, id, fp) = (self.clone(), *id, *fp);
