@@ -131,6 +131,7 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
         runtime.spawn(tracing::Instrument::instrument(rest, self.span.clone()));
     }
 }
+
 /// Runs `claim` and returns its answer. If the returned future is dropped before it yields
 /// the answer — at any point, including after the claim committed — the claim runs to its
 /// end in a task of its own, and if it answered `Execute(token)`, `release(token)` runs

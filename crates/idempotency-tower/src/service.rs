@@ -14,7 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_claim,
+    complete_retrying, detached_begin,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -458,15 +458,10 @@ enum Reconciled {
 /// answer and the operation's first step (and its spawn, see [`execute`]) there is no yield
 /// point, so no lease is lost there.
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
-    let (store, releaser) = (config.store.clone(), config.store.clone());
+    let store = config.store.clone();
     let lease = config.policy.lease();
-    detached_claim(
-        async move { store.begin(&id, &fingerprint, lease).await },
-        move |token| -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(async move { idempotency_core::release_orphan(&*releaser, &id, token).await })
-        },
-    )
-    .await
+    let claim = async move { store.begin(&id, &fingerprint, lease).await };
+    detached_begin(config.store.clone(), id, claim).await
 }
 
 /// Runs the operation in its own task, so a client that disconnects does not cancel it:
