@@ -89,6 +89,8 @@ mod own_connection {
                 .await
                 .expect("get");
             assert!(store.key(&id).starts_with("own"), "{}", store.key(&id));
+            let tag = format!(":{{{}}}", id.to_hex());
+            assert!(store.key(&id).ends_with(&tag), "{}", store.key(&id));
             assert_eq!(value.and_then(|v| v.first().copied()), Some(b'1'));
         });
     }

@@ -156,7 +156,29 @@ impl RecordId {
 
     /// Lowercase hex, as used in Redis keys and logs.
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        let mut out = String::with_capacity(64);
+        self.write_hex(&mut out);
+        out
+    }
+
+    /// Appends [`to_hex`](Self::to_hex) to `out`, without an allocation of its own (the
+    /// Redis store builds a key per call with it).
+    ///
+    /// ```
+    /// use idempotency_core::{IdempotencyKey, RecordId, Scope};
+    ///
+    /// let id = RecordId::new(&Scope::global(), &IdempotencyKey::new("k-1").unwrap());
+    /// let mut key = String::from("idem:");
+    /// id.write_hex(&mut key);
+    /// assert_eq!(key, format!("idem:{}", id.to_hex()));
+    /// ```
+    pub fn write_hex(&self, out: &mut String) {
+        let mut buf = [0u8; 64];
+        // Cannot fail: the buffer is exactly twice the id's length.
+        if hex::encode_to_slice(self.0, &mut buf).is_ok() {
+            // Hex digits are ASCII.
+            out.push_str(std::str::from_utf8(&buf).unwrap_or_default());
+        }
     }
 }
 
@@ -175,6 +197,21 @@ impl fmt::Display for RecordId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn record_ids_print_as_lowercase_hex_of_their_bytes() {
+        let mut bytes = [0u8; 32];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(37) ^ 0xa5;
+        }
+        let id = RecordId::from_bytes(bytes);
+        let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(id.to_hex(), expected);
+        assert_eq!(id.to_string(), expected);
+        let mut appended = String::from("p:");
+        id.write_hex(&mut appended);
+        assert_eq!(appended, format!("p:{expected}"));
+    }
 
     #[test]
     fn keys_are_bounded_visible_ascii() {

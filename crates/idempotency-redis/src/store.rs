@@ -535,7 +535,13 @@ impl RedisStore {
 
     /// The Redis key of a record: the id is a hash tag, so a record's keys share one slot.
     pub fn key(&self, id: &RecordId) -> String {
-        format!("{}:{{{}}}", self.prefix, id.to_hex())
+        // `prefix:{hex}`, built without `format!` (one per store call).
+        let mut key = String::with_capacity(self.prefix.len() + 67);
+        key.push_str(&self.prefix);
+        key.push_str(":{");
+        id.write_hex(&mut key);
+        key.push('}');
+        key
     }
 
     async fn timed<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Result<T> {
