@@ -571,15 +571,27 @@ async fn run_detached<S, ResBody>(
     })
     .catch_unwind();
     tokio::pin!(operation);
-    // Renew the lease while the handler runs, so a slow operation is not taken over.
+    // Renew the lease while the handler runs, so a slow operation is not taken over. The
+    // schedule counts from here; its timer is made only once the handler has to wait, so a
+    // handler that answers in its first step costs none. After that the `select!` is not
+    // biased: a handler that keeps its task's cooperative budget spent must not starve the
+    // renewals (see `a_handler_that_spends_its_budget_still_has_its_lease_renewed`).
     let every = config.policy.renew_every();
-    let mut renew = tokio::time::interval_at(Instant::now() + every, every);
-    let result = loop {
-        tokio::select! {
-            result = &mut operation => break result,
-            _ = renew.tick() => {
-                if let Err(error) = store.renew(&id, token, lease).await {
-                    tracing::warn!(%error, "could not renew the idempotency lease");
+    let first_renewal = Instant::now() + every;
+    let schedule = || tokio::time::interval_at(first_renewal, every);
+    let mut renewals = None;
+    let result = match futures::poll!(&mut operation) {
+        Poll::Ready(result) => result,
+        Poll::Pending => {
+            let renew = renewals.insert(schedule());
+            loop {
+                tokio::select! {
+                    result = &mut operation => break result,
+                    _ = renew.tick() => {
+                        if let Err(error) = store.renew(&id, token, lease).await {
+                            tracing::warn!(%error, "could not renew the idempotency lease");
+                        }
+                    }
                 }
             }
         }
@@ -618,7 +630,8 @@ async fn run_detached<S, ResBody>(
             if config.policy.is_cacheable(parts.status.as_u16()) {
                 advertise_expiry(&config, &mut parts);
                 // The same renewal schedule goes on: no gap at the handover.
-                stream(&config, id, token, parts, body, reply, &mut renew).await;
+                let renew = renewals.get_or_insert_with(schedule);
+                stream(&config, id, token, parts, body, reply, renew).await;
             } else {
                 Metrics::inc(&m.released, "idempotency_released_total");
                 release(&config, id, token, "outcome not cacheable").await;
