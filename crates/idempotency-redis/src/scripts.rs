@@ -120,7 +120,9 @@ return {{'i', redis.call('PTTL', KEYS[1])}}
 ///
 /// One `GET` on the common path: a hash makes it fail (`WRONGTYPE`, caught by `pcall`), and
 /// only then is the hash read. (A `TYPE` first cost Redis one more command per call.) Any
-/// other type fails the `HMGET` as it failed the `GET` before.
+/// other type fails the `HMGET` as it failed the `GET` before. (Redis counts the caught
+/// `WRONGTYPE` in `INFO errorstats`: a fenced write to a legacy record shows as one failed
+/// `GET`, until those records expire.)
 const READ_FENCED: &str = r"
 local v = redis.pcall('GET', KEYS[1])
 local legacy = type(v) == 'table'
