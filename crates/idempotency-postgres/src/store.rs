@@ -48,7 +48,9 @@ const MAX_BEGIN_ROUNDS: usize = 8;
 pub struct PostgresStore {
     pool: PgPool,
     call_timeout: Duration,
-    table: Table,
+    /// Shared: a store is cloned per call (claims and batches own one), and the names are
+    /// strings.
+    table: Arc<Table>,
     /// The statements, for `table`.
     pub(crate) sql: Statements,
     /// Group commit (`None`: one statement per call, the per-request store).
@@ -198,7 +200,7 @@ impl PostgresStoreBuilder {
             pool,
             call_timeout: self.call_timeout,
             sql: Statements::for_table(&table, ALL_SQL),
-            table,
+            table: Arc::new(table),
             batches,
         })
     }
@@ -446,7 +448,7 @@ impl PostgresStore {
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
-            table: Table::default(),
+            table: Arc::default(),
             sql: Statements::default(),
             batches: Some(batches),
         }
@@ -455,7 +457,7 @@ impl PostgresStore {
     /// This store on another key table than `idempotency_keys` (see
     /// [`PostgresStoreBuilder::table`]), for a store made with [`PostgresStore::from_pool`].
     pub fn with_table(mut self, table: &str) -> Result<Self> {
-        self.table = Table::parse(table)?;
+        self.table = Arc::new(Table::parse(table)?);
         self.sql = Statements::for_table(&self.table, ALL_SQL);
         // Queues of its own: a batch runs the statements of the store that started it, so
         // sharing the original's would run this store's calls on the other table.
