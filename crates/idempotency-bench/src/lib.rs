@@ -20,7 +20,7 @@ use std::{sync::Arc, time::Duration};
 use idempotency::{
     MemoryStore, Store,
     hybrid::{BreakerConfig, CachePolicy, HybridStore},
-    postgres::PostgresStore,
+    postgres::{GroupCommit, PostgresStore},
     redis::RedisStore,
 };
 use idempotency_test::services;
@@ -242,6 +242,35 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             ("layer redis", redis_addr),
         ];
         measured.extend(side_by_side("http-first-abba", &runs, Keys::Unique, c, d / 2).await);
+    }
+    if settings.runs("http-first-gc") {
+        // Group commit with two batches of a kind in flight against the default one, and the
+        // per-request store: A B C C B A, half as long each. Whether a second statement in
+        // flight uses the database better than one larger batch, on this machine.
+        let two = PostgresStore::builder(pg.url())
+            .max_connections(64)
+            .group_commit(GroupCommit::default().concurrency(2))
+            .connect()
+            .await?;
+        let one_addr = http_level::serve(http_level::layered(pg_store.clone())).await;
+        let two_addr = http_level::serve(http_level::layered(Arc::new(two))).await;
+        let per_request_addr = http_level::serve(http_level::layered(Arc::new(
+            PostgresStore::builder(pg.url())
+                .max_connections(64)
+                .per_request()
+                .connect()
+                .await?,
+        )))
+        .await;
+        let runs = [
+            ("layer postgres", one_addr),
+            ("layer postgres (2 in flight)", two_addr),
+            ("layer postgres (per-request)", per_request_addr),
+            ("layer postgres (per-request)", per_request_addr),
+            ("layer postgres (2 in flight)", two_addr),
+            ("layer postgres", one_addr),
+        ];
+        measured.extend(side_by_side("http-first-gc", &runs, Keys::Unique, c, d / 2).await);
     }
     let replays = [
         ("layer hybrid", http_level::layered(hybrid)),

@@ -135,6 +135,18 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
             "hand-written redis",
         ),
         (
+            "first",
+            "http-first-gc",
+            "layer postgres",
+            "layer postgres (per-request)",
+        ),
+        (
+            "first",
+            "http-first-gc",
+            "layer postgres (2 in flight)",
+            "layer postgres",
+        ),
+        (
             "replay",
             "http-replay-abba",
             "layer hybrid",

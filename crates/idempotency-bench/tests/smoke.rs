@@ -31,6 +31,7 @@ fn every_scenario_runs_and_the_report_is_written() {
         for (group, runs) in [
             ("http-first-c1", 4),
             ("http-first-abba", 10),
+            ("http-first-gc", 6),
             ("http-replay-abba", 4),
         ] {
             assert_eq!(
@@ -44,6 +45,14 @@ fn every_scenario_runs_and_the_report_is_written() {
                 .ratios
                 .iter()
                 .any(|(what, _)| what.contains("side by side: layer hybrid (adaptive)")),
+            "{:?}",
+            report.ratios
+        );
+        assert!(
+            report
+                .ratios
+                .iter()
+                .any(|(what, _)| what.contains("side by side: layer postgres (2 in flight)")),
             "{:?}",
             report.ratios
         );
