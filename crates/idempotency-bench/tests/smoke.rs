@@ -40,22 +40,16 @@ fn every_scenario_runs_and_the_report_is_written() {
                 "the side-by-side runs of {group}"
             );
         }
-        assert!(
-            report
-                .ratios
-                .iter()
-                .any(|(what, _)| what.contains("side by side: layer hybrid (adaptive)")),
-            "{:?}",
-            report.ratios
-        );
-        assert!(
-            report
-                .ratios
-                .iter()
-                .any(|(what, _)| what.contains("side by side: layer postgres (2 in flight)")),
-            "{:?}",
-            report.ratios
-        );
+        for ratio in [
+            "side by side: layer hybrid (adaptive)",
+            "side by side: layer postgres (2 in flight)",
+        ] {
+            assert!(
+                report.ratios.iter().any(|(what, _)| what.contains(ratio)),
+                "{ratio} missing: {:?}",
+                report.ratios
+            );
+        }
         assert!(
             report.timeline.iter().any(|b| b.redis_paused),
             "the fault timeline paused Redis"
