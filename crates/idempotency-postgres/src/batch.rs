@@ -61,7 +61,7 @@ pub struct GroupCommit {
     /// on a database with few cores, fewer and larger statements serve the most calls;
     /// raise it when one statement at a time cannot keep the database busy). Measured on 2
     /// cores shared by database, server and load (the bench's `http-first-gc` group), 2 in
-    /// flight served 0.83–0.96× the requests of 1 (four runs).
+    /// flight served 0.83–0.96× the requests of 1 (five runs).
     pub concurrency: usize,
     /// Calls per statement at most (default 128).
     pub max_batch: usize,
