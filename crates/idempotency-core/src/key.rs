@@ -174,11 +174,10 @@ impl RecordId {
     /// ```
     pub fn write_hex(&self, out: &mut String) {
         let mut buf = [0u8; 64];
-        // Cannot fail: the buffer is exactly twice the id's length.
-        if hex::encode_to_slice(self.0, &mut buf).is_ok() {
-            // Hex digits are ASCII.
-            out.push_str(std::str::from_utf8(&buf).unwrap_or_default());
-        }
+        // Neither can fail; if one ever did, an empty id would make every key the same key,
+        // so it must not pass silently.
+        hex::encode_to_slice(self.0, &mut buf).expect("64 bytes hold 32 bytes in hex");
+        out.push_str(std::str::from_utf8(&buf).expect("hex digits are ASCII"));
     }
 }
 
