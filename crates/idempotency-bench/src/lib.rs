@@ -208,7 +208,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         // One connection: what group commit costs a lone request (nothing, it should be).
         // Run A B B A, half as long each: a drift of the shared machine hits both alike.
         let a = http_level::serve(http_level::layered(pg_store.clone())).await;
-        let b = http_level::serve(http_level::layered(pg_per_request)).await;
+        let b = http_level::serve(http_level::layered(pg_per_request.clone())).await;
         let runs = [
             ("layer postgres", a),
             ("layer postgres (per-request)", b),
@@ -254,14 +254,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             .await?;
         let one_addr = http_level::serve(http_level::layered(pg_store.clone())).await;
         let two_addr = http_level::serve(http_level::layered(Arc::new(two))).await;
-        let per_request_addr = http_level::serve(http_level::layered(Arc::new(
-            PostgresStore::builder(pg.url())
-                .max_connections(64)
-                .per_request()
-                .connect()
-                .await?,
-        )))
-        .await;
+        let per_request_addr = http_level::serve(http_level::layered(pg_per_request)).await;
         let runs = [
             ("layer postgres", one_addr),
             ("layer postgres (2 in flight)", two_addr),
