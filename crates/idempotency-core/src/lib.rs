@@ -40,7 +40,7 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
-pub use observe::{Answer, observe};
+pub use observe::{Answer, Observed, observe};
 pub use outcome::{DecodeError, Outcome};
 pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, spawn_purger};
