@@ -382,7 +382,14 @@ impl HybridStore {
     ///
     /// Cancel-safe: the breaker permit reports nothing when dropped (a dropped probe hands
     /// the probe to the next call), and repairs taken for this call go back in the queue.
-    async fn try_redis<T>(&self, call: impl Future<Output = Result<T>>) -> Option<T> {
+    ///
+    /// `call` makes the Redis call's future once the repairs are done: held across them as a
+    /// future, it would be stored twice in this one (an `async fn`'s argument stays beside
+    /// what it awaits).
+    async fn try_redis<T, F>(&self, call: impl FnOnce() -> F) -> Option<T>
+    where
+        F: Future<Output = Result<T>>,
+    {
         let s = &self.inner;
         let Some(permit) = s.breaker.allow() else {
             s.fallback();
@@ -408,7 +415,7 @@ impl HybridStore {
             }
         }
         // The call has a budget of its own (the store's).
-        match call.await {
+        match call().await {
             Ok(value) => {
                 permit.success();
                 Some(value)
@@ -676,7 +683,7 @@ impl HybridStore {
             self.inner.redis_skipped.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("idempotency_redis_skipped_total").increment(1);
         } else {
-            match self.try_redis(self.redis.peek(id, fp)).await {
+            match self.try_redis(|| self.redis.peek(id, fp)).await {
                 Some(Peek::Found(answer)) => {
                     self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("idempotency_redis_hits_total").increment(1);
@@ -713,14 +720,14 @@ impl HybridStore {
                 self.note_mirror(token, mirror);
                 let mut mirrors = self.mirrors();
                 let mirroring = tokio::spawn(async move {
-                    this.try_redis(this.redis.cache_in_flight(&id, &fp, token, mirror))
+                    this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
                         .await;
                     this.mirrors().remove(&token);
                 });
                 mirrors.insert(token, mirroring);
             }
             (Begin::Replay(outcome), Some(ttl)) if self.caching() => {
-                self.try_redis(self.redis.cache_completed(id, fp, outcome, ttl))
+                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, ttl))
                     .await;
             }
             _ => {}
@@ -786,7 +793,7 @@ impl Store for HybridStore {
                 // nothing there and asks Postgres, which replays. So the answer need not wait.
                 let (this, id, outcome) = (self.clone(), *id, outcome.clone());
                 tokio::spawn(async move {
-                    this.try_redis(this.redis.cache_completed(&id, &fp, &outcome, ttl))
+                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, ttl))
                         .await;
                 });
                 return Ok(());
@@ -798,7 +805,7 @@ impl Store for HybridStore {
             self.mirror_landed(&token).await;
             if !ttl.is_zero()
                 && self
-                    .try_redis(self.redis.cache_completed(id, &fp, outcome, ttl))
+                    .try_redis(|| self.redis.cache_completed(id, &fp, outcome, ttl))
                     .await
                     .is_some()
             {
@@ -822,7 +829,7 @@ impl Store for HybridStore {
             // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
             // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
             let dropped = self
-                .try_redis(async {
+                .try_redis(|| async {
                     match self.redis.release(id, token).await {
                         Err(Error::LeaseLost) => Ok(()),
                         other => other,
@@ -846,7 +853,7 @@ impl Store for HybridStore {
             }
             // Noted before the call: a renew whose answer is lost may still have run.
             self.note_mirror(token, lease.min(self.mirror_ttl));
-            self.try_redis(async {
+            self.try_redis(|| async {
                 match self
                     .redis
                     .renew(id, token, lease.min(self.mirror_ttl))
@@ -898,10 +905,10 @@ impl Store for HybridStore {
             tokio::spawn(async move {
                 tokio::time::sleep(writes_over).await;
                 again.inner.repairs().push((forget, None));
-                again.try_redis(async { Ok(()) }).await;
+                again.try_redis(|| async { Ok(()) }).await;
             });
             // Run by the repair step every Redis call takes first.
-            match self.try_redis(async { Ok(()) }).await {
+            match self.try_redis(|| async { Ok(()) }).await {
                 Some(()) => Ok(found),
                 None => Err(Error::unavailable(
                     "released in Postgres, but Redis could not be told yet: its copy is \

@@ -3,6 +3,7 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
     ReleaseScope, Result, Store, detached_begin, system_time_from_millis,
@@ -564,14 +565,17 @@ impl PostgresStore {
         migrator
     }
 
-    async fn timed<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
-        match tokio::time::timeout(self.call_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::unavailable(format!(
-                "Postgres did not answer within {:?}",
-                self.call_timeout
-            ))),
-        }
+    /// `call` within the call budget. Not an `async fn`: that would hold `call` twice (its
+    /// argument and the timeout around it), and a statement's future is kilobytes.
+    fn timed<T>(&self, call: impl Future<Output = Result<T>>) -> impl Future<Output = Result<T>> {
+        let budget = self.call_timeout;
+        tokio::time::timeout(budget, call).map(move |answer| {
+            answer.unwrap_or_else(|_| {
+                Err(Error::unavailable(format!(
+                    "Postgres did not answer within {budget:?}"
+                )))
+            })
+        })
     }
 
     /// Completes the record inside the caller's transaction, so the application's own writes
@@ -642,7 +646,9 @@ impl PostgresStore {
             {
                 return Ok(answer);
             }
-            self.complete_statement(&job(), &self.pool).await
+            // Boxed: the pool's and the statement's state are kilobytes, which the batched
+            // call (the common path) would otherwise carry inline and copy on every move.
+            Box::pin(self.complete_statement(&job(), &self.pool)).await
         })
         .await
     }
@@ -1162,7 +1168,8 @@ impl Store for PostgresStore {
                 {
                     return fenced(done);
                 }
-                fenced(self.release_statement(&job(), &self.pool).await?)
+                // Boxed, as `complete`'s fallback is.
+                fenced(Box::pin(self.release_statement(&job(), &self.pool)).await?)
             })
             .await
         })
@@ -1182,7 +1189,8 @@ impl Store for PostgresStore {
                 {
                     return fenced(done);
                 }
-                fenced(self.renew_statement(&job(), &self.pool).await?)
+                // Boxed, as `complete`'s fallback is.
+                fenced(Box::pin(self.renew_statement(&job(), &self.pool)).await?)
             })
             .await
         })
@@ -1217,5 +1225,48 @@ impl Store for PostgresStore {
 
     fn name(&self) -> &'static str {
         "postgres"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_core::{IdempotencyKey, Scope};
+
+    use super::*;
+
+    /// The call budget wraps every statement's future; it must hold that future once
+    /// (an `async fn` keeps its future argument beside the one it awaits: twice the bytes,
+    /// copied on every move — rust-lang/rust#62958).
+    #[tokio::test]
+    async fn the_call_budget_adds_little_to_a_statement_future() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1/nothing")
+            .expect("a lazy pool connects nothing");
+        let store = PostgresStore::from_pool(pool);
+        let job = CompleteJob {
+            id: RecordId::new(&Scope::global(), &IdempotencyKey::new("k").expect("key")),
+            token: LeaseToken::generate(),
+            status: 201,
+            response: Vec::new(),
+            retention: Duration::from_secs(60),
+        };
+        let statement = store.complete_statement(&job, &store.pool);
+        let bare = std::mem::size_of_val(&statement);
+        let timed = store.timed(statement);
+        let size = std::mem::size_of_val(&timed);
+        assert!(
+            size < bare + 256,
+            "the budget made a {bare}-byte future {size} bytes"
+        );
+
+        // The batched call (the common path) does not carry the per-request statement's
+        // state inline: that fallback is rare, and boxed.
+        let outcome = Outcome::new(201);
+        let call = store.complete_with_fingerprint(&job.id, job.token, &outcome, job.retention);
+        let size = std::mem::size_of_val(&call);
+        assert!(
+            size < bare / 2,
+            "a batched complete is a {size}-byte future, its fallback statement {bare}"
+        );
     }
 }

@@ -5,6 +5,7 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
     Outcome, RecordId, ReleaseScope, Result, Store, detached_begin, system_time_from_millis,
@@ -544,15 +545,20 @@ impl RedisStore {
         key
     }
 
-    async fn timed<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Result<T> {
-        match tokio::time::timeout(self.budget, call).await {
+    /// `call` within the call budget. Not an `async fn`: that would hold `call` twice (its
+    /// argument and the timeout around it).
+    fn timed<T>(
+        &self,
+        call: impl Future<Output = redis::RedisResult<T>>,
+    ) -> impl Future<Output = Result<T>> {
+        let budget = self.budget;
+        tokio::time::timeout(budget, call).map(move |answer| match answer {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(Error::unavailable(error)),
             Err(_) => Err(Error::unavailable(format!(
-                "Redis did not answer within {:?}",
-                self.budget
+                "Redis did not answer within {budget:?}"
             ))),
-        }
+        })
     }
 
     /// The TTL `read_record` needs for a lease or a mirror (whether its lease is over, and
