@@ -743,6 +743,17 @@ fn an_extreme_duration_in_a_batch_fails_nobody() {
     });
 }
 
+/// The shared Postgres's URL through a [`cutting_relay`](idempotency_test::relay::cutting_relay).
+async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -> bool) -> String {
+    let pg = services::postgres().await.expect("postgres");
+    let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let port = idempotency_test::relay::cutting_relay(upstream.clone(), armed, cut).await;
+    let relayed = pg.url().replace(&upstream, &format!("127.0.0.1:{port}"));
+    assert_ne!(relayed, pg.url(), "the store goes through the relay");
+    relayed
+}
+
 /// A claim whose answer is lost on the way back (the connection breaks after Postgres
 /// committed the lease) is `Unavailable` to its caller, and the lease it wrote is given
 /// back: nothing ran, so the retry is a fresh `Execute`. Left to run out, the lease would
@@ -752,19 +763,13 @@ fn an_extreme_duration_in_a_batch_fails_nobody() {
 fn a_claim_whose_answer_is_lost_leaves_no_lease() {
     block_on(async {
         let Some(shared) = store().await else { return };
-        let pg = services::postgres().await.expect("postgres");
-        let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
-        let upstream = format!("{}:{}", options.get_host(), options.get_port());
         let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         // Every claim statement is a `WITH … INSERT … SELECT` run outside a transaction: a reply
         // carrying the `SELECT n` command tag comes after the commit.
-        let port =
-            idempotency_test::relay::cutting_relay(upstream.clone(), armed.clone(), |reply| {
-                reply.windows(7).any(|w| w == b"SELECT ")
-            })
-            .await;
-        let relayed = pg.url().replace(&upstream, &format!("127.0.0.1:{port}"));
-        assert_ne!(relayed, pg.url(), "the store goes through the relay");
+        let relayed = relayed_url(armed.clone(), |reply| {
+            reply.windows(7).any(|w| w == b"SELECT ")
+        })
+        .await;
         for store in [
             PostgresStore::builder(relayed.clone())
                 .per_request()
@@ -804,6 +809,127 @@ fn a_claim_whose_answer_is_lost_leaves_no_lease() {
                 "the lease of a claim nobody was told of is given back"
             );
             execute(&*shared, &id, &fp("a"), LONG).await;
+        }
+    });
+}
+
+/// A `begin` and a `complete` of a new key: two calls.
+async fn one_operation(store: &PostgresStore) -> idempotency_core::Result<()> {
+    let id = fresh_id();
+    match store.begin(&id, &fp("a"), LONG).await? {
+        Begin::Execute(token) => store.complete(&id, token, &Outcome::new(201), LONG).await,
+        other => panic!("a new key answered {other:?}"),
+    }
+}
+
+/// Server chunks that are a bare `ReadyForQuery` (idle): the answer to a ping (a lone
+/// `Sync`), never to a statement, whose reply carries its rows and command tag before it.
+static PINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn count_pings(reply: &[u8]) -> bool {
+    if reply == b"Z\0\0\0\x05I" {
+        PINGS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    false // never cut
+}
+
+/// A call on a connection used moments ago goes straight to its statement. sqlx's default
+/// pings every connection it hands out — one more round trip before every statement — and
+/// pings it again as it goes back to the pool (that one cannot be turned off). So a store
+/// under load sees one ping per statement, not two; a connection idle for longer than half
+/// a second is still checked before it is used (next test: the one that matters).
+#[test]
+fn a_connection_used_moments_ago_is_not_pinged_again_before_its_next_call() {
+    use std::sync::atomic::Ordering::SeqCst;
+    block_on(async {
+        let Some(_shared) = store().await else { return };
+        let never = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let relayed = relayed_url(never, count_pings).await;
+        for store in [
+            PostgresStore::builder(relayed.clone())
+                .per_request()
+                .connect()
+                .await
+                .expect("per-request store"),
+            PostgresStore::builder(relayed.clone())
+                .connect()
+                .await
+                .expect("group commit store"),
+        ] {
+            // Warm: the connections exist and the statements are prepared.
+            one_operation(&store).await.expect("complete");
+            // The pings of a connection's return run in a task of their own: let them land.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+
+            let before = PINGS.load(SeqCst);
+            let calls = 20;
+            for _ in 0..calls / 2 {
+                one_operation(&store).await.expect("complete");
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let pings = PINGS.load(SeqCst) - before;
+            assert!(
+                pings <= calls,
+                "{pings} pings for {calls} calls in a row: a ping before every statement"
+            );
+
+            // Idle for longer than the bypass window: pinged before it is used.
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            let before = PINGS.load(SeqCst);
+            let id = fresh_id();
+            execute(&store, &id, &fp("a"), LONG).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let pings = PINGS.load(SeqCst) - before;
+            assert!(
+                pings >= 2,
+                "a connection idle for 700 ms was used without a ping ({pings} pings)"
+            );
+        }
+    });
+}
+
+/// Postgres restarts while the store's connections sit idle in its pools: they are all dead,
+/// and the next call still succeeds (an idle connection is pinged before use and replaced
+/// when the ping fails), instead of failing once per dead connection.
+#[test]
+fn a_restart_while_the_pool_is_idle_fails_no_call() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::start_postgres().await;
+        for per_request in [true, false] {
+            let builder = PostgresStore::builder(pg.url()).call_timeout(Duration::from_secs(5));
+            let store = if per_request {
+                builder.per_request()
+            } else {
+                builder
+            }
+            .connect()
+            .await
+            .expect("store");
+            store.migrate().await.expect("migrate");
+            // Several connections in each pool, all idle afterwards.
+            let warm = (0..8).map(|_| one_operation(&store));
+            for done in futures::future::join_all(warm).await {
+                done.expect("complete");
+            }
+
+            let stopped = std::time::Instant::now();
+            pg.stop().await;
+            pg.start().await;
+            // Connections used less than half a second ago are not pinged (the store's
+            // bypass window): a real crash and recovery, or a failover, takes longer than
+            // that; a container restarted here may not.
+            tokio::time::sleep(Duration::from_secs(1).saturating_sub(stopped.elapsed())).await;
+
+            for _ in 0..8 {
+                let done = one_operation(&store).await;
+                assert!(
+                    done.is_ok(),
+                    "a call after the restart failed: {done:?} (per_request: {per_request})"
+                );
+            }
         }
     });
 }

@@ -70,6 +70,27 @@ pub struct PostgresStoreBuilder {
     table: String,
 }
 
+/// A connection used less than this long ago is handed out as it is; one idle for longer is
+/// pinged first, and replaced if the ping fails (HikariCP's `aliveBypassWindowMs`, same
+/// value). sqlx's default pings on every acquire: a round trip before every statement, for
+/// nothing under load, since sqlx pings each connection as it returns to the pool too.
+/// What is lost: a server that died less than this long after a connection's last use
+/// fails that connection's next call (`Unavailable`) instead of it being replaced.
+const ALIVE_BYPASS: Duration = Duration::from_millis(500);
+
+fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= ALIVE_BYPASS {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+}
+
 impl PostgresStoreBuilder {
     /// The key table (default `idempotency_keys`), optionally schema-qualified:
     /// `"payments.idempotency_keys"`. Lowercase letters, digits and `_`; anything else is an
@@ -162,7 +183,7 @@ impl PostgresStoreBuilder {
             ),
             ("default_transaction_isolation", "read committed".to_owned()),
         ]);
-        let pool = PgPoolOptions::new()
+        let pool = pool_options()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
             .connect_lazy_with(options.clone());
@@ -191,7 +212,7 @@ impl PostgresStoreBuilder {
                 ("enable_hashjoin", "off".to_owned()),
                 ("enable_mergejoin", "off".to_owned()),
             ]);
-            let pool = PgPoolOptions::new()
+            let pool = pool_options()
                 .max_connections(u32::try_from(settings.concurrency.max(1) * 4).unwrap_or(u32::MAX))
                 .acquire_timeout(self.acquire_timeout)
                 .connect_lazy_with(options);
