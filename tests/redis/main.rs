@@ -492,3 +492,33 @@ fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
         }
     });
 }
+
+/// Redis forgets its scripts on a restart or a `SCRIPT FLUSH`: the next call loads its script
+/// again and lands (the store writes its `EVALSHA` itself, with that fallback).
+#[test]
+fn a_flushed_script_cache_fails_no_call() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let redis = services::redis().await.expect("redis");
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        let () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut conn)
+            .await
+            .expect("script flush");
+        store
+            .complete(&id, token, &Outcome::new(201), LONG)
+            .await
+            .expect("complete after the flush");
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(Outcome::new(201))
+        );
+    });
+}

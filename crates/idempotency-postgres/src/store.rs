@@ -528,7 +528,9 @@ impl PostgresStore {
             .map_or_else(|| self.pool.clone(), |b| b.pool.clone())
     }
 
-    /// The pool, for the application's own queries and transactions.
+    /// The pool, for the application's own queries and transactions. Built by
+    /// [`PostgresStore::builder`], it pings a connection before handing it out only when the
+    /// connection sat idle for 500 ms or more (sqlx's default pings every time).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
