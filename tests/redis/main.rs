@@ -32,6 +32,16 @@ async fn store() -> Option<Arc<RedisStore>> {
     )
 }
 
+/// A plain connection to the shared Redis, to look at or change what the store wrote.
+async fn shared_connection() -> redis::aio::MultiplexedConnection {
+    let redis = services::redis().await.expect("redis");
+    redis::Client::open(redis.url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection")
+}
+
 idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 
 /// The same suite on a store made from the application's own `ConnectionManager` (built
@@ -77,12 +87,7 @@ mod own_connection {
                 .complete(&id, token, &Outcome::new(201), LONG)
                 .await
                 .expect("complete");
-            let redis = services::redis().await.expect("redis");
-            let mut conn = redis::Client::open(redis.url())
-                .expect("client")
-                .get_multiplexed_async_connection()
-                .await
-                .expect("connection");
+            let mut conn = shared_connection().await;
             let value: Option<Vec<u8>> = redis::cmd("GET")
                 .arg(store.key(&id))
                 .query_async(&mut conn)
@@ -301,12 +306,7 @@ fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
 fn records_of_the_earlier_layout_are_still_served() {
     block_on(async {
         let Some(store) = store().await else { return };
-        let redis = services::redis().await.expect("redis");
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
+        let mut conn = shared_connection().await;
         let now_ms: u64 = {
             let (s, us): (u64, u64) = redis::cmd("TIME")
                 .query_async(&mut conn)
@@ -499,12 +499,7 @@ fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
 fn a_flushed_script_cache_fails_no_call() {
     block_on(async {
         let Some(store) = store().await else { return };
-        let redis = services::redis().await.expect("redis");
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
+        let mut conn = shared_connection().await;
         let id = fresh_id();
         let token = execute(&*store, &id, &fp("a"), LONG).await;
         let () = redis::cmd("SCRIPT")
