@@ -70,20 +70,44 @@ pub struct PostgresStoreBuilder {
     table: String,
 }
 
-/// A connection used less than this long ago is handed out as it is; one idle for longer is
-/// pinged first, and replaced if the ping fails (HikariCP's `aliveBypassWindowMs`, same
-/// value). sqlx's default pings on every acquire: a round trip before every statement, for
-/// nothing under load, since sqlx pings each connection as it returns to the pool too.
-/// What is lost: a server that died less than this long after a connection's last use
-/// fails that connection's next call (`Unavailable`) instead of it being replaced.
+/// A connection is handed out unchecked while both it and its pool were in use less than
+/// this long ago; otherwise it is pinged first, and replaced if the ping fails (HikariCP's
+/// `aliveBypassWindowMs`, same value). sqlx's default pings on every acquire: a round trip
+/// before every statement, for nothing under load, since sqlx pings each connection as it
+/// returns to the pool too.
+///
+/// The pool's own clock is kept because sqlx's housekeeping (every ten minutes) takes each
+/// idle connection out and puts it back, which restarts the connection's idle time without
+/// using it: a quiet service would otherwise skip the check for half a second after each
+/// sweep.
+///
+/// What is lost: when the server dies less than this long after the pool was last used (a
+/// crash or failover under load), each pooled connection fails its next call
+/// (`Unavailable`; for a group-commit connection, every call in its batch) instead of being
+/// replaced first. Nothing runs twice: claims in doubt are given back, and completions are
+/// retried.
 const ALIVE_BYPASS: Duration = Duration::from_millis(500);
 
 fn pool_options() -> PgPoolOptions {
+    // When a connection last came back from a caller, in ms since `base`. Only callers'
+    // connections come back through `after_release`; the housekeeping's do not.
+    let base = std::time::Instant::now();
+    let last_use = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let since_base = move || u64::try_from(base.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let used = last_use.clone();
     PgPoolOptions::new()
         .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
+        .after_release(move |_, _| {
+            used.store(since_base(), std::sync::atomic::Ordering::Relaxed);
+            Box::pin(async { Ok(true) })
+        })
+        .before_acquire(move |conn, meta| {
+            let pool_idle =
+                since_base().saturating_sub(last_use.load(std::sync::atomic::Ordering::Relaxed));
+            let quiet =
+                meta.idle_for >= ALIVE_BYPASS || Duration::from_millis(pool_idle) >= ALIVE_BYPASS;
             Box::pin(async move {
-                if meta.idle_for >= ALIVE_BYPASS {
+                if quiet {
                     sqlx::Connection::ping(conn).await?;
                 }
                 Ok(true)
@@ -530,7 +554,9 @@ impl PostgresStore {
 
     /// The pool, for the application's own queries and transactions. Built by
     /// [`PostgresStore::builder`], it pings a connection before handing it out only when the
-    /// connection sat idle for 500 ms or more (sqlx's default pings every time).
+    /// connection or the pool sat idle for 500 ms or more (sqlx's default pings every time):
+    /// after a crash or failover under load, each pooled connection fails its next call
+    /// instead of being replaced first.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
