@@ -178,3 +178,47 @@ fn a_failing_reconcile_hook_answers_503_and_runs_nothing() {
         assert_eq!(calls.get(), 0);
     });
 }
+
+/// `drain` (shutdown) waits for a reconcile that is still settling its key, even once the
+/// request that started it is gone: exiting then would cut the outcome's write short, and the
+/// key would be asked the question again after a whole lease.
+#[test]
+fn drain_waits_for_a_reconcile_whose_request_is_gone() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let wait = Arc::new(std::sync::Mutex::new(Some(wait)));
+        let policy = OutcomeUnknown::reconcile(move |_| {
+            let wait = wait.lock().expect("lock").take();
+            async move {
+                if let Some(wait) = wait {
+                    let _ = wait.await;
+                }
+                Ok(Some(Outcome::new(201).with_body("found")))
+            }
+        });
+        let layer = layer(store.clone()).on_outcome_unknown(policy);
+        let (router, calls, _) = app(layer.clone());
+        let (key, id) = crashed_attempt(&*store).await;
+        let hung_up = tokio::time::timeout(
+            Duration::from_millis(100),
+            send(&router, "POST", Some(&key), &[], "{}"),
+        )
+        .await;
+        assert!(hung_up.is_err(), "the hook was still looking");
+
+        let mut drain = std::pin::pin!(layer.drain());
+        let early = tokio::time::timeout(Duration::from_millis(200), &mut drain).await;
+        assert!(
+            early.is_err(),
+            "drain returned while a reconcile was settling its key"
+        );
+        go.send(()).expect("the hook waits");
+        tokio::time::timeout(Duration::from_secs(5), drain)
+            .await
+            .expect("drain ends once the reconcile has");
+        let settled = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert!(settled.is_completed(), "{settled:?}");
+        assert_eq!(calls.get(), 0);
+    });
+}

@@ -43,8 +43,9 @@ pub(crate) struct Config {
     pub(crate) run_time: Arc<crate::retry_after::RunTime>,
 }
 
-/// Counts running operations (in their own tasks, or in their first step in the request's),
-/// so shutdown can wait for them.
+/// Counts running operations (in their own tasks, or in their first step in the request's)
+/// and the outcome-unknown work that settles a key in a task of its own (a reconcile hook,
+/// storing a `Reject` verdict), so shutdown can wait for them.
 #[derive(Debug, Default)]
 pub(crate) struct Detached {
     running: std::sync::atomic::AtomicUsize,
@@ -290,8 +291,9 @@ impl IdempotencyLayer {
     }
 
     /// Waits until every operation started through this layer has finished and stored its
-    /// outcome — including those whose client already hung up. Call it after the server's
-    /// graceful shutdown, before the process exits.
+    /// outcome — including those whose client already hung up — and every
+    /// [`OutcomeUnknown`](crate::OutcomeUnknown) reconcile or verdict has been stored. Call
+    /// it after the server's graceful shutdown, before the process exits.
     pub async fn drain(&self) {
         self.config.detached.drained().await;
     }

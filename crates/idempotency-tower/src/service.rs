@@ -360,7 +360,10 @@ where
                 body: body.clone(),
             };
             let (task_config, hook) = (config.clone(), hook.clone());
+            // Counted as running until its end, like an operation: `drain` waits for it.
+            let running = config.detached.enter();
             let settled = tokio::spawn(async move {
+                let _running = running;
                 let config = task_config;
                 let lease = config.policy.lease();
                 // The lease is renewed while the hook runs, and the hook gets half a lease:
@@ -428,7 +431,11 @@ where
     // Reject: the verdict is the key's outcome until an operator deletes it.
     let store_it = {
         let (config, outcome) = (config.clone(), known.clone());
-        tokio::spawn(async move { complete(&config, id, token, &outcome).await })
+        let running = config.detached.enter();
+        tokio::spawn(async move {
+            let _running = running;
+            complete(&config, id, token, &outcome).await;
+        })
     };
     let _ = store_it.await;
     let mut response = Response::new(full(known.body));
