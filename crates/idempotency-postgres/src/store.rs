@@ -1,6 +1,13 @@
 //! `PostgresStore`: the record state machine in one table, every race decided by Postgres.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use futures::FutureExt;
@@ -92,18 +99,17 @@ fn pool_options() -> PgPoolOptions {
     // When a connection last came back from a caller, in ms since `base`. Only callers'
     // connections come back through `after_release`; the housekeeping's do not.
     let base = std::time::Instant::now();
-    let last_use = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let last_use = Arc::new(AtomicU64::new(0));
     let since_base = move || u64::try_from(base.elapsed().as_millis()).unwrap_or(u64::MAX);
     let used = last_use.clone();
     PgPoolOptions::new()
         .test_before_acquire(false)
         .after_release(move |_, _| {
-            used.store(since_base(), std::sync::atomic::Ordering::Relaxed);
+            used.store(since_base(), Ordering::Relaxed);
             Box::pin(async { Ok(true) })
         })
         .before_acquire(move |conn, meta| {
-            let pool_idle =
-                since_base().saturating_sub(last_use.load(std::sync::atomic::Ordering::Relaxed));
+            let pool_idle = since_base().saturating_sub(last_use.load(Ordering::Relaxed));
             let quiet =
                 meta.idle_for >= ALIVE_BYPASS || Duration::from_millis(pool_idle) >= ALIVE_BYPASS;
             Box::pin(async move {

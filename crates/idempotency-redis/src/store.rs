@@ -373,6 +373,21 @@ fn token_forms(token: LeaseToken) -> ([u8; 16], [u8; 36]) {
     (*token.as_uuid().as_bytes(), text)
 }
 
+/// `call` within `budget`; a Redis error or no answer in time is `Unavailable`. Not an
+/// `async fn`: that would hold `call` twice (its argument and the timeout around it).
+fn within<T>(
+    budget: Duration,
+    call: impl Future<Output = redis::RedisResult<T>>,
+) -> impl Future<Output = Result<T>> {
+    tokio::time::timeout(budget, call).map(move |answer| match answer {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(Error::unavailable(error)),
+        Err(_) => Err(Error::unavailable(format!(
+            "Redis did not answer within {budget:?}"
+        ))),
+    })
+}
+
 /// Whether a command met a record of the earlier (hash) layout.
 fn wrong_type(error: &redis::RedisError) -> bool {
     error.code() == Some("WRONGTYPE")
@@ -548,20 +563,12 @@ impl RedisStore {
         key
     }
 
-    /// `call` within the call budget. Not an `async fn`: that would hold `call` twice (its
-    /// argument and the timeout around it).
+    /// `call` within the call budget.
     fn timed<T>(
         &self,
         call: impl Future<Output = redis::RedisResult<T>>,
     ) -> impl Future<Output = Result<T>> {
-        let budget = self.budget;
-        tokio::time::timeout(budget, call).map(move |answer| match answer {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(Error::unavailable(error)),
-            Err(_) => Err(Error::unavailable(format!(
-                "Redis did not answer within {budget:?}"
-            ))),
-        })
+        within(self.budget, call)
     }
 
     /// The TTL `read_record` needs for a lease or a mirror (whether its lease is over, and
@@ -711,13 +718,7 @@ impl RedisStore {
                 answer => answer,
             }
         };
-        match tokio::time::timeout(budget, call).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(Error::unavailable(error)),
-            Err(_) => Err(Error::unavailable(format!(
-                "Redis did not answer within {budget:?}"
-            ))),
-        }
+        within(budget, call).await
     }
 
     /// The claim, run to its end even if `begin` is dropped (see [`Store::begin`]): a plain
