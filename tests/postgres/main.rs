@@ -698,6 +698,52 @@ fn a_locked_row_does_not_stall_its_batch() {
     });
 }
 
+/// A lone call runs its statement in its caller's future. One that is held but never polled
+/// again (its caller parked on something else, without dropping it) must not keep its batch
+/// slot, and with it every claim after it, for as long as the caller holds it: past the
+/// batch deadline the next call hands the slot to a drain. Before, that call queued behind
+/// the held slot and ran out of its budget, and so did every call after it.
+#[test]
+fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
+    block_on(async {
+        let Some(store) = group_commit_store(Duration::from_millis(100)).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let (first, a) = (fresh_id(), fp("a"));
+        let mut stalled = Box::pin(store.begin(&first, &a, LONG));
+        assert!(
+            futures::poll!(&mut stalled).is_pending(),
+            "the lone claim waits on Postgres"
+        );
+        // The batch deadline is twice the call budget (1 s here).
+        tokio::time::sleep(store.call_timeout() * 2 + Duration::from_millis(200)).await;
+        let answer = store.begin(&fresh_id(), &fp("a"), LONG).await;
+        assert!(
+            matches!(answer, Ok(Begin::Execute(_))),
+            "a claim behind a stalled one: {answer:?}"
+        );
+        // Polled again, the stalled call ends (its own answer, or out of its budget) and
+        // gives back no slot it no longer holds: claims alone and together still run.
+        let late = stalled.await;
+        assert!(
+            matches!(late, Ok(Begin::Execute(_)) | Err(Error::Unavailable(_))),
+            "{late:?}"
+        );
+        for _ in 0..4 {
+            execute(&*store, &fresh_id(), &fp("a"), LONG).await;
+        }
+        let together = (0..32).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { execute(&*store, &fresh_id(), &fp("a"), LONG).await })
+        });
+        for claimed in futures::future::join_all(together).await {
+            claimed.expect("task");
+        }
+        execute(&*store, &fresh_id(), &fp("a"), LONG).await;
+    });
+}
+
 /// One call's odd input must not fail the calls batched with it: a retention of
 /// `Duration::MAX` (past Postgres' interval range, before it was capped) used to fail the
 /// whole statement, and every `complete` in it with `Unavailable`.

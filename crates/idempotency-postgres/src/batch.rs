@@ -17,7 +17,9 @@
 //! Batches of more than one run in tasks of their own: a caller that goes away does not take
 //! its neighbours' answers with it, and its own call still lands (which every store call may
 //! do; `begin`'s callers are protected by `detached_claim`). A batch of one runs in its
-//! caller's task, as the per-request statement would.
+//! caller's task, as the per-request statement would; should that caller keep its future
+//! without polling it, the slot passes to a drain task once the batch deadline has gone by,
+//! so one parked caller cannot stall every call after it.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -248,7 +250,33 @@ pub(crate) struct Batcher<J, R> {
 struct Queue<J, R> {
     waiting: VecDeque<(J, Reply<R>)>,
     running: usize,
+    /// The slots lone calls hold (among `running`), by ticket, with when each took it.
+    lone: Vec<(u64, tokio::time::Instant)>,
+    tickets: u64,
     stats: GroupCommitStats,
+}
+
+impl<J, R> Queue<J, R> {
+    /// Takes the slot of a lone call that has held it past its batch deadline, if any. A
+    /// lone call runs in its caller's future: one that is held but no longer polled (a
+    /// caller parked on something else) would hold its slot, and so every call queued
+    /// behind it, for as long as the caller keeps it. Past the deadline a polled call has
+    /// ended (its timer fired), so a slot still held then is handed to a drain. The stalled
+    /// call keeps its own statement, and gives back nothing when it ends.
+    fn take_stalled(&mut self, deadline: Duration) -> bool {
+        let now = tokio::time::Instant::now();
+        match self
+            .lone
+            .iter()
+            .position(|(_, took)| now - *took > deadline)
+        {
+            Some(i) => {
+                self.lone.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl<J, R> std::fmt::Debug for Batcher<J, R> {
@@ -263,6 +291,8 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 running: 0,
+                lone: Vec::new(),
+                tickets: 0,
                 stats: GroupCommitStats::default(),
             }),
             run,
@@ -282,7 +312,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     ///
     /// A call that finds a slot free and nobody waiting runs as a batch of one in the
     /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
-    /// starts a draining task if a slot is free. A full queue (`max_batch` × 32 calls
+    /// starts a draining task if a slot is free, or held by a lone call past its deadline. A full queue (`max_batch` × 32 calls
     /// waiting) refuses at once with `Unavailable`: back-pressure, not an ever longer wait.
     pub(crate) async fn call(
         &self,
@@ -299,7 +329,10 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             if queue.running < settings.concurrency && queue.waiting.is_empty() {
                 queue.running += 1;
                 queue.stats.statements += 1;
-                None
+                queue.tickets += 1;
+                let ticket = queue.tickets;
+                queue.lone.push((ticket, tokio::time::Instant::now()));
+                Start::Lone(ticket)
             } else if queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
                 return Err(Error::unavailable(
                     "the group commit queue is full: Postgres is not keeping up",
@@ -312,28 +345,30 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 if start {
                     queue.running += 1;
                 }
-                Some(start)
+                Start::Queued {
+                    drain: start || queue.take_stalled(batch_deadline(store)),
+                }
             }
         };
         // From here, a slot taken above is owned by a guard, whatever happens next.
-        let slot = |handed| Slot {
+        let slot = |lone| Slot {
             store: store.clone(),
             select,
-            handed,
+            lone,
             released: false,
         };
         match (start, job) {
-            (None, Some(job)) => {
+            (Start::Lone(ticket), Some(job)) => {
                 // Dropped with calls queued behind it, the slot passes to a drain task.
-                let _slot = slot(true);
+                let _slot = slot(Some(ticket));
                 let mut answers = run_bounded(self.run, store, vec![job]).await;
                 answers
                     .pop()
                     .unwrap_or_else(|| Err(Error::unavailable("a batch lost its answer")))
             }
             (start, _) => {
-                if start == Some(true) {
-                    tokio::spawn(drain(slot(false)));
+                if let Start::Queued { drain: true } = start {
+                    tokio::spawn(drain(slot(None)));
                 }
                 answer.await.unwrap_or_else(|_| {
                     Err(Error::unavailable("the batch ended without an answer"))
@@ -341,6 +376,17 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             }
         }
     }
+}
+
+/// How a call goes: alone in its own future, holding the slot of this ticket, or queued
+/// (starting a drain task when it found a slot for one).
+enum Start {
+    Lone(u64),
+    Queued { drain: bool },
+}
+
+fn batch_deadline(store: &PostgresStore) -> Duration {
+    store.call_timeout() * 2
 }
 
 /// A batch with a deadline of its own: a connection that hangs (a half-open socket after a
@@ -353,7 +399,7 @@ async fn run_bounded<J: Keyed, R>(
 ) -> Answers<R> {
     let n = jobs.len();
     let claims: Vec<_> = jobs.iter().filter_map(Keyed::claim).collect();
-    let deadline = store.call_timeout() * 2;
+    let deadline = batch_deadline(store);
     match tokio::time::timeout(deadline, run(store.clone(), jobs)).await {
         Ok(answers) => answers,
         Err(_) => {
@@ -375,9 +421,10 @@ async fn run_bounded<J: Keyed, R>(
 struct Slot<J: Keyed + Send + 'static, R: Send + 'static> {
     store: PostgresStore,
     select: fn(&Batches) -> &Batcher<J, R>,
-    /// A lone call's slot passes to a drain task when calls queued behind it; a drain's
-    /// does not (it ends only when the queue is empty, or abnormally).
-    handed: bool,
+    /// A lone call's ticket. Its slot passes to a drain task when calls queued behind it
+    /// (unless a drain took it already, the call having stalled); a drain's does not pass
+    /// (it ends only when the queue is empty, or abnormally).
+    lone: Option<u64>,
     /// Given back already (a drain that found the queue empty).
     released: bool,
 }
@@ -397,11 +444,20 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Drop for Slot<J, R> {
             return;
         };
         let mut queue = batcher.lock();
+        if let Some(ticket) = self.lone {
+            match queue.lone.iter().position(|(held, _)| *held == ticket) {
+                Some(i) => {
+                    queue.lone.swap_remove(i);
+                }
+                // A drain has its slot already (`take_stalled`).
+                None => return,
+            }
+        }
         if queue.waiting.is_empty() {
             queue.running -= 1;
             return;
         }
-        if self.handed
+        if self.lone.is_some()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             // Calls queued behind this one: a drain task takes the slot over.
@@ -409,7 +465,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Drop for Slot<J, R> {
             runtime.spawn(drain(Slot {
                 store: self.store.clone(),
                 select: self.select,
-                handed: false,
+                lone: None,
                 released: false,
             }));
             return;
