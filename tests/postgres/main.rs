@@ -744,6 +744,46 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
     });
 }
 
+/// The same with the queue full behind the stalled call (its callers gave up; their claims
+/// still wait, detached): a call after the deadline hands the slot to a drain and joins it.
+/// Before, the full queue was checked first and refused every call, and none ever started
+/// the drain that would have emptied it.
+#[test]
+fn a_queue_that_filled_behind_a_stalled_call_empties() {
+    block_on(async {
+        let pg = services::postgres().await.expect("postgres");
+        let store = PostgresStore::builder(pg.url())
+            .call_timeout(Duration::from_secs(1))
+            // At most 32 calls wait.
+            .group_commit(
+                idempotency_postgres::GroupCommit::default()
+                    .concurrency(1)
+                    .max_batch(1),
+            )
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let store = Arc::new(store);
+        let (first, a) = (fresh_id(), fp("a"));
+        let mut stalled = Box::pin(store.begin(&first, &a, LONG));
+        assert!(futures::poll!(&mut stalled).is_pending());
+        let behind = (0..40).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&fresh_id(), &fp("a"), LONG).await })
+        });
+        for answer in futures::future::join_all(behind).await {
+            let answer = answer.expect("task");
+            assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+        }
+        tokio::time::sleep(store.call_timeout() * 2 + Duration::from_millis(200)).await;
+        let answer = store.begin(&fresh_id(), &fp("a"), LONG).await;
+        assert!(matches!(answer, Ok(Begin::Execute(_))), "{answer:?}");
+        drop(stalled);
+        execute(&*store, &fresh_id(), &fp("a"), LONG).await;
+    });
+}
+
 /// One call's odd input must not fail the calls batched with it: a retention of
 /// `Duration::MAX` (past Postgres' interval range, before it was capped) used to fail the
 /// whole statement, and every `complete` in it with `Unavailable`.

@@ -333,20 +333,23 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 let ticket = queue.tickets;
                 queue.lone.push((ticket, tokio::time::Instant::now()));
                 Start::Lone(ticket)
-            } else if queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
-                return Err(Error::unavailable(
-                    "the group commit queue is full: Postgres is not keeping up",
-                ));
             } else {
-                if let Some(job) = job.take() {
-                    queue.waiting.push_back((job, reply));
-                }
-                let start = queue.running < settings.concurrency;
-                if start {
+                let drain = if queue.running < settings.concurrency {
                     queue.running += 1;
-                }
-                Start::Queued {
-                    drain: start || queue.take_stalled(batch_deadline(store)),
+                    true
+                } else {
+                    queue.take_stalled(batch_deadline(store))
+                };
+                // Checked after the takeover: a queue that filled up behind a stalled call
+                // would otherwise refuse every call, and none would ever start its drain.
+                // The call that starts one joins it, full or not.
+                if !drain && queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
+                    Start::Full
+                } else {
+                    if let Some(job) = job.take() {
+                        queue.waiting.push_back((job, reply));
+                    }
+                    Start::Queued { drain }
                 }
             }
         };
@@ -366,6 +369,9 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                     .pop()
                     .unwrap_or_else(|| Err(Error::unavailable("a batch lost its answer")))
             }
+            (Start::Full, _) => Err(Error::unavailable(
+                "the group commit queue is full: Postgres is not keeping up",
+            )),
             (start, _) => {
                 if let Start::Queued { drain: true } = start {
                     tokio::spawn(drain(slot(None)));
@@ -378,11 +384,12 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     }
 }
 
-/// How a call goes: alone in its own future, holding the slot of this ticket, or queued
-/// (starting a drain task when it found a slot for one).
+/// How a call goes: alone in its own future, holding the slot of this ticket; queued
+/// (starting a drain task when it found a slot for one); or refused, the queue being full.
 enum Start {
     Lone(u64),
     Queued { drain: bool },
+    Full,
 }
 
 fn batch_deadline(store: &PostgresStore) -> Duration {
