@@ -486,6 +486,49 @@ fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     });
 }
 
+/// The layer counts a lease from the ask: a claim answered with half its lease or less left
+/// (the request future was held without being polled, its runtime starved) may already be
+/// taken over by a retry that is running the handler. It is 503, the handler does not run,
+/// and the lease is given back, so the retry runs it once, as a fresh execution.
+#[test]
+fn a_claim_answered_late_is_503_and_given_back() {
+    block_on(async {
+        let lease = Duration::from_millis(400);
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            lease,
+        ));
+        let policy = idempotency_core::Policy::default().with_lease(lease);
+        // A `TakeOver` (a lease left to run out) would be 409 here, not a fresh run.
+        let layer = layer(store.clone())
+            .policy(policy)
+            .on_outcome_unknown(idempotency_tower::OutcomeUnknown::Reject);
+        let (router, calls, _) = app(layer);
+        let late = send(&router, "POST", Some("late"), &[], "{}").await;
+        assert_eq!(late.status, 503);
+        assert_eq!(
+            late.problem_type(),
+            "urn:idempotency:problem:store-unavailable"
+        );
+        assert_eq!(calls.get(), 0);
+        // Given back in a task of its own: wait for the record to go.
+        let id = idempotency_core::RecordId::new(
+            &idempotency_core::Scope::global(),
+            &idempotency_core::IdempotencyKey::new("late").expect("key"),
+        );
+        for _ in 0..500 {
+            if store.inner().inspect(&id).await.expect("inspect").is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        store.set_delay(Duration::ZERO);
+        let retry = send(&router, "POST", Some("late"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 #[test]
 fn an_oversized_response_still_completes_the_record() {
     block_on(async {

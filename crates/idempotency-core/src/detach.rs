@@ -273,6 +273,57 @@ pub async fn release_orphan<S: crate::Store + ?Sized>(
     }
 }
 
+/// Keeps a lease only if it is still safe to act on when its answer is read: half of
+/// `lease` or more left, by the caller's clock, counted from `asked` (read before the claim
+/// was sent).
+///
+/// A store counts the lease from when it ran the claim, which is after `asked`: at least
+/// `lease - asked.elapsed()` is left. An answer read late — the caller held its future
+/// without polling it, its runtime was starved — may carry a lease that is nearly over, or
+/// over and already taken by a retry that is running the operation now: acting on it would
+/// run the operation twice, and the first renewal (a third of the lease after the answer)
+/// would come too late to stop that. Such an `Execute` is given back (with
+/// [`release_orphan`], in a task of its own); a `TakeOver` is left to run out, so that its
+/// record of the unfinished attempt stays. Either way the caller gets
+/// [`Error::Unavailable`](crate::Error::Unavailable): nothing ran, retry.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotency_core::{within_lease, Begin, Fingerprint, MemoryStore, RecordId, Store};
+/// use tokio::time::Instant;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = Arc::new(MemoryStore::new());
+/// let (id, fp, lease) = (RecordId::from_bytes([7; 32]), Fingerprint::of(b"body"), Duration::from_secs(30));
+/// let asked = Instant::now();
+/// let answer = store.begin(&id, &fp, lease).await;
+/// assert!(matches!(within_lease(&store, &id, asked, lease, answer), Ok(Begin::Execute(_))));
+/// # }
+/// ```
+pub fn within_lease<S: crate::Store + ?Sized>(
+    store: &std::sync::Arc<S>,
+    id: &crate::RecordId,
+    asked: tokio::time::Instant,
+    lease: std::time::Duration,
+    answer: Result<Begin>,
+) -> Result<Begin> {
+    let waited = asked.elapsed();
+    let token = match &answer {
+        Ok(Begin::Execute(token) | Begin::TakeOver(token)) if waited >= lease / 2 => *token,
+        _ => return answer,
+    };
+    tracing::warn!(record = %id, ?waited, ?lease, "a claim was answered too late to act on its lease; giving it back");
+    if let Ok(Begin::Execute(_)) = answer
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        let (store, id) = (store.clone(), *id);
+        runtime.spawn(async move { release_orphan(&*store, &id, token).await });
+    }
+    Err(crate::Error::unavailable(format!(
+        "the claim was answered {waited:?} after it was asked, with half or less of its {lease:?} lease left"
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use std::{

@@ -129,7 +129,10 @@ impl<S: Store + ?Sized> Executor<S> {
     {
         let id = RecordId::new(scope, key);
         let lease = self.policy.lease();
-        let token = match self.store.begin(&id, fingerprint, lease).await {
+        // The lease counts from the ask, not from the answer (see `within_lease`).
+        let asked = Instant::now();
+        let answer = self.store.begin(&id, fingerprint, lease).await;
+        let token = match crate::within_lease(&self.store, &id, asked, lease, answer) {
             Ok(Begin::Execute(token)) => token,
             Ok(Begin::TakeOver(token)) => {
                 // An earlier attempt's lease ran out before it stored a result: it may have

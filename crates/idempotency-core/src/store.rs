@@ -193,6 +193,10 @@ impl Begin {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims the record, or says why not. See the trait docs for the state machine.
+    ///
+    /// A granted lease runs from when the store decided, some time after the call: count it
+    /// from before the call, and do not act on a grant read with half of it or less left.
+    /// [`within_lease`](crate::within_lease) does that; the executor and the layer use it.
     async fn begin(
         &self,
         id: &RecordId,

@@ -16,6 +16,7 @@
 
 pub mod conformance;
 pub mod http;
+pub mod late;
 pub mod relay;
 pub mod services;
 pub mod stores;

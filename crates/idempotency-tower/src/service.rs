@@ -467,8 +467,12 @@ enum Reconciled {
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
     let store = config.store.clone();
     let lease = config.policy.lease();
+    // The lease counts from the ask, not from the answer: one read late is given back
+    // (see `within_lease`).
+    let asked = Instant::now();
     let claim = async move { store.begin(&id, &fingerprint, lease).await };
-    detached_begin(config.store.clone(), id, claim).await
+    let answer = detached_begin(config.store.clone(), id, claim).await;
+    idempotency_core::within_lease(&config.store, &id, asked, lease, answer)
 }
 
 /// Runs the operation in its own task, so a client that disconnects does not cancel it:

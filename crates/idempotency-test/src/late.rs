@@ -1,0 +1,87 @@
+//! A store whose `begin` answers late: how an answer looks to a caller whose future was held
+//! without being polled, or whose runtime was starved, after the store had decided.
+
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use idempotency_core::{
+    Begin, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId, ReleaseScope,
+    Result, Store,
+};
+
+/// Wraps a store; its `begin` decides at once and answers `delay` later. Every other call
+/// goes straight through.
+#[derive(Debug)]
+pub struct LateBegin<S> {
+    inner: S,
+    delay_ms: AtomicU64,
+}
+
+impl<S: Store> LateBegin<S> {
+    /// `inner`, whose `begin` answers `delay` after it decided.
+    pub fn new(inner: S, delay: Duration) -> Self {
+        let this = Self {
+            inner,
+            delay_ms: AtomicU64::new(0),
+        };
+        this.set_delay(delay);
+        this
+    }
+
+    /// Changes the delay of the next answers.
+    pub fn set_delay(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The wrapped store, answering at once.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: Store> Store for LateBegin<S> {
+    async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let answer = self.inner.begin(id, fp, lease).await;
+        let delay = Duration::from_millis(self.delay_ms.load(Ordering::SeqCst));
+        tokio::time::sleep(delay).await;
+        answer
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        outcome: &Outcome,
+        retention: Duration,
+    ) -> Result<()> {
+        self.inner.complete(id, token, outcome, retention).await
+    }
+
+    async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        self.inner.release(id, token).await
+    }
+
+    async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        self.inner.renew(id, token, lease).await
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64> {
+        self.inner.purge_expired(batch).await
+    }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        self.inner.inspect(id).await
+    }
+
+    async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
+        self.inner.force_release(id, scope).await
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
