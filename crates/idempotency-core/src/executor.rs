@@ -57,10 +57,12 @@ pub enum RunError<E> {
 /// The operation's `Ok` value is serialised (JSON) into the store and returned to every repeat;
 /// an `Err` releases the key so a later delivery runs again. Return `Ok` for every result that
 /// must not run twice — business failures included ("card declined" is a result) — and `Err`
-/// only for transient failures. While the operation runs its lease is renewed; a panic releases
-/// it. A crash leaves the lease to expire, after which a redelivery runs again: make the
-/// effect itself idempotent (a unique constraint on the record id, or
-/// `PostgresStore::complete_in` in the effect's transaction) where that window matters.
+/// only for transient failures. While the operation runs its lease is renewed, by a task of
+/// its own, so also while the caller holds the future without polling it (the key then stays
+/// in flight); a panic releases it. A crash leaves the lease to expire, after which a
+/// redelivery runs again: make the effect itself idempotent (a unique constraint on the
+/// record id, or `PostgresStore::complete_in` in the effect's transaction) where that window
+/// matters.
 ///
 /// A failing `complete` is retried, renewing the lease, for up to one lease (the store
 /// accepts a late completion as long as nobody took over); if it still fails the answer is
@@ -166,21 +168,10 @@ impl<S: Store + ?Sized> Executor<S> {
             token,
             outcome: None,
             settled: false,
+            renewing: renew_in_a_task(self.store.clone(), id, token, &self.policy),
         };
-        let operation = AssertUnwindSafe(op()).catch_unwind();
-        tokio::pin!(operation);
-        let every = self.policy.renew_every();
-        let mut renew = tokio::time::interval_at(Instant::now() + every, every);
-        let result = loop {
-            tokio::select! {
-                result = &mut operation => break result,
-                _ = renew.tick() => {
-                    if let Err(error) = self.store.renew(&id, token, lease).await {
-                        tracing::warn!(%error, record = %id, "could not renew the lease");
-                    }
-                }
-            }
-        };
+        let result = AssertUnwindSafe(op()).catch_unwind().await;
+        guard.renewing.abort();
         match result {
             Err(_panic) => {
                 guard.release().await;
@@ -228,6 +219,31 @@ impl<S: Store + ?Sized> Executor<S> {
 /// The stored body of a result that did not serialise; it does not decode as JSON.
 const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 
+/// Renews the lease of a running operation until aborted, in a task of its own. The
+/// operation runs in its caller's future (it may borrow from it), but its renewals must not
+/// depend on that future being polled: a caller that holds it while busy elsewhere (an outer
+/// `select!` awaiting another branch's body) would let the lease lapse, and a redelivery
+/// would take the key over and run the operation a second time. Held like that, the key
+/// stays in flight instead, until the future is polled to its end or dropped.
+fn renew_in_a_task<S: Store + ?Sized>(
+    store: Arc<S>,
+    id: RecordId,
+    token: LeaseToken,
+    policy: &Policy,
+) -> tokio::task::AbortHandle {
+    let (lease, every) = (policy.lease(), policy.renew_every());
+    tokio::spawn(async move {
+        let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+        loop {
+            renew.tick().await;
+            if let Err(error) = store.renew(&id, token, lease).await {
+                tracing::warn!(%error, record = %id, "could not renew the lease");
+            }
+        }
+    })
+    .abort_handle()
+}
+
 /// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.
 struct LeaseGuard<S: Store + ?Sized> {
     store: Arc<S>,
@@ -237,6 +253,10 @@ struct LeaseGuard<S: Store + ?Sized> {
     /// Set once the operation succeeded: then dropping stores it instead of releasing.
     outcome: Option<Outcome>,
     settled: bool,
+    /// The renewals, stopped once the operation ended (or its future was dropped). A renewal
+    /// cut off mid-call may still land; it is fenced on the token and the in-flight state, so
+    /// after the release or the completion it changes nothing.
+    renewing: tokio::task::AbortHandle,
 }
 
 impl<S: Store + ?Sized> LeaseGuard<S> {
@@ -250,6 +270,7 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
 
 impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
     fn drop(&mut self) {
+        self.renewing.abort();
         if self.settled {
             return;
         }
@@ -327,6 +348,45 @@ mod tests {
 
     fn key(k: &str) -> IdempotencyKey {
         IdempotencyKey::new(k).unwrap()
+    }
+
+    /// A run whose caller holds its future without polling it (busy in another branch of a
+    /// `select!`) keeps its lease: a redelivery meanwhile finds the key in flight. Before,
+    /// the renewals ran in that future, the lease lapsed, and the redelivery took the key
+    /// over and ran the operation a second time.
+    #[tokio::test(start_paused = true)]
+    async fn a_run_held_without_polling_keeps_its_lease() {
+        let lease = Duration::from_secs(3);
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(lease));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let runs = AtomicUsize::new(0);
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let held = executor.run(&scope, &k, &fp, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let _ = wait.await;
+            Ok::<_, &str>(1u32)
+        });
+        tokio::pin!(held);
+        assert!(
+            futures::poll!(&mut held).is_pending(),
+            "the operation waits"
+        );
+        tokio::time::sleep(lease * 3).await;
+        let redelivered = executor
+            .run(&scope, &k, &fp, || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, &str>(2u32)
+            })
+            .await;
+        assert!(
+            matches!(redelivered, Err(RunError::InFlight { .. })),
+            "{redelivered:?}"
+        );
+        go.send(()).unwrap();
+        let done = held.await.unwrap();
+        assert_eq!((done.value, done.replayed), (1, false));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
