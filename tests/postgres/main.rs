@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use idempotency_core::{Begin, Error, Outcome, Store};
-use idempotency_postgres::PostgresStore;
+use idempotency_postgres::{GroupCommit, PostgresStore};
 use idempotency_test::{
     block_on,
     conformance::{LONG, PAST_SHORT, SHORT, execute, fp, fresh_id},
@@ -596,20 +596,34 @@ fn serializable_sessions_do_not_turn_races_into_errors() {
 /// A store of its own on the shared Postgres, one batch of each kind in flight at a time, so
 /// that concurrent calls must queue behind it and share statements.
 async fn group_commit_store(lock_timeout: Duration) -> Option<PostgresStore> {
+    group_commit_store_with(GroupCommit::default().lock_timeout(lock_timeout)).await
+}
+
+/// [`group_commit_store`] with other settings (still one batch of a kind in flight).
+async fn group_commit_store_with(settings: GroupCommit) -> Option<PostgresStore> {
     let pg = services::postgres().await?;
     let store = PostgresStore::builder(pg.url())
         .statement_timeout(Duration::from_secs(5))
         .call_timeout(Duration::from_secs(1))
-        .group_commit(
-            idempotency_postgres::GroupCommit::default()
-                .concurrency(1)
-                .lock_timeout(lock_timeout),
-        )
+        .group_commit(settings.concurrency(1))
         .connect()
         .await
         .expect("store");
     store.migrate().await.expect("migrate");
     Some(store)
+}
+
+/// A claim polled once (it took its kind's batch slot and waits on Postgres), then held.
+async fn stalled_claim(
+    store: &Arc<PostgresStore>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = idempotency_core::Result<Begin>> + Send>> {
+    let (store, id, a) = (store.clone(), fresh_id(), fp("a"));
+    let mut stalled = Box::pin(async move { store.begin(&id, &a, LONG).await });
+    assert!(
+        futures::poll!(&mut stalled).is_pending(),
+        "the lone claim waits on Postgres"
+    );
+    stalled
 }
 
 #[test]
@@ -710,12 +724,7 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
             return;
         };
         let store = Arc::new(store);
-        let (first, a) = (fresh_id(), fp("a"));
-        let mut stalled = Box::pin(store.begin(&first, &a, LONG));
-        assert!(
-            futures::poll!(&mut stalled).is_pending(),
-            "the lone claim waits on Postgres"
-        );
+        let stalled = stalled_claim(&store).await;
         // The batch deadline is twice the call budget (1 s here).
         tokio::time::sleep(store.call_timeout() * 2 + Duration::from_millis(200)).await;
         let answer = store.begin(&fresh_id(), &fp("a"), LONG).await;
@@ -751,23 +760,12 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
 #[test]
 fn a_queue_that_filled_behind_a_stalled_call_empties() {
     block_on(async {
-        let pg = services::postgres().await.expect("postgres");
-        let store = PostgresStore::builder(pg.url())
-            .call_timeout(Duration::from_secs(1))
-            // At most 32 calls wait.
-            .group_commit(
-                idempotency_postgres::GroupCommit::default()
-                    .concurrency(1)
-                    .max_batch(1),
-            )
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
+        // At most 32 calls wait.
+        let Some(store) = group_commit_store_with(GroupCommit::default().max_batch(1)).await else {
+            return;
+        };
         let store = Arc::new(store);
-        let (first, a) = (fresh_id(), fp("a"));
-        let mut stalled = Box::pin(store.begin(&first, &a, LONG));
-        assert!(futures::poll!(&mut stalled).is_pending());
+        let stalled = stalled_claim(&store).await;
         let behind = (0..40).map(|_| {
             let store = store.clone();
             tokio::spawn(async move { store.begin(&fresh_id(), &fp("a"), LONG).await })
