@@ -168,10 +168,20 @@ impl<S: Store + ?Sized> Executor<S> {
             token,
             outcome: None,
             settled: false,
-            renewing: renew_in_a_task(self.store.clone(), id, token, &self.policy),
+            renewing: None,
         };
-        let result = AssertUnwindSafe(op()).catch_unwind().await;
-        guard.renewing.abort();
+        // The renewals' task is made only once the operation has to wait: one that answers
+        // in its first step needs none (the layer does the same with its timer).
+        let operation = AssertUnwindSafe(op()).catch_unwind();
+        tokio::pin!(operation);
+        let result = match futures::poll!(&mut operation) {
+            std::task::Poll::Ready(result) => result,
+            std::task::Poll::Pending => {
+                guard.renewing = Some(renew_in_a_task(self.store.clone(), id, token, &self.policy));
+                operation.await
+            }
+        };
+        guard.stop_renewing();
         match result {
             Err(_panic) => {
                 guard.release().await;
@@ -253,13 +263,19 @@ struct LeaseGuard<S: Store + ?Sized> {
     /// Set once the operation succeeded: then dropping stores it instead of releasing.
     outcome: Option<Outcome>,
     settled: bool,
-    /// The renewals, stopped once the operation ended (or its future was dropped). A renewal
-    /// cut off mid-call may still land; it is fenced on the token and the in-flight state, so
-    /// after the release or the completion it changes nothing.
-    renewing: tokio::task::AbortHandle,
+    /// The renewals, if the operation had to wait; stopped once it ended (or its future was
+    /// dropped). A renewal cut off mid-call may still land; it is fenced on the token and the
+    /// in-flight state, so after the release or the completion it changes nothing.
+    renewing: Option<tokio::task::AbortHandle>,
 }
 
 impl<S: Store + ?Sized> LeaseGuard<S> {
+    fn stop_renewing(&mut self) {
+        if let Some(renewing) = self.renewing.take() {
+            renewing.abort();
+        }
+    }
+
     async fn release(&mut self) {
         if let Err(error) = self.store.release(&self.id, self.token).await {
             tracing::warn!(%error, record = %self.id, "could not release the lease; it expires by itself");
@@ -270,7 +286,7 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
 
 impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
     fn drop(&mut self) {
-        self.renewing.abort();
+        self.stop_renewing();
         if self.settled {
             return;
         }

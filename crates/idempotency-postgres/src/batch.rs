@@ -312,8 +312,9 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     ///
     /// A call that finds a slot free and nobody waiting runs as a batch of one in the
     /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
-    /// starts a draining task if a slot is free, or held by a lone call past its deadline. A full queue (`max_batch` × 32 calls
-    /// waiting) refuses at once with `Unavailable`: back-pressure, not an ever longer wait.
+    /// starts a draining task if a slot is free, or held by a lone call past its deadline. A
+    /// full queue (`max_batch` × 32 calls waiting) refuses at once with `Unavailable`:
+    /// back-pressure, not an ever longer wait; only a call that starts a drain joins it.
     pub(crate) async fn call(
         &self,
         store: &PostgresStore,
