@@ -512,10 +512,7 @@ fn a_claim_answered_late_is_503_and_given_back() {
         );
         assert_eq!(calls.get(), 0);
         // Given back in a task of its own: wait for the record to go.
-        let id = idempotency_core::RecordId::new(
-            &idempotency_core::Scope::global(),
-            &idempotency_core::IdempotencyKey::new("late").expect("key"),
-        );
+        let id = record_id("late");
         for _ in 0..500 {
             if store.inner().inspect(&id).await.expect("inspect").is_none() {
                 break;
@@ -524,6 +521,69 @@ fn a_claim_answered_late_is_503_and_given_back() {
         }
         store.set_delay(Duration::ZERO);
         let retry = send(&router, "POST", Some("late"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
+/// The record a key names under the test layer's scope (`x-account-id`, else `anonymous`).
+fn record_id(key: &str) -> idempotency_core::RecordId {
+    idempotency_core::RecordId::new(
+        &idempotency_core::Scope::new("anonymous"),
+        &idempotency_core::IdempotencyKey::new(key).expect("key"),
+    )
+}
+
+/// A memory store whose `begin` answers `late` after it decided, and whose `release` takes
+/// 300 ms: long enough to see who waits for a lease being given back.
+fn slow_to_give_back(late: Duration) -> Arc<idempotency_test::late::LateBegin<MemoryStore>> {
+    let store = idempotency_test::late::LateBegin::new(MemoryStore::new(), late);
+    store.set_release_delay(Duration::from_millis(300));
+    Arc::new(store)
+}
+
+async fn claimed(store: &idempotency_test::late::LateBegin<MemoryStore>, key: &str) -> bool {
+    let id = record_id(key);
+    store.inner().inspect(&id).await.expect("inspect").is_some()
+}
+
+#[test]
+fn drain_waits_for_a_late_grant_to_be_given_back() {
+    block_on(async {
+        let lease = Duration::from_millis(400);
+        let store = slow_to_give_back(lease);
+        let policy = idempotency_core::Policy::default().with_lease(lease);
+        let layer = layer(store.clone()).policy(policy);
+        let (router, calls, _) = app(layer.clone());
+        let late = send(&router, "POST", Some("late"), &[], "{}").await;
+        assert_eq!(late.status, 503);
+        assert!(claimed(&store, "late").await, "being given back");
+        // A shutdown now: `drain` returns only once the lease is given back. Left claimed,
+        // the key would come back as an attempt whose outcome is unknown (409 under
+        // `Reject`) for an operation that never ran.
+        layer.drain().await;
+        assert!(!claimed(&store, "late").await, "drain returned first");
+        assert_eq!(calls.get(), 0);
+    });
+}
+
+#[test]
+fn drain_waits_for_the_claim_of_a_request_that_went_away() {
+    block_on(async {
+        // Answered late enough for the request to be gone, early enough to be acted on.
+        let store = slow_to_give_back(Duration::from_millis(200));
+        let layer = layer(store.clone());
+        let (router, calls, _) = app(layer.clone());
+        let request = send(&router, "POST", Some("gone"), &[], "{}");
+        let gone = tokio::time::timeout(Duration::from_millis(50), request).await;
+        assert!(gone.is_err(), "the claim was still out");
+        assert!(claimed(&store, "gone").await, "the claim reached the store");
+        // The claim finishes in a task of its own and gives its lease back; `drain` waits
+        // for both.
+        layer.drain().await;
+        assert!(!claimed(&store, "gone").await, "drain returned first");
+        assert_eq!(calls.get(), 0);
+        let retry = send(&router, "POST", Some("gone"), &[], "{}").await;
         assert_eq!(retry.status, 201, "{}", retry.body);
         assert_eq!(calls.get(), 1);
     });

@@ -307,17 +307,51 @@ pub fn within_lease<S: crate::Store + ?Sized>(
     lease: std::time::Duration,
     answer: Result<Begin>,
 ) -> Result<Begin> {
+    within_lease_with(id, asked, lease, answer, |token| {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (store, id) = (store.clone(), *id);
+            runtime.spawn(async move { release_orphan(&*store, &id, token).await });
+        }
+    })
+}
+
+/// [`within_lease`], with the giving back left to the caller: `give_back` gets the token of
+/// an `Execute` read too late, and must not wait for the release (spawn it). For a caller
+/// that must account for the release, such as a server's graceful shutdown that waits for
+/// it.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{within_lease_with, Begin, LeaseToken, RecordId};
+/// use tokio::time::Instant;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// let (id, lease) = (RecordId::from_bytes([7; 32]), Duration::from_secs(30));
+/// let asked = Instant::now();
+/// tokio::time::sleep(lease).await; // the answer is read a whole lease late
+/// let mut given_back = None;
+/// let answer = within_lease_with(&id, asked, lease, Ok(Begin::Execute(LeaseToken::generate())), |token| {
+///     given_back = Some(token);
+/// });
+/// assert!(answer.is_err());
+/// assert!(given_back.is_some());
+/// # }
+/// ```
+pub fn within_lease_with(
+    id: &crate::RecordId,
+    asked: tokio::time::Instant,
+    lease: std::time::Duration,
+    answer: Result<Begin>,
+    give_back: impl FnOnce(LeaseToken),
+) -> Result<Begin> {
     let waited = asked.elapsed();
     let token = match &answer {
         Ok(Begin::Execute(token) | Begin::TakeOver(token)) if waited >= lease / 2 => *token,
         _ => return answer,
     };
     tracing::warn!(record = %id, ?waited, ?lease, "a claim was answered too late to act on its lease; giving it back");
-    if let Ok(Begin::Execute(_)) = answer
-        && let Ok(runtime) = tokio::runtime::Handle::try_current()
-    {
-        let (store, id) = (store.clone(), *id);
-        runtime.spawn(async move { release_orphan(&*store, &id, token).await });
+    if let Ok(Begin::Execute(_)) = answer {
+        give_back(token);
     }
     Err(crate::Error::unavailable(format!(
         "the claim was answered {waited:?} after it was asked, with half or less of its {lease:?} lease left"

@@ -34,7 +34,7 @@ mod store;
 
 pub use detach::{
     FinishOnDrop, GrantsLease, detached_begin, detached_claim, finish_on_drop, release_orphan,
-    within_lease,
+    within_lease, within_lease_with,
 };
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};

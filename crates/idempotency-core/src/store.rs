@@ -196,7 +196,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A granted lease runs from when the store decided, some time after the call: count it
     /// from before the call, and do not act on a grant read with half of it or less left.
-    /// [`within_lease`](crate::within_lease) does that; the executor and the layer use it.
+    /// [`within_lease`](crate::within_lease) does that; the executor uses it, and the layer
+    /// [`within_lease_with`](crate::within_lease_with).
     async fn begin(
         &self,
         id: &RecordId,

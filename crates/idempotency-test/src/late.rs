@@ -1,5 +1,6 @@
 //! A store whose `begin` answers late: how an answer looks to a caller whose future was held
-//! without being polled, or whose runtime was starved, after the store had decided.
+//! without being polled, or whose runtime was starved, after the store had decided. Its
+//! `release` can be made slow too, to see who waits for a lease being given back.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -11,12 +12,14 @@ use idempotency_core::{
     Result, Store,
 };
 
-/// Wraps a store; its `begin` decides at once and answers `delay` later. Every other call
-/// goes straight through.
+/// Wraps a store; its `begin` decides at once and answers `delay` later, and its `release`
+/// waits the release delay (none unless set) before it releases. Every other call goes
+/// straight through.
 #[derive(Debug)]
 pub struct LateBegin<S> {
     inner: S,
     delay_ms: AtomicU64,
+    release_delay_ms: AtomicU64,
 }
 
 impl<S: Store> LateBegin<S> {
@@ -25,6 +28,7 @@ impl<S: Store> LateBegin<S> {
         let this = Self {
             inner,
             delay_ms: AtomicU64::new(0),
+            release_delay_ms: AtomicU64::new(0),
         };
         this.set_delay(delay);
         this
@@ -34,6 +38,12 @@ impl<S: Store> LateBegin<S> {
     pub fn set_delay(&self, delay: Duration) {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Makes the next `release` calls wait `delay` before they release.
+    pub fn set_release_delay(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.release_delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// The wrapped store, answering at once.
@@ -62,6 +72,8 @@ impl<S: Store> Store for LateBegin<S> {
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+        let delay = Duration::from_millis(self.release_delay_ms.load(Ordering::SeqCst));
+        tokio::time::sleep(delay).await;
         self.inner.release(id, token).await
     }
 

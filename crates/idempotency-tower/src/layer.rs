@@ -43,9 +43,10 @@ pub(crate) struct Config {
     pub(crate) run_time: Arc<crate::retry_after::RunTime>,
 }
 
-/// Counts running operations (in their own tasks, or in their first step in the request's)
-/// and the outcome-unknown work that settles a key in a task of its own (a reconcile hook,
-/// storing a `Reject` verdict), so shutdown can wait for them.
+/// Counts running operations (in their own tasks, or in their first step in the request's),
+/// claims until they settle, leases being given back (a claim whose request went away, a
+/// grant read too late), and the outcome-unknown work that settles a key in a task of its
+/// own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait for them.
 #[derive(Debug, Default)]
 pub(crate) struct Detached {
     running: std::sync::atomic::AtomicUsize,
@@ -291,9 +292,18 @@ impl IdempotencyLayer {
     }
 
     /// Waits until every operation started through this layer has finished and stored its
-    /// outcome — including those whose client already hung up — and every
-    /// [`OutcomeUnknown`](crate::OutcomeUnknown) reconcile or verdict has been stored. Call
-    /// it after the server's graceful shutdown, before the process exits.
+    /// outcome — including those whose client already hung up — every
+    /// [`OutcomeUnknown`](crate::OutcomeUnknown) reconcile or verdict has been stored, and
+    /// every lease this layer must give back (a claim whose request went away, a grant read
+    /// too late to act on) has been given back. Call it after the server's graceful
+    /// shutdown, before the process exits.
+    ///
+    /// A lease cut off mid-release would stay claimed until it ran out, and the key would
+    /// come back as an attempt whose outcome is unknown, for an operation that never ran.
+    /// A release is retried for up to a minute while the store is unavailable, so bound the
+    /// wait by your shutdown deadline: `tokio::time::timeout(grace, layer.drain())`. Not
+    /// waited for: the releases a store starts itself, after its own call budget ran out
+    /// (the request was answered 503 then).
     pub async fn drain(&self) {
         self.config.detached.drained().await;
     }

@@ -14,7 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_begin,
+    complete_retrying, detached_claim, release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -464,15 +464,37 @@ enum Reconciled {
 /// this themselves; doing it here too keeps the layer safe over any `Store`. Between this
 /// answer and the operation's first step (and its spawn, see [`execute`]) there is no yield
 /// point, so no lease is lost there.
+///
+/// `drain` counts the claim until it has settled, and a lease this layer gives back until
+/// it is: a shutdown that cut a release short would leave the key claimed, and it would
+/// come back as an attempt whose outcome is unknown (409 under `Reject`) for an operation
+/// that never ran.
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
+    // Counts the claim until it returns, so the count cannot touch zero between the answer
+    // and a release spawned for it below.
+    let _claiming = config.detached.enter();
     let store = config.store.clone();
     let lease = config.policy.lease();
     // The lease counts from the ask, not from the answer: one read late is given back
     // (see `within_lease`).
     let asked = Instant::now();
     let claim = async move { store.begin(&id, &fingerprint, lease).await };
-    let answer = detached_begin(config.store.clone(), id, claim).await;
-    idempotency_core::within_lease(&config.store, &id, asked, lease, answer)
+    // Held by the release of an orphaned claim: dropped with it, or when the claim answers.
+    let (running, store) = (config.detached.enter(), config.store.clone());
+    let answer = detached_claim(claim, move |token| {
+        Box::pin(async move {
+            let _running = running;
+            release_orphan(&*store, &id, token).await;
+        })
+    })
+    .await;
+    idempotency_core::within_lease_with(&id, asked, lease, answer, |token| {
+        let (running, store) = (config.detached.enter(), config.store.clone());
+        tokio::spawn(async move {
+            let _running = running;
+            release_orphan(&*store, &id, token).await;
+        });
+    })
 }
 
 /// Runs the operation in its own task, so a client that disconnects does not cancel it:
