@@ -10,6 +10,69 @@ idempotency_test::conformance_tests!(async {
     Some(STORE.get_or_init(|| Arc::new(MemoryStore::new())).clone())
 });
 
+/// At shutdown, `drain` waits for what dropped runs left to settle: the outcome of one
+/// dropped after its operation succeeded, the leases of one dropped mid-operation and one
+/// dropped mid-claim.
+#[test]
+fn executor_drain_waits_for_what_dropped_runs_left_to_settle() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, RecordId, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        store.set_complete_delay(Duration::from_millis(300));
+        store.set_release_delay(Duration::from_millis(300));
+        let executor = Executor::new(store.clone());
+        let (scope, fp) = (Scope::new("drain"), Fingerprint::of(b"p"));
+        let record = |key: &str| {
+            let key = IdempotencyKey::new(key).expect("key");
+            (key.clone(), RecordId::new(&scope, &key))
+        };
+        let give_up = Duration::from_millis(50);
+        // Dropped after its operation succeeded, while its outcome is being stored.
+        let (ran, ran_id) = record("ran");
+        let run = executor.run(&scope, &ran, &fp, || async { Ok::<_, &str>(1) });
+        assert!(tokio::time::timeout(give_up, run).await.is_err());
+        // Dropped while its operation runs: the lease is being given back.
+        let (cut, cut_id) = record("cut");
+        let run = executor.run(&scope, &cut, &fp, || async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok::<_, &str>(2)
+        });
+        assert!(tokio::time::timeout(give_up, run).await.is_err());
+        // Dropped mid-claim (answered after it gave up): the lease is given back.
+        store.set_delay(Duration::from_millis(200));
+        let (claiming, claiming_id) = record("claiming");
+        let run = executor.run(&scope, &claiming, &fp, || async { Ok::<_, &str>(3) });
+        assert!(tokio::time::timeout(give_up, run).await.is_err());
+
+        let inspect = |id: RecordId| {
+            let store = store.clone();
+            async move { store.inner().inspect(&id).await.expect("inspect") }
+        };
+        let unsettled = inspect(ran_id).await.expect("leased");
+        assert!(
+            !unsettled.is_completed(),
+            "stored before drain: {unsettled:?}"
+        );
+        assert!(inspect(cut_id).await.is_some() && inspect(claiming_id).await.is_some());
+        // Shutdown: once `drain` returns, the process may exit and lose nothing.
+        executor.drain().await;
+        let stored = inspect(ran_id).await.expect("kept");
+        assert!(stored.is_completed(), "{stored:?}");
+        assert!(
+            inspect(cut_id).await.is_none(),
+            "the cut run's lease is given back"
+        );
+        assert!(
+            inspect(claiming_id).await.is_none(),
+            "the orphaned claim's too"
+        );
+    });
+}
+
 /// A lease counts from the ask. A grant read with half its lease or less left (here all of
 /// it gone: a retry could have taken the key over and be running the operation) is given
 /// back, not acted on; a grant read a quarter of the lease late still runs.
@@ -44,12 +107,7 @@ fn the_executor_gives_back_a_grant_read_late() {
         // Given back (in a task): the next claim is a fresh `Execute`, not a `TakeOver` of an
         // attempt that never ran.
         let id = RecordId::new(&scope, &key);
-        for _ in 0..500 {
-            if store.inner().inspect(&id).await.expect("inspect").is_none() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        executor.drain().await;
         assert!(matches!(
             store.inner().begin(&id, &fp, lease).await,
             Ok(Begin::Execute(_))

@@ -5,9 +5,11 @@ use std::{future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
 use futures::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
+    detached_claim, release_orphan,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -73,7 +75,8 @@ pub enum RunError<E> {
 /// Dropping the future of [`Executor::run`] (a `select!`, a timeout, a shutdown) never leaves
 /// the key claimed by nobody: dropped while the operation runs, the operation is cancelled at
 /// its await point and the key released, as for an `Err`; dropped after the operation
-/// returned `Ok`, its outcome is still stored, by a task of its own.
+/// returned `Ok`, its outcome is still stored, by a task of its own. At shutdown,
+/// [`Executor::drain`] waits for those tasks.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -99,6 +102,9 @@ pub enum RunError<E> {
 pub struct Executor<S: ?Sized> {
     store: Arc<S>,
     policy: Policy,
+    /// What runs left to settle in tasks of their own; shared by clones. See
+    /// [`Executor::drain`].
+    settling: TaskTracker,
 }
 
 impl<S: Store + ?Sized> Executor<S> {
@@ -107,7 +113,40 @@ impl<S: Store + ?Sized> Executor<S> {
         Self {
             store,
             policy: Policy::default(),
+            settling: TaskTracker::new(),
         }
+    }
+
+    /// Waits until every lease that runs of this executor (and its clones) left to settle in
+    /// a task of their own has settled: the outcome of a run dropped after its operation
+    /// succeeded is stored, the lease of one dropped while its operation ran (or while it
+    /// claimed) is given back. Call it at shutdown, once no run is left (each ended or was
+    /// dropped), before the process exits.
+    ///
+    /// Cut short by the exit, an outcome that was not stored comes back as an attempt whose
+    /// outcome is unknown, and a redelivery runs the operation again; a lease not given back
+    /// holds the key until it runs out. Not waited for: runs still in progress (end or drop
+    /// them first), and the releases a store starts itself after its own call budget ran out
+    /// (that run answered `Unavailable`). A store that is unavailable is retried (an outcome
+    /// for up to a lease, a release for up to a minute), so bound the wait by your shutdown
+    /// deadline:
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotency_core::{Executor, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let executor = Executor::new(Arc::new(MemoryStore::new()));
+    /// // … stop consuming; drop or finish the runs in progress …
+    /// let drained = tokio::time::timeout(Duration::from_secs(20), executor.drain()).await;
+    /// assert!(drained.is_ok());
+    /// # }
+    /// ```
+    pub async fn drain(&self) {
+        // Closed, the tracker's `wait` ends once it is empty; runs still track what they
+        // leave behind after that.
+        self.settling.close();
+        self.settling.wait().await;
     }
 
     /// Replaces the policy (lease and retention; the cache rule does not apply here).
@@ -133,8 +172,21 @@ impl<S: Store + ?Sized> Executor<S> {
         let lease = self.policy.lease();
         // The lease counts from the ask, not from the answer (see `within_lease`).
         let asked = Instant::now();
-        let answer = self.store.begin(&id, fingerprint, lease).await;
-        let token = match crate::within_lease(&self.store, &id, asked, lease, answer) {
+        let answer = {
+            // Counts the claim until its answer is read, so that `drain` cannot see nothing
+            // between the claim and a release spawned for its answer. Not the run after it:
+            // `drain` waits for what runs leave behind, not for runs.
+            let _claiming = self.settling.token();
+            let answer = self.claim(id, *fingerprint, lease).await;
+            crate::within_lease_with(&id, asked, lease, answer, |token| {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let store = self.store.clone();
+                    let release = async move { release_orphan(&*store, &id, token).await };
+                    self.settling.spawn_on(release, &runtime);
+                }
+            })
+        };
+        let token = match answer {
             Ok(Begin::Execute(token)) => token,
             Ok(Begin::TakeOver(token)) => {
                 // An earlier attempt's lease ran out before it stored a result: it may have
@@ -163,6 +215,7 @@ impl<S: Store + ?Sized> Executor<S> {
         // once the result is known, stores it) in a task of its own.
         let mut guard = LeaseGuard {
             store: self.store.clone(),
+            settling: self.settling.clone(),
             policy: self.policy.clone(),
             id,
             token,
@@ -226,6 +279,30 @@ impl<S: Store + ?Sized> Executor<S> {
     }
 }
 
+impl<S: Store + ?Sized> Executor<S> {
+    /// `begin`, run to its end even if `run`'s future is dropped meanwhile: a lease granted
+    /// then is given back, counted by `drain`. (The stores do this themselves too; here it
+    /// is also counted, and safe over any `Store`.) A `begin` that panics answers
+    /// `Unavailable`, as in the HTTP layer: a lease it may have taken expires by itself.
+    async fn claim(
+        &self,
+        id: RecordId,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> crate::Result<Begin> {
+        let store = self.store.clone();
+        let claim = async move { store.begin(&id, &fingerprint, lease).await };
+        let (store, held) = (self.store.clone(), self.settling.token());
+        detached_claim(claim, move |token| {
+            Box::pin(async move {
+                let _held = held;
+                release_orphan(&*store, &id, token).await;
+            })
+        })
+        .await
+    }
+}
+
 /// The stored body of a result that did not serialise; it does not decode as JSON.
 const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 
@@ -257,6 +334,8 @@ fn renew_in_a_task<S: Store + ?Sized>(
 /// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.
 struct LeaseGuard<S: Store + ?Sized> {
     store: Arc<S>,
+    /// The executor's, so its `drain` waits for what a drop leaves to settle.
+    settling: TaskTracker,
     policy: Policy,
     id: RecordId,
     token: LeaseToken,
@@ -296,16 +375,16 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         let (store, policy, id, token) =
             (self.store.clone(), self.policy.clone(), self.id, self.token);
         match self.outcome.take() {
-            Some(outcome) => runtime.spawn(async move {
+            Some(outcome) => self.settling.spawn_on(async move {
                 if let Err(error) = complete_retrying(&*store, &id, token, &outcome, &policy).await {
                     tracing::error!(%error, record = %id, "the operation ran; its outcome was not stored");
                 }
-            }),
-            None => runtime.spawn(async move {
+            }, &runtime),
+            None => self.settling.spawn_on(async move {
                 if let Err(error) = store.release(&id, token).await {
                     tracing::warn!(%error, record = %id, "could not release the lease of a cancelled run; it expires by itself");
                 }
-            }),
+            }, &runtime),
         };
     }
 }

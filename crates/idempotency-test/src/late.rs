@@ -1,6 +1,7 @@
 //! A store whose `begin` answers late: how an answer looks to a caller whose future was held
 //! without being polled, or whose runtime was starved, after the store had decided. Its
-//! `release` can be made slow too, to see who waits for a lease being given back.
+//! `release` and `complete` can be made slow too, to see who waits for a lease being given
+//! back or an outcome being stored.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -13,13 +14,14 @@ use idempotency_core::{
 };
 
 /// Wraps a store; its `begin` decides at once and answers `delay` later, and its `release`
-/// waits the release delay (none unless set) before it releases. Every other call goes
-/// straight through.
+/// and `complete` wait their own delays (none unless set) before they write. Every other
+/// call goes straight through.
 #[derive(Debug)]
 pub struct LateBegin<S> {
     inner: S,
     delay_ms: AtomicU64,
     release_delay_ms: AtomicU64,
+    complete_delay_ms: AtomicU64,
 }
 
 impl<S: Store> LateBegin<S> {
@@ -29,6 +31,7 @@ impl<S: Store> LateBegin<S> {
             inner,
             delay_ms: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
+            complete_delay_ms: AtomicU64::new(0),
         };
         this.set_delay(delay);
         this
@@ -36,14 +39,18 @@ impl<S: Store> LateBegin<S> {
 
     /// Changes the delay of the next answers.
     pub fn set_delay(&self, delay: Duration) {
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.delay_ms.store(ms, Ordering::SeqCst);
+        self.delay_ms.store(millis(delay), Ordering::SeqCst);
     }
 
     /// Makes the next `release` calls wait `delay` before they release.
     pub fn set_release_delay(&self, delay: Duration) {
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.release_delay_ms.store(ms, Ordering::SeqCst);
+        self.release_delay_ms.store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// Makes the next `complete` calls wait `delay` before they store the outcome.
+    pub fn set_complete_delay(&self, delay: Duration) {
+        self.complete_delay_ms
+            .store(millis(delay), Ordering::SeqCst);
     }
 
     /// The wrapped store, answering at once.
@@ -52,12 +59,19 @@ impl<S: Store> LateBegin<S> {
     }
 }
 
+fn millis(delay: Duration) -> u64 {
+    u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)
+}
+
+async fn wait(delay_ms: &AtomicU64) {
+    tokio::time::sleep(Duration::from_millis(delay_ms.load(Ordering::SeqCst))).await;
+}
+
 #[async_trait::async_trait]
 impl<S: Store> Store for LateBegin<S> {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         let answer = self.inner.begin(id, fp, lease).await;
-        let delay = Duration::from_millis(self.delay_ms.load(Ordering::SeqCst));
-        tokio::time::sleep(delay).await;
+        wait(&self.delay_ms).await;
         answer
     }
 
@@ -68,12 +82,12 @@ impl<S: Store> Store for LateBegin<S> {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
+        wait(&self.complete_delay_ms).await;
         self.inner.complete(id, token, outcome, retention).await
     }
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
-        let delay = Duration::from_millis(self.release_delay_ms.load(Ordering::SeqCst));
-        tokio::time::sleep(delay).await;
+        wait(&self.release_delay_ms).await;
         self.inner.release(id, token).await
     }
 

@@ -158,6 +158,12 @@ impl Consumer {
         self
     }
 
+    /// At shutdown, once polling stopped: waits until what dropped runs left to settle (an
+    /// applied charge's outcome, a lease given back) has landed. See [`Executor::drain`].
+    pub async fn drain(&self) {
+        self.executor.drain().await;
+    }
+
     /// Creates the group (from the stream's start) and the ledger table, if missing.
     pub async fn setup(&mut self) -> Result<(), ConsumeError> {
         let created: redis::RedisResult<()> = self

@@ -47,5 +47,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "applied {} charges, acknowledged {} duplicates without a second effect",
         polled.applied, polled.replayed
     );
+    // Before exiting: nothing a dropped run left to settle may be cut off (bounded, as a
+    // shutdown deadline would be).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(20), consumer.drain()).await;
     Ok(())
 }
