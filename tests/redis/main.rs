@@ -289,8 +289,22 @@ fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
         redis.pause().await;
         let answer = store.begin(&id, &fp("a"), LONG).await;
         assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        redis.unpause().await; // the queued claim runs now, granting a lease to nobody
+        // A graceful shutdown now: `drain` waits while Redis is still paused, until the
+        // queued claim has run (granting a lease to nobody) and the claim's task has read the
+        // late grant and given it back.
+        let resume = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            redis.unpause().await;
+        };
+        let drained = async {
+            store.drain().await;
+            store.inspect(&id).await.expect("inspect")
+        };
+        let (after_drain, ()) = tokio::join!(drained, resume);
+        assert!(
+            after_drain.is_none(),
+            "drain returned before the late claim was given back: {after_drain:?}"
+        );
         match idempotency_test::conformance::answer_within(&store, &id, &fp("a")).await {
             Begin::Execute(_) => {}
             other => panic!("the late claim was left behind: {other:?}"),

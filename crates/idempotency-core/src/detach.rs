@@ -35,6 +35,8 @@ pub struct FinishOnDrop<T: Send + 'static> {
     runtime: Option<tokio::runtime::Handle>,
     /// The span it was made in, for the rest's logs.
     span: tracing::Span,
+    /// Where the rest is spawned, if dropped unfinished: see [`FinishOnDrop::tracked_by`].
+    tracker: Option<tokio_util::task::TaskTracker>,
 }
 
 impl<T: Send + 'static> std::fmt::Debug for FinishOnDrop<T> {
@@ -88,6 +90,35 @@ where
         orphaned: Some(Box::new(orphaned)),
         runtime: tokio::runtime::Handle::try_current().ok(),
         span: tracing::Span::current(),
+        tracker: None,
+    }
+}
+
+impl<T: Send + 'static> FinishOnDrop<T> {
+    /// If dropped unfinished, runs the rest as a task of `tracker`, so that a graceful
+    /// shutdown that waits for the tracker ([`Store::drain`](crate::Store::drain), the
+    /// layer's and the executor's `drain`) waits for it. Nothing is counted while the caller
+    /// waits: only what a drop leaves running.
+    ///
+    /// ```
+    /// use idempotency_core::finish_on_drop;
+    /// use tokio_util::task::TaskTracker;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let settling = TaskTracker::new();
+    /// let (go, wait) = tokio::sync::oneshot::channel::<()>();
+    /// let write = finish_on_drop(async move { let _ = wait.await; }, |_| Box::pin(async {}))
+    ///     .tracked_by(&settling);
+    /// drop(write); // the caller went away: the rest runs on, counted
+    /// assert_eq!(settling.len(), 1);
+    /// go.send(()).unwrap();
+    /// settling.close();
+    /// settling.wait().await; // a shutdown waits for it
+    /// # }
+    /// ```
+    pub fn tracked_by(mut self, tracker: &tokio_util::task::TaskTracker) -> Self {
+        self.tracker = Some(tracker.clone());
+        self
     }
 }
 
@@ -128,7 +159,11 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
             let output = future.await;
             orphaned(output).await;
         };
-        runtime.spawn(tracing::Instrument::instrument(rest, self.span.clone()));
+        let rest = tracing::Instrument::instrument(rest, self.span.clone());
+        match self.tracker.take() {
+            Some(tracker) => tracker.spawn_on(rest, &runtime),
+            None => runtime.spawn(rest),
+        };
     }
 }
 

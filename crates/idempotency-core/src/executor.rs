@@ -9,7 +9,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
-    detached_claim, release_orphan,
+    detached_begin, release_orphan,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -125,11 +125,11 @@ impl<S: Store + ?Sized> Executor<S> {
     ///
     /// Cut short by the exit, an outcome that was not stored comes back as an attempt whose
     /// outcome is unknown, and a redelivery runs the operation again; a lease not given back
-    /// holds the key until it runs out. Not waited for: runs still in progress (end or drop
-    /// them first), and the releases a store starts itself after its own call budget ran out
-    /// (that run answered `Unavailable`). A store that is unavailable is retried (an outcome
-    /// for up to a lease, a release for up to a minute), so bound the wait by your shutdown
-    /// deadline:
+    /// holds the key until it runs out. Then it waits for the store's own background writes
+    /// ([`Store::drain`]). Not waited for: runs still in progress (end or drop them first).
+    ///
+    /// A store that is unavailable is retried (an outcome for up to a lease, a release for
+    /// longer), so bound the wait by your shutdown deadline:
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -147,6 +147,7 @@ impl<S: Store + ?Sized> Executor<S> {
         // leave behind after that.
         self.settling.close();
         self.settling.wait().await;
+        self.store.drain().await;
     }
 
     /// Replaces the policy (lease and retention; the cache rule does not apply here).
@@ -172,20 +173,16 @@ impl<S: Store + ?Sized> Executor<S> {
         let lease = self.policy.lease();
         // The lease counts from the ask, not from the answer (see `within_lease`).
         let asked = Instant::now();
-        let answer = {
-            // Counts the claim until its answer is read, so that `drain` cannot see nothing
-            // between the claim and a release spawned for its answer. Not the run after it:
-            // `drain` waits for what runs leave behind, not for runs.
-            let _claiming = self.settling.token();
-            let answer = self.claim(id, *fingerprint, lease).await;
-            crate::within_lease_with(&id, asked, lease, answer, |token| {
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    let store = self.store.clone();
-                    let release = async move { release_orphan(&*store, &id, token).await };
-                    self.settling.spawn_on(release, &runtime);
-                }
-            })
-        };
+        // `drain` counts what this leaves running in the background, not the claim itself:
+        // clones share the tracker, and a drain must not wait for other runs' claims.
+        let answer = self.claim(id, *fingerprint, lease).await;
+        let answer = crate::within_lease_with(&id, asked, lease, answer, |token| {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let store = self.store.clone();
+                let release = async move { release_orphan(&*store, &id, token).await };
+                self.settling.spawn_on(release, &runtime);
+            }
+        });
         let token = match answer {
             Ok(Begin::Execute(token)) => token,
             Ok(Begin::TakeOver(token)) => {
@@ -281,7 +278,7 @@ impl<S: Store + ?Sized> Executor<S> {
 
 impl<S: Store + ?Sized> Executor<S> {
     /// `begin`, run to its end even if `run`'s future is dropped meanwhile: a lease granted
-    /// then is given back, counted by `drain`. (The stores do this themselves too; here it
+    /// then is given back, the rest counted by `drain`. (The stores do this themselves too; here it
     /// is also counted, and safe over any `Store`.) A `begin` that panics answers
     /// `Unavailable`, as in the HTTP layer: a lease it may have taken expires by itself.
     async fn claim(
@@ -292,14 +289,9 @@ impl<S: Store + ?Sized> Executor<S> {
     ) -> crate::Result<Begin> {
         let store = self.store.clone();
         let claim = async move { store.begin(&id, &fingerprint, lease).await };
-        let (store, held) = (self.store.clone(), self.settling.token());
-        detached_claim(claim, move |token| {
-            Box::pin(async move {
-                let _held = held;
-                release_orphan(&*store, &id, token).await;
-            })
-        })
-        .await
+        detached_begin(self.store.clone(), id, claim)
+            .tracked_by(&self.settling)
+            .await
     }
 }
 

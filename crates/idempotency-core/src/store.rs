@@ -248,6 +248,22 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).
     fn name(&self) -> &'static str;
+
+    /// Waits until the writes this store started in the background, in tasks of its own,
+    /// have landed: the rest of a claim whose caller stopped waiting (its own call budget,
+    /// a dropped future) and the release of a lease that claim granted, a cancel of a claim
+    /// that may still run. `IdempotencyLayer::drain` and
+    /// [`Executor::drain`](crate::Executor::drain) call it after their own, so a graceful
+    /// shutdown does not cut those writes short (a lease left claimed by nobody until it runs
+    /// out). Calls in progress are not waited for, only what they left running
+    /// ([`FinishOnDrop::tracked_by`](crate::FinishOnDrop::tracked_by)): call it once every
+    /// user of the store has stopped. Bound it by your shutdown deadline: releases are
+    /// retried while the store is unavailable.
+    ///
+    /// The default has nothing to wait for: a store whose calls all finish in their caller's
+    /// future. A store that wraps another must forward it. Writes a store makes only to
+    /// answer faster (the hybrid store's Redis copies) are not waited for.
+    async fn drain(&self) {}
 }
 
 #[async_trait]
@@ -281,5 +297,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    async fn drain(&self) {
+        (**self).drain().await;
     }
 }

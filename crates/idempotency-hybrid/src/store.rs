@@ -116,6 +116,8 @@ struct Shared {
     /// Under `Adaptive`, the leases whose mirror may be in Redis, until when (see
     /// [`HybridStore::may_be_mirrored`]).
     mirrored: std::sync::Mutex<Mirrored>,
+    /// Claims left running in the background: see [`Store::drain`].
+    settling: tokio_util::task::TaskTracker,
 }
 
 /// Leases mirrored under [`CachePolicy::Adaptive`], each with the instant past which its
@@ -223,6 +225,7 @@ impl HybridStore {
                 duplicates: DuplicateShare::new(),
                 min_duplicates: AtomicU32::new(0),
                 mirrored: std::sync::Mutex::default(),
+                settling: tokio_util::task::TaskTracker::new(),
             }),
         }
     }
@@ -748,7 +751,8 @@ impl Store for HybridStore {
             // The caller waits as long as a Postgres-only `begin` would, plus the Redis step
             // (its repairs' budget and its call's).
             let budget = self.pg.call_timeout() + self.redis.call_budget() * 2;
-            match tokio::time::timeout(budget, detached_begin(self.clone(), id, claim)).await {
+            let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.inner.settling);
+            match tokio::time::timeout(budget, claim).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "the claim did not settle within {budget:?}"
@@ -921,5 +925,17 @@ impl Store for HybridStore {
 
     fn name(&self) -> &'static str {
         "hybrid"
+    }
+
+    /// Waits for the claims this store stopped waiting for to settle (with the release of
+    /// what they granted), then for the Postgres and Redis stores' own background writes.
+    /// Not for what it writes to Redis after answering: a lost copy costs a Redis miss; a
+    /// lost delete (of a copy whose record an operator released) leaves that copy until
+    /// its TTL.
+    async fn drain(&self) {
+        self.inner.settling.close();
+        self.inner.settling.wait().await;
+        self.pg.drain().await;
+        self.redis.drain().await;
     }
 }

@@ -228,7 +228,7 @@ fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
         return;
     }
     let store = store.clone();
-    tokio::spawn(async move {
+    store.clone().in_background(async move {
         tokio::time::sleep(store.call_timeout()).await;
         for (id, token) in claims {
             idempotency_core::release_orphan(&store, &id, token).await;

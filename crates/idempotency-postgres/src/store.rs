@@ -63,6 +63,8 @@ pub struct PostgresStore {
     pub(crate) sql: Statements,
     /// Group commit (`None`: one statement per call, the per-request store).
     batches: Option<Arc<Batches>>,
+    /// Writes left running in the background (shared by clones): see [`Store::drain`].
+    settling: tokio_util::task::TaskTracker,
 }
 
 /// Configures and connects a [`PostgresStore`].
@@ -254,6 +256,7 @@ impl PostgresStoreBuilder {
             sql: Statements::for_table(&table, ALL_SQL),
             table: Arc::new(table),
             batches,
+            settling: tokio_util::task::TaskTracker::new(),
         })
     }
 }
@@ -503,6 +506,7 @@ impl PostgresStore {
             table: Arc::default(),
             sql: Statements::default(),
             batches: Some(batches),
+            settling: tokio_util::task::TaskTracker::new(),
         }
     }
 
@@ -789,7 +793,8 @@ impl PostgresStore {
         // expires.
         let (this, id, fp) = (self.clone(), *id, *fp);
         let claim = async move { this.claim_with_ttl(&id, &fp, lease).await };
-        self.timed(detached_begin(self.clone(), id, claim)).await
+        let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.settling);
+        self.timed(claim).await
     }
 
     /// [`PostgresStore::begin_with_ttl`] without its
@@ -840,6 +845,11 @@ impl PostgresStore {
         }
     }
 
+    /// Runs a write nobody waits for in a task of its own, counted by [`Store::drain`].
+    pub(crate) fn in_background(&self, write: impl Future<Output = ()> + Send + 'static) {
+        self.settling.spawn(write);
+    }
+
     /// Gives back the grants a claim nobody will answer may have made, once the server has
     /// had time to finish or cancel its statement: released, or ended and kept when they
     /// took an unfinished lease over. Fenced on each token, so a token never written
@@ -851,7 +861,7 @@ impl PostgresStore {
         takeovers: Arc<std::sync::Mutex<Vec<LeaseToken>>>,
     ) {
         let late = self.clone();
-        tokio::spawn(async move {
+        self.in_background(async move {
             tokio::time::sleep(late.call_timeout).await;
             let takeovers = takeovers
                 .lock()
@@ -1280,6 +1290,14 @@ impl Store for PostgresStore {
 
     fn name(&self) -> &'static str {
         "postgres"
+    }
+
+    /// Waits for the claims this store stopped waiting for (its call budget ran out) to
+    /// settle, with the release of what they granted, and for the give-back of grants a
+    /// claim whose answer was lost may have made.
+    async fn drain(&self) {
+        self.settling.close();
+        self.settling.wait().await;
     }
 }
 

@@ -107,6 +107,8 @@ pub struct RedisStore {
     prefix: Arc<str>,
     budget: Duration,
     scripts: Arc<Scripts>,
+    /// Writes left running in the background (shared by clones): see [`Store::drain`].
+    settling: tokio_util::task::TaskTracker,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -294,6 +296,7 @@ impl RedisStoreBuilder {
                 inspect: scripts::inspect(),
                 force_release: scripts::force_release(),
             }),
+            settling: tokio_util::task::TaskTracker::new(),
         };
         match self.eviction {
             EvictionCheck::Skip => {}
@@ -875,7 +878,8 @@ impl RedisStore {
     /// either order (see `scripts::cancel`).
     fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
         let (this, id) = (self.clone(), *id);
-        tokio::spawn(async move { this.cancel_claim(&id, token).await });
+        self.settling
+            .spawn(async move { this.cancel_claim(&id, token).await });
     }
 
     /// The tombstone of one claim: same hash tag, so same cluster slot, as the record.
@@ -1144,7 +1148,8 @@ impl Store for RedisStore {
         idempotency_core::observe(self.name(), "begin", async {
             let (this, id, fp) = (self.clone(), *id, *fp);
             let claim = async move { this.claim(&id, &fp, lease).await };
-            match tokio::time::timeout(self.budget, detached_begin(self.clone(), id, claim)).await {
+            let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.settling);
+            match tokio::time::timeout(self.budget, claim).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "Redis did not answer within {:?}",
@@ -1242,6 +1247,14 @@ impl Store for RedisStore {
 
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    /// Waits for the claims this store stopped waiting for (its call budget ran out) to
+    /// settle, with the release of what they granted, and for the cancels of claims that may
+    /// still run on a Redis that hung.
+    async fn drain(&self) {
+        self.settling.close();
+        self.settling.wait().await;
     }
 }
 

@@ -110,4 +110,8 @@ impl<S: Store> Store for LateBegin<S> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+
+    async fn drain(&self) {
+        self.inner.drain().await;
+    }
 }

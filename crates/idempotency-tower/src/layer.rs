@@ -5,6 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 use http::{HeaderName, Method, request::Parts};
 use idempotency_core::{Fingerprint, Policy, Scope, Store};
+use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use crate::{Idempotency, Metrics};
@@ -38,53 +39,14 @@ pub(crate) struct Config {
     pub(crate) outcome_unknown: crate::OutcomeUnknown,
     pub(crate) wait: Option<Duration>,
     pub(crate) metrics: Arc<Metrics>,
-    pub(crate) detached: Arc<Detached>,
+    /// Counts running operations (in their own tasks, or in their first step in the
+    /// request's), claims until they settle, leases being given back (a claim whose request
+    /// went away, a grant read too late), and the outcome-unknown work that settles a key in
+    /// a task of its own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait
+    /// for them ([`IdempotencyLayer::drain`]).
+    pub(crate) detached: TaskTracker,
     /// How long operations here take: the 409's `Retry-After`.
     pub(crate) run_time: Arc<crate::retry_after::RunTime>,
-}
-
-/// Counts running operations (in their own tasks, or in their first step in the request's),
-/// claims until they settle, leases being given back (a claim whose request went away, a
-/// grant read too late), and the outcome-unknown work that settles a key in a task of its
-/// own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait for them.
-#[derive(Debug, Default)]
-pub(crate) struct Detached {
-    running: std::sync::atomic::AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-impl Detached {
-    pub(crate) fn enter(self: &Arc<Self>) -> DetachedGuard {
-        self.running
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        DetachedGuard(self.clone())
-    }
-
-    async fn drained(&self) {
-        loop {
-            let idle = self.idle.notified();
-            if self.running.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-                return;
-            }
-            idle.await;
-        }
-    }
-}
-
-/// Held by a running operation; dropping it (even on panic) counts the operation out.
-pub(crate) struct DetachedGuard(Arc<Detached>);
-
-impl Drop for DetachedGuard {
-    fn drop(&mut self) {
-        if self
-            .0
-            .running
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-            == 1
-        {
-            self.0.idle.notify_waiters();
-        }
-    }
 }
 
 impl Config {
@@ -158,7 +120,7 @@ impl IdempotencyLayer {
                 outcome_unknown: crate::OutcomeUnknown::Reexecute,
                 wait: None,
                 metrics: Arc::new(Metrics::default()),
-                detached: Arc::default(),
+                detached: TaskTracker::new(),
                 run_time: Arc::default(),
             }),
         }
@@ -300,12 +262,14 @@ impl IdempotencyLayer {
     ///
     /// A lease cut off mid-release would stay claimed until it ran out, and the key would
     /// come back as an attempt whose outcome is unknown, for an operation that never ran.
-    /// A release is retried for up to a minute while the store is unavailable, so bound the
-    /// wait by your shutdown deadline: `tokio::time::timeout(grace, layer.drain())`. Not
-    /// waited for: the releases a store starts itself, after its own call budget ran out
-    /// (the request was answered 503 then).
+    /// Then it waits for the store's own background writes (`Store::drain`: a claim the store
+    /// gave up waiting for after its own call budget, answered 503, and what that claim
+    /// granted). Writes are retried while the store is unavailable, so bound the wait by
+    /// your shutdown deadline: `tokio::time::timeout(grace, layer.drain())`.
     pub async fn drain(&self) {
-        self.config.detached.drained().await;
+        self.config.detached.close();
+        self.config.detached.wait().await;
+        self.config.store.drain().await;
     }
 
     /// The counters every service of this layer updates.

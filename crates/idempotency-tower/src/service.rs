@@ -14,7 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_claim, release_orphan,
+    complete_retrying, detached_begin, release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -361,7 +361,7 @@ where
             };
             let (task_config, hook) = (config.clone(), hook.clone());
             // Counted as running until its end, like an operation: `drain` waits for it.
-            let running = config.detached.enter();
+            let running = config.detached.token();
             let settled = tokio::spawn(async move {
                 let _running = running;
                 let config = task_config;
@@ -431,7 +431,7 @@ where
     // Reject: the verdict is the key's outcome until an operator deletes it.
     let store_it = {
         let (config, outcome) = (config.clone(), known.clone());
-        let running = config.detached.enter();
+        let running = config.detached.token();
         tokio::spawn(async move {
             let _running = running;
             complete(&config, id, token, &outcome).await;
@@ -472,28 +472,21 @@ enum Reconciled {
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
     // Counts the claim until it returns, so the count cannot touch zero between the answer
     // and a release spawned for it below.
-    let _claiming = config.detached.enter();
+    let _claiming = config.detached.token();
     let store = config.store.clone();
     let lease = config.policy.lease();
     // The lease counts from the ask, not from the answer: one read late is given back
     // (see `within_lease`).
     let asked = Instant::now();
     let claim = async move { store.begin(&id, &fingerprint, lease).await };
-    // Held by the release of an orphaned claim: dropped with it, or when the claim answers.
-    let (running, store) = (config.detached.enter(), config.store.clone());
-    let answer = detached_claim(claim, move |token| {
-        Box::pin(async move {
-            let _running = running;
-            release_orphan(&*store, &id, token).await;
-        })
-    })
-    .await;
+    let answer = detached_begin(config.store.clone(), id, claim)
+        .tracked_by(&config.detached)
+        .await;
     idempotency_core::within_lease_with(&id, asked, lease, answer, |token| {
-        let (running, store) = (config.detached.enter(), config.store.clone());
-        tokio::spawn(async move {
-            let _running = running;
-            release_orphan(&*store, &id, token).await;
-        });
+        let store = config.store.clone();
+        config
+            .detached
+            .spawn(async move { release_orphan(&*store, &id, token).await });
     })
 }
 
@@ -532,7 +525,7 @@ where
     let id = keyed.id;
     // Counted as running until its end (see `IdempotencyLayer::drained`); a panic outside the
     // handler (which `run_detached` catches itself) drops the reply: answered below.
-    let running = config.detached.enter();
+    let running = config.detached.token();
     let mut operation: BoxFuture<'static, ()> = Box::pin(
         async move {
             let _running = running;
