@@ -563,6 +563,7 @@ fn drain_waits_for_a_late_grant_to_be_given_back() {
         // `Reject`) for an operation that never ran.
         layer.drain().await;
         assert!(!claimed(&store, "late").await, "drain returned first");
+        assert_eq!(store.drains(), 1, "the layer's drain drains its store");
         assert_eq!(calls.get(), 0);
     });
 }

@@ -22,8 +22,10 @@ fn executor_drain_waits_for_what_dropped_runs_left_to_settle() {
 
     idempotency_test::block_on(async {
         let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
-        store.set_complete_delay(Duration::from_millis(300));
-        store.set_release_delay(Duration::from_millis(300));
+        // Long against the three 50 ms give-ups below: a loaded machine must not let a
+        // write land before the checks that come before `drain`.
+        store.set_complete_delay(Duration::from_secs(1));
+        store.set_release_delay(Duration::from_secs(1));
         let executor = Executor::new(store.clone());
         let (scope, fp) = (Scope::new("drain"), Fingerprint::of(b"p"));
         let record = |key: &str| {
@@ -60,6 +62,7 @@ fn executor_drain_waits_for_what_dropped_runs_left_to_settle() {
         assert!(inspect(cut_id).await.is_some() && inspect(claiming_id).await.is_some());
         // Shutdown: once `drain` returns, the process may exit and lose nothing.
         executor.drain().await;
+        assert_eq!(store.drains(), 1, "the executor's drain drains its store");
         let stored = inspect(ran_id).await.expect("kept");
         assert!(stored.is_completed(), "{stored:?}");
         assert!(

@@ -126,7 +126,8 @@ impl<S: Store + ?Sized> Executor<S> {
     /// Cut short by the exit, an outcome that was not stored comes back as an attempt whose
     /// outcome is unknown, and a redelivery runs the operation again; a lease not given back
     /// holds the key until it runs out. Then it waits for the store's own background writes
-    /// ([`Store::drain`]). Not waited for: runs still in progress (end or drop them first).
+    /// ([`Store::drain`]), including those other users of the same store left. Not waited
+    /// for: runs still in progress (end or drop them first).
     ///
     /// A store that is unavailable is retried (an outcome for up to a lease, a release for
     /// longer), so bound the wait by your shutdown deadline:

@@ -22,6 +22,7 @@ pub struct LateBegin<S> {
     delay_ms: AtomicU64,
     release_delay_ms: AtomicU64,
     complete_delay_ms: AtomicU64,
+    drains: AtomicU64,
 }
 
 impl<S: Store> LateBegin<S> {
@@ -32,6 +33,7 @@ impl<S: Store> LateBegin<S> {
             delay_ms: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
             complete_delay_ms: AtomicU64::new(0),
+            drains: AtomicU64::new(0),
         };
         this.set_delay(delay);
         this
@@ -51,6 +53,11 @@ impl<S: Store> LateBegin<S> {
     pub fn set_complete_delay(&self, delay: Duration) {
         self.complete_delay_ms
             .store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// How many times `drain` was called (a graceful shutdown must reach the store's).
+    pub fn drains(&self) -> u64 {
+        self.drains.load(Ordering::SeqCst)
     }
 
     /// The wrapped store, answering at once.
@@ -113,5 +120,6 @@ impl<S: Store> Store for LateBegin<S> {
 
     async fn drain(&self) {
         self.inner.drain().await;
+        self.drains.fetch_add(1, Ordering::SeqCst);
     }
 }

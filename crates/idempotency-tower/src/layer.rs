@@ -40,9 +40,9 @@ pub(crate) struct Config {
     pub(crate) wait: Option<Duration>,
     pub(crate) metrics: Arc<Metrics>,
     /// Counts running operations (in their own tasks, or in their first step in the
-    /// request's), claims until they settle, leases being given back (a claim whose request
-    /// went away, a grant read too late), and the outcome-unknown work that settles a key in
-    /// a task of its own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait
+    /// request's), the rest of a claim whose request went away, leases being given back (that
+    /// claim's, a grant read too late), and the outcome-unknown work that settles a key in a
+    /// task of its own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait
     /// for them ([`IdempotencyLayer::drain`]).
     pub(crate) detached: TaskTracker,
     /// How long operations here take: the 409's `Retry-After`.
@@ -264,8 +264,9 @@ impl IdempotencyLayer {
     /// come back as an attempt whose outcome is unknown, for an operation that never ran.
     /// Then it waits for the store's own background writes (`Store::drain`: a claim the store
     /// gave up waiting for after its own call budget, answered 503, and what that claim
-    /// granted). Writes are retried while the store is unavailable, so bound the wait by
-    /// your shutdown deadline: `tokio::time::timeout(grace, layer.drain())`.
+    /// granted), including those other users of the same store left. Writes are retried
+    /// while the store is unavailable, so bound the wait by your shutdown deadline:
+    /// `tokio::time::timeout(grace, layer.drain())`.
     pub async fn drain(&self) {
         self.config.detached.close();
         self.config.detached.wait().await;

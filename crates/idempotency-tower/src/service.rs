@@ -465,14 +465,11 @@ enum Reconciled {
 /// answer and the operation's first step (and its spawn, see [`execute`]) there is no yield
 /// point, so no lease is lost there.
 ///
-/// `drain` counts the claim until it has settled, and a lease this layer gives back until
-/// it is: a shutdown that cut a release short would leave the key claimed, and it would
-/// come back as an attempt whose outcome is unknown (409 under `Reject`) for an operation
-/// that never ran.
+/// `drain` counts what a claim leaves running in the background (the rest of one whose
+/// request went away, a lease given back) until it has settled: a shutdown that cut a
+/// release short would leave the key claimed, and it would come back as an attempt whose
+/// outcome is unknown (409 under `Reject`) for an operation that never ran.
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
-    // Counts the claim until it returns, so the count cannot touch zero between the answer
-    // and a release spawned for it below.
-    let _claiming = config.detached.token();
     let store = config.store.clone();
     let lease = config.policy.lease();
     // The lease counts from the ask, not from the answer: one read late is given back
@@ -523,7 +520,7 @@ where
     let request = Request::from_parts(parts, full(body));
     let (tx, rx) = tokio::sync::oneshot::channel();
     let id = keyed.id;
-    // Counted as running until its end (see `IdempotencyLayer::drained`); a panic outside the
+    // Counted as running until its end (see `IdempotencyLayer::drain`); a panic outside the
     // handler (which `run_detached` catches itself) drops the reply: answered below.
     let running = config.detached.token();
     let mut operation: BoxFuture<'static, ()> = Box::pin(

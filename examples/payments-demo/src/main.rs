@@ -221,8 +221,14 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     // Requests whose client hung up keep running detached: let them store their outcomes.
+    // Bounded: a store that stays down would keep its releases retrying.
     tracing::info!("draining in-flight operations");
-    layer.drain().await;
+    if tokio::time::timeout(Duration::from_secs(30), layer.drain())
+        .await
+        .is_err()
+    {
+        tracing::warn!("stopped before every outcome and release was stored");
+    }
     purger.shutdown().await;
     tracing::info!("stopped");
     Ok(())
