@@ -781,8 +781,15 @@ fn a_late_mirror_write_never_answers_after_completion() {
         let Begin::Execute(token) = store.begin(&a, &fp, LEASE).await.expect("begin a") else {
             panic!("execute a")
         };
-        // B's peek is the third failure: the breaker opens.
+        // B's peek is the third failure: the breaker opens. (A's mirror runs in a task of its
+        // own: on a loaded machine its failure can land after B's. Wait for it; it must.)
         store.begin(&b, &fp, LEASE).await.expect("begin b");
+        for _ in 0..200 {
+            if store.metrics().breaker_state == BreakerState::Open {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(store.metrics().breaker_state, BreakerState::Open);
         // Completed in Postgres; the Redis write is skipped by the open breaker.
         store
