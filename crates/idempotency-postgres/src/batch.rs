@@ -227,11 +227,11 @@ fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
     if claims.is_empty() {
         return;
     }
-    let store = store.clone();
-    store.clone().in_background(async move {
-        tokio::time::sleep(store.call_timeout()).await;
+    let late = store.clone();
+    store.in_background(async move {
+        tokio::time::sleep(late.call_timeout()).await;
         for (id, token) in claims {
-            idempotency_core::release_orphan(&store, &id, token).await;
+            idempotency_core::release_orphan(&late, &id, token).await;
         }
     });
 }
