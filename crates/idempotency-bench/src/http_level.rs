@@ -14,6 +14,7 @@ use axum::{
     routing::post,
 };
 use bytes::Bytes;
+use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, client::conn::http1::SendRequest};
 use hyper_util::rt::TokioIo;
@@ -225,6 +226,18 @@ pub(crate) async fn drive(
     concurrency: usize,
     duration: Duration,
 ) -> Measured {
+    let (h, errors, elapsed) = drive_raw(addr, keys, concurrency, duration).await;
+    Measured::new(group, name, &h, errors, elapsed)
+}
+
+/// [`drive`]'s latencies, errors and elapsed time, unsummarised (the side-by-side groups
+/// merge them over slots).
+pub(crate) async fn drive_raw(
+    addr: SocketAddr,
+    keys: Keys,
+    concurrency: usize,
+    duration: Duration,
+) -> (Histogram<u64>, u64, Duration) {
     let run = uuid::Uuid::new_v4().simple().to_string();
     let started = Instant::now();
     let clients = (0..concurrency).map(|c| {
@@ -268,5 +281,5 @@ pub(crate) async fn drive(
         let _ = h.add(&part);
         errors += e;
     }
-    Measured::new(group, name, &h, errors, started.elapsed())
+    (h, errors, started.elapsed())
 }

@@ -17,6 +17,8 @@ mod store_level;
 
 use std::{sync::Arc, time::Duration};
 
+use hdrhistogram::Histogram;
+
 use idempotency::{
     MemoryStore, Store,
     hybrid::{BreakerConfig, CachePolicy, HybridStore},
@@ -26,9 +28,9 @@ use idempotency::{
 use idempotency_test::services;
 
 pub use fault::Bucket;
-pub use report::Report;
+pub use report::{Ratio, Report};
 pub use scale::{ScaleSettings, run as run_scale};
-pub use stats::Measured;
+pub use stats::{Measured, Round};
 
 use crate::{
     http_level::Keys,
@@ -48,6 +50,8 @@ pub struct Settings {
     pub sequential_ops: u64,
     /// Each of the three phases of the fault timeline (before, paused, after).
     pub fault_phase: Duration,
+    /// Rounds of each side-by-side group (A B B A, each slot a quarter of `duration`).
+    pub rounds: usize,
 }
 
 impl Settings {
@@ -63,6 +67,7 @@ impl Settings {
             duration: Duration::from_secs(5),
             sequential_ops: 2000,
             fault_phase: Duration::from_secs(2),
+            rounds: 5,
         }
     }
 
@@ -74,6 +79,7 @@ impl Settings {
             duration: Duration::from_millis(300),
             sequential_ops: 20,
             fault_phase: Duration::from_millis(400),
+            rounds: 2,
         }
     }
 }
@@ -82,20 +88,67 @@ async fn redis_store(url: &str, prefix: &str) -> Result<RedisStore, idempotency:
     RedisStore::builder(url).prefix(prefix).connect().await
 }
 
-/// Drives the servers one after another, in the order given (A B B A, so that a drift of the
-/// shared machine hits both sides alike), each for `each`.
+/// Drives the servers one after another in the order given (A B B A, so that a drift of the
+/// shared machine hits both sides alike), each for `each`, and all of it `rounds` times over.
+/// Returns one [`Measured`] per server, over all its slots, with each round's figures kept:
+/// the ratios the targets name are taken round by round and their median reported, since a
+/// single A B B A still moves ±15 % between runs on this shared machine.
 async fn side_by_side(
     group: &str,
-    runs: &[(&str, std::net::SocketAddr)],
+    order: &[(&str, std::net::SocketAddr)],
     keys: Keys,
     connections: usize,
     each: Duration,
+    rounds: usize,
 ) -> Vec<Measured> {
-    let mut measured = Vec::new();
-    for &(name, addr) in runs {
-        measured.push(http_level::drive(group, name, addr, keys, connections, each).await);
+    struct Server<'a> {
+        name: &'a str,
+        total: Histogram<u64>,
+        errors: u64,
+        elapsed: Duration,
+        rounds: Vec<Round>,
     }
-    measured
+    let mut servers: Vec<Server<'_>> = Vec::new();
+    for &(name, _) in order {
+        if !servers.iter().any(|s| s.name == name) {
+            servers.push(Server {
+                name,
+                total: stats::histogram(),
+                errors: 0,
+                elapsed: Duration::ZERO,
+                rounds: Vec::new(),
+            });
+        }
+    }
+    for _ in 0..rounds.max(1) {
+        let mut this_round: Vec<(Histogram<u64>, Duration)> = servers
+            .iter()
+            .map(|_| (stats::histogram(), Duration::ZERO))
+            .collect();
+        for &(name, addr) in order {
+            let (h, errors, elapsed) = http_level::drive_raw(addr, keys, connections, each).await;
+            let i = servers
+                .iter()
+                .position(|s| s.name == name)
+                .unwrap_or_else(|| unreachable!("every name was added above"));
+            let server = &mut servers[i];
+            let _ = server.total.add(&h);
+            server.errors += errors;
+            server.elapsed += elapsed;
+            let _ = this_round[i].0.add(&h);
+            this_round[i].1 += elapsed;
+        }
+        for (server, (h, elapsed)) in servers.iter_mut().zip(&this_round) {
+            server.rounds.push(Round::new(h, *elapsed));
+        }
+    }
+    servers
+        .into_iter()
+        .map(|s| Measured {
+            rounds: s.rounds,
+            ..Measured::new(group, s.name, &s.total, s.errors, s.elapsed)
+        })
+        .collect()
 }
 
 /// Runs every scenario and returns the report.
@@ -147,6 +200,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             .await?,
     };
     let (c, d) = (settings.concurrency, settings.duration);
+    let (slot, r) = (d / 4, settings.rounds);
     let mut measured = Vec::new();
 
     if settings.runs("store-seq") {
@@ -206,7 +260,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             measured.push(http_level::drive("http-first", name, addr, Keys::Unique, c, d).await);
         }
         // One connection: what group commit costs a lone request (nothing, it should be).
-        // Run A B B A, half as long each: a drift of the shared machine hits both alike.
+        // Run A B B A in rounds, a quarter as long each: a drift of the shared machine hits both alike.
         let a = http_level::serve(http_level::layered(pg_store.clone())).await;
         let b = http_level::serve(http_level::layered(pg_per_request.clone())).await;
         let runs = [
@@ -215,8 +269,8 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             ("layer postgres (per-request)", b),
             ("layer postgres", a),
         ];
-        measured.extend(side_by_side("http-first-c1", &runs, Keys::Unique, 1, d / 2).await);
-        // The hybrid against Postgres alone, side by side: A B C C B A, half as long each.
+        measured.extend(side_by_side("http-first-c1", &runs, Keys::Unique, 1, slot, r).await);
+        // The hybrid against Postgres alone, side by side: A B C C B A in rounds, a quarter as long each.
         // In the group above they run a minute apart, on a table that has grown in between,
         // and the shared machine drifts.
         // Redis alone against its hand-written baseline, the same way: A B B A.
@@ -241,11 +295,11 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             ("hand-written redis", hand_addr),
             ("layer redis", redis_addr),
         ];
-        measured.extend(side_by_side("http-first-abba", &runs, Keys::Unique, c, d / 2).await);
+        measured.extend(side_by_side("http-first-abba", &runs, Keys::Unique, c, slot, r).await);
     }
     if settings.runs("http-first-gc") {
         // Group commit with two batches of a kind in flight against the default one, and the
-        // per-request store: A B C C B A, half as long each. Whether a second statement in
+        // per-request store: A B C C B A in rounds, a quarter as long each. Whether a second statement in
         // flight uses the database better than one larger batch, on this machine.
         let two = PostgresStore::builder(pg.url())
             .max_connections(64)
@@ -263,7 +317,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             ("layer postgres (2 in flight)", two_addr),
             ("layer postgres", one_addr),
         ];
-        measured.extend(side_by_side("http-first-gc", &runs, Keys::Unique, c, d / 2).await);
+        measured.extend(side_by_side("http-first-gc", &runs, Keys::Unique, c, slot, r).await);
     }
     let replays = [
         ("layer hybrid", http_level::layered(hybrid)),
@@ -296,7 +350,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
                 ("layer hybrid", a),
             ];
             measured
-                .extend(side_by_side("http-replay-abba", &runs, Keys::PerClient, c, d / 2).await);
+                .extend(side_by_side("http-replay-abba", &runs, Keys::PerClient, c, slot, r).await);
         }
     }
 
@@ -331,6 +385,8 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             "duration_ms": d.as_millis() as u64,
             "sequential_ops": settings.sequential_ops,
             "fault_phase_ms": settings.fault_phase.as_millis() as u64,
+            "side_by_side_rounds": r,
+            "side_by_side_slot_ms": slot.as_millis() as u64,
             "group_commit_calls": batches.calls,
             "group_commit_statements": batches.statements,
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),

@@ -1,6 +1,6 @@
 //! Runs the benchmarks and writes the report.
 //!
-//! Run with: `cargo run --release -p idempotency-bench -- [--concurrency 32] [--seconds 5] [--smoke] [--only http-first] [--out target/bench]`
+//! Run with: `cargo run --release -p idempotency-bench -- [--concurrency 32] [--seconds 5] [--rounds 5] [--smoke] [--only http-first] [--out target/bench]`
 //! Scale (its own Postgres, millions of rows): `-- --scale [--scale-rows 10000000] [--scale-expired 1000000]`
 //! Every flag: `-- --help`.
 #![allow(clippy::print_stdout)]
@@ -25,6 +25,10 @@ struct Cli {
     /// Seconds per timed scenario [default: 5].
     #[arg(long, env = "BENCH_SECONDS")]
     seconds: Option<f64>,
+    /// Rounds of each side-by-side group (A B B A, each slot a quarter of --seconds); their
+    /// ratios are reported as the median over rounds [default: 5].
+    #[arg(long, env = "BENCH_ROUNDS", value_parser = clap::value_parser!(u64).range(1..=1000))]
+    rounds: Option<u64>,
     /// Operations per sequential scenario [default: 2000].
     #[arg(long, env = "BENCH_OPS")]
     ops: Option<u64>,
@@ -66,6 +70,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(seconds) = cli.seconds {
         settings.duration = Duration::try_from_secs_f64(seconds)
             .map_err(|e| format!("--seconds {seconds}: {e}"))?;
+    }
+    if let Some(rounds) = cli.rounds {
+        settings.rounds = usize::try_from(rounds)?;
     }
     if let Some(ops) = cli.ops {
         settings.sequential_ops = ops;

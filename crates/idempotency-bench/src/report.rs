@@ -5,7 +5,10 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::{fault::Bucket, stats::Measured};
+use crate::{
+    fault::Bucket,
+    stats::{Measured, Round},
+};
 
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
@@ -14,10 +17,50 @@ pub struct Report {
     pub settings: serde_json::Value,
     /// Every scenario.
     pub measured: Vec<Measured>,
-    /// Framework / baseline ratios: (what, ratio).
-    pub ratios: Vec<(String, f64)>,
+    /// Framework / baseline ratios.
+    pub ratios: Vec<Ratio>,
     /// The fault timeline.
     pub timeline: Vec<Bucket>,
+}
+
+/// One ratio: the framework over its baseline, or one variant over another.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ratio {
+    /// What is divided by what.
+    pub what: String,
+    /// The ratio; in the side-by-side groups, the median of the rounds' ratios.
+    pub value: f64,
+    /// In the side-by-side groups, the lowest and the highest round's ratio.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub range: Option<(f64, f64)>,
+}
+
+impl Ratio {
+    /// A ratio measured once.
+    pub fn new(what: impl Into<String>, value: f64) -> Self {
+        Self {
+            what: what.into(),
+            value,
+            range: None,
+        }
+    }
+
+    /// The median of per-round ratios, with their range; `None` when there are none.
+    fn over_rounds(what: String, mut per_round: Vec<f64>) -> Option<Self> {
+        per_round.retain(|r| r.is_finite());
+        per_round.sort_by(f64::total_cmp);
+        let n = per_round.len();
+        let median = match n {
+            0 => return None,
+            _ if n % 2 == 1 => per_round[n / 2],
+            _ => (per_round[n / 2 - 1] + per_round[n / 2]) / 2.0,
+        };
+        Some(Self {
+            what,
+            value: median,
+            range: Some((per_round[0], per_round[n - 1])),
+        })
+    }
 }
 
 fn find<'a>(m: &'a [Measured], group: &str, name: &str) -> Option<&'a Measured> {
@@ -25,13 +68,13 @@ fn find<'a>(m: &'a [Measured], group: &str, name: &str) -> Option<&'a Measured> 
 }
 
 /// Throughput ratios of each framework scenario to its baseline.
-pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
+pub(crate) fn ratios(m: &[Measured]) -> Vec<Ratio> {
     let mut out = Vec::new();
     let mut ratio = |label: String, group: &str, a: &str, b: &str| {
         if let (Some(x), Some(y)) = (find(m, group, a), find(m, group, b))
             && y.ops_per_sec > 0.0
         {
-            out.push((label, x.ops_per_sec / y.ops_per_sec));
+            out.push(Ratio::new(label, x.ops_per_sec / y.ops_per_sec));
         }
     };
     for group in ["store-seq", "store-conc"] {
@@ -111,15 +154,17 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
         "layer postgres",
         "hand-written single GET",
     );
-    // Mean throughput over the runs of each in the side-by-side groups (A B … B A).
-    let side_by_side = |group: &str, name: &str| {
-        let runs: Vec<f64> = m
-            .iter()
-            .filter(|x| x.group == group && x.name == name)
-            .map(|x| x.ops_per_sec)
-            .collect();
-        (!runs.is_empty()).then(|| runs.iter().sum::<f64>() / runs.len() as f64)
+    // The side-by-side groups (A B … B A, in rounds): each round's ratio, their median.
+    let per_round = |group: &str, a: &str, b: &str, figure: fn(&Round) -> f64| {
+        let (x, y) = (find(m, group, a)?, find(m, group, b)?);
+        let rounds = x.rounds.iter().zip(&y.rounds);
+        Some(
+            rounds
+                .map(|(x, y)| figure(x) / figure(y))
+                .collect::<Vec<_>>(),
+        )
     };
+    let throughput = |r: &Round| r.ops_per_sec;
     for (what, group, a, b) in [
         ("first", "http-first-abba", "layer hybrid", "layer postgres"),
         (
@@ -153,29 +198,20 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<(String, f64)> {
             "hand-written single GET",
         ),
     ] {
-        if let (Some(x), Some(y)) = (side_by_side(group, a), side_by_side(group, b))
-            && y > 0.0
-        {
-            out.push((format!("http {what}, side by side: {a} / {b}"), x / y));
-        }
+        let label = format!("http {what}, side by side: {a} / {b}");
+        out.extend(per_round(group, a, b, throughput).and_then(|r| Ratio::over_rounds(label, r)));
     }
-    // Mean p99 over the runs of each (the scenario runs A B B A).
-    let p99 = |name: &str| {
-        let runs: Vec<f64> = m
-            .iter()
-            .filter(|x| x.group == "http-first-c1" && x.name == name)
-            .map(|x| x.p99_us as f64)
-            .collect();
-        (!runs.is_empty()).then(|| runs.iter().sum::<f64>() / runs.len() as f64)
-    };
-    if let (Some(x), Some(y)) = (p99("layer postgres"), p99("layer postgres (per-request)"))
-        && y > 0.0
-    {
-        out.push((
-            "http first, 1 connection, p99 latency: layer postgres / per-request".into(),
-            x / y,
-        ));
-    }
+    let p99 = |r: &Round| r.p99_us.max(1) as f64;
+    let c1 = per_round(
+        "http-first-c1",
+        "layer postgres",
+        "layer postgres (per-request)",
+        p99,
+    );
+    out.extend(c1.and_then(|r| {
+        let label = "http first, 1 connection, p99 latency: layer postgres / per-request";
+        Ratio::over_rounds(label.into(), r)
+    }));
     out
 }
 
@@ -191,9 +227,13 @@ impl Report {
                 m.group, m.name, m.ops, m.errors, m.ops_per_sec, m.p50_us, m.p99_us, m.p999_us
             ));
         }
-        s.push_str("\n| ratio | value |\n|---|---:|\n");
-        for (what, r) in &self.ratios {
-            s.push_str(&format!("| {what} | {r:.2} |\n"));
+        s.push_str("\n| ratio | value | rounds' range |\n|---|---:|---:|\n");
+        for r in &self.ratios {
+            let range = r
+                .range
+                .map(|(low, high)| format!("{low:.2}–{high:.2}"))
+                .unwrap_or_default();
+            s.push_str(&format!("| {} | {:.2} | {range} |\n", r.what, r.value));
         }
         if let (Some(calls), Some(statements)) = (
             self.settings["group_commit_calls"].as_u64(),

@@ -18,6 +18,7 @@ use idempotency::{
 use idempotency_test::services;
 
 use crate::{
+    report::Ratio,
     stats::{self, Measured},
     store_level::outcome,
 };
@@ -138,7 +139,7 @@ async fn writers(
 /// Runs the scale scenarios; returns what was measured and the ratios the targets name.
 pub async fn run(
     settings: ScaleSettings,
-) -> Result<(Vec<Measured>, Vec<(String, f64)>), Box<dyn std::error::Error>> {
+) -> Result<(Vec<Measured>, Vec<Ratio>), Box<dyn std::error::Error>> {
     if services::skipping() {
         return Err("service-backed benchmarks were opted out".into());
     }
@@ -198,21 +199,18 @@ pub async fn run(
 
     let ratio = |a: &Measured, b: &Measured| a.p99_us as f64 / b.p99_us.max(1) as f64;
     let ratios = vec![
-        (
+        Ratio::new(
             format!(
                 "scale: begin p99 at {} rows / at {small} rows",
                 settings.rows
             ),
             ratio(&large_begin, &small_begin),
         ),
-        (
+        Ratio::new(
             format!("purge: writers' p99 during / before ({purged} rows purged in {purge_s:.1} s)"),
             ratio(&during, &before),
         ),
-        (
-            "scale: seconds to fill the table (not a ratio)".into(),
-            fill_s,
-        ),
+        Ratio::new("scale: seconds to fill the table (not a ratio)", fill_s),
     ];
     Ok((measured, ratios))
 }

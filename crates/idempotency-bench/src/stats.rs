@@ -38,6 +38,28 @@ pub struct Measured {
     pub p99_us: u64,
     /// 99.9th percentile, µs.
     pub p999_us: u64,
+    /// In the side-by-side groups, each round's figures, in order (empty elsewhere): the
+    /// paired ratios are taken round by round.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rounds: Vec<Round>,
+}
+
+/// One round of a side-by-side scenario: its slots in that round, together.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Round {
+    /// Operations per second over the round's slots.
+    pub ops_per_sec: f64,
+    /// 99th percentile over the round's slots, µs.
+    pub p99_us: u64,
+}
+
+impl Round {
+    pub(crate) fn new(h: &Histogram<u64>, elapsed: Duration) -> Self {
+        Self {
+            ops_per_sec: h.len() as f64 / elapsed.as_secs_f64().max(1e-9),
+            p99_us: h.value_at_quantile(0.99),
+        }
+    }
 }
 
 impl Measured {
@@ -57,6 +79,7 @@ impl Measured {
             p50_us: h.value_at_quantile(0.5),
             p99_us: h.value_at_quantile(0.99),
             p999_us: h.value_at_quantile(0.999),
+            rounds: Vec::new(),
         }
     }
 }

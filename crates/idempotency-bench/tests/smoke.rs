@@ -28,24 +28,31 @@ fn every_scenario_runs_and_the_report_is_written() {
                 .count(),
             12
         );
-        for (group, runs) in [
-            ("http-first-c1", 4),
-            ("http-first-abba", 10),
-            ("http-first-gc", 6),
-            ("http-replay-abba", 4),
+        let rounds = Settings::smoke().rounds;
+        for (group, servers) in [
+            ("http-first-c1", 2),
+            ("http-first-abba", 5),
+            ("http-first-gc", 3),
+            ("http-replay-abba", 2),
         ] {
-            assert_eq!(
-                report.measured.iter().filter(|m| m.group == group).count(),
-                runs,
-                "the side-by-side runs of {group}"
-            );
+            let side_by_side: Vec<_> = report
+                .measured
+                .iter()
+                .filter(|m| m.group == group)
+                .collect();
+            assert_eq!(side_by_side.len(), servers, "the servers of {group}");
+            for m in side_by_side {
+                assert_eq!(m.rounds.len(), rounds, "the rounds of {group} / {}", m.name);
+            }
         }
         for ratio in [
             "side by side: layer hybrid (adaptive)",
             "side by side: layer postgres (2 in flight)",
         ] {
             assert!(
-                report.ratios.iter().any(|(what, _)| what.contains(ratio)),
+                report.ratios.iter().any(|r| r.what.contains(ratio)
+                    && r.range
+                        .is_some_and(|(low, high)| low <= r.value && r.value <= high)),
                 "{ratio} missing: {:?}",
                 report.ratios
             );
@@ -87,9 +94,9 @@ fn the_scale_scenario_runs() {
         }
         let purge = ratios
             .iter()
-            .find(|(what, _)| what.starts_with("purge:"))
+            .find(|r| r.what.starts_with("purge:"))
             .expect("the purge ratio");
-        assert!(purge.0.contains("5000 rows purged"), "{}", purge.0);
+        assert!(purge.what.contains("5000 rows purged"), "{}", purge.what);
     });
 }
 
@@ -107,6 +114,7 @@ fn the_cli_documents_its_flags_and_refuses_unknown_ones() {
         "--smoke",
         "--concurrency",
         "--seconds",
+        "--rounds",
         "--ops",
         "--out",
         "--only",
