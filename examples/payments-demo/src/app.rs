@@ -34,6 +34,9 @@ pub(crate) struct App {
     pub(crate) redis: Option<idempotency::redis::RedisStore>,
     /// Renders what the library counted through the `metrics` facade.
     pub(crate) prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    /// `X-Demo-Crash` aborts the process only when the demo was started with `DEMO_CRASH=1`:
+    /// otherwise anyone who can reach the demo could stop it.
+    pub(crate) allow_crash: bool,
 }
 
 /// The scope of a key: the account. A stand-in for the authenticated principal.
@@ -53,7 +56,11 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
     let keyed = Router::new()
         .route("/charges", post(create_charge))
         .route("/orders", post(create_order))
-        .layer(layer);
+        .layer(layer)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crash_header_allowed,
+        ));
     Router::new()
         .route("/charges", get(list_charges))
         .route("/charges/{id}", get(get_charge))
@@ -63,6 +70,26 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .route("/metrics", get(metrics))
         .merge(keyed)
         .with_state(app)
+}
+
+/// Refuses `X-Demo-Crash` (403) unless the demo was started with `DEMO_CRASH=1`: the header
+/// aborts the process, and anyone who can reach the demo could send it. Outside the
+/// idempotency layer, so the refusal is not stored as the key's outcome: the same key without
+/// the header charges.
+async fn crash_header_allowed(
+    State(app): State<Arc<App>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !app.allow_crash && request.headers().contains_key("x-demo-crash") {
+        return problem(
+            StatusCode::FORBIDDEN,
+            "demo-crash-disabled",
+            "Crash header disabled",
+            "X-Demo-Crash aborts the process and is off: start the demo with DEMO_CRASH=1 to allow it",
+        );
+    }
+    next.run(request).await
 }
 
 /// The operator's routes under `/admin` (`GET`/`DELETE /admin/idempotency/keys/{account}/{key}`),

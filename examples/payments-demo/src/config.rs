@@ -34,6 +34,8 @@ pub(crate) struct Config {
     pub(crate) lease: Duration,
     /// The bearer token of the operator's routes under `/admin`; unset, they are not mounted.
     pub(crate) admin_token: Option<String>,
+    /// Whether `X-Demo-Crash` may abort the process (`DEMO_CRASH=1`); off, it is refused.
+    pub(crate) allow_crash: bool,
 }
 
 /// A positive number of milliseconds from `name`, or `default`.
@@ -52,7 +54,7 @@ fn millis_var(name: &str, value: Option<String>, default: Duration) -> Result<Du
 
 impl Config {
     /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE`,
-    /// `IDEMPOTENCY_RETENTION_MS`, `IDEMPOTENCY_LEASE_MS` and `ADMIN_TOKEN`.
+    /// `IDEMPOTENCY_RETENTION_MS`, `IDEMPOTENCY_LEASE_MS`, `ADMIN_TOKEN` and `DEMO_CRASH`.
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let database_url = var("DATABASE_URL");
@@ -96,6 +98,13 @@ impl Config {
             var("IDEMPOTENCY_LEASE_MS"),
             Duration::from_secs(30),
         )?;
+        let allow_crash = match var("DEMO_CRASH").as_deref().map(str::trim) {
+            None | Some("0" | "false") => false,
+            Some("1" | "true") => true,
+            Some(other) => {
+                return Err(format!("DEMO_CRASH={other:?} is not 1, true, 0 or false"));
+            }
+        };
         Ok(Self {
             bind: var("BIND").unwrap_or_else(|| "127.0.0.1:3000".into()),
             database_url,
@@ -104,6 +113,7 @@ impl Config {
             retention,
             lease,
             admin_token: var("ADMIN_TOKEN"),
+            allow_crash,
         })
     }
 }

@@ -41,7 +41,8 @@ use crate::{
         IDEMPOTENCY_STORE         memory | postgres | redis | hybrid (default: from the URLs)\n  \
         IDEMPOTENCY_LEASE_MS      how long a first request holds its key\n  \
         IDEMPOTENCY_RETENTION_MS  how long an outcome is replayed\n  \
-        ADMIN_TOKEN               mounts /admin/idempotency/keys/{account}/{key} (GET, DELETE)\n                            for Authorization: Bearer <ADMIN_TOKEN>"
+        ADMIN_TOKEN               mounts /admin/idempotency/keys/{account}/{key} (GET, DELETE)\n                            for Authorization: Bearer <ADMIN_TOKEN>\n  \
+        DEMO_CRASH                1: X-Demo-Crash: after-charge aborts the process (off: 403)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -191,6 +192,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         hybrid,
         redis,
         prometheus,
+        allow_crash: config.allow_crash,
     });
     // An attempt that crashed between the charge and its stored outcome (its lease ran out
     // unfinished): the charge row, found by its unique record id, is the outcome.

@@ -625,18 +625,30 @@ fn hybrid_mode_order_reuse_after_retention() {
 
 #[test]
 fn a_retention_that_is_not_milliseconds_is_a_clear_startup_error() {
+    let err = startup_error("IDEMPOTENCY_RETENTION_MS", "1h");
+    assert!(err.contains("IDEMPOTENCY_RETENTION_MS"), "{err}");
+}
+
+#[test]
+fn a_demo_crash_that_is_not_a_switch_is_a_clear_startup_error() {
+    let err = startup_error("DEMO_CRASH", "yes please");
+    assert!(err.contains("DEMO_CRASH"), "{err}");
+}
+
+/// Starts the demo in memory mode with `name=value`, expects it to refuse to start, and
+/// returns what it wrote to stderr.
+fn startup_error(name: &str, value: &str) -> String {
     let out = Command::new(BIN)
         .env_remove("DATABASE_URL")
         .env_remove("REDIS_URL")
         .env_remove("IDEMPOTENCY_STORE")
-        .env("IDEMPOTENCY_RETENTION_MS", "1h")
+        .env(name, value)
         // Never serves, even if the variable were ignored.
         .env("BIND", "not-an-address")
         .output()
         .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("IDEMPOTENCY_RETENTION_MS"), "{err}");
+    assert!(!out.status.success(), "{name}={value:?} started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn chrono_like(t: &str) -> bool {
@@ -822,6 +834,7 @@ fn the_admin_cli_refuses_the_memory_store() {
 fn crash_after_charge(env: &[(&str, &str)], _mode: &str) {
     let mut env = env.to_vec();
     env.push(("IDEMPOTENCY_LEASE_MS", "1000"));
+    env.push(("DEMO_CRASH", "1"));
     let customer = format!("crash-{}", uuid::Uuid::new_v4().simple());
     let body = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
     let key = uuid::Uuid::new_v4().to_string();
@@ -867,6 +880,50 @@ fn crash_after_charge(env: &[(&str, &str)], _mode: &str) {
     assert_eq!(listed["count"], 1, "charged once: {listed}");
     assert_eq!(listed["data"][0]["id"], charge.as_str());
     assert_eq!(demo.stop(), 0);
+}
+
+/// The crash header aborts the process: anyone who can reach the demo could stop it. Unless
+/// the demo was started with `DEMO_CRASH=1`, the header is refused (403 problem+json),
+/// nothing is charged, and the process goes on serving.
+#[test]
+fn the_crash_header_is_refused_unless_the_demo_allows_it() {
+    let demo = Demo::start(&[]);
+    let customer = format!("nocrash-{}", uuid::Uuid::new_v4().simple());
+    let body = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
+    let key = uuid::Uuid::new_v4().to_string();
+    let refused = post(
+        &demo,
+        Some(&key),
+        &[("x-demo-crash", "after-charge")],
+        &body,
+    );
+    assert_problem(&refused, 403);
+    assert!(
+        refused.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("DEMO_CRASH=1")),
+        "{}",
+        refused.body
+    );
+    let listed = call(
+        &demo.base,
+        "GET",
+        &format!("/charges?customer={customer}"),
+        &[],
+        "",
+    )
+    .expect("the process is still serving");
+    assert_eq!(
+        listed.json()["count"],
+        0,
+        "nothing charged: {}",
+        listed.body
+    );
+    // The refusal is not the key's outcome: the same key without the header charges.
+    let created = post(&demo, Some(&key), &[], &body);
+    assert_eq!(created.status, 201, "{}", created.body);
+    assert_eq!(created.header("idempotent-replayed"), None);
+    assert_eq!(demo.stop(), 0, "graceful shutdown");
 }
 
 #[test]
