@@ -200,7 +200,7 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             .await?,
     };
     let (c, d) = (settings.concurrency, settings.duration);
-    let (slot, r) = (d / 4, settings.rounds);
+    let (slot, r) = (d / 4, settings.rounds.max(1));
     let mut measured = Vec::new();
 
     if settings.runs("store-seq") {

@@ -45,9 +45,13 @@ impl Ratio {
         }
     }
 
-    /// The median of per-round ratios, with their range; `None` when there are none.
+    /// The median of per-round ratios, with their range. `None` when there are none, or when
+    /// a round's ratio is not a positive number (a side completed nothing in that round):
+    /// such a ratio is refused rather than reported over the other rounds.
     fn over_rounds(what: String, mut per_round: Vec<f64>) -> Option<Self> {
-        per_round.retain(|r| r.is_finite());
+        if per_round.iter().any(|r| !r.is_finite() || *r <= 0.0) {
+            return None;
+        }
         per_round.sort_by(f64::total_cmp);
         let n = per_round.len();
         let median = match n {
@@ -201,7 +205,8 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<Ratio> {
         let label = format!("http {what}, side by side: {a} / {b}");
         out.extend(per_round(group, a, b, throughput).and_then(|r| Ratio::over_rounds(label, r)));
     }
-    let p99 = |r: &Round| r.p99_us.max(1) as f64;
+    // An empty round's p99 is 0: its ratio is refused (see `Ratio::over_rounds`).
+    let p99 = |r: &Round| r.p99_us as f64;
     let c1 = per_round(
         "http-first-c1",
         "layer postgres",
@@ -384,4 +389,32 @@ fn font() -> bool {
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ratio;
+
+    fn over(rounds: &[f64]) -> Option<(f64, (f64, f64))> {
+        Ratio::over_rounds("r".into(), rounds.to_vec())
+            .map(|r| (r.value, r.range.unwrap_or_default()))
+    }
+
+    #[test]
+    fn the_median_of_an_odd_count_is_the_middle_round() {
+        assert_eq!(over(&[0.9, 0.7, 0.8, 1.2, 0.85]), Some((0.85, (0.7, 1.2))));
+    }
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(over(&[1.0, 0.5, 2.0, 0.75]), Some((0.875, (0.5, 2.0))));
+    }
+
+    #[test]
+    fn a_round_in_which_a_side_completed_nothing_refuses_the_ratio() {
+        assert_eq!(over(&[0.9, f64::INFINITY, 0.8]), None);
+        assert_eq!(over(&[0.9, f64::NAN, 0.8]), None);
+        assert_eq!(over(&[0.9, 0.0, 0.8]), None);
+        assert_eq!(over(&[]), None);
+    }
 }

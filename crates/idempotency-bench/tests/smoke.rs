@@ -43,11 +43,23 @@ fn every_scenario_runs_and_the_report_is_written() {
             assert_eq!(side_by_side.len(), servers, "the servers of {group}");
             for m in side_by_side {
                 assert_eq!(m.rounds.len(), rounds, "the rounds of {group} / {}", m.name);
+                assert!(
+                    m.rounds.iter().all(|r| r.ops_per_sec > 0.0),
+                    "every round of {group} / {} completed requests",
+                    m.name
+                );
             }
         }
+        // Every side-by-side ratio is there: a round in which a side completed nothing would
+        // have refused it.
         for ratio in [
+            "first, side by side: layer hybrid / layer postgres",
             "side by side: layer hybrid (adaptive)",
+            "side by side: layer redis / hand-written redis",
+            "side by side: layer postgres / layer postgres (per-request)",
             "side by side: layer postgres (2 in flight)",
+            "replay, side by side: layer hybrid / hand-written single GET",
+            "1 connection, p99 latency",
         ] {
             assert!(
                 report.ratios.iter().any(|r| r.what.contains(ratio)

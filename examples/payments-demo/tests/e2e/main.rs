@@ -28,6 +28,7 @@ impl Demo {
             .env_remove("DATABASE_URL")
             .env_remove("REDIS_URL")
             .env_remove("IDEMPOTENCY_STORE")
+            .env_remove("DEMO_CRASH")
             .env("BIND", format!("127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -642,6 +643,7 @@ fn startup_error(name: &str, value: &str) -> String {
         .env_remove("DATABASE_URL")
         .env_remove("REDIS_URL")
         .env_remove("IDEMPOTENCY_STORE")
+        .env_remove("DEMO_CRASH")
         .env(name, value)
         // Never serves, even if the variable were ignored.
         .env("BIND", "not-an-address")
