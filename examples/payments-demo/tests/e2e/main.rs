@@ -101,6 +101,19 @@ fn post(demo: &Demo, key: Option<&str>, extra: &[(&str, &str)], body: &str) -> R
     call(&demo.base, "POST", "/charges", &headers, body).expect("POST /charges")
 }
 
+/// `GET /charges?customer=…`, as JSON.
+fn charges_of(base: &str, customer: &str) -> serde_json::Value {
+    call(
+        base,
+        "GET",
+        &format!("/charges?customer={customer}"),
+        &[],
+        "",
+    )
+    .expect("GET /charges")
+    .json()
+}
+
 fn assert_problem(reply: &Reply, status: u16) {
     assert_eq!(reply.status, status, "{}", reply.body);
     assert_eq!(
@@ -233,15 +246,7 @@ fn exercise(demo: &Demo, mode: &str) {
         &call(&demo.base, "GET", "/charges/ch_missing", &[], "").expect("get"),
         404,
     );
-    let list = call(
-        &demo.base,
-        "GET",
-        &format!("/charges?customer={customer}"),
-        &[],
-        "",
-    )
-    .expect("list")
-    .json();
+    let list = charges_of(&demo.base, &customer);
     // created + other account + slow + flaky retried
     assert_eq!(list["count"], 4, "{list}");
     assert_eq!(list["data"].as_array().map(Vec::len), Some(4));
@@ -475,17 +480,7 @@ fn reuse_after_retention(env: &[(&str, &str)], mode: &str) {
     let a = format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{customer}"}}"#);
     let b = a.replace("1000", "2500");
     let key = uuid::Uuid::new_v4().to_string();
-    let charges = || {
-        call(
-            &demo.base,
-            "GET",
-            &format!("/charges?customer={customer}"),
-            &[],
-            "",
-        )
-        .expect("list")
-        .json()
-    };
+    let charges = || charges_of(&demo.base, &customer);
 
     let created = post(&demo, Some(&key), &[], &a);
     assert_eq!(created.status, 201, "{}", created.body);
@@ -870,15 +865,7 @@ fn crash_after_charge(env: &[(&str, &str)], _mode: &str) {
     let again = post(&demo, Some(&key), &[], &body);
     assert_eq!(again.json()["id"], charge.as_str());
 
-    let listed = call(
-        &demo.base,
-        "GET",
-        &format!("/charges?customer={customer}"),
-        &[],
-        "",
-    )
-    .expect("list");
-    let listed = listed.json();
+    let listed = charges_of(&demo.base, &customer);
     assert_eq!(listed["count"], 1, "charged once: {listed}");
     assert_eq!(listed["data"][0]["id"], charge.as_str());
     assert_eq!(demo.stop(), 0);
@@ -907,20 +894,9 @@ fn the_crash_header_is_refused_unless_the_demo_allows_it() {
         "{}",
         refused.body
     );
-    let listed = call(
-        &demo.base,
-        "GET",
-        &format!("/charges?customer={customer}"),
-        &[],
-        "",
-    )
-    .expect("the process is still serving");
-    assert_eq!(
-        listed.json()["count"],
-        0,
-        "nothing charged: {}",
-        listed.body
-    );
+    // Still serving: the list answers.
+    let listed = charges_of(&demo.base, &customer);
+    assert_eq!(listed["count"], 0, "nothing charged: {listed}");
     // The refusal is not the key's outcome: the same key without the header charges.
     let created = post(&demo, Some(&key), &[], &body);
     assert_eq!(created.status, 201, "{}", created.body);
