@@ -283,6 +283,13 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             pool.clone(),
         ))
         .await;
+        // With the fenced hand-written one between them (A B C C B A): what fencing costs on
+        // its own, and the framework beyond it.
+        let fenced_addr = http_level::serve(http_level::handwritten_redis_only_fenced(
+            conn.clone(),
+            pool.clone(),
+        ))
+        .await;
         let runs = [
             ("layer postgres", pg_addr),
             ("layer hybrid", hybrid_addr),
@@ -291,8 +298,10 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
             ("layer hybrid", hybrid_addr),
             ("layer postgres", pg_addr),
             ("layer redis", redis_addr),
+            ("hand-written redis (fenced)", fenced_addr),
             ("hand-written redis", hand_addr),
             ("hand-written redis", hand_addr),
+            ("hand-written redis (fenced)", fenced_addr),
             ("layer redis", redis_addr),
         ];
         measured.extend(side_by_side("http-first-abba", &runs, Keys::Unique, c, slot, r).await);
@@ -329,7 +338,11 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
         ("layer redis", http_level::layered(redis_store)),
         (
             "hand-written single GET",
-            http_level::single_get_replay(conn, pool),
+            http_level::single_get_replay(conn.clone(), pool.clone()),
+        ),
+        (
+            "hand-written replay (checked)",
+            http_level::checked_replay_server(conn, pool),
         ),
     ];
     if settings.runs("http-replay") {
@@ -340,13 +353,21 @@ pub async fn run(settings: Settings) -> Result<Report, Box<dyn std::error::Error
                 .push(http_level::drive("http-replay", name, addr, Keys::PerClient, c, d).await);
             served.push((name, addr));
         }
-        // The hybrid against the single `GET`, side by side (A B B A), as for first requests.
+        // The hybrid against the single `GET`, side by side, as for first requests; with the
+        // checked replay between them (A B C C B A): what checking the request costs on its
+        // own, and the framework beyond it.
         let addr = |wanted: &str| served.iter().find(|(name, _)| *name == wanted).map(|s| s.1);
-        if let (Some(a), Some(b)) = (addr("layer hybrid"), addr("hand-written single GET")) {
+        if let (Some(a), Some(b), Some(checked)) = (
+            addr("layer hybrid"),
+            addr("hand-written single GET"),
+            addr("hand-written replay (checked)"),
+        ) {
             let runs = [
                 ("layer hybrid", a),
+                ("hand-written replay (checked)", checked),
                 ("hand-written single GET", b),
                 ("hand-written single GET", b),
+                ("hand-written replay (checked)", checked),
                 ("layer hybrid", a),
             ];
             measured

@@ -185,6 +185,18 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<Ratio> {
         ),
         (
             "first",
+            "http-first-abba",
+            "hand-written redis (fenced)",
+            "hand-written redis",
+        ),
+        (
+            "first",
+            "http-first-abba",
+            "layer redis",
+            "hand-written redis (fenced)",
+        ),
+        (
+            "first",
             "http-first-gc",
             "layer postgres",
             "layer postgres (per-request)",
@@ -200,6 +212,18 @@ pub(crate) fn ratios(m: &[Measured]) -> Vec<Ratio> {
             "http-replay-abba",
             "layer hybrid",
             "hand-written single GET",
+        ),
+        (
+            "replay",
+            "http-replay-abba",
+            "hand-written replay (checked)",
+            "hand-written single GET",
+        ),
+        (
+            "replay",
+            "http-replay-abba",
+            "layer hybrid",
+            "hand-written replay (checked)",
         ),
     ] {
         let label = format!("http {what}, side by side: {a} / {b}");

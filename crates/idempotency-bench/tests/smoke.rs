@@ -31,9 +31,9 @@ fn every_scenario_runs_and_the_report_is_written() {
         let rounds = Settings::smoke().rounds;
         for (group, servers) in [
             ("http-first-c1", 2),
-            ("http-first-abba", 5),
+            ("http-first-abba", 6),
             ("http-first-gc", 3),
-            ("http-replay-abba", 2),
+            ("http-replay-abba", 3),
         ] {
             let side_by_side: Vec<_> = report
                 .measured
@@ -54,15 +54,19 @@ fn every_scenario_runs_and_the_report_is_written() {
         // have refused it.
         for ratio in [
             "first, side by side: layer hybrid / layer postgres",
-            "side by side: layer hybrid (adaptive)",
-            "side by side: layer redis / hand-written redis",
-            "side by side: layer postgres / layer postgres (per-request)",
-            "side by side: layer postgres (2 in flight)",
+            "first, side by side: layer hybrid (adaptive) / layer postgres",
+            "first, side by side: layer redis / hand-written redis",
+            "first, side by side: layer redis / hand-written redis (fenced)",
+            "first, side by side: hand-written redis (fenced) / hand-written redis",
+            "first, side by side: layer postgres / layer postgres (per-request)",
+            "first, side by side: layer postgres (2 in flight) / layer postgres",
             "replay, side by side: layer hybrid / hand-written single GET",
-            "1 connection, p99 latency",
+            "replay, side by side: layer hybrid / hand-written replay (checked)",
+            "replay, side by side: hand-written replay (checked) / hand-written single GET",
+            "1 connection, p99 latency: layer postgres / per-request",
         ] {
             assert!(
-                report.ratios.iter().any(|r| r.what.contains(ratio)
+                report.ratios.iter().any(|r| r.what.ends_with(ratio)
                     && r.range
                         .is_some_and(|(low, high)| low <= r.value && r.value <= high)),
                 "{ratio} missing: {:?}",
