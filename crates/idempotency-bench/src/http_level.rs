@@ -146,29 +146,76 @@ pub(crate) fn handwritten_redis_only(
     raw_server(handwritten_redis, redis, pool)
 }
 
-/// The fenced write of [`handwritten_redis_fenced`]: the outcome replaces the lease only if
-/// the lease is still this claim's (`ARGV[1]`, its token). The least a Redis 7 store can do
-/// to refuse a late completion: there is no compare-and-set without a script before
-/// Redis 8.4 (`SET … IFEQ`).
+/// The fenced write of [`handwritten_redis_fenced`], on the store's record layout (state,
+/// fingerprint, token, outcome): the outcome replaces the lease only if the lease is still
+/// this claim's (`ARGV[1]`, its token). The least a Redis 7 store can do to refuse a late
+/// completion: there is no compare-and-set without a script before Redis 8.4 (`SET … IFEQ`).
 const FENCED_COMPLETE: &str = r"
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 2, 17) == ARGV[1] then
-  redis.call('SET', KEYS[1], '1' .. ARGV[1] .. ARGV[2], 'PX', ARGV[3])
+if v and string.sub(v, 34, 49) == ARGV[1] then
+  redis.call('SET', KEYS[1], '1' .. string.sub(v, 2, 49) .. ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
 ";
 
-/// Hand-written Redis-only, fenced: what [`handwritten_redis`] must add to be correct when a
-/// lease runs out under a slow handler — a token in the lease (`SET NX GET PX`, as the
-/// store claims) and a completion that checks it (a script). Against the unfenced baseline
-/// it measures what fencing costs on Redis 7; against the layer, what the framework costs
-/// beyond it.
-async fn handwritten_redis_fenced(State(raw): State<Raw>, headers: HeaderMap) -> Response {
+/// The request's fingerprint as the layer takes it by default: method, path, body.
+fn request_fingerprint(body: &[u8]) -> idempotency::Fingerprint {
+    idempotency::Fingerprint::builder()
+        .method("POST")
+        .path_and_query("/charges")
+        .body(body)
+        .finish()
+}
+
+/// What [`charge`] answers, as an outcome to store.
+fn charge_outcome() -> idempotency::Outcome {
+    idempotency::Outcome::new(201)
+        .with_header("content-type", "application/json")
+        .with_body(BODY)
+}
+
+/// A stored outcome answered: its status, headers and body, and `Idempotent-Replayed`.
+fn replayed(stored: &[u8]) -> Response {
+    let Ok(outcome) = idempotency::Outcome::decode(stored) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let mut response = Response::new(axum::body::Body::from(outcome.body));
+    *response.status_mut() = StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::OK);
+    for (name, value) in outcome.headers {
+        if let (Ok(name), Ok(value)) = (
+            axum::http::HeaderName::from_bytes(name.as_bytes()),
+            axum::http::HeaderValue::from_maybe_shared(value),
+        ) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response.headers_mut().insert(
+        "idempotent-replayed",
+        axum::http::HeaderValue::from_static("true"),
+    );
+    response
+}
+
+/// Hand-written Redis-only, fenced: what [`handwritten_redis`] must add to be correct, on the
+/// store's record layout — the request fingerprinted (a key reused with another body is
+/// refused), a token in the lease (`SET NX GET PX`, as the store claims), the outcome with
+/// its status and headers, and a completion that checks the token (a script), so a lease
+/// that ran out under a slow handler is not overwritten. Against the unfenced baseline it
+/// measures what those cost on Redis 7; against the layer, what the framework costs beyond
+/// them. Left out: what the layer adds for a caller that goes away (the operation in a task
+/// of its own, a claim finished if its request is dropped), renewals, budgets, metrics.
+async fn handwritten_redis_fenced(
+    State(raw): State<Raw>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let key = format!("handf:{{{}}}", key_of(&headers));
+    let fp = request_fingerprint(&body);
     let token = *uuid::Uuid::new_v4().as_bytes();
-    let mut lease = Vec::with_capacity(17);
+    let mut lease = Vec::with_capacity(49);
     lease.push(b'0');
+    lease.extend_from_slice(fp.as_bytes());
     lease.extend_from_slice(&token);
     let mut conn = raw.redis.clone();
     let found: Result<Option<Vec<u8>>, _> = redis::cmd("SET")
@@ -182,8 +229,11 @@ async fn handwritten_redis_fenced(State(raw): State<Raw>, headers: HeaderMap) ->
         .await;
     match found {
         Ok(None) => {}
-        Ok(Some(record)) if record.first() == Some(&b'1') && record.len() >= 17 => {
-            return (StatusCode::CREATED, record[17..].to_vec()).into_response();
+        Ok(Some(record)) if record.len() >= 49 && record[1..33] != fp.as_bytes()[..] => {
+            return StatusCode::UNPROCESSABLE_ENTITY.into_response();
+        }
+        Ok(Some(record)) if record.len() >= 49 && record[0] == b'1' => {
+            return replayed(&record[49..]);
         }
         _ => return StatusCode::CONFLICT.into_response(),
     }
@@ -195,7 +245,7 @@ async fn handwritten_redis_fenced(State(raw): State<Raw>, headers: HeaderMap) ->
         .arg(1)
         .arg(&key)
         .arg(&token[..])
-        .arg(BODY)
+        .arg(&charge_outcome().encode()[..])
         .arg(3_600_000);
     let done: redis::RedisResult<i64> = match eval.query_async(&mut conn).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
@@ -222,49 +272,26 @@ pub(crate) fn handwritten_redis_only_fenced(
 /// Hand-written replay, checked: what a replay must do besides the `GET` — read the request
 /// body and fingerprint it (a reused key with another body is refused, not replayed), and
 /// answer with the stored status and headers. The record is the fingerprint, then the
-/// encoded [`Outcome`](idempotency::Outcome); a miss runs the handler and stores one.
+/// encoded [`Outcome`](idempotency::Outcome). A replay-only baseline: a miss (each
+/// connection's first request) stores the outcome and runs the handler, with no claim.
 async fn checked_replay(State(raw): State<Raw>, headers: HeaderMap, body: Bytes) -> Response {
     let key = format!("handc:{{{}}}", key_of(&headers));
-    let fp = idempotency::Fingerprint::builder()
-        .method("POST")
-        .path_and_query("/charges")
-        .body(&body)
-        .finish();
+    let fp = request_fingerprint(&body);
     let mut conn = raw.redis.clone();
     let record: Option<Vec<u8>> = match redis::cmd("GET").arg(&key).query_async(&mut conn).await {
         Ok(record) => record,
         Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
     };
     let Some(record) = record else {
-        let outcome = idempotency::Outcome::new(201)
-            .with_header("content-type", "application/json")
-            .with_body(BODY);
         let mut value = fp.as_bytes().to_vec();
-        value.extend_from_slice(&outcome.encode());
+        value.extend_from_slice(&charge_outcome().encode());
         store_level::cache_write(&mut conn, &key, &value).await;
         return charge().await;
     };
     if record.len() < 32 || record[..32] != fp.as_bytes()[..] {
         return StatusCode::UNPROCESSABLE_ENTITY.into_response();
     }
-    let Ok(outcome) = idempotency::Outcome::decode(&record[32..]) else {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-    };
-    let mut response = Response::new(axum::body::Body::from(outcome.body));
-    *response.status_mut() = StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::OK);
-    for (name, value) in outcome.headers {
-        if let (Ok(name), Ok(value)) = (
-            axum::http::HeaderName::from_bytes(name.as_bytes()),
-            axum::http::HeaderValue::from_maybe_shared(value),
-        ) {
-            response.headers_mut().append(name, value);
-        }
-    }
-    response.headers_mut().insert(
-        "idempotent-replayed",
-        axum::http::HeaderValue::from_static("true"),
-    );
-    response
+    replayed(&record[32..])
 }
 
 pub(crate) fn checked_replay_server(
@@ -275,15 +302,20 @@ pub(crate) fn checked_replay_server(
 }
 
 /// Hand-written replay: one Redis GET of the cached response (what a replay minimally costs).
+/// A miss (each connection's first request) caches the response and runs the handler.
 async fn single_get(State(raw): State<Raw>, headers: HeaderMap) -> Response {
+    let key = format!("hand:{{{}}}", key_of(&headers));
     let mut conn = raw.redis.clone();
     match redis::cmd("GET")
-        .arg(format!("hand:{{{}}}", key_of(&headers)))
+        .arg(&key)
         .query_async::<Option<Vec<u8>>>(&mut conn)
         .await
     {
         Ok(Some(body)) => (StatusCode::CREATED, body).into_response(),
-        _ => charge().await,
+        _ => {
+            store_level::cache_write(&mut conn, &key, BODY.as_bytes()).await;
+            charge().await
+        }
     }
 }
 
@@ -426,4 +458,78 @@ pub(crate) async fn drive_raw(
         errors += e;
     }
     (h, errors, started.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idempotency_test::services;
+
+    /// One POST on `client`: its status and whether it says it was replayed.
+    async fn post(client: &mut Client, key: &str, body: &'static str) -> (u16, bool) {
+        let request = Request::post("/charges")
+            .header("host", "bench")
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request");
+        let response = client.sender.send_request(request).await.expect("send");
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let status = response.status().as_u16();
+        response.into_body().collect().await.expect("body");
+        (status, replayed)
+    }
+
+    async fn client_of(router: fn(redis::aio::MultiplexedConnection, PgPool) -> Router) -> Client {
+        let redis = services::redis()
+            .await
+            .expect("Redis (Docker) for the bench's baselines");
+        let conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("Redis");
+        // The Redis-only baselines never touch the pool.
+        let pool = PgPool::connect_lazy("postgres://unused@127.0.0.1:1/unused").expect("lazy pool");
+        Client::connect(serve(router(conn, pool)).await)
+            .await
+            .expect("connect")
+    }
+
+    /// The baselines the targets are measured against do what their names say: a replay
+    /// baseline replays (a first version of the single `GET` never stored anything, so it
+    /// measured a miss), and the correct ones refuse a key reused with another body.
+    #[test]
+    fn the_correct_baselines_replay_and_refuse_another_body() {
+        idempotency_test::block_on(async {
+            for router in [checked_replay_server, handwritten_redis_only_fenced] {
+                let mut client = client_of(router).await;
+                let key = uuid::Uuid::new_v4().to_string();
+                assert_eq!(post(&mut client, &key, REQUEST_BODY).await, (201, false));
+                assert_eq!(post(&mut client, &key, REQUEST_BODY).await, (201, true));
+                assert_eq!(post(&mut client, &key, "{}").await.0, 422);
+            }
+        });
+    }
+
+    #[test]
+    fn the_single_get_baseline_answers_replays_from_redis() {
+        idempotency_test::block_on(async {
+            let mut client = client_of(single_get_replay).await;
+            let key = uuid::Uuid::new_v4().to_string();
+            assert_eq!(post(&mut client, &key, REQUEST_BODY).await, (201, false));
+            let redis = services::redis().await.expect("Redis");
+            let mut conn = redis::Client::open(redis.url())
+                .expect("client")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("Redis");
+            let cached: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(format!("hand:{{{key}}}"))
+                .query_async(&mut conn)
+                .await
+                .expect("GET");
+            assert_eq!(cached.as_deref(), Some(BODY.as_bytes()));
+            assert_eq!(post(&mut client, &key, REQUEST_BODY).await.0, 201);
+        });
+    }
 }

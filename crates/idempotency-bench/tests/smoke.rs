@@ -43,6 +43,9 @@ fn every_scenario_runs_and_the_report_is_written() {
             assert_eq!(side_by_side.len(), servers, "the servers of {group}");
             for m in side_by_side {
                 assert_eq!(m.rounds.len(), rounds, "the rounds of {group} / {}", m.name);
+                // Only 201s count as done: a baseline answering 409 or 422 would measure
+                // something else.
+                assert_eq!(m.errors, 0, "the errors of {group} / {}", m.name);
                 assert!(
                     m.rounds.iter().all(|r| r.ops_per_sec > 0.0),
                     "every round of {group} / {} completed requests",
