@@ -11,13 +11,24 @@ use crate::services;
 /// 500 ms per call): for tests that stop the database mid-operation (`Service::stop`).
 /// `None` when service tests are opted out.
 pub async fn stoppable_postgres() -> Option<(services::Service, Arc<PostgresStore>)> {
+    stoppable_postgres_with(|b| {
+        b.acquire_timeout(std::time::Duration::from_millis(300))
+            .call_timeout(std::time::Duration::from_millis(500))
+    })
+    .await
+}
+
+/// [`stoppable_postgres`] with the store built as `configure` says (the default budgets
+/// when it changes nothing): for a test whose healthy calls must not race a short budget on
+/// a loaded machine.
+pub async fn stoppable_postgres_with(
+    configure: impl FnOnce(PostgresStoreBuilder) -> PostgresStoreBuilder,
+) -> Option<(services::Service, Arc<PostgresStore>)> {
     if services::skipping() {
         return None;
     }
     let pg = services::start_postgres().await;
-    let store = PostgresStore::builder(pg.url())
-        .acquire_timeout(std::time::Duration::from_millis(300))
-        .call_timeout(std::time::Duration::from_millis(500))
+    let store = configure(PostgresStore::builder(pg.url()))
         .connect()
         .await
         .expect("store");

@@ -125,7 +125,10 @@ impl Consumer {
     /// A consumer `name` in `group` on `stream`, writing its effect to the `ledger` table.
     ///
     /// Give every consumer its own connection: `XREADGROUP BLOCK` holds the connection it
-    /// runs on, so consumers sharing one would wait on each other's reads.
+    /// runs on, so consumers sharing one would wait on each other's reads. Its response
+    /// timeout must exceed the 100 ms block (redis-rs' default, 500 ms, does); a read that
+    /// times out after Redis delivered leaves its messages pending, and `claim_idle` later
+    /// hands them out again.
     pub fn new(
         redis: MultiplexedConnection,
         store: Arc<PostgresStore>,

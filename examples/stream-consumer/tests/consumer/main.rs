@@ -49,9 +49,13 @@ async fn rig() -> Option<Rig> {
 impl Rig {
     /// A consumer on its own connection: `XREADGROUP BLOCK` holds the connection it runs on.
     async fn consumer(&self, name: &str) -> Consumer {
+        // A response budget far beyond the 100 ms `BLOCK` of each read: redis-rs' default
+        // (500 ms) leaves a loaded machine 400 ms of slack.
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
         let conn = self
             .client
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .expect("redis");
         Consumer::new(
@@ -417,8 +421,12 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
         let Some(redis) = services::redis().await else {
             return;
         };
-        // A Postgres of its own (store and ledger): the effect stops it.
-        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres().await else {
+        // A Postgres of its own (store and ledger): the effect stops it. The store's default
+        // budgets: a short one would also bound the healthy calls (the first `begin` opens
+        // the pool's first connection; the ledger is read just after the restart), which on a
+        // loaded machine can miss it. `complete`'s retries end with the lease either way.
+        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres_with(|b| b).await
+        else {
             return;
         };
         let pg = Arc::new(pg);
