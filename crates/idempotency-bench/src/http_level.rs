@@ -55,7 +55,6 @@ pub(crate) fn layered(store: Arc<dyn Store>) -> Router {
 struct Raw {
     redis: redis::aio::MultiplexedConnection,
     pool: PgPool,
-    fenced_complete: Arc<redis::Script>,
 }
 
 /// The app around a hand-written handler.
@@ -66,17 +65,7 @@ where
 {
     Router::new()
         .route("/charges", post(handler))
-        .with_state(Raw::new(redis, pool))
-}
-
-impl Raw {
-    fn new(redis: redis::aio::MultiplexedConnection, pool: PgPool) -> Self {
-        Self {
-            redis,
-            pool,
-            fenced_complete: Arc::new(redis::Script::new(FENCED_COMPLETE)),
-        }
-    }
+        .with_state(Raw { redis, pool })
 }
 
 fn key_of(headers: &HeaderMap) -> String {
@@ -150,14 +139,18 @@ pub(crate) fn handwritten_redis_only(
 /// fingerprint, token, outcome): the outcome replaces the lease only if the lease is still
 /// this claim's (`ARGV[1]`, its token). The least a Redis 7 store can do to refuse a late
 /// completion: there is no compare-and-set without a script before Redis 8.4 (`SET … IFEQ`).
-const FENCED_COMPLETE: &str = r"
+static FENCED_COMPLETE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 34, 49) == ARGV[1] then
   redis.call('SET', KEYS[1], '1' .. string.sub(v, 2, 49) .. ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
-";
+",
+    )
+});
 
 /// The request's fingerprint as the layer takes it by default: method, path, body.
 fn request_fingerprint(body: &[u8]) -> idempotency::Fingerprint {
@@ -239,7 +232,7 @@ async fn handwritten_redis_fenced(
     }
     let response = charge().await;
     // `EVALSHA` written directly, as the store does (an invocation copies its arguments).
-    let script = &raw.fenced_complete;
+    let script = &*FENCED_COMPLETE;
     let mut eval = redis::cmd("EVALSHA");
     eval.arg(script.get_hash())
         .arg(1)
