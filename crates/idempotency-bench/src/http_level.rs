@@ -395,8 +395,32 @@ pub(crate) async fn drive(
     concurrency: usize,
     duration: Duration,
 ) -> Measured {
+    let _window = Window::open(group, name);
     let (h, errors, elapsed) = drive_raw(addr, keys, concurrency, duration).await;
     Measured::new(group, name, &h, errors, elapsed)
+}
+
+/// One timed window of one scenario, logged at its start and its end (target
+/// `idempotency_bench::window`, level debug, wall-clock timestamps): with
+/// `RUST_LOG=idempotency_bench::window=debug` and `perf record -k CLOCK_REALTIME`, a
+/// system-wide profile can be split by scenario (docs/performance/profile.md).
+pub(crate) struct Window<'a> {
+    group: &'a str,
+    name: &'a str,
+}
+
+impl<'a> Window<'a> {
+    pub(crate) fn open(group: &'a str, name: &'a str) -> Self {
+        tracing::debug!(target: "idempotency_bench::window", group, name, "start");
+        Self { group, name }
+    }
+}
+
+impl Drop for Window<'_> {
+    fn drop(&mut self) {
+        let (group, name) = (self.group, self.name);
+        tracing::debug!(target: "idempotency_bench::window", group, name, "end");
+    }
 }
 
 /// [`drive`]'s latencies, errors and elapsed time, unsummarised (the side-by-side groups

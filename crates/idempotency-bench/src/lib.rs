@@ -126,6 +126,7 @@ async fn side_by_side(
             .map(|_| (stats::histogram(), Duration::ZERO))
             .collect();
         for &(name, addr) in order {
+            let _window = http_level::Window::open(group, name);
             let (h, errors, elapsed) = http_level::drive_raw(addr, keys, connections, each).await;
             let i = servers
                 .iter()
