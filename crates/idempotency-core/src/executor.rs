@@ -279,15 +279,20 @@ impl<S: Store + ?Sized> Executor<S> {
 
 impl<S: Store + ?Sized> Executor<S> {
     /// `begin`, run to its end even if `run`'s future is dropped meanwhile: a lease granted
-    /// then is given back, the rest counted by `drain`. (The stores do this themselves too; here it
-    /// is also counted, and safe over any `Store`.) A `begin` that panics answers
-    /// `Unavailable`, as in the HTTP layer: a lease it may have taken expires by itself.
+    /// then is given back, the rest counted by `drain`. A store that does this itself
+    /// ([`Store::begin_settles_when_dropped`]) is called directly (the stores of this
+    /// workspace also answer a panicking claim with `Unavailable`); over any other `Store`
+    /// the claim is wrapped here, and a `begin` that panics answers `Unavailable`, as in the
+    /// HTTP layer: a lease it may have taken expires by itself.
     async fn claim(
         &self,
         id: RecordId,
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> crate::Result<Begin> {
+        if self.store.begin_settles_when_dropped() {
+            return self.store.begin(&id, &fingerprint, lease).await;
+        }
         let store = self.store.clone();
         let claim = async move { store.begin(&id, &fingerprint, lease).await };
         detached_begin(self.store.clone(), id, claim)

@@ -405,4 +405,9 @@ impl Store for MemoryStore {
     fn name(&self) -> &'static str {
         "memory"
     }
+
+    fn begin_settles_when_dropped(&self) -> bool {
+        // `begin` never awaits: dropped, it did nothing or everything.
+        true
+    }
 }

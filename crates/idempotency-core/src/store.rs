@@ -249,6 +249,27 @@ pub trait Store: Send + Sync + 'static {
     /// A short name for logs, health checks and metrics (`memory`, `postgres`, …).
     fn name(&self) -> &'static str;
 
+    /// Whether this store's `begin` settles a claim whose caller went away by itself, as the
+    /// stores of this workspace do: the claim runs to its end in a task of its own, a lease
+    /// it granted is released, and [`drain`](Store::drain) waits for both (the store wraps
+    /// its claim in [`detached_begin`](crate::detached_begin), or never awaits, like the
+    /// in-memory store). A caller that would otherwise wrap every `begin` itself — the
+    /// layer, the [`Executor`](crate::Executor) — then calls it directly, saving a box, a
+    /// runtime handle and a tracker per request.
+    ///
+    /// The default, `false`, is always safe: the caller wraps the call. Answer `true` only
+    /// for a store that passes the conformance suite's cancellation cases (`idempotency-test`).
+    ///
+    /// ```
+    /// use idempotency_core::{MemoryStore, Store};
+    ///
+    /// // `begin` never awaits: dropped, it either did nothing or finished.
+    /// assert!(MemoryStore::new().begin_settles_when_dropped());
+    /// ```
+    fn begin_settles_when_dropped(&self) -> bool {
+        false
+    }
+
     /// Waits until the writes this store started in the background, in tasks of its own,
     /// have landed: the rest of a claim whose caller stopped waiting (its own call budget,
     /// a dropped future) and the release of a lease that claim granted, a cancel of a claim
@@ -297,6 +318,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    fn begin_settles_when_dropped(&self) -> bool {
+        (**self).begin_settles_when_dropped()
     }
     async fn drain(&self) {
         (**self).drain().await;

@@ -1292,6 +1292,11 @@ impl Store for PostgresStore {
         "postgres"
     }
 
+    fn begin_settles_when_dropped(&self) -> bool {
+        // `begin` wraps its claim in `detached_begin`, tracked by `settling`.
+        true
+    }
+
     /// Waits for the claims this store stopped waiting for (its call budget ran out) to
     /// settle, with the release of what they granted, and for the give-back of grants a
     /// claim whose answer was lost may have made.

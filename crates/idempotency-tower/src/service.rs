@@ -460,8 +460,10 @@ enum Reconciled {
 }
 
 /// `begin`, run to its end even if the request future is dropped (a client hang-up, an outer
-/// timeout): a lease granted to a request that is gone is released. The stores guarantee
-/// this themselves; doing it here too keeps the layer safe over any `Store`. Between this
+/// timeout): a lease granted to a request that is gone is released. A store that guarantees
+/// this itself ([`Store::begin_settles_when_dropped`](idempotency_core::Store::begin_settles_when_dropped):
+/// those of this workspace) is called directly; over any other `Store` the claim is wrapped
+/// here, which keeps the layer safe whatever the store does. Between this
 /// answer and the operation's first step (and its spawn, see [`execute`]) there is no yield
 /// point, so no lease is lost there.
 ///
@@ -470,15 +472,19 @@ enum Reconciled {
 /// release short would leave the key claimed, and it would come back as an attempt whose
 /// outcome is unknown (409 under `Reject`) for an operation that never ran.
 async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
-    let store = config.store.clone();
     let lease = config.policy.lease();
     // The lease counts from the ask, not from the answer: one read late is given back
     // (see `within_lease`).
     let asked = Instant::now();
-    let claim = async move { store.begin(&id, &fingerprint, lease).await };
-    let answer = detached_begin(config.store.clone(), id, claim)
-        .tracked_by(&config.detached)
-        .await;
+    let answer = if config.store.begin_settles_when_dropped() {
+        config.store.begin(&id, &fingerprint, lease).await
+    } else {
+        let store = config.store.clone();
+        let claim = async move { store.begin(&id, &fingerprint, lease).await };
+        detached_begin(config.store.clone(), id, claim)
+            .tracked_by(&config.detached)
+            .await
+    };
     idempotency_core::within_lease_with(&id, asked, lease, answer, |token| {
         let store = config.store.clone();
         config
