@@ -210,6 +210,49 @@ fn a_hung_or_stopped_redis_is_unavailable_then_recovers() {
     });
 }
 
+/// A Redis that answers late but within the call budget (clients paused for a failover, a
+/// slow script) is waited for: the budget bounds every call, and no shorter timer per
+/// command cuts the answer off. Before, the client's 250 ms response timeout answered
+/// `Unavailable` (a 503) to a call its own budget still allowed.
+#[test]
+fn a_late_answer_within_the_call_budget_is_waited_for() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let store = RedisStore::builder(redis.url())
+            .call_budget(Duration::from_secs(10))
+            .connect()
+            .await
+            .expect("store");
+        // Connected before the pause (a connection's handshake would be paused too).
+        execute(&store, &fresh_id(), &fp("warm"), LONG).await;
+        let mut admin = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        // Every client's commands wait for the pause to end: 800 ms, far past 250 ms.
+        let () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(800)
+            .arg("ALL")
+            .query_async(&mut admin)
+            .await
+            .expect("CLIENT PAUSE");
+        let id = fresh_id();
+        let answer = store.begin(&id, &fp("a"), LONG).await;
+        let Ok(Begin::Execute(token)) = answer else {
+            panic!("a claim answered within its budget is granted, got {answer:?}");
+        };
+        store
+            .complete(&id, token, &Outcome::new(201), LONG)
+            .await
+            .expect("complete");
+    });
+}
+
 #[test]
 fn an_evicting_redis_is_refused_unless_accepted() {
     block_on(async {

@@ -80,9 +80,9 @@ struct Scripts {
 /// Every operation is atomic and, but for a claim that finds a live lease (which reads the
 /// lease's TTL in a second round trip), one round trip: a claim is a plain `SET NX GET`, the
 /// token-fenced writes are Lua scripts (see the layout in
-/// `scripts.rs`). Lease and retention are key TTLs counted by Redis. Calls are bounded three ways: a connect timeout, a response
-/// timeout, and a hard budget per call, so a hung Redis costs at most the budget and then
-/// [`Error::Unavailable`].
+/// `scripts.rs`). Lease and retention are key TTLs counted by Redis. Calls are bounded by a
+/// connect timeout and a hard budget per call, so a hung Redis costs at most the budget and
+/// then [`Error::Unavailable`].
 ///
 /// **Redis alone is not a guarantee.** An evicted, flushed or lost key is a forgotten record,
 /// and the next retry executes again. [`RedisStoreBuilder::connect`] therefore refuses a Redis
@@ -142,6 +142,11 @@ impl std::fmt::Debug for Given {
     }
 }
 
+/// A Redis Cluster node's response timeout unless one is set
+/// ([`RedisStoreBuilder::response_timeout`]).
+#[cfg(feature = "cluster")]
+const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
+
 /// Configures and connects a [`RedisStore`].
 #[derive(Debug, Clone)]
 pub struct RedisStoreBuilder {
@@ -150,7 +155,7 @@ pub struct RedisStoreBuilder {
     given: Option<Given>,
     prefix: String,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    response_timeout: Option<Duration>,
     budget: Duration,
     eviction: EvictionCheck,
     /// PEM root certificates for `rediss://` (none: the system's).
@@ -171,13 +176,18 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Per-command response timeout (default 250 ms).
+    /// A response timeout per command, inside each call's budget. Default: none for a single
+    /// Redis — every call is bounded by [`call_budget`](Self::call_budget) already, and a
+    /// second timer per command cost about a tenth of a first request's time in the store —
+    /// and 250 ms for a Redis Cluster, whose client gives up on a node with it.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
+        self.response_timeout = Some(timeout);
         self
     }
 
-    /// The hard budget of one store call, reconnects included (default 500 ms).
+    /// The hard budget of one store call, reconnects included (default 500 ms). A hung Redis
+    /// costs each call its whole budget (a hybrid store's breaker opens after three such
+    /// failures): lower it for a faster fallback.
     pub fn call_budget(mut self, budget: Duration) -> Self {
         self.budget = budget;
         self
@@ -272,7 +282,7 @@ impl RedisStoreBuilder {
             let client = self.client()?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(self.connect_timeout))
-                .set_response_timeout(Some(self.response_timeout))
+                .set_response_timeout(self.response_timeout)
                 // Reconnects happen on the next call; a call never sleeps through retries
                 // longer than its budget allows.
                 .set_number_of_retries(1)
@@ -310,7 +320,7 @@ impl RedisStoreBuilder {
         self.check_tls()?;
         let builder = redis::cluster::ClusterClient::builder(self.urls.clone())
             .connection_timeout(self.connect_timeout)
-            .response_timeout(self.response_timeout)
+            .response_timeout(self.response_timeout.unwrap_or(CLUSTER_RESPONSE_TIMEOUT))
             .retries(1);
         #[cfg(feature = "tls-rustls")]
         let builder = {
@@ -388,6 +398,20 @@ fn within<T>(
         Err(_) => Err(Error::unavailable(format!(
             "Redis did not answer within {budget:?}"
         ))),
+    })
+}
+
+/// `call` by `deadline`; a Redis error or no answer in time is `Unavailable`.
+fn by<T>(
+    deadline: tokio::time::Instant,
+    call: impl Future<Output = redis::RedisResult<T>>,
+) -> impl Future<Output = Result<T>> {
+    tokio::time::timeout_at(deadline, call).map(|answer| match answer {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(Error::unavailable(error)),
+        Err(_) => Err(Error::unavailable(
+            "Redis did not answer by the call's deadline",
+        )),
     })
 }
 
@@ -493,7 +517,7 @@ impl RedisStore {
             given: None,
             prefix: "idem".into(),
             connect_timeout: Duration::from_millis(250),
-            response_timeout: Duration::from_millis(250),
+            response_timeout: None,
             budget: Duration::from_millis(500),
             eviction: EvictionCheck::Refuse,
             #[cfg(feature = "tls-rustls")]
@@ -940,7 +964,7 @@ impl RedisStore {
         let value = match read {
             Ok(read) => read,
             Err(error) if wrong_type(&error) => {
-                return self.peek_legacy(&key, fp).await;
+                return self.peek_legacy(&key, fp, deadline).await;
             }
             Err(error) => return Err(Error::unavailable(error)),
         };
@@ -956,18 +980,24 @@ impl RedisStore {
     }
 
     /// [`RedisStore::peek`] on a record of the earlier (hash) layout.
-    async fn peek_legacy(&self, key: &str, fp: &Fingerprint) -> Result<Peek> {
+    /// Within the `GET`'s `deadline`: one budget for the whole peek.
+    async fn peek_legacy(
+        &self,
+        key: &str,
+        fp: &Fingerprint,
+        deadline: tokio::time::Instant,
+    ) -> Result<Peek> {
         let mut conn = self.conn.clone();
-        let [state, stored_fp, out]: [Option<Vec<u8>>; 3] = self
-            .timed(
-                redis::cmd("HMGET")
-                    .arg(key)
-                    .arg("st")
-                    .arg("fp")
-                    .arg("out")
-                    .query_async(&mut conn),
-            )
-            .await?;
+        let [state, stored_fp, out]: [Option<Vec<u8>>; 3] = by(
+            deadline,
+            redis::cmd("HMGET")
+                .arg(key)
+                .arg("st")
+                .arg("fp")
+                .arg("out")
+                .query_async(&mut conn),
+        )
+        .await?;
         let Some(state) = state else {
             return Ok(Peek::Absent);
         };
@@ -979,9 +1009,7 @@ impl RedisStore {
                 out.ok_or_else(|| Error::Corrupt("completed record without outcome".into()))?;
             return Ok(Peek::Found(Begin::Replay(decode_outcome(&out)?)));
         }
-        let pttl: i64 = self
-            .timed(redis::cmd("PTTL").arg(key).query_async(&mut conn))
-            .await?;
+        let pttl: i64 = by(deadline, redis::cmd("PTTL").arg(key).query_async(&mut conn)).await?;
         Ok(match u64::try_from(pttl) {
             Ok(ms) if ms > 0 => Peek::Found(Begin::InFlight {
                 retry_after: Duration::from_millis(ms),
@@ -1247,6 +1275,11 @@ impl Store for RedisStore {
 
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn begin_settles_when_dropped(&self) -> bool {
+        // `begin` wraps its claim in `detached_begin`, tracked by `settling`.
+        true
     }
 
     /// Waits for the claims this store stopped waiting for (its call budget ran out) to
