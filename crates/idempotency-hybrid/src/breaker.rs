@@ -1,14 +1,13 @@
 //! The circuit breaker that routes around a failing Redis.
 
 use std::{
-    sync::{
-        Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
 use tokio::time::Instant;
+
+use crate::flagged::{Flagged, Guard};
 
 /// The breaker's state, as reported in metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +89,9 @@ enum Inner {
 #[derive(Debug)]
 pub(crate) struct Breaker {
     config: BreakerConfig,
-    inner: Mutex<Inner>,
+    /// Published: `Closed` with no failure counted (healthy). A call is then admitted, and
+    /// its success recorded, without the lock.
+    inner: Flagged<Inner>,
     pub(crate) opened: AtomicU64,
     pub(crate) closed: AtomicU64,
 }
@@ -100,7 +101,9 @@ impl Breaker {
         publish(BreakerState::Closed);
         Self {
             config,
-            inner: Mutex::new(Inner::Closed { failures: 0 }),
+            inner: Flagged::new(Inner::Closed { failures: 0 }, |inner| {
+                matches!(inner, Inner::Closed { failures: 0 })
+            }),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
         }
@@ -123,10 +126,8 @@ impl Breaker {
         );
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> Guard<'_, Inner> {
+        self.inner.lock()
     }
 
     pub(crate) fn state(&self) -> BreakerState {
@@ -146,6 +147,15 @@ impl Breaker {
     /// the breaker goes back to open with the same backoff, already over, so the next call
     /// probes. Without that, a cancelled probe would leave the breaker half-open for good.
     pub(crate) fn allow(&self) -> Option<Permit<'_>> {
+        // Closed and nothing failed: the lock would find the same (a failure racing this
+        // call is ordered after it, as it would be had this call taken the lock first).
+        if self.inner.holds() {
+            return Some(Permit {
+                breaker: self,
+                probe: false,
+                reported: false,
+            });
+        }
         let mut inner = self.lock();
         let probe = match *inner {
             Inner::Closed { .. } => false,
@@ -176,6 +186,9 @@ impl Breaker {
     }
 
     pub(crate) fn success(&self) {
+        if self.inner.holds() {
+            return; // closed with no failure counted: nothing to reset
+        }
         let mut inner = self.lock();
         if !matches!(*inner, Inner::Closed { failures: 0 }) {
             if !matches!(*inner, Inner::Closed { .. }) {

@@ -14,6 +14,7 @@
 //! The whole algorithm is [`HybridStore`]'s `Store` impl, in `store.rs`, on one screen.
 
 mod breaker;
+mod flagged;
 mod store;
 
 pub use breaker::{BreakerConfig, BreakerState};

@@ -2,6 +2,7 @@
 
 use std::{
     future::Future,
+    panic::AssertUnwindSafe,
     sync::{
         Arc,
         atomic::{AtomicU32, AtomicU64, Ordering},
@@ -10,6 +11,7 @@ use std::{
 };
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
     ReleaseScope, Result, Store, detached_begin,
@@ -18,7 +20,10 @@ use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore};
 use tokio::time::Instant;
 
-use crate::breaker::{Breaker, BreakerConfig, BreakerState};
+use crate::{
+    breaker::{Breaker, BreakerConfig, BreakerState},
+    flagged::{Flagged, Guard},
+};
 
 /// A [`Store`] that answers from Redis when it can and decides in Postgres always.
 ///
@@ -99,7 +104,9 @@ struct Shared {
     breaker: Breaker,
     /// Mirrors that may be stale: their record was completed or released in Postgres while
     /// Redis could not be told. Fenced deletes run at the next successful Redis call.
-    repairs: std::sync::Mutex<Repairs>,
+    /// Published: nothing queued or taken. A Redis call then skips the repair step, its lock
+    /// and its timer.
+    repairs: Flagged<Repairs>,
     repairing: tokio::sync::Mutex<()>,
     /// Lease mirrors written after `begin` answered, until they land.
     mirrors: std::sync::Mutex<std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>,
@@ -159,8 +166,12 @@ impl DuplicateShare {
         let old = u64::from(self.0.load(Ordering::Relaxed));
         let sample = if duplicate { u64::from(Self::ONE) } else { 0 };
         let new = (old * 63 + sample) / 64; // ≤ ONE
-        self.0
-            .store(u32::try_from(new).unwrap_or(Self::ONE), Ordering::Relaxed);
+        // Written only when it moves: at a steady share the cache line stays shared by the
+        // cores instead of bouncing between them on every `begin`.
+        if new != old {
+            self.0
+                .store(u32::try_from(new).unwrap_or(Self::ONE), Ordering::Relaxed);
+        }
     }
 
     fn at_least(&self, share: u32) -> bool {
@@ -214,7 +225,7 @@ impl HybridStore {
             mirror_ttl: Duration::from_secs(2),
             inner: Arc::new(Shared {
                 breaker: Breaker::new(breaker),
-                repairs: std::sync::Mutex::default(),
+                repairs: Flagged::new(Repairs::default(), Repairs::is_empty),
                 repairing: tokio::sync::Mutex::new(()),
                 mirrors: std::sync::Mutex::default(),
                 redis_hits: AtomicU64::new(0),
@@ -400,7 +411,13 @@ impl HybridStore {
         };
         let budget = self.redis.call_budget();
         let mut progress = RepairProgress::default();
-        match tokio::time::timeout(budget, self.repair_mirrors(&mut progress)).await {
+        // Nothing to repair (the usual case): no lock, no timer.
+        let repaired = if s.repairs.holds() {
+            Ok(true)
+        } else {
+            tokio::time::timeout(budget, self.repair_mirrors(&mut progress)).await
+        };
+        match repaired {
             Ok(true) => {}
             Err(_) if progress.answered > 0 => {
                 permit.success();
@@ -440,10 +457,8 @@ impl HybridStore {
 }
 
 impl Shared {
-    fn repairs(&self) -> std::sync::MutexGuard<'_, Repairs> {
-        self.repairs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn repairs(&self) -> Guard<'_, Repairs> {
+        self.repairs.lock()
     }
 
     fn fallback(&self) {
@@ -473,6 +488,11 @@ struct Repairs {
 }
 
 impl Repairs {
+    /// Nothing queued, nothing taken and unanswered.
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty() && self.taken == 0
+    }
+
     fn push(&mut self, repair: Repair) {
         if self.queue.len() >= MAX_REPAIRS {
             // The oldest mirror repair goes (a mirror expires by its TTL); an operator's
@@ -554,11 +574,8 @@ impl HybridStore {
     /// single call's budget covers it.
     async fn repair_mirrors(&self, progress: &mut RepairProgress) -> bool {
         let s = &self.inner;
-        {
-            let repairs = s.repairs();
-            if repairs.queue.is_empty() && repairs.taken == 0 {
-                return true;
-            }
+        if s.repairs.holds() || s.repairs().is_empty() {
+            return true;
         }
         let _repairing = s.repairing.lock().await;
         progress.held = true;
@@ -677,30 +694,40 @@ impl Drop for RepairOnDrop<'_> {
 }
 
 impl HybridStore {
-    /// `begin`'s steps, run to their end by [`detached_claim`](idempotency_core::detached_claim).
-    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        // 1. Redis holds only what Postgres decided, so whatever it finds is the answer.
-        //    Unless duplicates are too rare for the peek to pay (the policy).
-        let caching = self.caching();
-        if !caching {
+    /// `begin`'s first step. Redis holds only what Postgres decided, so whatever it finds is
+    /// the answer; `None`: Postgres decides. Unless duplicates are too rare for the peek to
+    /// pay (the policy).
+    ///
+    /// A read, bounded by the Redis budgets (the repairs' and the call's): dropped at any
+    /// await it claimed nothing, so it runs in the caller's future, before the claim's
+    /// detached task and its timer (a replay answered here makes neither).
+    async fn peek(&self, id: &RecordId, fp: &Fingerprint) -> Option<Begin> {
+        if !self.caching() {
             self.inner.redis_skipped.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("idempotency_redis_skipped_total").increment(1);
-        } else {
-            match self.try_redis(|| self.redis.peek(id, fp)).await {
-                Some(Peek::Found(answer)) => {
-                    self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("idempotency_redis_hits_total").increment(1);
-                    self.inner.duplicates.observe(true);
-                    return Ok(answer);
-                }
-                // Absent, or anything a later Redis store may report: Postgres decides.
-                Some(_) => {
-                    self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("idempotency_redis_misses_total").increment(1);
-                }
-                None => {}
-            }
+            return None;
         }
+        match self.try_redis(|| self.redis.peek(id, fp)).await {
+            Some(Peek::Found(answer)) => {
+                self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_redis_hits_total").increment(1);
+                self.inner.duplicates.observe(true);
+                Some(answer)
+            }
+            // Absent, or anything a later Redis store may report: Postgres decides.
+            Some(_) => {
+                self.inner.redis_misses.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idempotency_redis_misses_total").increment(1);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// `begin`'s claim, after a [`peek`](Self::peek) that did not answer, run to its end by
+    /// [`detached_claim`](idempotency_core::detached_claim).
+    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let caching = self.caching();
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
@@ -741,18 +768,31 @@ impl HybridStore {
 
 #[async_trait]
 impl Store for HybridStore {
-    /// Cancel-safe: the steps (in `claim`) run to their end even if the caller goes away (in
-    /// a task of their own then), and a lease granted after that is released (see
-    /// [`detached_claim`](idempotency_core::detached_claim)).
+    /// Cancel-safe: the Redis peek claims nothing; the claim (Postgres, then Redis is told)
+    /// runs to its end even if the caller goes away (in a task of its own then), and a lease
+    /// granted after that is released (see [`detached_claim`](idempotency_core::detached_claim)).
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
-            let (this, id, fp) = (self.clone(), *id, *fp);
-            let claim = async move { this.claim(&id, &fp, lease).await };
             // The caller waits as long as a Postgres-only `begin` would, plus the Redis step
             // (its repairs' budget and its call's).
             let budget = self.pg.call_timeout() + self.redis.call_budget() * 2;
+            let deadline = Instant::now() + budget;
+            // A panic is a failed store call, as in the claim's guard: `Unavailable`.
+            match AssertUnwindSafe(self.peek(id, fp)).catch_unwind().await {
+                Ok(Some(answer)) => return Ok(answer),
+                Ok(None) => {}
+                Err(_) => return Err(Error::unavailable("the Redis step panicked")),
+            }
+            // No claim is started that its caller will not wait for.
+            if Instant::now() >= deadline {
+                return Err(Error::unavailable(format!(
+                    "the Redis step took the claim's whole budget ({budget:?})"
+                )));
+            }
+            let (this, id, fp) = (self.clone(), *id, *fp);
+            let claim = async move { this.claim(&id, &fp, lease).await };
             let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.inner.settling);
-            match tokio::time::timeout(budget, claim).await {
+            match tokio::time::timeout_at(deadline, claim).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "the claim did not settle within {budget:?}"
@@ -925,6 +965,11 @@ impl Store for HybridStore {
 
     fn name(&self) -> &'static str {
         "hybrid"
+    }
+
+    fn begin_settles_when_dropped(&self) -> bool {
+        // `begin` wraps its claim in `detached_begin`, tracked by `settling`.
+        true
     }
 
     /// Waits for the claims this store stopped waiting for to settle (with the release of
