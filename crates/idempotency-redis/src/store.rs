@@ -386,22 +386,16 @@ fn token_forms(token: LeaseToken) -> ([u8; 16], [u8; 36]) {
     (*token.as_uuid().as_bytes(), text)
 }
 
-/// `call` within `budget`; a Redis error or no answer in time is `Unavailable`. Not an
-/// `async fn`: that would hold `call` twice (its argument and the timeout around it).
+/// `call` within `budget`: [`by`] a deadline `budget` from now.
 fn within<T>(
     budget: Duration,
     call: impl Future<Output = redis::RedisResult<T>>,
 ) -> impl Future<Output = Result<T>> {
-    tokio::time::timeout(budget, call).map(move |answer| match answer {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(Error::unavailable(error)),
-        Err(_) => Err(Error::unavailable(format!(
-            "Redis did not answer within {budget:?}"
-        ))),
-    })
+    by(tokio::time::Instant::now() + budget, call)
 }
 
-/// `call` by `deadline`; a Redis error or no answer in time is `Unavailable`.
+/// `call` by `deadline`; a Redis error or no answer in time is `Unavailable`. Not an
+/// `async fn`: that would hold `call` twice (its argument and the timeout around it).
 fn by<T>(
     deadline: tokio::time::Instant,
     call: impl Future<Output = redis::RedisResult<T>>,
@@ -410,7 +404,7 @@ fn by<T>(
         Ok(Ok(value)) => Ok(value),
         Ok(Err(error)) => Err(Error::unavailable(error)),
         Err(_) => Err(Error::unavailable(
-            "Redis did not answer by the call's deadline",
+            "Redis did not answer within the call's budget",
         )),
     })
 }
