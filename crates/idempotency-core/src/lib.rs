@@ -23,6 +23,7 @@
 mod detach;
 mod executor;
 mod fingerprint;
+mod handover;
 mod inspect;
 mod key;
 mod memory;
@@ -38,6 +39,7 @@ pub use detach::{
 };
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};
 pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
