@@ -76,6 +76,54 @@ fn executor_drain_waits_for_what_dropped_runs_left_to_settle() {
     });
 }
 
+/// A run held without polling (its caller busy in another branch of a `select!`) after its
+/// operation returned, while the outcome is being written: the write goes on in a task of
+/// its own, so a redelivery after the lease would have lapsed gets the stored result and the
+/// operation runs once. (Written from the held future alone, the lease ran out unrenewed and
+/// the redelivery took the key over and ran the operation again.)
+#[test]
+fn an_executor_run_held_while_its_outcome_is_stored_still_stores_it() {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        store.set_complete_delay(Duration::from_millis(50));
+        let lease = Duration::from_millis(600);
+        let executor =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let (scope, fp) = (Scope::new("held"), Fingerprint::of(b"p"));
+        let key = IdempotencyKey::new("held-while-stored").expect("key");
+        let runs = AtomicUsize::new(0);
+        let held = executor.run(&scope, &key, &fp, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, &str>(1u32)
+        });
+        tokio::pin!(held);
+        while runs.load(Ordering::SeqCst) == 0 {
+            assert!(futures::poll!(&mut held).is_pending());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(lease * 3).await;
+        let redelivered = executor
+            .run(&scope, &key, &fp, || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, &str>(2u32)
+            })
+            .await
+            .expect("the stored result");
+        assert_eq!((redelivered.value, redelivered.replayed), (1, true));
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the operation ran once");
+        let first = held.await.expect("stored");
+        assert_eq!((first.value, first.replayed), (1, false));
+    });
+}
+
 /// A lease counts from the ask. A grant read with half its lease or less left (here all of
 /// it gone: a retry could have taken the key over and be running the operation) is given
 /// back, not acted on; a grant read a quarter of the lease late still runs.

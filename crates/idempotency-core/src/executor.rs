@@ -9,7 +9,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
-    detached_begin, release_orphan,
+    detached_begin, finish_in_any_case, release_orphan,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -61,7 +61,8 @@ pub enum RunError<E> {
 /// must not run twice — business failures included ("card declined" is a result) — and `Err`
 /// only for transient failures. While the operation runs its lease is renewed, by a task of
 /// its own, so also while the caller holds the future without polling it (the key then stays
-/// in flight); a panic releases it. A crash leaves the lease to expire, after which a
+/// in flight), and once it returned `Ok` its outcome is stored whatever the caller does
+/// ([`finish_in_any_case`](crate::finish_in_any_case)); a panic releases it. A crash leaves the lease to expire, after which a
 /// redelivery runs again: make the effect itself idempotent (a unique constraint on the
 /// record id, or `PostgresStore::complete_in` in the effect's transaction) where that window
 /// matters.
@@ -75,7 +76,8 @@ pub enum RunError<E> {
 /// Dropping the future of [`Executor::run`] (a `select!`, a timeout, a shutdown) never leaves
 /// the key claimed by nobody: dropped while the operation runs, the operation is cancelled at
 /// its await point and the key released, as for an `Err`; dropped after the operation
-/// returned `Ok`, its outcome is still stored, by a task of its own. At shutdown,
+/// returned `Ok`, its outcome is still stored, by a task of its own (so too if the future is
+/// held without polling while the outcome is written). At shutdown,
 /// [`Executor::drain`] waits for those tasks.
 ///
 /// ```
@@ -214,10 +216,8 @@ impl<S: Store + ?Sized> Executor<S> {
         let mut guard = LeaseGuard {
             store: self.store.clone(),
             settling: self.settling.clone(),
-            policy: self.policy.clone(),
             id,
             token,
-            outcome: None,
             settled: false,
             renewing: None,
         };
@@ -260,11 +260,20 @@ impl<S: Store + ?Sized> Executor<S> {
                         Some(format!("the result does not serialise: {e}")),
                     ),
                 };
-                let outcome = guard.outcome.insert(outcome).clone();
-                let stored =
-                    complete_retrying(&*self.store, &id, token, &outcome, &self.policy).await;
+                // Stored in this future while its caller polls it; dropped, or held without
+                // polling (the lease is no longer renewed), the write goes on in a task of
+                // its own, counted by `drain`.
+                let (store, policy, settling) = (
+                    self.store.clone(),
+                    self.policy.clone(),
+                    self.settling.token(),
+                );
+                let write = finish_in_any_case(async move {
+                    let _settling = settling;
+                    complete_retrying(&*store, &id, token, &outcome, &policy).await
+                });
                 guard.settled = true;
-                stored.map_err(RunError::NotStored)?;
+                write.await.map_err(RunError::NotStored)?;
                 if let Some(why) = unserialisable {
                     return Err(RunError::NotStored(Error::Corrupt(why)));
                 }
@@ -334,11 +343,9 @@ struct LeaseGuard<S: Store + ?Sized> {
     store: Arc<S>,
     /// The executor's, so its `drain` waits for what a drop leaves to settle.
     settling: TaskTracker,
-    policy: Policy,
     id: RecordId,
     token: LeaseToken,
-    /// Set once the operation succeeded: then dropping stores it instead of releasing.
-    outcome: Option<Outcome>,
+    /// Released, or its outcome handed to a write that finishes in any case.
     settled: bool,
     /// The renewals, if the operation had to wait; stopped once it ended (or its future was
     /// dropped). A renewal cut off mid-call may still land; it is fenced on the token and the
@@ -370,20 +377,15 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // the runtime is gone: the lease expires by itself
         };
-        let (store, policy, id, token) =
-            (self.store.clone(), self.policy.clone(), self.id, self.token);
-        match self.outcome.take() {
-            Some(outcome) => self.settling.spawn_on(async move {
-                if let Err(error) = complete_retrying(&*store, &id, token, &outcome, &policy).await {
-                    tracing::error!(%error, record = %id, "the operation ran; its outcome was not stored");
-                }
-            }, &runtime),
-            None => self.settling.spawn_on(async move {
+        let (store, id, token) = (self.store.clone(), self.id, self.token);
+        self.settling.spawn_on(
+            async move {
                 if let Err(error) = store.release(&id, token).await {
                     tracing::warn!(%error, record = %id, "could not release the lease of a cancelled run; it expires by itself");
                 }
-            }, &runtime),
-        };
+            },
+            &runtime,
+        );
     }
 }
 
