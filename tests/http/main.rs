@@ -766,37 +766,50 @@ fn end_to_end_on_postgres() {
     });
 }
 
+/// A Redis store on the binary's shared Redis, its keys under a fresh prefix.
+async fn redis_store() -> Option<Arc<dyn Store>> {
+    let redis = services::redis().await?;
+    let store = idempotency_redis::RedisStore::builder(redis.url())
+        .prefix(idempotency_test::unique("http"))
+        .connect()
+        .await
+        .expect("store");
+    Some(Arc::new(store))
+}
+
+/// A hybrid store on the binary's shared Postgres and Redis.
+async fn hybrid_store() -> Option<Arc<dyn Store>> {
+    let (Some(pg), Some(redis)) = (
+        idempotency_test::stores::postgres().await,
+        services::redis().await,
+    ) else {
+        return None;
+    };
+    let redis = idempotency_redis::RedisStore::builder(redis.url())
+        .prefix(idempotency_test::unique("http"));
+    let store = idempotency_hybrid::HybridStore::connect((*pg).clone(), redis)
+        .await
+        .expect("hybrid");
+    Some(Arc::new(store))
+}
+
 #[test]
 fn end_to_end_on_redis() {
     block_on(async {
-        let Some(redis) = services::redis().await else {
+        let Some(store) = redis_store().await else {
             return;
         };
-        let store = idempotency_redis::RedisStore::builder(redis.url())
-            .prefix(idempotency_test::unique("http"))
-            .connect()
-            .await
-            .expect("store");
-        end_to_end(Arc::new(store)).await;
+        end_to_end(store).await;
     });
 }
 
 #[test]
 fn end_to_end_on_the_hybrid_store() {
     block_on(async {
-        let (Some(pg), Some(redis)) = (
-            idempotency_test::stores::postgres().await,
-            services::redis().await,
-        ) else {
+        let Some(store) = hybrid_store().await else {
             return;
         };
-        let pg = (*pg).clone();
-        let redis = idempotency_redis::RedisStore::builder(redis.url())
-            .prefix(idempotency_test::unique("http"));
-        let store = idempotency_hybrid::HybridStore::connect(pg, redis)
-            .await
-            .expect("hybrid");
-        end_to_end(Arc::new(store)).await;
+        end_to_end(store).await;
     });
 }
 
@@ -1029,7 +1042,11 @@ fn a_large_response_streams_and_is_stored_without_its_body() {
 /// timeout) until it completes undropped: after every drop, the same request is answerable
 /// long before the lease would free an orphaned claim (it executes, or replays the execution
 /// the dropped request started), and the handler runs exactly once per key.
-async fn layer_sweep(store: Arc<dyn Store>) {
+///
+/// `delay_ms`: how long the handler waits (it then runs in a task of its own); `None`, it
+/// answers at once and its outcome is stored from the request's own future, so the drops
+/// land while that write is in flight.
+async fn layer_sweep(store: Arc<dyn Store>, delay_ms: Option<&'static str>) {
     use idempotency_test::conformance::{ANSWERABLE_WITHIN, SWEEP_LEASE, drop_at_poll};
     let layer = layer(store).policy(idempotency_core::Policy::default().with_lease(SWEEP_LEASE));
     let (router, calls, _) = app(layer);
@@ -1038,7 +1055,11 @@ async fn layer_sweep(store: Arc<dyn Store>) {
             .method("POST")
             .uri("/charges")
             .header("idempotency-key", key)
-            .header("x-delay-ms", "20")
+            .header(
+                "x-delay-ms",
+                // Not a number: the handler answers at once.
+                delay_ms.unwrap_or("at-once"),
+            )
             .body(Body::from("{}"))
             .expect("request")
     };
@@ -1157,7 +1178,7 @@ fn a_handler_that_answers_at_once_runs_in_the_request_s_task() {
 
 #[test]
 fn the_request_future_dropped_at_every_poll_on_memory() {
-    block_on(layer_sweep(memory()));
+    block_on(layer_sweep(memory(), Some("20")));
 }
 
 #[test]
@@ -1166,7 +1187,180 @@ fn the_request_future_dropped_at_every_poll_on_postgres() {
         let Some(store) = idempotency_test::stores::postgres().await else {
             return;
         };
-        layer_sweep(store).await;
+        layer_sweep(store, Some("20")).await;
+    });
+}
+
+/// A store whose writes take a while, under a handler that answers at once: the drops land
+/// while the outcome is being stored from the request's own future.
+#[test]
+fn the_request_future_dropped_at_every_poll_while_its_outcome_is_stored_on_memory() {
+    let store = idempotency_test::late::LateBegin::new(MemoryStore::new(), Duration::ZERO);
+    store.set_complete_delay(Duration::from_millis(5));
+    block_on(layer_sweep(Arc::new(store), None));
+}
+
+#[test]
+fn the_request_future_dropped_at_every_poll_while_its_outcome_is_stored_on_postgres() {
+    block_on(async {
+        let Some(store) = idempotency_test::stores::postgres().await else {
+            return;
+        };
+        layer_sweep(store, None).await;
+    });
+}
+
+#[test]
+fn the_request_future_dropped_at_every_poll_while_its_outcome_is_stored_on_redis() {
+    block_on(async {
+        let Some(store) = redis_store().await else {
+            return;
+        };
+        layer_sweep(store, None).await;
+    });
+}
+
+#[test]
+fn the_request_future_dropped_at_every_poll_while_its_outcome_is_stored_on_the_hybrid_store() {
+    block_on(async {
+        let Some(store) = hybrid_store().await else {
+            return;
+        };
+        layer_sweep(store, None).await;
+    });
+}
+
+/// A handler that answers at once has its outcome stored from the request's own task too:
+/// no hand-off to a task and back while the store writes. (Before, the write moved into a
+/// task of its own as soon as it had to wait.)
+#[test]
+fn a_handler_that_answers_at_once_has_its_outcome_stored_in_the_request_s_task() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.set_complete_delay(Duration::from_millis(20));
+        let (router, calls, _) = app(layer(store.clone()));
+        let caller = tokio::spawn(async move {
+            let response = send(&router, "POST", Some("stored-here"), &[], "{}").await;
+            assert_eq!(response.status, 201);
+            tokio::task::id()
+        })
+        .await
+        .expect("the caller's task");
+        assert_eq!(calls.get(), 1);
+        assert_eq!(store.last_complete_task(), Some(caller));
+    });
+}
+
+/// A write slower than the hand-over: the outcome is stored from a task of its own while the
+/// request waits, and the request is still answered (woken when the write ends in that task).
+#[test]
+fn a_slow_write_moves_into_a_task_and_its_request_is_still_answered() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.set_complete_delay(idempotency_core::HANDOVER_AFTER * 3);
+        let (router, calls, _) = app(layer(store.clone()));
+        let caller = tokio::spawn(async move {
+            let response = send(&router, "POST", Some("slow-write"), &[], "{}").await;
+            (response.status, tokio::task::id())
+        });
+        let (status, caller) = tokio::time::timeout(Duration::from_secs(10), caller)
+            .await
+            .expect("the request is answered")
+            .expect("the caller's task");
+        assert_eq!(status, 201);
+        assert_eq!(calls.get(), 1);
+        assert_ne!(
+            store.last_complete_task(),
+            Some(caller),
+            "the write moved into a task of its own"
+        );
+    });
+}
+
+/// A request future held without being polled (its caller busy in another branch of a
+/// `select!`) while the outcome of a handler that answered at once is being stored: the write
+/// moves into a task of its own and lands, so a retry after the lease would have lapsed
+/// replays — the handler runs once. (Stored from the request's future alone, the lease ran
+/// out unrenewed and the retry took the key over and ran the handler again.)
+#[test]
+fn a_request_held_without_polling_while_its_outcome_is_stored_still_stores_it() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.set_complete_delay(Duration::from_millis(50));
+        let lease = Duration::from_millis(600);
+        let policy = idempotency_core::Policy::default().with_lease(lease);
+        let (router, calls, _) = app(layer(store.clone()).policy(policy));
+        let held = send(&router, "POST", Some("held-while-stored"), &[], "{}");
+        tokio::pin!(held);
+        // Polled until the handler has run and the write has begun, then held.
+        while calls.get() == 0 {
+            assert!(futures::poll!(&mut held).is_pending());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(lease * 3).await;
+        let retry = send(&router, "POST", Some("held-while-stored"), &[], "{}").await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1, "the handler ran once");
+        let first = held.await;
+        assert_eq!(first.status, 201);
+    });
+}
+
+/// The request dropped (an outer timeout) while the outcome of a handler that answered at
+/// once is being stored: the write goes on in a task of its own, `drain` waits for it, and
+/// the retry replays — the handler ran once.
+#[test]
+fn a_request_dropped_while_its_outcome_is_stored_still_stores_it() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.set_complete_delay(Duration::from_millis(300));
+        let layer = layer(store.clone());
+        let (router, calls, _) = app(layer.clone());
+        let cut = tokio::time::timeout(
+            Duration::from_millis(100),
+            send(&router, "POST", Some("dropped-while-stored"), &[], "{}"),
+        )
+        .await;
+        assert!(
+            cut.is_err(),
+            "the request is cut off while its outcome is stored"
+        );
+        assert_eq!(calls.get(), 1, "the handler ran");
+        layer.drain().await;
+        let id = idempotency_core::RecordId::new(
+            &idempotency_core::Scope::new("anonymous"),
+            &idempotency_core::IdempotencyKey::new("dropped-while-stored").expect("key"),
+        );
+        let record = store
+            .inspect(&id)
+            .await
+            .expect("inspect")
+            .expect("a record");
+        assert!(
+            matches!(
+                record.state,
+                idempotency_core::RecordState::Completed { .. }
+            ),
+            "drain waited for the outcome to be stored: {record:?}"
+        );
+        store.set_complete_delay(Duration::ZERO);
+        let retry = send(&router, "POST", Some("dropped-while-stored"), &[], "{}").await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1, "the handler ran once");
     });
 }
 

@@ -23,6 +23,8 @@ pub struct LateBegin<S> {
     release_delay_ms: AtomicU64,
     complete_delay_ms: AtomicU64,
     drains: AtomicU64,
+    /// The task the last `complete` wrote from.
+    complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
 
 impl<S: Store> LateBegin<S> {
@@ -34,6 +36,7 @@ impl<S: Store> LateBegin<S> {
             release_delay_ms: AtomicU64::new(0),
             complete_delay_ms: AtomicU64::new(0),
             drains: AtomicU64::new(0),
+            complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
         this
@@ -53,6 +56,14 @@ impl<S: Store> LateBegin<S> {
     pub fn set_complete_delay(&self, delay: Duration) {
         self.complete_delay_ms
             .store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// The task the last `complete` stored its outcome from (after its delay), if any.
+    pub fn last_complete_task(&self) -> Option<tokio::task::Id> {
+        *self
+            .complete_task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// How many times `drain` was called (a graceful shutdown must reach the store's).
@@ -90,6 +101,10 @@ impl<S: Store> Store for LateBegin<S> {
         retention: Duration,
     ) -> Result<()> {
         wait(&self.complete_delay_ms).await;
+        *self
+            .complete_task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
         self.inner.complete(id, token, outcome, retention).await
     }
 

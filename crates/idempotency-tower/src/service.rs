@@ -14,7 +14,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_begin, release_orphan,
+    complete_retrying, detached_begin, finish_in_any_case, release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -493,16 +493,25 @@ async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Resul
     })
 }
 
-/// Runs the operation in its own task, so a client that disconnects does not cancel it:
-/// the card is charged once and the retry gets the replay (the double-charge scenario).
-/// The request future only waits for the response head; the task owns the lease until the
-/// outcome is stored or released, renewing it whatever the request's caller does.
+/// Runs the operation so that a client that disconnects does not cancel it: the card is
+/// charged once and the retry gets the replay (the double-charge scenario).
 ///
-/// The operation's first step runs here, in the request's task, in the same poll that got
-/// the lease: an operation that answers at once (a handler with nothing to wait for) needs
-/// no task, and saves the hand-off there and back, which on a busy server costs more than
-/// the store's round trip. One that has to wait moves into its own task before anything
-/// else can happen: no yield point, so no drop, lies between the claim and that hand-off.
+/// The handler's first step runs here, in the request's task, in the same poll that got the
+/// lease: no yield point, so no drop, lies between the claim and what follows.
+///
+/// - A handler that has to wait moves into a task of its own at once ([`run_detached`]).
+///   The request future only waits for the response head; the task owns the lease until the
+///   outcome is stored or released, renewing it whatever the request's caller does — drops
+///   the future, or holds it without polling it.
+/// - A handler that answered in its first step has run; what is left is to store its
+///   outcome (or give its lease back). That goes on in the request's future, with no
+///   hand-off to a task and back, which on a busy server costs more than the store's round
+///   trip. Dropped before it ends (a hang-up, an outer timeout), or not finished within
+///   [`HANDOVER_AFTER`](idempotency_core::HANDOVER_AFTER) (a caller holding the future
+///   without polling it, a slow store), it moves into a task of its own and stores the
+///   outcome all the same ([`finish_in_any_case`]), counted by `drain`: the lease it is
+///   written under cannot lapse for want of a poll.
+/// - A streamed body is forwarded by a task of its own either way (see [`stream`]).
 async fn execute<S, ResBody>(
     config: Arc<Config>,
     inner: S,
@@ -524,31 +533,65 @@ where
         key: keyed.key,
     });
     let request = Request::from_parts(parts, full(body));
-    let (tx, rx) = tokio::sync::oneshot::channel();
     let id = keyed.id;
-    // Counted as running until its end (see `IdempotencyLayer::drain`); a panic outside the
-    // handler (which `run_detached` catches itself) drops the reply: answered below.
+    // Counted as running until its end, in whichever task that is (see
+    // `IdempotencyLayer::drain`).
     let running = config.detached.token();
-    let mut operation: BoxFuture<'static, ()> = Box::pin(
-        async move {
-            let _running = running;
-            let run = run_detached(config, inner, request, id, token, tx);
-            let _ = AssertUnwindSafe(run).catch_unwind().await;
+    let started = Instant::now();
+    let mut produce = produce(inner, request, &config);
+    // `poll!` polls once and never yields itself: the handler has made its first step (or
+    // found the task's cooperative budget spent) before this future can be dropped.
+    let result = match futures::poll!(&mut produce) {
+        Poll::Ready(result) => result,
+        Poll::Pending => {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let run = async move {
+                let _running = running;
+                let run = run_detached(config, produce, id, token, started, reply);
+                // A panic outside the handler (which is caught itself) drops the reply:
+                // answered below.
+                let _ = AssertUnwindSafe(run).catch_unwind().await;
+            };
+            tokio::spawn(run.in_current_span());
+            return head(answer).await;
         }
-        .in_current_span(),
-    );
-    // `poll!` polls once and never yields itself: the operation has made its first step (or
-    // found the task's cooperative budget spent), and is spawned if it needs more, before
-    // this future can be dropped.
-    if futures::poll!(&mut operation).is_pending() {
-        tokio::spawn(operation);
+    };
+    let settle = async move {
+        let running = running;
+        match settle(&config, id, token, started, result).await {
+            Settled::Answer(answer) => answer,
+            Settled::Stream(parts, body) => {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                let renew = renewals(&config, started);
+                let forward = async move {
+                    let _running = running;
+                    let mut renew = renew;
+                    stream(&config, id, token, parts, body, reply, &mut renew).await;
+                };
+                tokio::spawn(forward.in_current_span());
+                head(answer).await
+            }
+        }
+    };
+    // Dropped or held without polling before the outcome is stored, it is stored all the
+    // same, in a task.
+    let settle = finish_in_any_case(settle.in_current_span());
+    match AssertUnwindSafe(settle).catch_unwind().await {
+        Ok(answer) => answer,
+        Err(_panic) => Ok(Problem::Internal.response(FAILED, None)),
     }
-    match rx.await {
+}
+
+const FAILED: &str = "the request failed; retry with the same key";
+
+/// The response head sent by the task that owns the lease.
+async fn head<E>(
+    answer: tokio::sync::oneshot::Receiver<Result<Response<Body>, E>>,
+) -> Result<Response<Body>, E> {
+    match answer.await {
         Ok(result) => result,
         // The operation died (a panic outside the handler): the lease expires on its own.
-        Err(_) => {
-            Ok(Problem::Internal.response("the request failed; retry with the same key", None))
-        }
+        Err(_) => Ok(Problem::Internal.response(FAILED, None)),
     }
 }
 
@@ -560,83 +603,123 @@ enum Produced<ResBody> {
     Streaming(http::response::Parts, ResBody),
 }
 
+/// What running the handler came to: a panic, the service's error, or what it produced.
+type Ran<ResBody, E> = std::thread::Result<Result<Produced<ResBody>, E>>;
+
 type Reply<E> = tokio::sync::oneshot::Sender<Result<Response<Body>, E>>;
 
-async fn run_detached<S, ResBody>(
-    config: Arc<Config>,
+/// The handler (and, for a small body of known size, reading it), guarded against panics.
+fn produce<S, ResBody>(
     mut inner: S,
     request: Request<Body>,
-    id: RecordId,
-    token: LeaseToken,
-    reply: Reply<S::Error>,
-) where
+    config: &Config,
+) -> BoxFuture<'static, Ran<ResBody, S::Error>>
+where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let store = &config.store;
-    let m = &config.metrics;
-    let lease = config.policy.lease();
     let limit = config.max_stored_body;
     let policy = config.policy.clone();
-    let started = Instant::now();
-    // The handler (and, for a small body of known size, reading it), guarded against panics.
-    let operation = AssertUnwindSafe(async move {
-        let response = inner.call(request).await?;
-        let (parts, body) = response.into_parts();
-        let small = body.size_hint().exact().is_some_and(|n| n <= limit as u64);
-        if small && policy.is_cacheable(parts.status.as_u16()) {
-            // The handler has run: a panic while reading its body is a broken body (stored
-            // as incomplete), not a failed operation (released, so run again).
-            let body = AssertUnwindSafe(Limited::new(body, limit).collect())
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|_| Err("the response body panicked".into()))
-                .map(|c| c.to_bytes());
-            return Ok(Produced::Buffered(parts, body));
-        }
-        Ok::<_, S::Error>(Produced::Streaming(parts, body))
-    })
-    .catch_unwind();
-    tokio::pin!(operation);
-    // Renew the lease while the handler runs, so a slow operation is not taken over. The
-    // schedule counts from here; its timer is made only once the handler has to wait, so a
-    // handler that answers in its first step costs none. After that the `select!` is not
+    Box::pin(
+        AssertUnwindSafe(async move {
+            let response = inner.call(request).await?;
+            let (parts, body) = response.into_parts();
+            let small = body.size_hint().exact().is_some_and(|n| n <= limit as u64);
+            if small && policy.is_cacheable(parts.status.as_u16()) {
+                // The handler has run: a panic while reading its body is a broken body
+                // (stored as incomplete), not a failed operation (released, so run again).
+                let body = AssertUnwindSafe(Limited::new(body, limit).collect())
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| Err("the response body panicked".into()))
+                    .map(|c| c.to_bytes());
+                return Ok(Produced::Buffered(parts, body));
+            }
+            Ok(Produced::Streaming(parts, body))
+        })
+        .catch_unwind(),
+    )
+}
+
+/// The lease's renewals, on the schedule that started with the handler.
+fn renewals(config: &Config, started: Instant) -> tokio::time::Interval {
+    let every = config.policy.renew_every();
+    tokio::time::interval_at(started + every, every)
+}
+
+/// The operation, in a task of its own once its handler had to wait: renews the lease
+/// while the handler runs, then settles it and sends the response.
+async fn run_detached<ResBody, E>(
+    config: Arc<Config>,
+    mut produce: BoxFuture<'static, Ran<ResBody, E>>,
+    id: RecordId,
+    token: LeaseToken,
+    started: Instant,
+    reply: Reply<E>,
+) where
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // Renew the lease while the handler runs, so a slow operation is not taken over. Not
     // biased: a handler that keeps its task's cooperative budget spent must not starve the
     // renewals (see `a_handler_that_spends_its_budget_still_has_its_lease_renewed`).
-    let every = config.policy.renew_every();
-    let first_renewal = Instant::now() + every;
-    let schedule = || tokio::time::interval_at(first_renewal, every);
-    let mut renewals = None;
-    let result = match futures::poll!(&mut operation) {
-        Poll::Ready(result) => result,
-        Poll::Pending => {
-            let renew = renewals.insert(schedule());
-            loop {
-                tokio::select! {
-                    result = &mut operation => break result,
-                    _ = renew.tick() => {
-                        if let Err(error) = store.renew(&id, token, lease).await {
-                            tracing::warn!(%error, "could not renew the idempotency lease");
-                        }
-                    }
+    let mut renew = renewals(&config, started);
+    let result = loop {
+        tokio::select! {
+            result = &mut produce => break result,
+            _ = renew.tick() => {
+                if let Err(error) = config.store.renew(&id, token, config.policy.lease()).await {
+                    tracing::warn!(%error, "could not renew the idempotency lease");
                 }
             }
         }
     };
+    match settle(&config, id, token, started, result).await {
+        Settled::Answer(answer) => {
+            let _ = reply.send(answer);
+        }
+        // The same renewal schedule goes on: no gap at the handover.
+        Settled::Stream(parts, body) => {
+            stream(&config, id, token, parts, body, reply, &mut renew).await;
+        }
+    }
+}
+
+/// What is left once the handler has run.
+enum Settled<ResBody, E> {
+    /// The outcome is stored (or the lease given back): the answer.
+    Answer(Result<Response<Body>, E>),
+    /// A cacheable response whose body is to be streamed, and stored as it goes.
+    Stream(http::response::Parts, ResBody),
+}
+
+/// Stores the outcome of a handler that ran (or gives its lease back), and makes the answer;
+/// a cacheable body to be streamed is left to [`stream`].
+async fn settle<ResBody, E>(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    started: Instant,
+    result: Ran<ResBody, E>,
+) -> Settled<ResBody, E>
+where
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let m = &config.metrics;
     let produced = match result {
         Err(_panic) => {
             Metrics::inc(&m.panics, "idempotency_panics_total");
-            release(&config, id, token, "handler panicked").await;
+            release(config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
-            let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
-            return;
+            return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
         }
         Ok(Err(error)) => {
-            release(&config, id, token, "service error").await;
-            let _ = reply.send(Err(error));
-            return;
+            release(config, id, token, "service error").await;
+            return Settled::Answer(Err(error));
         }
         Ok(Ok(produced)) => {
             config.run_time.record(started.elapsed());
@@ -649,35 +732,30 @@ async fn run_detached<S, ResBody>(
             // The handler ran and answered; its body broke off. Never a second execution:
             // store what is known, marked incomplete.
             tracing::warn!(%error, "the handler's response body failed");
-            let outcome = to_outcome(&config, &parts, None, BodyMark::Incomplete);
-            complete(&config, id, token, &outcome).await;
+            let outcome = to_outcome(config, &parts, None, BodyMark::Incomplete);
+            complete(config, id, token, &outcome).await;
             let detail = "the response could not be produced in full; its outcome is stored";
-            let _ = reply.send(Ok(Problem::Internal.response(detail, None)));
-            return;
+            return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
         }
         Produced::Streaming(mut parts, body) => {
             if config.policy.is_cacheable(parts.status.as_u16()) {
-                advertise_expiry(&config, &mut parts);
-                // The same renewal schedule goes on: no gap at the handover.
-                let renew = renewals.get_or_insert_with(schedule);
-                stream(&config, id, token, parts, body, reply, renew).await;
-            } else {
-                Metrics::inc(&m.released, "idempotency_released_total");
-                release(&config, id, token, "outcome not cacheable").await;
-                let _ = reply.send(Ok(Response::from_parts(parts, boxed(body))));
+                advertise_expiry(config, &mut parts);
+                return Settled::Stream(parts, body);
             }
-            return;
+            Metrics::inc(&m.released, "idempotency_released_total");
+            release(config, id, token, "outcome not cacheable").await;
+            return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
     if config.policy.is_cacheable(parts.status.as_u16()) {
-        advertise_expiry(&config, &mut parts);
-        let outcome = to_outcome(&config, &parts, Some(&body), BodyMark::Whole);
-        complete(&config, id, token, &outcome).await;
+        advertise_expiry(config, &mut parts);
+        let outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
+        complete(config, id, token, &outcome).await;
     } else {
         Metrics::inc(&m.released, "idempotency_released_total");
-        release(&config, id, token, "outcome not cacheable").await;
+        release(config, id, token, "outcome not cacheable").await;
     }
-    let _ = reply.send(Ok(Response::from_parts(parts, full(body))));
+    Settled::Answer(Ok(Response::from_parts(parts, full(body))))
 }
 
 /// Streams a cacheable response to the first client while keeping at most the stored-body
