@@ -309,8 +309,8 @@ fn an_evicting_redis_is_refused_unless_accepted() {
 
 /// A `begin` that answered `Unavailable` must leave nothing behind that changes the next
 /// answer. A hung Redis (paused) runs the queued claim when it resumes; before, that claim
-/// held the key "in flight" for the whole lease with a token nobody had. Now the claim's task
-/// reads the late answer and releases it.
+/// held the key "in flight" for the whole lease with a token nobody had. Now the claim is
+/// cancelled: the cancel, queued behind it, deletes the lease it granted.
 #[test]
 fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
     block_on(async {
@@ -333,8 +333,8 @@ fn an_unavailable_begin_that_lands_late_leaves_no_claim() {
         let answer = store.begin(&id, &fp("a"), LONG).await;
         assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
         // A graceful shutdown now: `drain` waits while Redis is still paused, until the
-        // queued claim has run (granting a lease to nobody) and the claim's task has read the
-        // late grant and given it back.
+        // queued claim has run (granting a lease to nobody) and the cancel behind it has
+        // deleted that lease.
         let resume = async {
             tokio::time::sleep(Duration::from_millis(300)).await;
             redis.unpause().await;

@@ -182,8 +182,8 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 /// `Unavailable`, like a store that failed: a lease it may have taken is not known, so it
 /// expires by itself.
 ///
-/// Store implementations wrap the body of `begin` in it (see the Postgres and Redis stores,
-/// and [`detached_begin`]); the in-memory store needs no wrapper because its `begin` never
+/// Store implementations wrap the body of `begin` in it (see the Postgres and hybrid stores,
+/// and [`detached_begin`]; the Redis store cancels a claim it stopped waiting for instead); the in-memory store needs no wrapper because its `begin` never
 /// awaits. The claim itself should be bounded (a statement timeout, a call budget), since
 /// nothing waits for it once its caller is gone.
 ///

@@ -250,10 +250,11 @@ pub trait Store: Send + Sync + 'static {
     fn name(&self) -> &'static str;
 
     /// Whether this store's `begin` settles a claim whose caller went away by itself, as the
-    /// stores of this workspace do: the claim runs to its end in a task of its own, a lease
-    /// it granted is released, and [`drain`](Store::drain) waits for both (the store wraps
-    /// its claim in [`detached_begin`](crate::detached_begin), or never awaits, like the
-    /// in-memory store). A caller that would otherwise wrap every `begin` itself — the
+    /// stores of this workspace do, and [`drain`](Store::drain) waits until it has: either
+    /// the claim runs to its end in a task of its own and a lease it granted is released
+    /// (the store wraps its claim in [`detached_begin`](crate::detached_begin): Postgres, the
+    /// hybrid), or it is cancelled so that whatever it wrote, or writes late, is undone (the
+    /// Redis store's cancel script), or `begin` never awaits (the in-memory store). A caller that would otherwise wrap every `begin` itself — the
     /// layer, the [`Executor`](crate::Executor) — then calls it directly, saving a box, a
     /// runtime handle and a tracker per request.
     ///
@@ -272,8 +273,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Waits until the writes this store started in the background, in tasks of its own,
     /// have landed: the rest of a claim whose caller stopped waiting (its own call budget,
-    /// a dropped future) and the release of a lease that claim granted, a cancel of a claim
-    /// that may still run. `IdempotencyLayer::drain` and
+    /// a dropped future) and the release of a lease that claim granted, or the cancel of
+    /// such a claim, which may still run. `IdempotencyLayer::drain` and
     /// [`Executor::drain`](crate::Executor::drain) call it after their own, so a graceful
     /// shutdown does not cut those writes short (a lease left claimed by nobody until it runs
     /// out). Calls in progress are not waited for, only what they left running

@@ -2,13 +2,13 @@
 //! operation (a claim that finds a live lease reads its TTL in a second one): plain commands
 //! where they suffice, Lua scripts where a write is fenced.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use futures::FutureExt;
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
-    Outcome, RecordId, ReleaseScope, Result, Store, detached_begin, system_time_from_millis,
+    Outcome, RecordId, ReleaseScope, Result, Store, system_time_from_millis,
 };
 use redis::{
     Cmd, Pipeline, RedisFuture, Script, Value,
@@ -378,6 +378,41 @@ fn grace_ms() -> String {
     grace().to_string()
 }
 
+/// A claim [`RedisStore::begin`] may stop waiting for: its caller went away, its budget ran
+/// out, or it panicked. Dropped armed, it cancels the claim in a task of its own, tracked for
+/// `drain` — whether the claim has landed yet or not (see `scripts::cancel`): a lease it
+/// granted is deleted, or the late `SET NX` finds the cancel marker — and cancels it again
+/// three call budgets later, for a claim that lands after the first cancel on a record that
+/// was gone by then. Nothing is boxed and no task is made while the caller waits.
+struct Unanswered<'a> {
+    store: &'a RedisStore,
+    id: RecordId,
+    token: LeaseToken,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            tracing::warn!(record = %self.id, "a claim was given up outside any Tokio runtime: a lease it took expires by itself");
+            return;
+        }
+        let (store, id, token) = (self.store.clone(), self.id, self.token);
+        self.store.settling.spawn(async move {
+            store.cancel_claim(&id, token).await;
+            // Once more after the claim's last chance to land: the cancel above can overtake
+            // it when the connection was replaced meanwhile (the claim still queued on the
+            // old one, on a Redis that hung), find another request's record, and leave only
+            // a tombstone; this one deletes the lease the claim granted after all.
+            tokio::time::sleep(store.budget * 3).await;
+            store.cancel_claim(&id, token).await;
+        });
+    }
+}
+
 /// A lease token as the layout stores it (16 bytes), and as the legacy hash did (text, the
 /// hyphenated form `Display` writes), both on the stack.
 fn token_forms(token: LeaseToken) -> ([u8; 16], [u8; 36]) {
@@ -742,20 +777,23 @@ impl RedisStore {
         within(budget, call).await
     }
 
-    /// The claim, run to its end even if `begin` is dropped (see [`Store::begin`]): a plain
-    /// `SET NX GET` with `PTTL` in one pipeline; the takeover script only when the record it
-    /// found is free to take (a lease that is over, a cancel marker), the legacy script only
-    /// for a record of the earlier layout.
-    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let token = LeaseToken::generate();
+    /// The claim: a plain `SET NX GET` (a `PTTL` follows only when it finds a lease); the
+    /// takeover script only when the record it found is free to take (a lease that is over,
+    /// a cancel marker), the legacy script only for a record of the earlier layout. Bounded
+    /// by `begin`, which cancels it if it stops waiting (see [`Unanswered`]); `deadline` is
+    /// that bound, for the reads after the `SET`.
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        token: LeaseToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<Begin> {
         let (raw, _) = token_forms(token);
         let key = self.key(id);
         let ttl = millis(lease).saturating_add(grace());
         let fresh = scripts::value(b'0', fp.as_bytes(), &raw, &[]);
-        // Longer than the caller waits: an answer that comes late is still read, and a lease
-        // it granted released, rather than left to expire.
-        let budget = self.budget * 4;
-        let deadline = tokio::time::Instant::now() + budget;
         let mut set = redis::cmd("SET");
         set.arg(&key)
             .arg(&fresh)
@@ -764,21 +802,17 @@ impl RedisStore {
             .arg("PX")
             .arg(ttl);
         let mut conn = self.conn.clone();
-        let claimed: Result<Option<Vec<u8>>> =
-            match tokio::time::timeout(budget, set.query_async(&mut conn)).await {
-                Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(error)) if wrong_type(&error) => {
-                    return self.claim_legacy(id, fp, lease, token).await;
-                }
-                // Refused: nothing was sent, nothing can land late.
-                Ok(Err(error)) if error.is_connection_refusal() => {
-                    return Err(Error::unavailable(error));
-                }
-                Ok(Err(error)) => Err(Error::unavailable(error)),
-                Err(_) => Err(Error::unavailable(format!(
-                    "Redis did not answer within {budget:?}"
-                ))),
-            };
+        let claimed: Result<Option<Vec<u8>>> = match set.query_async(&mut conn).await {
+            Ok(reply) => Ok(reply),
+            Err(error) if wrong_type(&error) => {
+                return self.claim_legacy(id, fp, lease, token).await;
+            }
+            // Refused: nothing was sent, nothing can land late.
+            Err(error) if error.is_connection_refusal() => {
+                return Err(Error::unavailable(error));
+            }
+            Err(error) => Err(Error::unavailable(error)),
+        };
         let found = match claimed {
             Ok(None) => return Ok(Begin::Execute(token)),
             // Someone else's record: this claim wrote nothing, so nothing needs cancelling.
@@ -1163,21 +1197,38 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
 
 #[async_trait]
 impl Store for RedisStore {
-    /// Cancel-safe: dropped or out of budget, the script runs to its end in a task of its own,
-    /// and a lease it grants after that is released (see
-    /// [`detached_claim`](idempotency_core::detached_claim)).
+    /// Cancel-safe: a claim it stops waiting for — dropped, out of budget, panicked — is
+    /// cancelled in a task of its own, whether it has landed yet or not: a lease it granted
+    /// is deleted, and one still on its way finds the cancel marker, or is deleted by the
+    /// second cancel that follows (see [`Unanswered`]). The claim runs in the caller's
+    /// future, under one timer.
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
-            let (this, id, fp) = (self.clone(), *id, *fp);
-            let claim = async move { this.claim(&id, &fp, lease).await };
-            let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.settling);
-            match tokio::time::timeout(self.budget, claim).await {
-                Ok(answer) => answer,
-                Err(_) => Err(Error::unavailable(format!(
-                    "Redis did not answer within {:?}",
-                    self.budget
-                ))),
-            }
+            let token = LeaseToken::generate();
+            let mut unanswered = Unanswered {
+                store: self,
+                id: *id,
+                token,
+                armed: true,
+            };
+            let deadline = tokio::time::Instant::now() + self.budget;
+            let claim = AssertUnwindSafe(self.claim(id, fp, lease, token, deadline));
+            let answer = match tokio::time::timeout_at(deadline, claim.catch_unwind()).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_panic)) => {
+                    return Err(Error::unavailable("the claim panicked; it is cancelled"));
+                }
+                Err(_) => {
+                    return Err(Error::unavailable(format!(
+                        "Redis did not answer within {:?}",
+                        self.budget
+                    )));
+                }
+            };
+            // The claim answered: it settled whatever it wrote itself (an error after
+            // sending cancels it, see `cancel_later`).
+            unanswered.armed = false;
+            answer
         })
         .await
     }
@@ -1272,13 +1323,13 @@ impl Store for RedisStore {
     }
 
     fn begin_settles_when_dropped(&self) -> bool {
-        // `begin` wraps its claim in `detached_begin`, tracked by `settling`.
+        // `begin` cancels a claim it stops waiting for (`Unanswered`), tracked by `settling`.
         true
     }
 
-    /// Waits for the claims this store stopped waiting for (its call budget ran out) to
-    /// settle, with the release of what they granted, and for the cancels of claims that may
-    /// still run on a Redis that hung.
+    /// Waits for the cancels of the claims this store stopped waiting for (dropped, or their
+    /// call budget ran out; the second cancel comes three budgets after the first): until
+    /// they land, a claim still queued on a Redis that hung could grant a lease nobody holds.
     async fn drain(&self) {
         self.settling.close();
         self.settling.wait().await;
