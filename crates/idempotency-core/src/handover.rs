@@ -108,6 +108,11 @@ where
             *shared.lock() = State::Inline(future, None);
             let weak: Weak<dyn Movable> = Arc::downgrade(&shared) as Weak<dyn Movable>;
             standby.watch(weak);
+            // The thread died between the check and the push, after it emptied the queue:
+            // nobody will look at this entry, so move it now.
+            if !standby.alive.load(Ordering::SeqCst) {
+                shared.clone().move_if_inline();
+            }
         }
         // No standby thread (it could not start, or died): nothing would move work held
         // without polling, so it goes into its task at once.
@@ -248,8 +253,9 @@ fn standby() -> Option<&'static Standby> {
                 standby.alive.store(false, Ordering::SeqCst);
                 // What it was watching is moved now; what comes later is spawned at once.
                 for (_, work) in standby.take_all() {
-                    if let Some(live) = work.upgrade() {
-                        live.move_if_inline();
+                    // Being polled right now: ask again until it is free.
+                    while work.upgrade().is_some_and(|live| !live.move_if_inline()) {
+                        std::thread::yield_now();
                     }
                 }
                 if ended.is_err() {
