@@ -381,9 +381,9 @@ fn grace_ms() -> String {
 /// A claim [`RedisStore::begin`] may stop waiting for: its caller went away, its budget ran
 /// out, or it panicked. Dropped armed, it cancels the claim in a task of its own, tracked for
 /// `drain` — whether the claim has landed yet or not (see `scripts::cancel`): a lease it
-/// granted is deleted, or the late `SET NX` finds the cancel marker — and cancels it again
-/// three call budgets later, for a claim that lands after the first cancel on a record that
-/// was gone by then. Nothing is boxed and no task is made while the caller waits.
+/// granted is deleted, or the late `SET NX` finds the cancel marker (see
+/// [`RedisStore::cancel_later`] for the second cancel that may follow). Nothing is boxed and
+/// no task is made while the caller waits.
 struct Unanswered<'a> {
     store: &'a RedisStore,
     id: RecordId,
@@ -400,16 +400,7 @@ impl Drop for Unanswered<'_> {
             tracing::warn!(record = %self.id, "a claim was given up outside any Tokio runtime: a lease it took expires by itself");
             return;
         }
-        let (store, id, token) = (self.store.clone(), self.id, self.token);
-        self.store.settling.spawn(async move {
-            store.cancel_claim(&id, token).await;
-            // Once more after the claim's last chance to land: the cancel above can overtake
-            // it when the connection was replaced meanwhile (the claim still queued on the
-            // old one, on a Redis that hung), find another request's record, and leave only
-            // a tombstone; this one deletes the lease the claim granted after all.
-            tokio::time::sleep(store.budget * 3).await;
-            store.cancel_claim(&id, token).await;
-        });
+        self.store.cancel_later(&self.id, self.token);
     }
 }
 
@@ -460,6 +451,12 @@ enum Found {
     Free,
     /// This very claim's cancel marker: it ran after it was given up.
     Cancelled,
+    /// This very claim's lease: its `SET` (or takeover) had landed already — a client that
+    /// sent it twice, as a cluster connection retrying a request that timed out does.
+    /// `took`: it took an unfinished lease over.
+    Ours {
+        took: bool,
+    },
 }
 
 /// Reads a record of the current layout (`value`, with `pttl` ms left) for a claim with
@@ -477,6 +474,9 @@ fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> R
     Ok(match value[0] {
         b'c' if value[scripts::TOKEN] == token[..] => Found::Cancelled,
         b'c' => Found::Free,
+        b'0' if value[scripts::TOKEN] == token[..] => Found::Ours {
+            took: value.get(scripts::OUTCOME) == Some(&b't'),
+        },
         b'0' => {
             let lease_left = pttl - i64::try_from(grace()).unwrap_or(i64::MAX);
             // Over, but unfinished: taken over by the same request only (another request
@@ -498,6 +498,15 @@ fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> R
         b'1' => Found::Answer(Begin::Replay(decode_outcome(&value[scripts::OUTCOME..])?)),
         _ => return Err(Error::Corrupt("a record in an unknown state".into())),
     })
+}
+
+/// The answer of a claim that finds its own lease.
+fn ours(took: bool, token: LeaseToken) -> Begin {
+    if took {
+        Begin::TakeOver(token)
+    } else {
+        Begin::Execute(token)
+    }
 }
 
 fn decode_outcome(bytes: &[u8]) -> Result<Outcome> {
@@ -827,6 +836,7 @@ impl RedisStore {
         };
         match found? {
             Found::Answer(answer) => Ok(answer),
+            Found::Ours { took } => Ok(ours(took, token)),
             Found::Cancelled => Err(Error::unavailable(
                 "the claim ran after it was given up and cancelled",
             )),
@@ -882,6 +892,7 @@ impl RedisStore {
             {
                 match read_record(v, *pttl, fp, &raw)? {
                     Found::Answer(answer) => Ok(answer),
+                    Found::Ours { took } => Ok(ours(took, token)),
                     // The script found it live; a clock edge between its two reads here.
                     _ => Ok(Begin::InFlight {
                         retry_after: Duration::from_millis(1),
@@ -928,10 +939,21 @@ impl RedisStore {
     /// Unknown whether a claim ran, or will: a hung Redis runs the commands queued on the
     /// connection when it resumes, after the client gave up. Cancel it in a way that holds in
     /// either order (see `scripts::cancel`).
+    ///
+    /// A cancel that did not find the claim's own lease runs once more, three call budgets
+    /// later: it may have overtaken the claim — sent on a connection that replaced the one
+    /// the claim is still queued on, on a Redis that hung — and found another request's
+    /// record, leaving only a tombstone; once that record is gone the late claim could
+    /// land. The second deletes what it granted then. (One that deleted or ended the
+    /// claim's lease is final: a claim writes once.)
     fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
         let (this, id) = (self.clone(), *id);
-        self.settling
-            .spawn(async move { this.cancel_claim(&id, token).await });
+        self.settling.spawn(async move {
+            if !this.cancel_claim(&id, token).await {
+                tokio::time::sleep(this.budget * 3).await;
+                this.cancel_claim(&id, token).await;
+            }
+        });
     }
 
     /// The tombstone of one claim: same hash tag, so same cluster slot, as the record.
@@ -941,7 +963,8 @@ impl RedisStore {
 
     /// Retries the cancel script until Redis answers (for at most the grace period): until
     /// then a late claim could still land.
-    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken) {
+    /// `true` when it deleted or ended the claim's own lease.
+    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken) -> bool {
         let (raw, text) = token_forms(token);
         let keys = [self.key(id), self.tombstone(id, token)];
         let ttl = grace_ms();
@@ -957,7 +980,7 @@ impl RedisStore {
                 )
                 .await;
             match undone {
-                Ok(_) => return,
+                Ok(undone) => return undone == 1,
                 Err(error) => {
                     tracing::debug!(%error, record = %id, "cancelling an unanswered claim; retrying");
                     tokio::time::sleep(backoff).await;
@@ -966,6 +989,7 @@ impl RedisStore {
             }
         }
         tracing::warn!(record = %id, "could not cancel an unanswered claim; it expires with its lease");
+        true // nothing more to try
     }
 
     /// Reads a record without changing it: what the hybrid store asks before Postgres.
@@ -1003,7 +1027,7 @@ impl RedisStore {
         // A peek claims nothing: any token will do for reading.
         Ok(match read_record(&value, pttl, fp, &[0; 16])? {
             Found::Answer(answer) => Peek::Found(answer),
-            Found::Free | Found::Cancelled => Peek::Absent,
+            Found::Free | Found::Cancelled | Found::Ours { .. } => Peek::Absent,
         })
     }
 
@@ -1199,8 +1223,8 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
 impl Store for RedisStore {
     /// Cancel-safe: a claim it stops waiting for — dropped, out of budget, panicked — is
     /// cancelled in a task of its own, whether it has landed yet or not: a lease it granted
-    /// is deleted, and one still on its way finds the cancel marker, or is deleted by the
-    /// second cancel that follows (see [`Unanswered`]). The claim runs in the caller's
+    /// is deleted, and one still on its way finds the cancel marker, or is deleted by a
+    /// second cancel (the store's `Unanswered` guard). The claim runs in the caller's
     /// future, under one timer.
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
@@ -1328,7 +1352,7 @@ impl Store for RedisStore {
     }
 
     /// Waits for the cancels of the claims this store stopped waiting for (dropped, or their
-    /// call budget ran out; the second cancel comes three budgets after the first): until
+    /// call budget ran out; a second cancel, when needed, comes three budgets later): until
     /// they land, a claim still queued on a Redis that hung could grant a lease nobody holds.
     async fn drain(&self) {
         self.settling.close();
@@ -1350,5 +1374,31 @@ mod tests {
             token.to_string()
         );
         assert_eq!(raw, *token.as_uuid().as_bytes());
+    }
+
+    /// A claim that finds its own lease (its `SET` sent twice, the first landed) owns it:
+    /// read as someone else's, it was a lease nobody held, answered `InFlight`.
+    #[test]
+    fn a_claim_that_finds_its_own_lease_owns_it() {
+        let token = LeaseToken::generate();
+        let (raw, _) = token_forms(token);
+        let fp = Fingerprint::of(b"request");
+        let lease = scripts::value(b'0', fp.as_bytes(), &raw, &[]);
+        let ttl = 30_000 + i64::try_from(grace()).unwrap_or(i64::MAX);
+        assert!(matches!(
+            read_record(&lease, ttl, &fp, &raw),
+            Ok(Found::Ours { took: false })
+        ));
+        let took = scripts::value(b'0', fp.as_bytes(), &raw, b"t");
+        assert!(matches!(
+            read_record(&took, ttl, &fp, &raw),
+            Ok(Found::Ours { took: true })
+        ));
+        let (other, _) = token_forms(LeaseToken::generate());
+        assert!(matches!(
+            read_record(&lease, ttl, &fp, &other),
+            Ok(Found::Answer(Begin::InFlight { .. }))
+        ));
+        assert_eq!(ours(true, token), Begin::TakeOver(token));
     }
 }
