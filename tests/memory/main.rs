@@ -172,3 +172,106 @@ fn the_executor_gives_back_a_grant_read_late() {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     });
 }
+
+/// The purger's pacing, on the memory store with a purge statement that takes 10 ms (of the
+/// paused test clock).
+mod purger {
+    use std::{sync::Arc, time::Duration};
+
+    use idempotency_core::{
+        Begin, Fingerprint, IdempotencyKey, MemoryStore, Outcome, Purger, RecordId, Scope, Store,
+        spawn_purger,
+    };
+    use idempotency_test::late::LateBegin;
+
+    const STATEMENT: Duration = Duration::from_millis(10);
+
+    /// A store holding `records` expired records, whose purge statements take `STATEMENT`.
+    async fn backlog(records: usize) -> Arc<LateBegin<MemoryStore>> {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let fp = Fingerprint::of(b"purge");
+        for i in 0..records {
+            let key = IdempotencyKey::new(format!("k{i}")).expect("key");
+            let id = RecordId::new(&Scope::new("purge"), &key);
+            let Ok(Begin::Execute(token)) = store.begin(&id, &fp, Duration::from_secs(5)).await
+            else {
+                panic!("a fresh key executes");
+            };
+            store
+                .complete(&id, token, &Outcome::new(201), Duration::from_secs(1))
+                .await
+                .expect("complete");
+        }
+        tokio::time::advance(Duration::from_secs(2)).await;
+        store.set_purge_delay(STATEMENT);
+        store
+    }
+
+    fn gaps(store: &LateBegin<MemoryStore>) -> Vec<Duration> {
+        store
+            .purge_starts()
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pass_pauses_after_each_full_batch_in_proportion_to_its_time() {
+        let store = backlog(35).await;
+        let purger = Purger::new(store.clone()).batch(10).pause(2.0);
+        assert_eq!(purger.run_once().await.expect("purged"), 35);
+        // Four statements (10, 10, 10, 5 records): each full one is followed by twice its time.
+        assert_eq!(gaps(&store), vec![STATEMENT * 3; 3]);
+        assert_eq!(store.purge_expired(10).await.expect("purge"), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_of_zero_runs_batches_back_to_back() {
+        // A NaN or negative factor is no pause either, not a panic in `mul_f64`.
+        for factor in [0.0, f64::NAN, -1.0] {
+            let store = backlog(25).await;
+            let purger = Purger::new(store.clone()).batch(10).pause(factor);
+            assert_eq!(purger.run_once().await.expect("purged"), 25);
+            assert_eq!(gaps(&store), vec![STATEMENT; 2], "pause {factor}");
+        }
+    }
+
+    /// Before pacing, `spawn_purger` ran a backlog's batches back to back, so a purge kept a
+    /// database core busy for as long as the backlog lasted.
+    #[tokio::test(start_paused = true)]
+    async fn spawn_purger_paces_its_batches() {
+        let store = backlog(35).await;
+        let purger = spawn_purger(store.clone(), Duration::from_secs(60), 10);
+        while store.purge_starts().len() < 4 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        purger.shutdown().await;
+        assert_eq!(gaps(&store), vec![STATEMENT * 3; 3]);
+    }
+
+    /// A dropped handle dropped the stop signal's sender, which the task read as "stop":
+    /// `let _ = spawn_purger(..)` purged once and never again.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_handle_leaves_the_purger_running() {
+        let store = backlog(0).await;
+        drop(spawn_purger(store.clone(), Duration::from_secs(60), 10));
+        tokio::time::sleep(Duration::from_secs(150)).await;
+        // Passes at 0 s, 60 s and 120 s.
+        assert_eq!(store.purge_starts().len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_cuts_a_pause_short() {
+        let store = backlog(100).await;
+        let purger = Purger::new(store.clone()).batch(10).pause(1_000.0).spawn();
+        while store.purge_starts().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let asked = tokio::time::Instant::now();
+        purger.shutdown().await;
+        // The first batch's pause is 10 s; shutdown ends it after the batch in progress.
+        assert!(asked.elapsed() <= STATEMENT, "{:?}", asked.elapsed());
+        assert_eq!(store.purge_starts().len(), 1);
+        assert_eq!(store.purge_expired(100).await.expect("purge"), 90);
+    }
+}

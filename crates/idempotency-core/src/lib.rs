@@ -14,7 +14,7 @@
 //! - [`Inspection`] and [`ForceReleased`]: what an operator sees of a record and may do to
 //!   it ([`Store::inspect`], [`Store::force_release`]);
 //! - [`MemoryStore`]: the in-process store (single process only);
-//! - [`spawn_purger`]: batched deletion of expired records for any store;
+//! - [`Purger`] and [`spawn_purger`]: paced, batched deletion of expired records for any store;
 //! - [`Executor`]: run any async operation at most once per key (queue consumers, jobs).
 //!
 //! Backends live in their own crates (`idempotency-postgres`, `idempotency-redis`, …); most
@@ -46,5 +46,5 @@ pub use memory::MemoryStore;
 pub use observe::{Answer, Observed, observe};
 pub use outcome::{DecodeError, Outcome};
 pub use policy::{Policy, default_cacheable};
-pub use purge::{PurgeHandle, spawn_purger};
+pub use purge::{PurgeHandle, Purger, spawn_purger};
 pub use store::{Begin, BoxError, Error, LATE_COMPLETION_GRACE, LeaseToken, Result, Store};

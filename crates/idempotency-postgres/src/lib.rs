@@ -9,7 +9,8 @@
 //! - [`PostgresStore::complete_in`] completes a record inside the application's own
 //!   transaction: the business effect and the stored outcome commit together;
 //! - [`migrator`] embeds the migrations (`_idempotency_migrations` table);
-//! - purge expired rows with [`idempotency_core::spawn_purger`] (batched, `SKIP LOCKED`);
+//! - purge expired rows with [`idempotency_core::Purger`] (small batches, `SKIP LOCKED`, paced
+//!   so that live statements keep their latency);
 //! - [`StateMachine`]: guarded status transitions with a version column (optimistic locking).
 //!
 //! ## Features
@@ -18,14 +19,15 @@
 //!
 //! ```no_run
 //! use std::{sync::Arc, time::Duration};
-//! use idempotency_core::{spawn_purger, Store};
+//! use idempotency_core::{Purger, Store};
 //! use idempotency_postgres::PostgresStore;
 //!
 //! # async fn run() -> Result<(), idempotency_core::Error> {
 //! let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
 //! store.migrate().await?;
 //! let store = Arc::new(store);
-//! let purger = spawn_purger(store.clone(), Duration::from_secs(60), 1_000);
+//! // Every minute: 100 rows per statement, each followed by twice its time of rest.
+//! let purger = Purger::new(store.clone()).every(Duration::from_secs(60)).spawn();
 //! // ... serve traffic with `store` ...
 //! purger.shutdown().await;
 //! # Ok(()) }

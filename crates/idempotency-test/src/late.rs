@@ -1,7 +1,7 @@
 //! A store whose `begin` answers late: how an answer looks to a caller whose future was held
 //! without being polled, or whose runtime was starved, after the store had decided. Its
 //! `release` and `complete` can be made slow too, to see who waits for a lease being given
-//! back or an outcome being stored.
+//! back or an outcome being stored, and its `purge_expired`, to see how a purger paces itself.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -22,6 +22,9 @@ pub struct LateBegin<S> {
     delay_ms: AtomicU64,
     release_delay_ms: AtomicU64,
     complete_delay_ms: AtomicU64,
+    purge_delay_ms: AtomicU64,
+    /// When each `purge_expired` started.
+    purge_starts: std::sync::Mutex<Vec<tokio::time::Instant>>,
     drains: AtomicU64,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
@@ -35,6 +38,8 @@ impl<S: Store> LateBegin<S> {
             delay_ms: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
             complete_delay_ms: AtomicU64::new(0),
+            purge_delay_ms: AtomicU64::new(0),
+            purge_starts: std::sync::Mutex::default(),
             drains: AtomicU64::new(0),
             complete_task: std::sync::Mutex::new(None),
         };
@@ -50,6 +55,20 @@ impl<S: Store> LateBegin<S> {
     /// Makes the next `release` calls wait `delay` before they release.
     pub fn set_release_delay(&self, delay: Duration) {
         self.release_delay_ms.store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
+    /// time).
+    pub fn set_purge_delay(&self, delay: Duration) {
+        self.purge_delay_ms.store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// When each `purge_expired` call started, in order.
+    pub fn purge_starts(&self) -> Vec<tokio::time::Instant> {
+        self.purge_starts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// Makes the next `complete` calls wait `delay` before they store the outcome.
@@ -118,6 +137,11 @@ impl<S: Store> Store for LateBegin<S> {
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
+        self.purge_starts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(tokio::time::Instant::now());
+        wait(&self.purge_delay_ms).await;
         self.inner.purge_expired(batch).await
     }
 

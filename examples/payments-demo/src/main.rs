@@ -167,7 +167,9 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
             .await
             .map_err(|e| format!("migrating the charges table: {e}"))?;
     }
-    let purger = idempotency::spawn_purger(store.clone(), Duration::from_secs(60), 1000);
+    let purger = idempotency::Purger::new(store.clone())
+        .every(Duration::from_secs(60))
+        .spawn();
 
     // Not the charge and order handlers' own 422: they answer a key reused after its record
     // expired, from the charges or orders table. Stored, it would bind the key to the different request and
