@@ -98,6 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "concurrency": scale.concurrency,
                 "duration_ms": scale.duration.as_millis() as u64,
                 "purge_batch": scale.purge_batch,
+                "purge_pause": scale.purge_pause,
             }),
             measured,
             ratios,

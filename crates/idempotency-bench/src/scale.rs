@@ -13,7 +13,7 @@ use std::{
 };
 
 use idempotency::{
-    Begin, Fingerprint, IdempotencyKey, RecordId, Scope, Store, postgres::PostgresStore,
+    Begin, Fingerprint, IdempotencyKey, Purger, RecordId, Scope, Store, postgres::PostgresStore,
 };
 use idempotency_test::services;
 
@@ -36,6 +36,8 @@ pub struct ScaleSettings {
     pub duration: Duration,
     /// Rows per purge statement.
     pub purge_batch: usize,
+    /// The purger's pause after each batch, in multiples of the batch's time.
+    pub purge_pause: f64,
 }
 
 impl Default for ScaleSettings {
@@ -45,7 +47,8 @@ impl Default for ScaleSettings {
             expired: 1_000_000,
             concurrency: 16,
             duration: Duration::from_secs(5),
-            purge_batch: 5_000,
+            purge_batch: 100,
+            purge_pause: 2.0,
         }
     }
 }
@@ -183,15 +186,14 @@ pub async fn run(
         Duration::from_secs(3600),
         stop.clone(),
     ));
+    // The library's purger, as an application runs it: small batches, each followed by a
+    // pause in proportion to its time.
     let t = Instant::now();
-    let mut purged = 0u64;
-    loop {
-        let n = store.purge_expired(settings.purge_batch).await?;
-        purged += n;
-        if n == 0 {
-            break;
-        }
-    }
+    let purged = Purger::new(store.clone())
+        .batch(settings.purge_batch)
+        .pause(settings.purge_pause)
+        .run_once()
+        .await?;
     let purge_s = t.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let (_, during) = during.await?;
@@ -207,7 +209,10 @@ pub async fn run(
             ratio(&large_begin, &small_begin),
         ),
         Ratio::new(
-            format!("purge: writers' p99 during / before ({purged} rows purged in {purge_s:.1} s)"),
+            format!(
+                "purge: writers' p99 during / before ({purged} rows purged in {purge_s:.1} s, {} per batch, pause {}x)",
+                settings.purge_batch, settings.purge_pause
+            ),
             ratio(&during, &before),
         ),
         Ratio::new("scale: seconds to fill the table (not a ratio)", fill_s),

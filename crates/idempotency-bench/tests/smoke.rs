@@ -106,6 +106,7 @@ fn the_scale_scenario_runs() {
             concurrency: 4,
             duration: std::time::Duration::from_millis(300),
             purge_batch: 1_000,
+            purge_pause: 0.5,
         };
         let (measured, ratios) = run_scale(settings).await.expect("scale run");
         for m in &measured {
