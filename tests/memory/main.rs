@@ -219,9 +219,12 @@ mod purger {
     async fn a_pass_pauses_after_each_full_batch_in_proportion_to_its_time() {
         let store = backlog(35).await;
         let purger = Purger::new(store.clone()).batch(10).pause(2.0);
+        let started = tokio::time::Instant::now();
         assert_eq!(purger.run_once().await.expect("purged"), 35);
-        // Four statements (10, 10, 10, 5 records): each full one is followed by twice its time.
+        // Four statements (10, 10, 10, 5 records): each full one is followed by twice its
+        // time, the short last one by nothing.
         assert_eq!(gaps(&store), vec![STATEMENT * 3; 3]);
+        assert_eq!(started.elapsed(), STATEMENT * 10);
         assert_eq!(store.purge_expired(10).await.expect("purge"), 0);
     }
 
@@ -234,6 +237,30 @@ mod purger {
             assert_eq!(purger.run_once().await.expect("purged"), 25);
             assert_eq!(gaps(&store), vec![STATEMENT; 2], "pause {factor}");
         }
+    }
+
+    /// An infinite factor (or a huge one) pauses for the interval, no longer: it neither
+    /// panics in the arithmetic nor stops the purge for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_never_outlasts_the_interval() {
+        let store = backlog(25).await;
+        let interval = Duration::from_secs(1);
+        let purger = Purger::new(store.clone())
+            .every(interval)
+            .batch(10)
+            .pause(f64::INFINITY);
+        assert_eq!(purger.run_once().await.expect("purged"), 25);
+        assert_eq!(gaps(&store), vec![STATEMENT + interval; 2]);
+        // Nor does a zero interval panic the task (Tokio's interval refuses zero).
+        let store = backlog(0).await;
+        let purger = Purger::new(store.clone()).every(Duration::ZERO).spawn();
+        tokio::time::sleep(STATEMENT * 3).await;
+        purger.shutdown().await;
+        assert!(
+            store.purge_starts().len() >= 2,
+            "{:?}",
+            store.purge_starts()
+        );
     }
 
     /// Before pacing, `spawn_purger` ran a backlog's batches back to back, so a purge kept a
@@ -250,7 +277,7 @@ mod purger {
     }
 
     /// A dropped handle dropped the stop signal's sender, which the task read as "stop":
-    /// `let _ = spawn_purger(..)` purged once and never again.
+    /// `let _ = spawn_purger(..)` ran one pass at most, and never again.
     #[tokio::test(start_paused = true)]
     async fn a_dropped_handle_leaves_the_purger_running() {
         let store = backlog(0).await;
@@ -261,16 +288,32 @@ mod purger {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn shutdown_between_passes_runs_no_batch() {
+        let store = backlog(0).await;
+        let purger = spawn_purger(store.clone(), Duration::from_secs(60), 10);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let asked = tokio::time::Instant::now();
+        purger.shutdown().await;
+        assert_eq!(asked.elapsed(), Duration::ZERO);
+        assert_eq!(store.purge_starts().len(), 1);
+        // Nor one asked before the first tick.
+        let store = backlog(0).await;
+        spawn_purger(store.clone(), Duration::from_secs(60), 10)
+            .shutdown()
+            .await;
+        assert!(store.purge_starts().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn shutdown_cuts_a_pause_short() {
         let store = backlog(100).await;
         let purger = Purger::new(store.clone()).batch(10).pause(1_000.0).spawn();
-        while store.purge_starts().is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        // Past the first batch, into its 10 s pause.
+        tokio::time::sleep(STATEMENT * 2).await;
+        assert_eq!(store.purge_starts().len(), 1);
         let asked = tokio::time::Instant::now();
         purger.shutdown().await;
-        // The first batch's pause is 10 s; shutdown ends it after the batch in progress.
-        assert!(asked.elapsed() <= STATEMENT, "{:?}", asked.elapsed());
+        assert_eq!(asked.elapsed(), Duration::ZERO);
         assert_eq!(store.purge_starts().len(), 1);
         assert_eq!(store.purge_expired(100).await.expect("purge"), 90);
     }

@@ -20,7 +20,11 @@ impl PurgeHandle {
     /// Stops the purger after its current batch and waits for it.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
-        let _ = self.task.await;
+        if let Err(error) = self.task.await
+            && error.is_panic()
+        {
+            tracing::error!(%error, "the purger's task had panicked: it purged nothing since");
+        }
     }
 }
 
@@ -81,10 +85,12 @@ impl<S: Store + ?Sized> Purger<S> {
         }
     }
 
-    /// How often [`spawn`](Self::spawn)'s task starts a pass (default 60 s). A pass that
-    /// outlasts it delays the next one.
+    /// How often [`spawn`](Self::spawn)'s task starts a pass (default 60 s; between 1 ms and
+    /// a year). A pass that outlasts it delays the next one.
     pub fn every(mut self, interval: Duration) -> Self {
-        self.interval = interval;
+        // Tokio's interval panics on zero, and on a period its clock cannot add.
+        const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+        self.interval = interval.clamp(Duration::from_millis(1), YEAR);
         self
     }
 
@@ -95,8 +101,8 @@ impl<S: Store + ?Sized> Purger<S> {
     }
 
     /// After each full batch, wait `factor` times as long as it took (default 2.0; 0 runs
-    /// batches back to back, as a purger did before this setting existed). A negative or
-    /// NaN factor is 0.
+    /// batches back to back, as a purger did before this setting existed), and never longer
+    /// than the interval ([`every`](Self::every)). A negative or NaN factor is 0.
     pub fn pause(mut self, factor: f64) -> Self {
         self.pause = if factor.is_nan() {
             0.0
@@ -123,8 +129,10 @@ impl<S: Store + ?Sized> Purger<S> {
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
-                    _ = ticker.tick() => {}
+                    // A shutdown asked before a tick wins over it: no batch after it.
+                    biased;
                     _ = asked_to_stop(&mut stopped) => return,
+                    _ = ticker.tick() => {}
                 }
                 match self.pass(&stopped).await {
                     Ok(n) if n > 0 => tracing::debug!(
@@ -156,10 +164,14 @@ impl<S: Store + ?Sized> Purger<S> {
             let started = tokio::time::Instant::now();
             let n = self.store.purge_expired(self.batch).await?;
             purged += n;
-            if (n as usize) < self.batch || *stopped.borrow() {
+            if n < self.batch as u64 || *stopped.borrow() {
                 return Ok(purged);
             }
-            let pause = started.elapsed().mul_f64(self.pause);
+            // Saturating (`mul_f64` panics on an overflow: an infinite factor, a huge time),
+            // and never past the interval, so no factor stops the purge for good.
+            let pause = Duration::try_from_secs_f64(started.elapsed().as_secs_f64() * self.pause)
+                .unwrap_or(Duration::MAX)
+                .min(self.interval);
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
                 _ = asked_to_stop(&mut stopped) => return Ok(purged),
@@ -177,7 +189,7 @@ async fn asked_to_stop(stopped: &mut watch::Receiver<bool>) {
 }
 
 /// Every `interval`, deletes expired records `batch` at a time until a batch comes back short,
-/// pausing after each batch twice as long as it took: [`Purger`] with its default pause.
+/// pausing after each full batch twice as long as it took: [`Purger`] with its default pause.
 ///
 /// Bounded batches keep each statement short, so purging never holds locks that live traffic
 /// waits on; the pause leaves the database's cores to live traffic most of the time. Errors
