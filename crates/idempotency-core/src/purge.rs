@@ -116,8 +116,9 @@ impl<S: Store + ?Sized> Purger<S> {
     /// short (nothing left to purge). Returns how many were deleted. For a purge driven by
     /// the application's own scheduler; [`spawn`](Self::spawn) runs passes in a task.
     pub async fn run_once(&self) -> Result<u64> {
-        let (_stop, stopped) = watch::channel(false);
-        self.pass(&stopped).await
+        // Never stopped: the sender lives as long as the pass.
+        let (_stop, mut stopped) = watch::channel(false);
+        self.pass(&mut stopped).await
     }
 
     /// Runs a pass every [`every`](Self::every) in a task of its own. Errors are logged and
@@ -134,7 +135,7 @@ impl<S: Store + ?Sized> Purger<S> {
                     _ = asked_to_stop(&mut stopped) => return,
                     _ = ticker.tick() => {}
                 }
-                match self.pass(&stopped).await {
+                match self.pass(&mut stopped).await {
                     Ok(n) if n > 0 => tracing::debug!(
                         store = self.store.name(),
                         purged = n,
@@ -147,9 +148,7 @@ impl<S: Store + ?Sized> Purger<S> {
                         "purging expired idempotency records failed"
                     ),
                 }
-                if *stopped.borrow() {
-                    return;
-                }
+                // A shutdown asked during the pass ends the task at the biased select above.
             }
         });
         PurgeHandle { stop, task }
@@ -157,8 +156,7 @@ impl<S: Store + ?Sized> Purger<S> {
 
     /// Batches until one comes back short, or `stopped` says so (checked between batches,
     /// and it cuts a pause short).
-    async fn pass(&self, stopped: &watch::Receiver<bool>) -> Result<u64> {
-        let mut stopped = stopped.clone();
+    async fn pass(&self, stopped: &mut watch::Receiver<bool>) -> Result<u64> {
         let mut purged = 0;
         loop {
             let started = tokio::time::Instant::now();
@@ -174,7 +172,7 @@ impl<S: Store + ?Sized> Purger<S> {
                 .min(self.interval);
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = asked_to_stop(&mut stopped) => return Ok(purged),
+                _ = asked_to_stop(stopped) => return Ok(purged),
             }
         }
     }
