@@ -47,4 +47,6 @@ pub use observe::{Answer, Observed, observe};
 pub use outcome::{DecodeError, Outcome};
 pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, Purger, spawn_purger};
-pub use store::{Begin, BoxError, Error, LATE_COMPLETION_GRACE, LeaseToken, Result, Store};
+pub use store::{
+    Begin, BoxError, Error, FOR_GOOD, LATE_COMPLETION_GRACE, LeaseToken, Result, Store,
+};

@@ -259,7 +259,7 @@ impl Store for MemoryStore {
                     created_at: now,
                     state: State::InFlight {
                         token,
-                        lease_until: now + lease,
+                        lease_until: now + lease.min(crate::FOR_GOOD),
                     },
                 },
             );
@@ -296,7 +296,7 @@ impl Store for MemoryStore {
                     record.state = State::Completed {
                         token,
                         outcome: outcome.clone(),
-                        expires_at: self.now() + retention,
+                        expires_at: self.now() + retention.min(crate::FOR_GOOD),
                     };
                 }
             })
@@ -321,7 +321,7 @@ impl Store for MemoryStore {
                     ..
                 }) = records.get_mut(id)
                 {
-                    *lease_until = self.now() + lease;
+                    *lease_until = self.now() + lease.min(crate::FOR_GOOD);
                 }
             })
         })

@@ -61,13 +61,13 @@ impl Policy {
     /// How long one attempt holds the key before a retry may take it over (default 30 s).
     /// Long operations keep it by renewing every third of it while they run.
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = lease.min(crate::FOR_GOOD);
         self
     }
 
     /// How long a completed outcome is replayed (default 24 h).
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = retention.min(crate::FOR_GOOD);
         self
     }
 

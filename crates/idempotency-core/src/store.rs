@@ -12,6 +12,19 @@ use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId, ReleaseSc
 /// Redis keeps it this long past its lease. A `begin` takes it over at once regardless.
 pub const LATE_COMPLETION_GRACE: Duration = Duration::from_secs(3600);
 
+/// The longest lease or retention a store keeps: 100 years. A longer one (up to
+/// `Duration::MAX`, "for good") is kept this long, which in practice is the same; every
+/// store caps at it rather than overflow its clock or its database's arithmetic.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{Policy, FOR_GOOD};
+///
+/// let policy = Policy::default().with_retention(Duration::MAX);
+/// assert_eq!(policy.retention(), FOR_GOOD);
+/// ```
+pub const FOR_GOOD: Duration = Duration::from_secs(100 * 366 * 86_400);
+
 /// A boxed error from a backend client.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 

@@ -297,11 +297,10 @@ fn db_error(error: sqlx::Error) -> Error {
     Error::unavailable(error)
 }
 
-/// A lease or retention in milliseconds, capped at 100 years: longer is "for good" in
-/// practice, and past Postgres' range the arithmetic would fail the statement.
+/// A lease or retention in milliseconds, capped at [`FOR_GOOD`](idempotency_core::FOR_GOOD):
+/// past Postgres' range the arithmetic would fail the statement.
 pub(crate) fn millis(d: Duration) -> i64 {
-    const CAP_MS: u128 = 100 * 366 * 86_400 * 1_000;
-    i64::try_from(d.as_millis().min(CAP_MS)).unwrap_or(i64::MAX)
+    i64::try_from(d.min(idempotency_core::FOR_GOOD).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// What `BEGIN_SQL` returns: inserted, or the live row's columns.
@@ -1027,7 +1026,8 @@ impl PostgresStore {
         mut left_ms: f64,
         unfinished: bool,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
-        let half = lease.as_secs_f64() * 500.0;
+        // Half of the lease the row got (capped like the statement's).
+        let half = millis(lease) as f64 / 2.0;
         for _ in 0..2 {
             if left_ms >= half {
                 return Ok(Some((Begin::Execute(token), Some(lease))));

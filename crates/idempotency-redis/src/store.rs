@@ -366,8 +366,12 @@ fn config_value(reply: &Value) -> Option<String> {
     }
 }
 
+/// A lease or TTL in milliseconds for `PX`, at least 1 and capped at
+/// [`FOR_GOOD`](idempotency_core::FOR_GOOD): Redis refuses an expiry past its range.
 fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(d.min(idempotency_core::FOR_GOOD).as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 fn grace() -> u64 {

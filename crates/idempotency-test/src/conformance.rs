@@ -216,6 +216,33 @@ pub async fn an_abandoned_takeover_keeps_the_outcome_unknown(store: &dyn Store) 
     take_over(store, &id, &fp("a"), LONG).await;
 }
 
+/// A lease or a retention of `Duration::MAX` ("for good") is accepted, by a store that
+/// caps it at its own limit, and never overflows a clock: the record is claimed, renewed,
+/// completed and replayed like any other.
+pub async fn unbounded_durations_mean_for_good(store: &dyn Store) {
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), Duration::MAX).await;
+    store
+        .renew(&id, token, Duration::MAX)
+        .await
+        .expect("renew for good");
+    assert!(matches!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::InFlight { .. }
+    ));
+    store
+        .complete(&id, token, &sample_outcome(), Duration::MAX)
+        .await
+        .expect("complete for good");
+    assert_eq!(
+        store
+            .begin(&id, &fp("a"), Duration::MAX)
+            .await
+            .expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+}
+
 /// A stale token can neither complete, release nor renew, and changes nothing: the new
 /// owner's outcome is intact afterwards.
 pub async fn stale_token_changes_nothing(store: &dyn Store) {
@@ -771,6 +798,7 @@ macro_rules! conformance_tests {
             an_abandoned_takeover_keeps_the_outcome_unknown,
             an_unfinished_lease_is_not_another_request_s,
             stale_token_changes_nothing,
+            unbounded_durations_mean_for_good,
             late_completion_is_accepted_when_nobody_took_over,
             takeover_versus_late_completion_in_both_orders,
             completed_record_is_final,
