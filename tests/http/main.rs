@@ -242,6 +242,35 @@ fn a_reused_key_with_another_body_is_422() {
     });
 }
 
+/// Behind axum's `nest`, the layer on the inner router sees the path without the prefix;
+/// the fingerprint must still tell `/accounts/a/charges` from `/accounts/b/charges`, or the
+/// same key and body on the second would replay the first's answer (and never charge `b`).
+#[test]
+fn a_reused_key_on_another_nested_path_is_422() {
+    block_on(async {
+        let (inner, calls, _) = app(layer(memory()));
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let at = |path: &'static str| {
+            let router = router.clone();
+            async move {
+                let request = axum::http::Request::post(path)
+                    .header("idempotency-key", "k")
+                    .body(Body::from("{}"))
+                    .expect("request");
+                let response = router.oneshot(request).await.expect("infallible");
+                (
+                    response.status().as_u16(),
+                    response.headers().get("idempotent-replayed").is_some(),
+                )
+            }
+        };
+        assert_eq!(at("/accounts/a/charges").await, (201, false));
+        assert_eq!(at("/accounts/b/charges").await, (422, false));
+        assert_eq!(at("/accounts/a/charges").await, (201, true));
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 #[test]
 fn canonical_json_ignores_key_order_and_whitespace() {
     block_on(async {

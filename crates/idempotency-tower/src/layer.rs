@@ -54,7 +54,9 @@ impl Config {
         if let BodyFingerprint::Custom(f) = &self.body_fingerprint {
             return f(parts, body);
         }
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let path = request_uri(parts)
+            .path_and_query()
+            .map_or("/", |p| p.as_str());
         let mut fp = Fingerprint::builder()
             .method(parts.method.as_str())
             .path_and_query(path);
@@ -75,6 +77,18 @@ impl Config {
             _ => fp.body(body).finish(),
         }
     }
+}
+
+/// The URI the request came in with. Behind axum's `Router::nest` a layer on the inner router
+/// sees the path without the nest's prefix: `/accounts/a/charges` and `/accounts/b/charges`
+/// would both be `/charges`, and a key reused on the second would replay the first's answer
+/// instead of answering 422. axum keeps the URI as received in `OriginalUri`.
+fn request_uri(parts: &Parts) -> &http::Uri {
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::OriginalUri(uri)) = parts.extensions.get() {
+        return uri;
+    }
+    &parts.uri
 }
 
 /// Applies the Idempotency-Key protocol to the requests of a service. See the
@@ -102,6 +116,12 @@ impl IdempotencyLayer {
     /// (single-tenant APIs only: see [`IdempotencyLayer::scope_fn`]), fingerprint of method,
     /// path and query and body bytes, 1 MiB request and stored-body limits, the default
     /// [`Policy`].
+    ///
+    /// The path is the one the request came in on. Behind axum's `Router::nest`, a layer on
+    /// the inner router sees it without the nest's prefix; with the `axum` feature the
+    /// fingerprint takes axum's `OriginalUri` instead, and without it, put the layer on the
+    /// outer router (or scope keys by the prefix's parameters with
+    /// [`scope_fn`](IdempotencyLayer::scope_fn)).
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             config: Arc::new(Config {
