@@ -222,3 +222,46 @@ fn drain_waits_for_a_reconcile_whose_request_is_gone() {
         assert_eq!(calls.get(), 0);
     });
 }
+
+/// A request held without being polled after its reconcile hook found nothing must not run
+/// the operation on a lease that ran out meanwhile: another retry may have taken the key
+/// over, asked the hook (which found nothing, the first having run nothing yet) and run it.
+/// Read too late, the hook's verdict is given up like a late grant: 503, nothing runs.
+#[test]
+fn a_reconcile_verdict_read_after_its_lease_ran_out_runs_nothing() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let lease = Duration::from_millis(300);
+        let policy = OutcomeUnknown::reconcile(|_| async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(None)
+        });
+        let (router, calls, _) = app(layer(store.clone())
+            .policy(Policy::default().with_lease(lease))
+            .on_outcome_unknown(policy));
+        let (key, _) = crashed_attempt(&*store).await;
+        let request = || {
+            axum::http::Request::post("/charges")
+                .header("idempotency-key", key.as_str())
+                .body(axum::body::Body::from("{}"))
+                .expect("request")
+        };
+        let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request()));
+        assert!(
+            futures::poll!(&mut first).is_pending(),
+            "the hook runs in a task"
+        );
+        // Held, not polled: the hook answers, its lease runs out, and a retry takes over.
+        tokio::time::sleep(lease * 3).await;
+        let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(calls.get(), 1);
+        let first = first.await.expect("infallible");
+        assert_eq!(first.status(), 503);
+        assert_eq!(
+            calls.get(),
+            1,
+            "the first request ran the operation a second time"
+        );
+    });
+}

@@ -389,11 +389,15 @@ where
                         Reconciled::Found(outcome)
                     }
                     // Nothing happened: run, on a whole lease, if the key is still ours.
-                    Ok(Ok(None)) => match config.store.renew(&id, token, lease).await {
-                        Ok(()) => Reconciled::Nothing,
-                        Err(Error::LeaseLost) => Reconciled::Lost("lease lost".into()),
-                        Err(error) => Reconciled::Unknown(error.to_string()),
-                    },
+                    Ok(Ok(None)) => {
+                        // The lease the operation runs on counts from this ask (see below).
+                        let renewing = Instant::now();
+                        match config.store.renew(&id, token, lease).await {
+                            Ok(()) => Reconciled::Nothing(renewing),
+                            Err(Error::LeaseLost) => Reconciled::Lost("lease lost".into()),
+                            Err(error) => Reconciled::Unknown(error.to_string()),
+                        }
+                    }
                     Ok(Err(error)) => Reconciled::Unknown(error.to_string()),
                     Err(_) => Reconciled::Unknown(format!("no answer within {:?}", lease / 2)),
                 }
@@ -404,8 +408,24 @@ where
                     Metrics::inc(&config.metrics.replays, "idempotency_replays_total");
                     return Ok(replay(outcome));
                 }
-                Ok(Reconciled::Nothing) => {
-                    return execute(config, inner, parts, body, keyed, token).await;
+                Ok(Reconciled::Nothing(renewed)) => {
+                    // The verdict is read in this request's future, which may have been held
+                    // without a poll past that lease: another retry may have taken the key
+                    // over, asked the hook (which found nothing, nothing having run yet) and
+                    // be running the operation. Read that late, it runs nothing, like a late
+                    // grant (`within_lease`); the record stays, to be asked again.
+                    let lease = config.policy.lease();
+                    let answer = Ok(Begin::TakeOver(token));
+                    if idempotency_core::within_lease_with(&id, renewed, lease, answer, |_| {})
+                        .is_ok()
+                    {
+                        return execute(config, inner, parts, body, keyed, token).await;
+                    }
+                    let detail = "the request was not processed because its idempotency could \
+                                  not be guaranteed; retry later with the same key";
+                    return Ok(
+                        Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)))
+                    );
                 }
                 Ok(Reconciled::Lost(error)) => {
                     tracing::warn!(%error, record = %id, "the key was taken over while reconciling");
@@ -451,8 +471,9 @@ where
 enum Reconciled {
     /// The earlier attempt's effect, now the stored outcome.
     Found(Outcome),
-    /// No effect: the operation runs (the lease is renewed and still ours).
-    Nothing,
+    /// No effect: the operation runs (the lease is renewed and still ours), renewed by a
+    /// call asked at this instant.
+    Nothing(Instant),
     /// No effect, but another attempt took the key over meanwhile.
     Lost(String),
     /// The hook failed, panicked or took too long.
