@@ -237,6 +237,28 @@ fn a_release_right_after_begin_leaves_no_stale_mirror() {
     });
 }
 
+/// A lease's mirror can outlive its lease in Postgres (its delete failed, or another
+/// process released the key): another request under the key must then be decided by
+/// Postgres, not told 422 by a mirror that may be stale. (A stale mirror of the same request
+/// costs a 409 until its TTL, as documented.)
+#[test]
+fn a_stale_mirror_never_answers_mismatch() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let id = idempotency_test::conformance::fresh_id();
+        let (a, b) = (Fingerprint::of(b"a"), Fingerprint::of(b"b"));
+        let long = idempotency_test::conformance::LONG;
+        let token = idempotency_test::conformance::execute(&*store, &id, &a, long).await;
+        mirror_landed(&store, &id, &a).await;
+        // Released in Postgres alone: the mirror stays, as after a failed delete.
+        store.postgres().release(&id, token).await.expect("release");
+        let other = store.begin(&id, &b, long).await.expect("begin");
+        assert!(matches!(other, Begin::Execute(_)), "{other:?}");
+    });
+}
+
 #[test]
 fn replays_and_live_duplicates_are_answered_by_redis_alone() {
     block_on(async {

@@ -30,7 +30,9 @@ use crate::{
 /// The algorithm (each step's reason in the comments of [`HybridStore::begin`]):
 ///
 /// 1. `begin` peeks in Redis. A cached outcome replays, a mirrored live lease answers
-///    `InFlight`, a different fingerprint answers `Mismatch` — no Postgres round trip.
+///    `InFlight`, a different fingerprint than a cached outcome's answers `Mismatch` — no
+///    Postgres round trip. (A mirror that may be stale never answers `Mismatch`: another
+///    request under a mirrored key asks Postgres.)
 /// 2. Anything else (absent, evicted, flushed, Redis down) goes to Postgres, whose unique key
 ///    decides. **Redis is never the reason an operation runs.**
 /// 3. What Postgres said is mirrored into Redis, best effort: a granted lease, a replayed

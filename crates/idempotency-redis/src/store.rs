@@ -1028,6 +1028,12 @@ impl RedisStore {
             return Ok(Peek::Absent);
         };
         let (value, pttl) = self.pttl_if_live(&key, value, deadline).await?;
+        // A lease's mirror may outlive the lease it copies (its delete failed, another process
+        // released the key): it may only delay the same request (a 409 until its TTL), never
+        // turn another one away with a 422. Another request asks the store that decides.
+        if value.first() == Some(&b'm') && value.get(scripts::FP) != Some(&fp.as_bytes()[..]) {
+            return Ok(Peek::Absent);
+        }
         // A peek claims nothing: any token will do for reading.
         Ok(match read_record(&value, pttl, fp, &[0; 16])? {
             Found::Answer(answer) => Peek::Found(answer),
