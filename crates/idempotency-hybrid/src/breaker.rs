@@ -185,11 +185,18 @@ impl Breaker {
         }
     }
 
-    pub(crate) fn success(&self) {
+    /// A call answered. `probe`: it was the half-open breaker's probe, the only call whose
+    /// answer may close it: a call admitted while the breaker was still closed and answered
+    /// after it opened says nothing of Redis now (one slow node of a cluster answering
+    /// while the others fail would otherwise keep closing it, skipping every backoff).
+    fn success(&self, probe: bool) {
         if self.inner.holds() {
             return; // closed with no failure counted: nothing to reset
         }
         let mut inner = self.lock();
+        if !probe && !matches!(*inner, Inner::Closed { .. }) {
+            return;
+        }
         if !matches!(*inner, Inner::Closed { failures: 0 }) {
             if !matches!(*inner, Inner::Closed { .. }) {
                 self.closed.fetch_add(1, Ordering::Relaxed);
@@ -238,7 +245,7 @@ pub(crate) struct Permit<'a> {
 impl Permit<'_> {
     pub(crate) fn success(mut self) {
         self.reported = true;
-        self.breaker.success();
+        self.breaker.success(self.probe);
     }
 
     pub(crate) fn failure(mut self) {
@@ -299,6 +306,29 @@ mod tests {
         breaker.allow().expect("probe").success();
         assert_eq!(breaker.state(), BreakerState::Closed);
         assert_eq!(breaker.opened.load(Ordering::Relaxed), 2);
+        assert_eq!(breaker.closed.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_admitted_before_the_breaker_opened_cannot_close_it() {
+        let breaker = Breaker::new(BreakerConfig::default());
+        let early = breaker.allow().expect("closed");
+        for _ in 0..3 {
+            breaker.failure();
+        }
+        early.success(); // answered late, after the breaker opened
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let probe = breaker.allow().expect("probe");
+        let late = Permit {
+            breaker: &breaker,
+            probe: false,
+            reported: false,
+        };
+        late.success(); // another call admitted while closed, answered while half-open
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        probe.success();
+        assert_eq!(breaker.state(), BreakerState::Closed);
         assert_eq!(breaker.closed.load(Ordering::Relaxed), 1);
     }
 
