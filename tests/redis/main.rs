@@ -140,6 +140,43 @@ mod cluster {
     idempotency_test::conformance_tests!(async {
         cluster_store().await.map(|s| s as Arc<dyn Store>)
     });
+
+    /// The eviction check asks every master: a cluster routes `CONFIG GET` to one node of
+    /// its choosing, so one evicting master among three let the store start about two times
+    /// in three, and a record evicted there executes a second time.
+    #[test]
+    fn one_evicting_master_is_refused_every_time() {
+        block_on(async {
+            if services::skipping() {
+                return;
+            }
+            let cluster = services::start_redis_cluster().await.expect("cluster");
+            let urls = cluster.node_urls();
+            let client = redis::Client::open(urls[1].as_str()).expect("client");
+            let mut one = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("node");
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory-policy")
+                .arg("allkeys-lru")
+                .query_async(&mut one)
+                .await
+                .expect("config set");
+            for attempt in 0..6 {
+                match RedisStore::cluster_builder(urls.clone()).connect().await {
+                    Err(Error::Config(why)) => assert!(why.contains("allkeys-lru"), "{why}"),
+                    other => panic!("attempt {attempt}: expected a refusal, got {other:?}"),
+                }
+            }
+            RedisStore::cluster_builder(urls)
+                .eviction_check(EvictionCheck::Warn)
+                .connect()
+                .await
+                .expect("accepted explicitly");
+        });
+    }
 }
 
 #[test]

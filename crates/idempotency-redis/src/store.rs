@@ -669,16 +669,64 @@ impl RedisStore {
     }
 
     async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
+        for (node, reply) in self.maxmemory_policies().await? {
+            Self::judge_eviction_policy(&node, &reply, check)?;
+        }
+        Ok(())
+    }
+
+    /// Each node's answer to `CONFIG GET maxmemory-policy`, by node (`""` for a standalone
+    /// Redis). A cluster would route the command to one node of its choosing: every master
+    /// is asked, since one evicting master loses the records of its slots.
+    async fn maxmemory_policies(&self) -> Result<Vec<(String, redis::RedisResult<Value>)>> {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        #[cfg(feature = "cluster")]
+        if let Conn::Cluster(conn) = &self.conn {
+            use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+            let mut conn = conn.clone();
+            let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+            let reply = self
+                .timed(async { Ok(conn.route_command(cmd, all).await) })
+                .await?;
+            // A map of node address to its answer (an error reply of one node included).
+            return match reply {
+                Ok(Value::Map(nodes)) => Ok(nodes
+                    .into_iter()
+                    .map(|(node, answer)| {
+                        let node = match node {
+                            Value::BulkString(name) => String::from_utf8_lossy(&name).into_owned(),
+                            other => format!("{other:?}"),
+                        };
+                        let answer = match answer {
+                            Value::ServerError(error) => Err(error.into()),
+                            answer => Ok(answer),
+                        };
+                        (node, answer)
+                    })
+                    .collect()),
+                Ok(other) => Ok(vec![(String::new(), Ok(other))]),
+                Err(error) => Ok(vec![(String::new(), Err(error))]),
+            };
+        }
         let mut conn = self.conn.clone();
-        let reply: redis::RedisResult<Value> = self
-            .timed(async {
-                Ok(redis::cmd("CONFIG")
-                    .arg("GET")
-                    .arg("maxmemory-policy")
-                    .query_async(&mut conn)
-                    .await)
-            })
+        let reply = self
+            .timed(async { Ok(cmd.query_async(&mut conn).await) })
             .await?;
+        Ok(vec![(String::new(), reply)])
+    }
+
+    /// Whether one node's `maxmemory-policy` (its `reply`) lets the store start.
+    fn judge_eviction_policy(
+        node: &str,
+        reply: &redis::RedisResult<Value>,
+        check: EvictionCheck,
+    ) -> Result<()> {
+        let node = if node.is_empty() {
+            String::new()
+        } else {
+            format!(" (node {node})")
+        };
         let policy = match reply.as_ref().map(config_value) {
             Ok(Some(policy)) => policy,
             // Anything but the server's own refusal (down, refused, a failed TLS handshake,
@@ -686,7 +734,7 @@ impl RedisStore {
             // Redis must not start as if it had been.
             Err(error) if error.code().is_none() => {
                 return Err(Error::unavailable(format!(
-                    "cannot reach Redis to check its maxmemory-policy: {error}"
+                    "cannot reach Redis{node} to check its maxmemory-policy: {error}"
                 )));
             }
             // Managed Redis often disables CONFIG (or the user may not run it): the server
@@ -695,7 +743,7 @@ impl RedisStore {
             Err(error) => {
                 tracing::warn!(
                     %error,
-                    "cannot read Redis maxmemory-policy (CONFIG disabled?): make sure it is `noeviction`, \
+                    "cannot read Redis{node} maxmemory-policy (CONFIG disabled?): make sure it is `noeviction`, \
                      or an evicted idempotency record will execute again"
                 );
                 return Ok(());
@@ -703,7 +751,7 @@ impl RedisStore {
             // An answer this store cannot read is no reason to assume the safe policy.
             Ok(None) => {
                 let why = format!(
-                    "cannot read Redis maxmemory-policy from the reply {reply:?}: make sure it is \
+                    "cannot read Redis{node} maxmemory-policy from the reply {reply:?}: make sure it is \
                      `noeviction`, then accept with EvictionCheck::Warn"
                 );
                 return match check {
@@ -719,7 +767,7 @@ impl RedisStore {
             return Ok(());
         }
         let why = format!(
-            "Redis maxmemory-policy is `{policy}`: under memory pressure Redis silently deletes idempotency \
+            "Redis{node} maxmemory-policy is `{policy}`: under memory pressure Redis silently deletes idempotency \
              records, and the retry of an evicted key executes a second time (a double charge). Set \
              `maxmemory-policy noeviction`, put Postgres behind Redis (the hybrid store), or accept the risk \
              with EvictionCheck::Warn"
