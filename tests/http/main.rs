@@ -458,6 +458,27 @@ fn a_5xx_is_not_stored_and_the_retry_runs_again() {
     });
 }
 
+/// A release that fails (a store blip) after a 5xx is retried, not left to answer the retries
+/// 409 for a whole lease.
+#[test]
+fn a_release_that_failed_is_retried() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let layer = layer(store.clone());
+        let (router, calls, _) = app(layer.clone());
+        store.fail_releases(1);
+        let failed = send(&router, "POST", Some("k"), &[("x-fail", "503")], "{}").await;
+        assert_eq!(failed.status, 503);
+        layer.drain().await;
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(calls.get(), 2);
+    });
+}
+
 #[test]
 fn a_panicking_handler_releases_its_lease() {
     block_on(async {

@@ -265,3 +265,25 @@ fn a_reconcile_verdict_read_after_its_lease_ran_out_runs_nothing() {
         );
     });
 }
+
+/// A handler that panics may have had its effect first (the card charged, then a bug): its
+/// outcome is unknown, exactly what `Reject` and `Reconcile` are for. Under them the lease is
+/// ended and its record kept, so the retry meets the policy; it was released, and the retry
+/// ran the operation as a fresh `Execute`. (Under `Reexecute` a panic still releases.)
+#[test]
+fn a_panicked_handler_under_reject_leaves_the_outcome_unknown() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (router, calls, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+        let panicked = send(&router, "POST", Some("k"), &[("x-panic", "1")], "{}").await;
+        assert_eq!(panicked.status, 500);
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 409, "{}", retry.body);
+        assert_eq!(
+            retry.problem_type(),
+            "urn:idempotency:problem:outcome-unknown"
+        );
+        assert_eq!(calls.get(), 0, "the retry did not run the operation");
+    });
+}

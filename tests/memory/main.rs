@@ -10,6 +10,42 @@ idempotency_test::conformance_tests!(async {
     Some(STORE.get_or_init(|| Arc::new(MemoryStore::new())).clone())
 });
 
+/// A release that fails (a store blip) after the operation failed is retried, not left to
+/// hold the key for a lease (and then come back as an attempt whose outcome is unknown).
+#[test]
+fn an_executor_release_that_failed_is_retried() {
+    use std::time::Duration;
+
+    use idempotency_core::{
+        Begin, Executor, Fingerprint, IdempotencyKey, RecordId, RunError, Scope,
+    };
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let executor = Executor::new(store.clone());
+        let (scope, key, fp) = (
+            Scope::new("release"),
+            IdempotencyKey::new("k").expect("key"),
+            Fingerprint::of(b"p"),
+        );
+        store.fail_releases(1);
+        let failed = executor
+            .run(&scope, &key, &fp, || async {
+                Err::<u8, _>("declined by the network")
+            })
+            .await;
+        assert!(matches!(failed, Err(RunError::Failed(_))), "{failed:?}");
+        executor.drain().await;
+        let again = store
+            .inner()
+            .begin(&RecordId::new(&scope, &key), &fp, Duration::from_secs(30))
+            .await
+            .expect("begin");
+        assert!(matches!(again, Begin::Execute(_)), "{again:?}");
+    });
+}
+
 /// At shutdown, `drain` waits for what dropped runs left to settle: the outcome of one
 /// dropped after its operation succeeded, the leases of one dropped mid-operation and one
 /// dropped mid-claim.

@@ -206,14 +206,7 @@ where
     C: Future<Output = Result<T>> + Send + 'static,
     R: FnOnce(LeaseToken) -> BoxFuture<'static, ()> + Send + 'static,
 {
-    let claim = AssertUnwindSafe(claim).catch_unwind().map(|answer| {
-        answer.unwrap_or_else(|_| {
-            Err(crate::Error::unavailable(
-                "the claim panicked; a lease it may have taken expires by itself",
-            ))
-        })
-    });
-    finish_on_drop(claim, move |answer| match answer {
+    finish_on_drop(unwound(claim), move |answer| match answer {
         Ok(answer) => match answer.granted() {
             Some(token) => {
                 tracing::debug!(%token, "releasing a lease whose claimer went away");
@@ -229,16 +222,30 @@ where
 pub trait GrantsLease: Send + 'static {
     /// The token of the lease to release when nobody receives this answer, if any.
     fn granted(&self) -> Option<LeaseToken>;
+
+    /// The token of a lease taken over from an unfinished attempt, to end (not release)
+    /// when nobody receives this answer ([`end_orphan`]): released, the record of the
+    /// unfinished attempt would be gone, and the next `begin` would answer a fresh `Execute`
+    /// instead of `TakeOver` (its outcome still unknown). None by default: such a lease is
+    /// left to run out.
+    fn taken_over(&self) -> Option<LeaseToken> {
+        None
+    }
 }
 
 impl GrantsLease for Begin {
-    /// `Execute` only. A `TakeOver` lease whose claimer went away is left to run out, not
-    /// released: released, the record of the unfinished attempt before it would be gone,
-    /// and the next `begin` would answer a fresh `Execute` instead of `TakeOver` (its
-    /// outcome still unknown). It costs one lease of `InFlight`.
+    /// `Execute` only. A `TakeOver` lease whose claimer went away is not released but
+    /// ended ([`GrantsLease::taken_over`]).
     fn granted(&self) -> Option<LeaseToken> {
         match self {
             Begin::Execute(token) => Some(*token),
+            _ => None,
+        }
+    }
+
+    fn taken_over(&self) -> Option<LeaseToken> {
+        match self {
+            Begin::TakeOver(token) => Some(*token),
             _ => None,
         }
     }
@@ -247,6 +254,10 @@ impl GrantsLease for Begin {
 impl<U: Send + 'static> GrantsLease for (Begin, U) {
     fn granted(&self) -> Option<LeaseToken> {
         self.0.granted()
+    }
+
+    fn taken_over(&self) -> Option<LeaseToken> {
+        self.0.taken_over()
     }
 }
 
@@ -275,8 +286,33 @@ where
     T: GrantsLease,
     C: Future<Output = Result<T>> + Send + 'static,
 {
-    detached_claim(claim, move |token| {
-        Box::pin(async move { release_orphan(&store, &id, token).await })
+    finish_on_drop(unwound(claim), move |answer| match answer {
+        Ok(answer) => match (answer.granted(), answer.taken_over()) {
+            (Some(token), _) => {
+                tracing::debug!(%token, "releasing a lease whose claimer went away");
+                Box::pin(async move { release_orphan(&store, &id, token).await })
+            }
+            (None, Some(token)) => {
+                tracing::debug!(%token, "ending a taken-over lease whose claimer went away");
+                Box::pin(async move { end_orphan(&store, &id, token).await })
+            }
+            (None, None) => Box::pin(async {}),
+        },
+        Err(_) => Box::pin(async {}),
+    })
+}
+
+/// A claim whose panic answers `Unavailable`, like a store that failed: a lease it may have
+/// taken is not known, so it expires by itself.
+fn unwound<T>(
+    claim: impl Future<Output = Result<T>> + Send + 'static,
+) -> impl Future<Output = Result<T>> + Send + 'static {
+    AssertUnwindSafe(claim).catch_unwind().map(|answer| {
+        answer.unwrap_or_else(|_| {
+            Err(crate::Error::unavailable(
+                "the claim panicked; a lease it may have taken expires by itself",
+            ))
+        })
     })
 }
 
@@ -290,18 +326,59 @@ pub async fn release_orphan<S: crate::Store + ?Sized>(
     id: &crate::RecordId,
     token: LeaseToken,
 ) {
+    settle_orphan(store, id, token, false).await;
+}
+
+/// Ends a lease taken over from an unfinished attempt (`Begin::TakeOver`) whose claimer went
+/// away, keeping its record: renewed for zero, the lease is over at once, and the next
+/// `begin` takes it over and still reports the unfinished attempt, instead of answering
+/// `InFlight` until the lease runs out. Retried like [`release_orphan`]; fenced on the token.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{end_orphan, Begin, Fingerprint, MemoryStore, RecordId, Store};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// let store = MemoryStore::new();
+/// let (id, fp) = (RecordId::from_bytes([7; 32]), Fingerprint::of(b"body"));
+/// store.begin(&id, &fp, Duration::from_secs(1)).await.unwrap(); // an attempt that crashed
+/// tokio::time::advance(Duration::from_secs(2)).await;
+/// let Ok(Begin::TakeOver(token)) = store.begin(&id, &fp, Duration::from_secs(30)).await else { panic!() };
+/// end_orphan(&store, &id, token).await; // its claimer went away
+/// assert!(matches!(store.begin(&id, &fp, Duration::from_secs(30)).await, Ok(Begin::TakeOver(_))));
+/// # }
+/// ```
+pub async fn end_orphan<S: crate::Store + ?Sized>(
+    store: &S,
+    id: &crate::RecordId,
+    token: LeaseToken,
+) {
+    settle_orphan(store, id, token, true).await;
+}
+
+async fn settle_orphan<S: crate::Store + ?Sized>(
+    store: &S,
+    id: &crate::RecordId,
+    token: LeaseToken,
+    end: bool,
+) {
     let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut backoff = std::time::Duration::from_millis(50);
     loop {
-        match store.release(id, token).await {
+        let settled = if end {
+            store.renew(id, token, std::time::Duration::ZERO).await
+        } else {
+            store.release(id, token).await
+        };
+        match settled {
             Ok(()) | Err(crate::Error::LeaseLost) => return,
             Err(error) if tokio::time::Instant::now() + backoff < give_up => {
-                tracing::debug!(%error, record = %id, "releasing an orphaned lease; retrying");
+                tracing::debug!(%error, record = %id, "giving back an orphaned lease; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
             }
             Err(error) => {
-                tracing::warn!(%error, record = %id, "could not release an orphaned lease; it expires by itself");
+                tracing::warn!(%error, record = %id, "could not give back an orphaned lease; it expires by itself");
                 return;
             }
         }
@@ -317,9 +394,9 @@ pub async fn release_orphan<S: crate::Store + ?Sized>(
 /// without polling it, its runtime was starved — may carry a lease that is nearly over, or
 /// over and already taken by a retry that is running the operation now: acting on it would
 /// run the operation twice, and the first renewal (a third of the lease after the answer)
-/// would come too late to stop that. Such an `Execute` is given back (with
-/// [`release_orphan`], in a task of its own); a `TakeOver` is left to run out, so that its
-/// record of the unfinished attempt stays. Either way the caller gets
+/// would come too late to stop that. Such a grant is given back ([`give_back_orphan`], in a
+/// task of its own): an `Execute` released, a `TakeOver` ended and kept, so that its record
+/// of the unfinished attempt stays. Either way the caller gets
 /// [`Error::Unavailable`](crate::Error::Unavailable): nothing ran, retry.
 ///
 /// ```
@@ -342,18 +419,33 @@ pub fn within_lease<S: crate::Store + ?Sized>(
     lease: std::time::Duration,
     answer: Result<Begin>,
 ) -> Result<Begin> {
-    within_lease_with(id, asked, lease, answer, |token| {
+    within_lease_with(id, asked, lease, answer, |grant| {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (store, id) = (store.clone(), *id);
-            runtime.spawn(async move { release_orphan(&*store, &id, token).await });
+            runtime.spawn(async move { give_back_orphan(&*store, &id, grant).await });
         }
     })
 }
 
-/// [`within_lease`], with the giving back left to the caller: `give_back` gets the token of
-/// an `Execute` read too late, and must not wait for the release (spawn it). For a caller
-/// that must account for the release, such as a server's graceful shutdown that waits for
-/// it.
+/// Gives back a grant nobody will act on: an `Execute`'s lease is released
+/// ([`release_orphan`]), a `TakeOver`'s ended and kept ([`end_orphan`]); any other answer
+/// holds no lease.
+pub async fn give_back_orphan<S: crate::Store + ?Sized>(
+    store: &S,
+    id: &crate::RecordId,
+    grant: Begin,
+) {
+    match grant {
+        Begin::Execute(token) => release_orphan(store, id, token).await,
+        Begin::TakeOver(token) => end_orphan(store, id, token).await,
+        _ => {}
+    }
+}
+
+/// [`within_lease`], with the giving back left to the caller: `give_back` gets a grant
+/// (`Execute` or `TakeOver`) read too late, and must not wait for it to be given back (spawn
+/// [`give_back_orphan`]). For a caller that must account for that, such as a server's
+/// graceful shutdown that waits for it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -365,8 +457,8 @@ pub fn within_lease<S: crate::Store + ?Sized>(
 /// let asked = Instant::now();
 /// tokio::time::sleep(lease).await; // the answer is read a whole lease late
 /// let mut given_back = None;
-/// let answer = within_lease_with(&id, asked, lease, Ok(Begin::Execute(LeaseToken::generate())), |token| {
-///     given_back = Some(token);
+/// let answer = within_lease_with(&id, asked, lease, Ok(Begin::Execute(LeaseToken::generate())), |grant| {
+///     given_back = Some(grant);
 /// });
 /// assert!(answer.is_err());
 /// assert!(given_back.is_some());
@@ -377,17 +469,15 @@ pub fn within_lease_with(
     asked: tokio::time::Instant,
     lease: std::time::Duration,
     answer: Result<Begin>,
-    give_back: impl FnOnce(LeaseToken),
+    give_back: impl FnOnce(Begin),
 ) -> Result<Begin> {
     let waited = asked.elapsed();
-    let token = match &answer {
-        Ok(Begin::Execute(token) | Begin::TakeOver(token)) if waited >= lease / 2 => *token,
+    let grant = match answer {
+        Ok(grant @ (Begin::Execute(_) | Begin::TakeOver(_))) if waited >= lease / 2 => grant,
         _ => return answer,
     };
     tracing::warn!(record = %id, ?waited, ?lease, "a claim was answered too late to act on its lease; giving it back");
-    if let Ok(Begin::Execute(_)) = answer {
-        give_back(token);
-    }
+    give_back(grant);
     Err(crate::Error::unavailable(format!(
         "the claim was answered {waited:?} after it was asked, with half or less of its {lease:?} lease left"
     )))

@@ -9,7 +9,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
-    detached_begin, finish_in_any_case, release_orphan,
+    detached_begin, finish_in_any_case, give_back_orphan,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -179,11 +179,11 @@ impl<S: Store + ?Sized> Executor<S> {
         // `drain` counts what this leaves running in the background, not the claim itself:
         // clones share the tracker, and a drain must not wait for other runs' claims.
         let answer = self.claim(id, *fingerprint, lease).await;
-        let answer = crate::within_lease_with(&id, asked, lease, answer, |token| {
+        let answer = crate::within_lease_with(&id, asked, lease, answer, |grant| {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let store = self.store.clone();
-                let release = async move { release_orphan(&*store, &id, token).await };
-                self.settling.spawn_on(release, &runtime);
+                let give_back = async move { give_back_orphan(&*store, &id, grant).await };
+                self.settling.spawn_on(give_back, &runtime);
             }
         });
         let token = match answer {
@@ -360,9 +360,19 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         }
     }
 
+    /// Releases the lease; one that fails is retried in a task of its own (counted by
+    /// `drain`): left to run out, it would hold the key for a lease and then come back as an
+    /// attempt whose outcome is unknown.
     async fn release(&mut self) {
-        if let Err(error) = self.store.release(&self.id, self.token).await {
-            tracing::warn!(%error, record = %self.id, "could not release the lease; it expires by itself");
+        if let Err(error) = self.store.release(&self.id, self.token).await
+            && !matches!(error, Error::LeaseLost)
+        {
+            tracing::warn!(%error, record = %self.id, "could not release the lease; retrying");
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let (store, id, token) = (self.store.clone(), self.id, self.token);
+                let release = async move { crate::release_orphan(&*store, &id, token).await };
+                self.settling.spawn_on(release, &runtime);
+            }
         }
         self.settled = true;
     }
@@ -379,11 +389,7 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         };
         let (store, id, token) = (self.store.clone(), self.id, self.token);
         self.settling.spawn_on(
-            async move {
-                if let Err(error) = store.release(&id, token).await {
-                    tracing::warn!(%error, record = %id, "could not release the lease of a cancelled run; it expires by itself");
-                }
-            },
+            async move { crate::release_orphan(&*store, &id, token).await },
             &runtime,
         );
     }

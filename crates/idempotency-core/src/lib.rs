@@ -34,8 +34,8 @@ mod purge;
 mod store;
 
 pub use detach::{
-    FinishOnDrop, GrantsLease, detached_begin, detached_claim, finish_on_drop, release_orphan,
-    within_lease, within_lease_with,
+    FinishOnDrop, GrantsLease, detached_begin, detached_claim, end_orphan, finish_on_drop,
+    give_back_orphan, release_orphan, within_lease, within_lease_with,
 };
 pub use executor::{Executed, Executor, RunError, complete_retrying};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};

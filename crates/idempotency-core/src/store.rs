@@ -233,6 +233,9 @@ pub trait Store: Send + Sync + 'static {
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()>;
 
     /// Extends the lease to `lease` from now (store clock), if `token` still owns the record.
+    /// A `lease` of zero ends it now and keeps the record: the next `begin` takes it over
+    /// (`TakeOver`: its outcome is unknown), as after a crash, without waiting for it to run
+    /// out ([`end_orphan`](crate::end_orphan)).
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()>;
 
     /// Deletes up to `batch` records that are past their retention, or whose lease expired

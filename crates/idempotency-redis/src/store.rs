@@ -1349,7 +1349,12 @@ impl Store for RedisStore {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         idempotency_core::observe(self.name(), "renew", async {
             let (raw, text) = token_forms(token);
-            let lease = millis(lease).to_string();
+            // Zero ends the lease now (the record stays for the grace; a mirror goes), so
+            // not `millis`, which rounds up to 1 ms: for that millisecond the lease would
+            // still answer `InFlight`.
+            let lease = u64::try_from(lease.min(idempotency_core::FOR_GOOD).as_millis())
+                .unwrap_or(u64::MAX)
+                .to_string();
             let done: i64 = self
                 .run(
                     &self.scripts.renew,

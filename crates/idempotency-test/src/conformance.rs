@@ -216,6 +216,42 @@ pub async fn an_abandoned_takeover_keeps_the_outcome_unknown(store: &dyn Store) 
     take_over(store, &id, &fp("a"), LONG).await;
 }
 
+/// A lease renewed for zero is over at once and keeps its record: the next `begin` takes it
+/// over (the attempt's outcome is unknown) instead of answering `InFlight`; a takeover whose
+/// claimer went away is ended so ([`idempotency_core::end_orphan`]), not left to run out.
+pub async fn a_lease_renewed_for_zero_ends_now_and_keeps_its_record(store: &dyn Store) {
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), LONG).await;
+    store
+        .renew(&id, token, Duration::ZERO)
+        .await
+        .expect("renew for zero");
+    assert_eq!(
+        store.begin(&id, &fp("b"), LONG).await.expect("begin"),
+        Begin::Mismatch,
+        "the unfinished attempt is kept"
+    );
+    let token = take_over(store, &id, &fp("a"), LONG).await;
+    // A takeover nobody receives (dropped before its answer) is ended, not left for a lease.
+    store
+        .renew(&id, token, Duration::ZERO)
+        .await
+        .expect("renew for zero");
+    match drop_at_poll(store.begin(&id, &fp("a"), LONG), 1).await {
+        None => {}
+        // Answered at its first poll (a store that never waits): received, so ours to end.
+        Some(Ok(Begin::TakeOver(token))) => {
+            store
+                .renew(&id, token, Duration::ZERO)
+                .await
+                .expect("renew for zero");
+        }
+        Some(other) => panic!("an unfinished lease answered {other:?}"),
+    }
+    store.drain().await;
+    take_over(store, &id, &fp("a"), LONG).await;
+}
+
 /// A lease or a retention of `Duration::MAX` ("for good") is accepted, by a store that
 /// caps it at its own limit, and never overflows a clock: the record is claimed, renewed,
 /// completed and replayed like any other.
@@ -796,6 +832,7 @@ macro_rules! conformance_tests {
             release_lets_the_next_begin_execute,
             expired_lease_is_taken_over,
             an_abandoned_takeover_keeps_the_outcome_unknown,
+            a_lease_renewed_for_zero_ends_now_and_keeps_its_record,
             an_unfinished_lease_is_not_another_request_s,
             stale_token_changes_nothing,
             unbounded_durations_mean_for_good,

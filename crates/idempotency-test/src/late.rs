@@ -26,6 +26,8 @@ pub struct LateBegin<S> {
     /// When each `purge_expired` started.
     purge_starts: std::sync::Mutex<Vec<tokio::time::Instant>>,
     drains: AtomicU64,
+    /// How many of the next `release` calls fail (`Unavailable`, nothing released).
+    failing_releases: AtomicU64,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -41,6 +43,7 @@ impl<S: Store> LateBegin<S> {
             purge_delay_ms: AtomicU64::new(0),
             purge_starts: std::sync::Mutex::default(),
             drains: AtomicU64::new(0),
+            failing_releases: AtomicU64::new(0),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -55,6 +58,12 @@ impl<S: Store> LateBegin<S> {
     /// Makes the next `release` calls wait `delay` before they release.
     pub fn set_release_delay(&self, delay: Duration) {
         self.release_delay_ms.store(millis(delay), Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `release` calls fail with `Unavailable`, releasing nothing (a
+    /// store blip).
+    pub fn fail_releases(&self, n: u64) {
+        self.failing_releases.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -129,6 +138,14 @@ impl<S: Store> Store for LateBegin<S> {
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
         wait(&self.release_delay_ms).await;
+        let failing = self
+            .failing_releases
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(idempotency_core::Error::unavailable(
+                "a release failed (injected)",
+            ));
+        }
         self.inner.release(id, token).await
     }
 

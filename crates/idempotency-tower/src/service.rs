@@ -14,7 +14,8 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_begin, finish_in_any_case, release_orphan,
+    complete_retrying, detached_begin, end_orphan, finish_in_any_case, give_back_orphan,
+    release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -506,11 +507,11 @@ async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Resul
             .tracked_by(&config.detached)
             .await
     };
-    idempotency_core::within_lease_with(&id, asked, lease, answer, |token| {
+    idempotency_core::within_lease_with(&id, asked, lease, answer, |grant| {
         let store = config.store.clone();
         config
             .detached
-            .spawn(async move { release_orphan(&*store, &id, token).await });
+            .spawn(async move { give_back_orphan(&*store, &id, grant).await });
     })
 }
 
@@ -732,14 +733,16 @@ where
 {
     let m = &config.metrics;
     let produced = match result {
+        // A panic or a service error (an inner timeout cutting the handler short) may come
+        // after the effect: its outcome is unknown, unlike a 5xx the handler chose to answer.
         Err(_panic) => {
             Metrics::inc(&m.panics, "idempotency_panics_total");
-            release(config, id, token, "handler panicked").await;
+            give_up(config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
             return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
         }
         Ok(Err(error)) => {
-            release(config, id, token, "service error").await;
+            give_up(config, id, token, "service error").await;
             return Settled::Answer(Err(error));
         }
         Ok(Ok(produced)) => {
@@ -988,9 +991,51 @@ impl HttpBody for Streamed {
     }
 }
 
+/// Gives the lease back so that a retry runs again.
 async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
-    if let Err(error) = config.store.release(&id, token).await {
-        tracing::warn!(%error, why, "could not release the idempotency lease; it expires by itself");
+    settle_lease(config, id, token, false, why).await;
+}
+
+/// Settles the lease of a handler whose outcome is unknown (it panicked, or its service
+/// failed): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
+/// retry runs again; under the other policies ended and kept (renewed for zero), so that the
+/// retry is taken over and the policy decides, as after a crash.
+async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
+    let end = !matches!(config.outcome_unknown, crate::OutcomeUnknown::Reexecute);
+    if end {
+        tracing::warn!(why, record = %id, "the outcome is unknown: the key is kept for the outcome-unknown policy");
+    }
+    settle_lease(config, id, token, end, why).await;
+}
+
+/// Releases the lease, or ends it and keeps its record (`end`). A call that fails is retried
+/// in a task of its own (counted by `drain`): left to run out, the lease would answer the
+/// retries `409` for a whole lease, and a released one would then come back as an attempt
+/// whose outcome is unknown.
+async fn settle_lease(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    end: bool,
+    why: &'static str,
+) {
+    let settled = if end {
+        config.store.renew(&id, token, Duration::ZERO).await
+    } else {
+        config.store.release(&id, token).await
+    };
+    if let Err(error) = settled
+        && !matches!(error, Error::LeaseLost)
+    {
+        tracing::warn!(%error, why, "could not give the idempotency lease back; retrying");
+        let store = config.store.clone();
+        config.detached.spawn(async move {
+            if end {
+                end_orphan(&*store, &id, token).await;
+            } else {
+                release_orphan(&*store, &id, token).await;
+            }
+        });
     }
 }
 
