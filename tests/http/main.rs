@@ -479,6 +479,39 @@ fn a_release_that_failed_is_retried() {
     });
 }
 
+/// A handler whose lease is lost while it runs (here an operator releases the live lease of
+/// a holder thought stuck; so too a takeover after this attempt's renewals failed for a
+/// lease) is stopped at its await, before the effect it had not reached: the attempt that
+/// now holds the key runs it.
+#[test]
+fn a_handler_whose_lease_was_lost_is_stopped() {
+    block_on(async {
+        let store = memory();
+        let lease = Duration::from_millis(600);
+        let (router, calls, _) =
+            app(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+        let operator = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let id = record_id("k");
+            let released = store
+                .force_release(&id, idempotency_core::ReleaseScope::default().with_live())
+                .await;
+            assert!(released.is_ok(), "{released:?}");
+        };
+        let (stopped, ()) = tokio::join!(
+            send(&router, "POST", Some("k"), &[("x-delay-ms", "1500")], "{}"),
+            operator
+        );
+        assert_eq!(stopped.status, 503, "{}", stopped.body);
+        tokio::time::sleep(Duration::from_millis(1600)).await; // past the handler's effect
+        assert_eq!(
+            calls.get(),
+            0,
+            "the handler ran on after its lease was lost"
+        );
+    });
+}
+
 #[test]
 fn a_panicking_handler_releases_its_lease() {
     block_on(async {

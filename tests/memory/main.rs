@@ -46,6 +46,68 @@ fn an_executor_release_that_failed_is_retried() {
     });
 }
 
+/// An operation whose lease was lost while it ran is stopped at its await, before the effect
+/// it had not reached yet: its renewals failed for longer than a lease (a store unreachable
+/// from this worker only), a redelivery took the key over and ran the operation, and this
+/// worker's next renewal was answered `LeaseLost`. So too after an operator released the
+/// live lease of a holder thought stuck.
+#[tokio::test(start_paused = true)]
+async fn an_operation_whose_lease_was_lost_is_stopped() {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
+    use idempotency_core::{
+        Begin, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, ReleaseScope, RunError,
+        Scope,
+    };
+    use idempotency_test::late::LateBegin;
+
+    let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+    let lease = Duration::from_secs(3);
+    let executor = Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+    let scope = Scope::new("lost");
+    let fp = Fingerprint::of(b"p");
+    for operator in [false, true] {
+        let key = IdempotencyKey::new(if operator { "released" } else { "taken" }).expect("key");
+        let id = RecordId::new(&scope, &key);
+        let effects = Arc::new(AtomicUsize::new(0));
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let effect = effects.clone();
+        let run = executor.run(&scope, &key, &fp, || async move {
+            let _ = wait.await; // e.g. a fraud check, before the charge
+            effect.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, &str>(1)
+        });
+        let elsewhere = async {
+            if operator {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let released = store
+                    .inner()
+                    .force_release(&id, ReleaseScope::default().with_live())
+                    .await;
+                assert!(released.is_ok(), "{released:?}");
+            } else {
+                store.fail_renewals(u64::MAX);
+                tokio::time::sleep(lease * 2).await;
+                let taken = store.inner().begin(&id, &fp, lease).await.expect("begin");
+                assert!(matches!(taken, Begin::TakeOver(_)), "{taken:?}");
+                store.fail_renewals(0); // reachable again
+            }
+            tokio::time::sleep(lease).await; // past this worker's next renewal
+            let _ = go.send(());
+        };
+        let (ran, ()) = tokio::join!(run, elsewhere);
+        assert!(matches!(ran, Err(RunError::LeaseLost)), "{ran:?}");
+        assert_eq!(
+            effects.load(Ordering::SeqCst),
+            0,
+            "the effect ran after the lease was lost"
+        );
+    }
+}
+
 /// At shutdown, `drain` waits for what dropped runs left to settle: the outcome of one
 /// dropped after its operation succeeded, the leases of one dropped mid-operation and one
 /// dropped mid-claim.

@@ -41,6 +41,14 @@ pub enum RunError<E> {
     /// The operation panicked; the key was released.
     #[error("the operation panicked and was released for a retry")]
     Panicked,
+    /// **The operation was stopped at its await: its lease was lost** while it ran — a
+    /// renewal found the key taken over by another attempt (this one's renewals had failed
+    /// for a whole lease) or released by an operator. Running on would have its effect run
+    /// by two attempts at once; what it did before it stopped may have taken place. The
+    /// other attempt decides the key: treat it like [`RunError::InFlight`] (a consumer leaves
+    /// the message for a redelivery, which replays).
+    #[error("the operation was stopped: its lease was lost to another attempt")]
+    LeaseLost,
     /// **The operation ran; its outcome was not stored.** Storing it failed for a whole
     /// lease of retries (the store is down), or another attempt took the key over first.
     /// Do not treat this as "nothing happened": the effect took place. A redelivery after
@@ -66,6 +74,10 @@ pub enum RunError<E> {
 /// redelivery runs again: make the effect itself idempotent (a unique constraint on the
 /// record id, or `PostgresStore::complete_in` in the effect's transaction) where that window
 /// matters.
+///
+/// A renewal answered `LeaseLost` (another attempt took the key over, or an operator released
+/// it) stops the operation at its await: [`RunError::LeaseLost`]. A renewal that merely fails
+/// does not (the late completion is accepted while nobody took over).
 ///
 /// A failing `complete` is retried, renewing the lease, for up to one lease (the store
 /// accepts a late completion as long as nobody took over); if it still fails the answer is
@@ -228,8 +240,21 @@ impl<S: Store + ?Sized> Executor<S> {
         let result = match futures::poll!(&mut operation) {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
-                guard.renewing = Some(renew_in_a_task(self.store.clone(), id, token, &self.policy));
-                operation.await
+                let (renewing, lost) = renew_in_a_task(self.store.clone(), id, token, &self.policy);
+                guard.renewing = Some(renewing);
+                // An operation that ends in the same poll as the loss is reported as run
+                // (its outcome's write then finds the key lost: `NotStored`).
+                tokio::select! {
+                    biased;
+                    result = &mut operation => result,
+                    Ok(()) = lost => {
+                        guard.stop_renewing();
+                        // The token is fenced off already: nothing to release.
+                        guard.settled = true;
+                        tracing::warn!(record = %id, "the lease was lost while the operation ran; stopping it");
+                        return Err(RunError::LeaseLost);
+                    }
+                }
             }
         };
         guard.stop_renewing();
@@ -319,23 +344,34 @@ const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 /// `select!` awaiting another branch's body) would let the lease lapse, and a redelivery
 /// would take the key over and run the operation a second time. Held like that, the key
 /// stays in flight instead, until the future is polled to its end or dropped.
+///
+/// The receiver hears when a renewal answered `LeaseLost`: the key is another attempt's (or
+/// an operator released it), and the operation must stop. A store that is merely
+/// unavailable is no such answer: a late completion is still accepted while nobody took
+/// over, so the operation goes on and the renewals keep trying.
 fn renew_in_a_task<S: Store + ?Sized>(
     store: Arc<S>,
     id: RecordId,
     token: LeaseToken,
     policy: &Policy,
-) -> tokio::task::AbortHandle {
+) -> (tokio::task::AbortHandle, tokio::sync::oneshot::Receiver<()>) {
     let (lease, every) = (policy.lease(), policy.renew_every());
-    tokio::spawn(async move {
+    let (lost, on_lost) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
         let mut renew = tokio::time::interval_at(Instant::now() + every, every);
         loop {
             renew.tick().await;
-            if let Err(error) = store.renew(&id, token, lease).await {
-                tracing::warn!(%error, record = %id, "could not renew the lease");
+            match store.renew(&id, token, lease).await {
+                Ok(()) => {}
+                Err(Error::LeaseLost) => {
+                    let _ = lost.send(());
+                    return;
+                }
+                Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
             }
         }
-    })
-    .abort_handle()
+    });
+    (task.abort_handle(), on_lost)
 }
 
 /// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.

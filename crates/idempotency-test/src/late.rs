@@ -28,6 +28,8 @@ pub struct LateBegin<S> {
     drains: AtomicU64,
     /// How many of the next `release` calls fail (`Unavailable`, nothing released).
     failing_releases: AtomicU64,
+    /// How many of the next `renew` calls fail (`Unavailable`, nothing renewed).
+    failing_renewals: AtomicU64,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -44,6 +46,7 @@ impl<S: Store> LateBegin<S> {
             purge_starts: std::sync::Mutex::default(),
             drains: AtomicU64::new(0),
             failing_releases: AtomicU64::new(0),
+            failing_renewals: AtomicU64::new(0),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -64,6 +67,12 @@ impl<S: Store> LateBegin<S> {
     /// store blip).
     pub fn fail_releases(&self, n: u64) {
         self.failing_releases.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `renew` calls fail with `Unavailable`, renewing nothing (a store
+    /// unreachable from this process only).
+    pub fn fail_renewals(&self, n: u64) {
+        self.failing_renewals.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -109,6 +118,13 @@ fn millis(delay: Duration) -> u64 {
     u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Counts one injected failure down: whether this call fails.
+fn take_one(failing: &AtomicU64) -> bool {
+    failing
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
 async fn wait(delay_ms: &AtomicU64) {
     tokio::time::sleep(Duration::from_millis(delay_ms.load(Ordering::SeqCst))).await;
 }
@@ -138,10 +154,7 @@ impl<S: Store> Store for LateBegin<S> {
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
         wait(&self.release_delay_ms).await;
-        let failing = self
-            .failing_releases
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-        if failing.is_ok() {
+        if take_one(&self.failing_releases) {
             return Err(idempotency_core::Error::unavailable(
                 "a release failed (injected)",
             ));
@@ -150,6 +163,11 @@ impl<S: Store> Store for LateBegin<S> {
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+        if take_one(&self.failing_renewals) {
+            return Err(idempotency_core::Error::unavailable(
+                "a renewal failed (injected)",
+            ));
+        }
         self.inner.renew(id, token, lease).await
     }
 

@@ -693,8 +693,22 @@ async fn run_detached<ResBody, E>(
         tokio::select! {
             result = &mut produce => break result,
             _ = renew.tick() => {
-                if let Err(error) = config.store.renew(&id, token, config.policy.lease()).await {
-                    tracing::warn!(%error, "could not renew the idempotency lease");
+                match config.store.renew(&id, token, config.policy.lease()).await {
+                    Ok(()) => {}
+                    // The key is another attempt's now (this one's renewals failed for a
+                    // whole lease and a retry took over), or an operator released it: the
+                    // handler is stopped at its await, before effects it has not reached,
+                    // which the other attempt runs. Nothing to give back: the token is
+                    // fenced off.
+                    Err(Error::LeaseLost) => {
+                        tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
+                        let detail = "this attempt lost its idempotency lease to another \
+                                      attempt and was stopped; retry later with the same key";
+                        let stopped = Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)));
+                        let _ = reply.send(Ok(stopped));
+                        return;
+                    }
+                    Err(error) => tracing::warn!(%error, "could not renew the idempotency lease"),
                 }
             }
         }

@@ -291,9 +291,10 @@ impl Consumer {
         match result {
             Ok(done) if done.replayed => polled.replayed += 1,
             Ok(_) => polled.applied += 1,
-            // Someone else is applying this charge right now: leave the message pending; it
-            // is claimed again after `claim_idle` and then replays.
-            Err(RunError::InFlight { .. }) => {
+            // Someone else is applying this charge right now (or took it over from this
+            // attempt, which was stopped): leave the message pending; it is claimed again
+            // after `claim_idle` and then replays.
+            Err(RunError::InFlight { .. } | RunError::LeaseLost) => {
                 polled.deferred += 1;
                 return Ok(());
             }
