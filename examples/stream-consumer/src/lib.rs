@@ -7,6 +7,17 @@
 //! store, and every repeat — redelivery or duplicate — replays the stored result and is
 //! acknowledged without a second effect.
 //!
+//! # What the executor cannot cover alone
+//!
+//! The executor stores the outcome after the effect: between the two, a crash, a panic, or a
+//! commit whose answer was lost (the connection broke after `COMMIT`) leaves an effect with
+//! no stored outcome, and the redelivery runs it again. This example's ledger has **no
+//! unique constraint on purpose**, so that its tests see any second effect the framework
+//! lets through. A real consumer closes that window in the effect itself: key it by the
+//! record id under a unique constraint (`INSERT … ON CONFLICT (record_id) DO NOTHING`, as
+//! the payments demo's charges do), or write it in the same transaction as the outcome
+//! (`PostgresStore::complete_in`).
+//!
 //! # Poison messages
 //!
 //! A message that can never succeed would otherwise stay pending and be claimed again every
