@@ -290,6 +290,69 @@ fn a_late_answer_within_the_call_budget_is_waited_for() {
     });
 }
 
+/// A full Redis (`noeviction`, at `maxmemory`) answers a claim `OOM`: the claim did not run,
+/// so nothing is left to cancel. Before, every refused claim started a cancel that wrote a
+/// marker and a tombstone (kept for an hour) into the Redis that was full, and ran it again
+/// three budgets later; a cancel refused in turn was retried for an hour, which `drain` (a
+/// graceful shutdown) waited for.
+#[test]
+fn a_claim_refused_by_a_full_redis_leaves_nothing_running() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let full = services::start_redis(RedisOptions {
+            args: ["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]
+                .map(String::from)
+                .to_vec(),
+        })
+        .await;
+        let store = RedisStore::builder(full.url())
+            .connect()
+            .await
+            .expect("store");
+        let client = redis::Client::open(full.url()).expect("client");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        // Large values, then small ones: a large command's own buffer counts, so its
+        // refusal alone does not mean a small write is refused too.
+        let mut i = 0;
+        for size in [64 * 1024, 64] {
+            let filler = vec![b'x'; size];
+            loop {
+                i += 1;
+                let set: redis::RedisResult<()> = redis::cmd("SET")
+                    .arg(format!("filler:{i}"))
+                    .arg(&filler)
+                    .query_async(&mut conn)
+                    .await;
+                match set {
+                    Ok(()) => assert!(i < 200_000, "Redis never filled up"),
+                    Err(error) if error.code() == Some("OOM") => break,
+                    Err(error) => panic!("filling Redis: {error}"),
+                }
+            }
+        }
+        let id = fresh_id();
+        let refused = store.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        let drained = tokio::time::timeout(Duration::from_secs(10), store.drain()).await;
+        assert!(
+            drained.is_ok(),
+            "a cancel of the refused claim is still retrying"
+        );
+        // Nothing written for it either: no cancel marker on a Redis that is full.
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("*{}*", id.to_hex()))
+            .query_async(&mut conn)
+            .await
+            .expect("keys");
+        assert!(keys.is_empty(), "{keys:?}");
+    });
+}
+
 #[test]
 fn an_evicting_redis_is_refused_unless_accepted() {
     block_on(async {

@@ -872,6 +872,12 @@ impl RedisStore {
             Err(error) if error.is_connection_refusal() => {
                 return Err(Error::unavailable(error));
             }
+            // Redis answered with an error (`OOM` on a full `noeviction` Redis, `READONLY`
+            // from a replica after a failover): the command did not run, nothing can land
+            // late. Cancelling it would retry a script that fails the same way for an hour,
+            // once per refused claim. (A cluster client that resent the claim after a lost
+            // answer, the first copy having landed, would leave that lease to run out.)
+            Err(error) if error.code().is_some() => return Err(Error::unavailable(error)),
             Err(error) => Err(Error::unavailable(error)),
         };
         let found = match claimed {
