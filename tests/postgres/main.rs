@@ -835,6 +835,63 @@ async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -
     relayed
 }
 
+/// A failover whose old primary vanished: its connections hang mid-statement (no reset, only
+/// TCP's own timeout, about 15 minutes). Calls on them run out of budget, and the store must
+/// serve again from fresh connections to the new primary soon after. sqlx hands a dropped
+/// connection back to its pool by pinging it first, with no timeout: every hung connection
+/// kept its pool slot, the four of the batches went first, and every call failed with a pool
+/// timeout. The store now closes a connection whose statement was given up.
+#[test]
+fn connections_that_hang_mid_statement_do_not_hold_the_pool() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let relay = idempotency_test::relay::stalling_relay(upstream.clone()).await;
+        let relayed = pg
+            .url()
+            .replace(&upstream, &format!("127.0.0.1:{}", relay.port));
+        // A small pool, to see its slots go: every store call runs on it.
+        let store = PostgresStore::builder(relayed)
+            .per_request()
+            .max_connections(3)
+            .call_timeout(Duration::from_millis(300))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let a = fp("a");
+        let ids = |n| (0..n).map(|_| fresh_id()).collect::<Vec<_>>();
+        // Warm: the pool's connections open.
+        let warm = ids(3);
+        let begins = warm.iter().map(|id| store.begin(id, &a, LONG));
+        for answer in futures::future::join_all(begins).await {
+            assert!(matches!(answer, Ok(Begin::Execute(_))), "{answer:?}");
+        }
+        // The primary vanishes: calls hang on the connections the pool had (and on those it
+        // opens meanwhile) and run out of budget, for a few seconds.
+        relay.vanish();
+        let hung = ids(24);
+        for wave in hung.chunks(3) {
+            futures::future::join_all(wave.iter().map(|id| store.begin(id, &a, LONG))).await;
+        }
+        relay.fail_over();
+        // Served again once the hung connections are closed (sqlx bounds a close at 5 s).
+        let mut last = None;
+        for _ in 0..40 {
+            match store.begin(&fresh_id(), &fp("a"), LONG).await {
+                Ok(Begin::Execute(_)) => return,
+                other => last = Some(other),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!("the store never served again: {last:?}");
+    });
+}
+
 /// A claim whose answer is lost on the way back (the connection breaks after Postgres
 /// committed the lease) is `Unavailable` to its caller, and the lease it wrote is given
 /// back: nothing ran, so the retry is a fresh `Execute`. Left to run out, the lease would

@@ -32,7 +32,10 @@ use idempotency_core::{Error, Fingerprint, LeaseToken, RecordId, Result};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
-use crate::store::{PostgresStore, Round, RowView, millis};
+use crate::{
+    checkout::QueryAsOnPool,
+    store::{PostgresStore, Round, RowView, millis},
+};
 
 /// Group-commit settings of a [`PostgresStore`](crate::PostgresStore).
 ///
@@ -667,7 +670,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
                 .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
                 .bind(tokens(&jobs, &unique))
                 .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
-                .fetch_all(&store.batch_pool())
+                .fetch_all_on(&store.batch_pool())
                 .await
                 .map(|rows| {
                     rows.into_iter()
@@ -750,7 +753,7 @@ fn run_complete(
                 .map(|&i| millis(jobs[i].retention))
                 .collect::<Vec<_>>(),
         )
-        .fetch_all(&store.batch_pool())
+        .fetch_all_on(&store.batch_pool())
         .await
         .map(|rows| {
             rows.into_iter()
@@ -817,7 +820,7 @@ async fn run_fence(
         );
     }
     let rows = query
-        .fetch_all(&store.batch_pool())
+        .fetch_all_on(&store.batch_pool())
         .await
         .map(|rows| rows.into_iter().map(|(id,)| (id, ())).collect());
     spread(&jobs, &unique, rows, |_, row| Ok(Some(row.is_some())))

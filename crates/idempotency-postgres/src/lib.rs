@@ -34,6 +34,7 @@
 //! ```
 
 mod batch;
+mod checkout;
 mod store;
 mod table;
 mod transitions;

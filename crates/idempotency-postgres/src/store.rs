@@ -22,6 +22,7 @@ use sqlx::{
 
 use crate::{
     batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats},
+    checkout::{Checkout, QueryAsOnPool, QueryOnPool},
     table::{Statements, Table, quoted},
 };
 
@@ -579,13 +580,13 @@ impl PostgresStore {
             let (exists,): (bool,) =
                 sqlx::query_as("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
                     .bind(schema)
-                    .fetch_one(&self.pool)
+                    .fetch_one_on(&self.pool)
                     .await
                     .map_err(Error::unavailable)?;
             if !exists {
                 let create = format!("CREATE SCHEMA IF NOT EXISTS {}", quoted(schema));
                 sqlx::query(sqlx::AssertSqlSafe(create))
-                    .execute(&self.pool)
+                    .execute_on(&self.pool)
                     .await
                     .map_err(Error::unavailable)?;
             }
@@ -717,8 +718,10 @@ impl PostgresStore {
         job: &CompleteJob,
         pool: &PgPool,
     ) -> Result<Option<Fingerprint>> {
-        let mut conn = pool.acquire().await.map_err(db_error)?;
-        self.complete_encoded(&mut conn, job).await
+        let mut checkout = Checkout::acquire(pool).await.map_err(db_error)?;
+        let completed = self.complete_encoded(checkout.conn(), job).await;
+        checkout.finished();
+        completed
     }
 
     async fn complete_encoded(
@@ -948,7 +951,7 @@ impl PostgresStore {
             job.token,
             job.lease,
         )
-        .fetch_optional(pool)
+        .fetch_optional_on(pool)
         .await
         .map_err(db_error)?;
         match row {
@@ -977,7 +980,7 @@ impl PostgresStore {
             // Conflict with a row our snapshot cannot see: read it in a new statement.
             Round::Hidden => sqlx::query_as::<_, RowView>(self.sql.get(READ_SQL))
                 .bind(&id.as_bytes()[..])
-                .fetch_optional(&self.pool)
+                .fetch_optional_on(&self.pool)
                 .await
                 .map_err(db_error)?,
         };
@@ -996,7 +999,7 @@ impl PostgresStore {
                 .push(token);
         }
         let taken: Option<(f64,)> = claim_query(self.sql.get(TAKEOVER_SQL), id, fp, token, lease)
-            .fetch_optional(&self.pool)
+            .fetch_optional_on(&self.pool)
             .await
             .map_err(db_error)?;
         if let Some((left,)) = taken {
@@ -1037,7 +1040,7 @@ impl PostgresStore {
                 .bind(&id.as_bytes()[..])
                 .bind(token.as_uuid())
                 .bind(millis(lease))
-                .fetch_optional(&self.pool)
+                .fetch_optional_on(&self.pool)
                 .await
                 .map_err(db_error)?;
             match rearmed {
@@ -1052,7 +1055,7 @@ impl PostgresStore {
         sqlx::query(self.sql.get(give_back))
             .bind(&id.as_bytes()[..])
             .bind(token.as_uuid())
-            .execute(&self.pool)
+            .execute_on(&self.pool)
             .await
             .map_err(db_error)?;
         Ok(None)
@@ -1065,7 +1068,7 @@ impl PostgresStore {
         let done = sqlx::query(self.sql.get(RELEASE_SQL))
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
-            .execute(pool)
+            .execute_on(pool)
             .await
             .map_err(db_error)?;
         Ok(done.rows_affected() == 1)
@@ -1077,7 +1080,7 @@ impl PostgresStore {
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
             .bind(millis(job.lease))
-            .execute(pool)
+            .execute_on(pool)
             .await
             .map_err(db_error)?;
         Ok(done.rows_affected() == 1)
@@ -1116,7 +1119,7 @@ impl PostgresStore {
                     sqlx::query(self.sql.get(EXPIRE_SQL))
                         .bind(&id.as_bytes()[..])
                         .bind(token.as_uuid())
-                        .execute(&self.pool)
+                        .execute_on(&self.pool)
                         .await
                         .map_err(db_error)
                 })
@@ -1135,7 +1138,7 @@ impl PostgresStore {
         type Row = (i16, Vec<u8>, Option<i16>, f64, f64, f64);
         let row: Option<Row> = sqlx::query_as(self.sql.get(INSPECT_SQL))
             .bind(&id.as_bytes()[..])
-            .fetch_optional(&self.pool)
+            .fetch_optional_on(&self.pool)
             .await
             .map_err(db_error)?;
         let Some((state, fingerprint, status, created, expires, left)) = row else {
@@ -1170,7 +1173,7 @@ impl PostgresStore {
             .bind(&id.as_bytes()[..])
             .bind(scope.live)
             .bind(scope.completed)
-            .fetch_optional(&self.pool)
+            .fetch_optional_on(&self.pool)
             .await
             .map_err(db_error)?;
         if let Some((state,)) = deleted {
@@ -1182,7 +1185,7 @@ impl PostgresStore {
         }
         let kept: Option<(i16,)> = sqlx::query_as(self.sql.get(WHY_KEPT_SQL))
             .bind(&id.as_bytes()[..])
-            .fetch_optional(&self.pool)
+            .fetch_optional_on(&self.pool)
             .await
             .map_err(db_error)?;
         // What is there now. A row of a kind the scope covers arrived after the delete (a
@@ -1267,7 +1270,7 @@ impl Store for PostgresStore {
             let done = sqlx::query(self.sql.get(PURGE_SQL))
                 .bind(i64::try_from(batch).unwrap_or(i64::MAX))
                 .bind(millis(idempotency_core::LATE_COMPLETION_GRACE))
-                .execute(&self.pool)
+                .execute_on(&self.pool)
                 .await
                 .map_err(db_error)?;
             Ok(done.rows_affected())

@@ -1,10 +1,11 @@
-//! A TCP relay that loses one reply on purpose: the server has done the work, the client only
-//! sees its connection break. It is how the suite reaches the "it landed, but the answer was
-//! lost" path of every store without touching the service.
+//! TCP relays that misbehave on purpose. [`cutting_relay`] loses one reply: the server has
+//! done the work, the client only sees its connection break. It is how the suite reaches the
+//! "it landed, but the answer was lost" path of every store without touching the service.
+//! [`stalling_relay`] freezes the connections it carries, as a host that vanished does.
 
 use std::sync::{
     Arc,
-    atomic::{AtomicBool, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -67,4 +68,96 @@ pub async fn cutting_relay(
         }
     });
     port
+}
+
+/// A relay whose upstream can vanish and come back elsewhere: see [`stalling_relay`].
+#[derive(Debug, Clone)]
+pub struct StallingRelay {
+    /// The relay's port on `127.0.0.1`.
+    pub port: u16,
+    /// Bumped by `vanish`: a connection born in an older epoch is frozen.
+    epoch: Arc<AtomicU64>,
+    /// Between `vanish` and `fail_over`: new connections are frozen from birth.
+    vanished: Arc<AtomicBool>,
+}
+
+impl StallingRelay {
+    /// The upstream host vanishes: every connection, open or opened from now on, is frozen —
+    /// nothing passes either way, and neither side is closed or reset (no RST, as when a
+    /// host is gone: only TCP's own timeout would end them).
+    pub fn vanish(&self) {
+        self.vanished.store(true, Ordering::SeqCst);
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A new primary answers: connections opened from now on pass. Those frozen stay so.
+    pub fn fail_over(&self) {
+        self.vanished.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) whose connections pass bytes
+/// both ways untouched until [`StallingRelay::vanish`].
+///
+/// ```no_run
+/// # async fn demo() {
+/// let relay = idempotency_test::relay::stalling_relay("127.0.0.1:5432".into()).await;
+/// // … connect through 127.0.0.1:{relay.port} …
+/// relay.vanish(); // every connection hangs
+/// relay.fail_over(); // new connections pass again
+/// # }
+/// ```
+pub async fn stalling_relay(upstream: String) -> StallingRelay {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("relay listens");
+    let port = listener.local_addr().expect("relay address").port();
+    let relay = StallingRelay {
+        port,
+        epoch: Arc::new(AtomicU64::new(0)),
+        vanished: Arc::new(AtomicBool::new(false)),
+    };
+    let (epoch, vanished) = (relay.epoch.clone(), relay.vanished.clone());
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            // Born frozen while the host is gone: an epoch that is never current.
+            let born = if vanished.load(Ordering::SeqCst) {
+                u64::MAX
+            } else {
+                epoch.load(Ordering::SeqCst)
+            };
+            let (client_rx, client_tx) = client.into_split();
+            let (server_rx, server_tx) = server.into_split();
+            tokio::spawn(pass_until_frozen(client_rx, server_tx, epoch.clone(), born));
+            tokio::spawn(pass_until_frozen(server_rx, client_tx, epoch.clone(), born));
+        }
+    });
+    relay
+}
+
+/// Copies `from` to `to` until the connection is frozen (its epoch is not the current one),
+/// then holds both halves open, passing nothing, for good.
+async fn pass_until_frozen(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    epoch: Arc<AtomicU64>,
+    born: u64,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if epoch.load(Ordering::SeqCst) != born {
+            // Both halves stay open, and nothing passes, for good.
+            return std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
 }
