@@ -545,6 +545,29 @@ fn an_oversized_body_is_413_by_content_length_and_by_chunks() {
     });
 }
 
+/// A request body that breaks off (a reset stream, an outer read timeout, a bad chunked
+/// encoding) is a 400 problem saying to resend, not a 413 "too large", which clients take as
+/// final; nothing runs.
+#[test]
+fn a_request_body_that_breaks_off_is_400_not_413() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        let chunks = futures::stream::iter(vec![
+            Ok(bytes::Bytes::from_static(b"{")),
+            Err(std::io::Error::other("the client reset the stream")),
+        ]);
+        let broken = send(&router, "POST", Some("k"), &[], Body::from_stream(chunks)).await;
+        assert_eq!(broken.status, 400, "{}", broken.body);
+        assert_eq!(
+            broken.problem_type(),
+            "urn:idempotency:problem:invalid-request"
+        );
+        assert_eq!(calls.get(), 0);
+        let resent = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(resent.status, 201, "{}", resent.body);
+    });
+}
+
 #[test]
 fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     block_on(async {

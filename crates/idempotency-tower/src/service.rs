@@ -154,13 +154,24 @@ where
         }
     };
     let (parts, body) = request.into_parts();
-    let Some(body) = buffer_request(&config, &parts, body).await else {
-        Metrics::inc(&m.too_large, "idempotency_too_large_total");
-        let detail = format!(
-            "the request body is larger than {} bytes, the most this endpoint accepts",
-            config.max_request_body
-        );
-        return Ok(Problem::PayloadTooLarge.response(&detail, None));
+    let body = match buffer_request(&config, &parts, body).await {
+        Ok(body) => body,
+        Err(Unread::TooLarge) => {
+            Metrics::inc(&m.too_large, "idempotency_too_large_total");
+            let detail = format!(
+                "the request body is larger than {} bytes, the most this endpoint accepts",
+                config.max_request_body
+            );
+            return Ok(Problem::PayloadTooLarge.response(&detail, None));
+        }
+        // Nothing ran, and resending the same request may well succeed: not a 413, which
+        // clients take as final.
+        Err(Unread::BrokeOff(error)) => {
+            tracing::debug!(%error, "the request body broke off");
+            let detail = "the request body could not be read in full (it broke off or timed \
+                          out); nothing was processed: resend the request with the same key";
+            return Ok(Problem::InvalidRequest.response(detail, None));
+        }
     };
     let scope = (config.scope)(&parts);
     let id = RecordId::new(&scope, &key);
@@ -202,9 +213,18 @@ where
     Ok(inner.call(request).await?.map(boxed))
 }
 
-/// Buffers the request body for the fingerprint; `None` when it exceeds the limit (checked
-/// against `Content-Length` before reading a byte, and while reading a chunked body).
-async fn buffer_request<B>(config: &Config, parts: &Parts, body: B) -> Option<Bytes>
+/// Why a request body was not read.
+enum Unread {
+    /// Over the limit.
+    TooLarge,
+    /// The body failed before its end: the client went away, an outer layer's read timeout,
+    /// a malformed chunked encoding.
+    BrokeOff(BoxError),
+}
+
+/// Buffers the request body for the fingerprint, within the limit (checked against
+/// `Content-Length` before reading a byte, and while reading a chunked body).
+async fn buffer_request<B>(config: &Config, parts: &Parts, body: B) -> Result<Bytes, Unread>
 where
     B: HttpBody + Send + 'static,
     B::Error: Into<BoxError>,
@@ -215,14 +235,12 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > config.max_request_body as u64) {
-        return None;
+        return Err(Unread::TooLarge);
     }
     match Limited::new(body, config.max_request_body).collect().await {
-        Ok(collected) => Some(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => None,
-        // The client's body broke off: nothing to run. An empty fingerprint body would be
-        // wrong, so treat it like an over-long body and let the client resend.
-        Err(_) => None,
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(Unread::TooLarge),
+        Err(error) => Err(Unread::BrokeOff(error)),
     }
 }
 
