@@ -37,6 +37,7 @@
 //! | no key, key required | 400 `urn:idempotency:problem:missing-key` |
 //! | key empty, > 255 chars, not visible ASCII, a list, a parameterised or non-string item, or several header lines | 400 `urn:idempotency:problem:invalid-key` |
 //! | body over the limit (by `Content-Length`, or while reading a chunked body) | 413 `urn:idempotency:problem:payload-too-large` |
+//! | body that breaks off before its end (a reset, an outer read timeout) | 400 `urn:idempotency:problem:invalid-request`; nothing runs, resend |
 //! | first request | runs the handler; stores the response if cacheable |
 //! | retry after completion | the stored response + `Idempotent-Replayed: true` |
 //! | retry while the first still runs | 409 `urn:idempotency:problem:in-flight` + `Retry-After` (what is left of the layer's mean run time, not the lease) (or, with [`IdempotencyLayer::wait_for_in_flight`], waits for the replay) |
