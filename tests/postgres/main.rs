@@ -835,6 +835,58 @@ async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -
     relayed
 }
 
+/// A claim whose statement commits after its caller gave up, and after the store's first
+/// attempt to give its grant back (the statement waited on a lock; so too a commit that
+/// waits on a replica, or a statement whose bytes arrive after a network heals): that grant
+/// must still be given back. Left, nobody holds it: the key answers `InFlight` for the
+/// lease, then `TakeOver` (an outcome reported unknown for an operation that never ran).
+#[test]
+fn a_claim_that_commits_after_its_give_back_is_still_given_back() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let store = PostgresStore::builder(pg.url())
+            .per_request()
+            .call_timeout(Duration::from_millis(300))
+            .statement_timeout(Duration::from_secs(30))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let id = fresh_id();
+        // Another transaction holds the key's row, uncommitted: the claim's insert waits.
+        let mut blocker = store.pool().begin().await.expect("transaction");
+        sqlx::query(
+            "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
+             VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
+        )
+        .bind(&id.as_bytes()[..])
+        .bind(&fp("a").as_bytes()[..])
+        .execute(&mut *blocker)
+        .await
+        .expect("blocking insert");
+        let given_up = store.begin(&id, &fp("a"), LONG).await;
+        assert!(
+            matches!(given_up, Err(Error::Unavailable(_))),
+            "{given_up:?}"
+        );
+        // Well past the store's first give-back (one budget after it gave up), the blocker
+        // rolls back and the claim's insert commits: a lease for a caller long gone.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        blocker.rollback().await.expect("rollback");
+        let mut last = None;
+        for _ in 0..40 {
+            match store.begin(&id, &fp("a"), LONG).await {
+                Ok(Begin::Execute(_)) => return,
+                other => last = Some(other),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        panic!("the late grant was never given back: {last:?}");
+    });
+}
+
 /// A failover whose old primary vanished: its connections hang mid-statement (no reset, only
 /// TCP's own timeout, about 15 minutes). Calls on them run out of budget, and the store must
 /// serve again from fresh connections to the new primary soon after. sqlx hands a dropped

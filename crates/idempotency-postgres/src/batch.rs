@@ -225,18 +225,15 @@ keyed!(CompleteJob, FenceJob);
 
 /// Releases claims whose batch ended in doubt (given up, or its connection broke after
 /// sending): the statement may have committed, and nobody holds those tokens. Once the
-/// server has had time to finish or cancel it.
+/// server has had time to finish or cancel it, and again later for a commit that came late
+/// (see `PostgresStore::give_back_later`).
 fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
-    if claims.is_empty() {
-        return;
-    }
-    let late = store.clone();
-    store.in_background(async move {
-        tokio::time::sleep(late.call_timeout()).await;
-        for (id, token) in claims {
-            idempotency_core::release_orphan(&late, &id, token).await;
-        }
-    });
+    store.give_back_later(
+        claims
+            .into_iter()
+            .map(|(id, token)| (id, token, false))
+            .collect(),
+    );
 }
 
 /// Each call's answer: `Ok(None)` when the batch did not settle it and the caller must run

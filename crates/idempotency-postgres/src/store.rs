@@ -835,13 +835,13 @@ impl PostgresStore {
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take();
                 if let Some(token) = token {
-                    self.settle_orphans_later(*id, vec![token], takeovers);
+                    self.settle_orphans_later(*id, vec![token], &takeovers);
                 }
                 Err(error)
             }
             Ok(answer) => answer,
             Err(_) => {
-                self.settle_orphans_later(*id, tokens.to_vec(), takeovers);
+                self.settle_orphans_later(*id, tokens.to_vec(), &takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
@@ -860,25 +860,81 @@ impl PostgresStore {
         &self,
         id: RecordId,
         tokens: Vec<LeaseToken>,
-        takeovers: Arc<std::sync::Mutex<Vec<LeaseToken>>>,
+        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
     ) {
+        let takeovers = takeovers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        // Read when the claim is given up: its rounds are over by then.
+        self.give_back_later(
+            tokens
+                .into_iter()
+                .map(|token| (id, token, takeovers.contains(&token)))
+                .collect(),
+        );
+    }
+
+    /// Gives back grants nobody holds (`true`: taken over from an unfinished attempt, so
+    /// ended and kept — deleted, that attempt would be forgotten and the next `begin` would
+    /// answer `Execute`), one budget from now. A grant not found then may be one whose
+    /// statement has not committed yet: it waits on a lock, its commit on a replica, its
+    /// bytes on a network that heals. It is looked for again four and sixteen budgets later:
+    /// left, nobody would hold it, and the key would answer `InFlight` for the lease, then
+    /// `TakeOver`, an outcome reported unknown for an operation that never ran.
+    pub(crate) fn give_back_later(&self, mut grants: Vec<(RecordId, LeaseToken, bool)>) {
+        if grants.is_empty() {
+            return;
+        }
         let late = self.clone();
         self.in_background(async move {
-            tokio::time::sleep(late.call_timeout).await;
-            let takeovers = takeovers
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone();
-            for token in tokens {
-                if takeovers.contains(&token) {
-                    // Deleted, the unfinished attempt before it would be forgotten and the
-                    // next `begin` would answer `Execute`.
-                    late.expire_orphan(&id, token).await;
-                } else {
-                    idempotency_core::release_orphan(&late, &id, token).await;
+            for budgets in [1, 4, 16] {
+                tokio::time::sleep(late.call_timeout * budgets).await;
+                let mut left = Vec::new();
+                for (id, token, took) in grants {
+                    if !late.give_back_found(&id, token, took).await {
+                        left.push((id, token, took));
+                    }
                 }
+                if left.is_empty() {
+                    return;
+                }
+                grants = left;
             }
         });
+    }
+
+    /// Releases (or, `took`, ends) the grant of `token`, retrying while the store is
+    /// unavailable (for at most a minute); whether it found the grant.
+    async fn give_back_found(&self, id: &RecordId, token: LeaseToken, took: bool) -> bool {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let found = self
+                .timed(async {
+                    let sql = if took { EXPIRE_SQL } else { RELEASE_SQL };
+                    sqlx::query(self.sql.get(sql))
+                        .bind(&id.as_bytes()[..])
+                        .bind(token.as_uuid())
+                        .execute_on(&self.pool)
+                        .await
+                        .map(|done| done.rows_affected() > 0)
+                        .map_err(db_error)
+                })
+                .await;
+            match found {
+                Ok(found) => return found,
+                Err(error) if tokio::time::Instant::now() + backoff < give_up => {
+                    tracing::debug!(%error, record = %id, "giving back an orphaned grant; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, record = %id, "could not give back an orphaned grant; it expires by itself");
+                    return true; // nothing more to try
+                }
+            }
+        }
     }
 
     /// The hard budget of one call (see [`PostgresStoreBuilder::call_timeout`]).
@@ -1110,30 +1166,6 @@ fn fenced(owned: bool) -> Result<()> {
 }
 
 impl PostgresStore {
-    /// Ends a lease whose claimer went away and keeps its row (see `claim_with_ttl`), retried
-    /// for a while when Postgres is unavailable.
-    async fn expire_orphan(&self, id: &RecordId, token: LeaseToken) {
-        for attempt in 0..6u32 {
-            let done = self
-                .timed(async {
-                    sqlx::query(self.sql.get(EXPIRE_SQL))
-                        .bind(&id.as_bytes()[..])
-                        .bind(token.as_uuid())
-                        .execute_on(&self.pool)
-                        .await
-                        .map_err(db_error)
-                })
-                .await;
-            match done {
-                Ok(_) => return,
-                Err(error) => {
-                    tracing::warn!(%error, record = %id, attempt, "could not end an orphaned lease");
-                    tokio::time::sleep(Duration::from_millis(250) * 2u32.pow(attempt)).await;
-                }
-            }
-        }
-    }
-
     async fn inspect_row(&self, id: &RecordId) -> Result<Option<Inspection>> {
         type Row = (i16, Vec<u8>, Option<i16>, f64, f64, f64);
         let row: Option<Row> = sqlx::query_as(self.sql.get(INSPECT_SQL))
