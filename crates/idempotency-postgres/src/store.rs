@@ -820,7 +820,7 @@ impl PostgresStore {
             std::array::from_fn(|_| LeaseToken::generate());
         // The tokens of rounds that tried to take an unfinished lease over, noted before the
         // statement is sent: a grant of theirs must be ended, not deleted (see below).
-        let takeovers = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let takeovers = std::sync::Mutex::new(Vec::new());
         // The token a failed claim may have left on the row (see `claim`).
         let in_doubt = std::sync::Mutex::new(None);
         let claim = self.claim(id, fp, lease, &tokens, &takeovers, &in_doubt);
