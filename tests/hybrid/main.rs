@@ -259,6 +259,48 @@ fn a_stale_mirror_never_answers_mismatch() {
     });
 }
 
+/// An operator's release deletes the record's copy in Redis twice: at once, and again once
+/// every copy that was on its way (a replay's, written after it answered) has landed. A
+/// process that exits right after (the admin CLI) waits for the second with `drain`; the
+/// second ran in an untracked task, so `drain` returned at once, and a copy on its way
+/// outlived the record: retries replayed an outcome Postgres no longer had.
+#[test]
+fn drain_waits_for_the_second_delete_of_an_operators_release() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let redis = services::redis().await.expect("redis");
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let id = idempotency_test::conformance::fresh_id();
+        let fp = Fingerprint::of(b"a");
+        let long = idempotency_test::conformance::LONG;
+        let token = idempotency_test::conformance::execute(&store, &id, &fp, long).await;
+        let outcome = Outcome::new(201).with_body("charged");
+        store
+            .complete(&id, token, &outcome, long)
+            .await
+            .expect("complete");
+        let released = store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        // A replay's copy that was on its way lands after the first delete.
+        store
+            .redis()
+            .cache_completed(&id, &fp, &outcome, long)
+            .await
+            .expect("late copy");
+        store.drain().await;
+        let left = store.redis().peek(&id, &fp).await.expect("peek");
+        assert!(
+            matches!(left, idempotency_redis::Peek::Absent),
+            "the copy outlived the record: {left:?}"
+        );
+    });
+}
+
 #[test]
 fn replays_and_live_duplicates_are_answered_by_redis_alone() {
     block_on(async {

@@ -949,7 +949,9 @@ impl Store for HybridStore {
             self.inner.repairs().push((*id, None));
             let (again, forget) = (self.clone(), *id);
             let writes_over = self.pg.call_timeout() + self.redis.call_budget() * 8;
-            tokio::spawn(async move {
+            // Tracked: a process that exits after an operator's release (the admin CLI)
+            // waits for it with `drain`.
+            self.inner.settling.spawn(async move {
                 tokio::time::sleep(writes_over).await;
                 again.inner.repairs().push((forget, None));
                 again.try_redis(|| async { Ok(()) }).await;
@@ -976,10 +978,15 @@ impl Store for HybridStore {
     }
 
     /// Waits for the claims this store stopped waiting for to settle (with the release of
-    /// what they granted), then for the Postgres and Redis stores' own background writes.
-    /// Not for what it writes to Redis after answering: a lost copy costs a Redis miss; a
-    /// lost delete (of a copy whose record an operator released) leaves that copy until
-    /// its TTL.
+    /// what they granted) and for the second delete of an operator's release (below), then
+    /// for the Postgres and Redis stores' own background writes. Not for what it writes to
+    /// Redis after answering: a lost copy costs a Redis miss.
+    ///
+    /// An operator's release (`force_release` of a record that is then gone) deletes its
+    /// copy in Redis at once and again once every copy that was on its way has landed (a
+    /// Postgres call and eight Redis budgets later); cut short, a copy on its way would
+    /// replay an outcome Postgres no longer has until its TTL. A process that exits right
+    /// after a release (an admin command) calls `drain` first.
     async fn drain(&self) {
         self.inner.settling.close();
         self.inner.settling.wait().await;

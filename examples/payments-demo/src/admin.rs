@@ -1,7 +1,7 @@
 //! `payments-demo admin`: the operator's tools, run against the store itself (the server's
 //! `/admin` routes do the same over HTTP).
 
-use std::process::ExitCode;
+use std::{process::ExitCode, time::Duration};
 
 use idempotency::{ForceReleased, IdempotencyKey, RecordId, ReleaseScope, Scope};
 
@@ -93,7 +93,16 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
             if completed {
                 scope = scope.with_completed();
             }
-            Ok(match store.force_release(&id, scope).await? {
+            let released = store.force_release(&id, scope).await?;
+            // The hybrid store deletes its Redis copy again once copies on their way have
+            // landed: exiting before that could leave one replaying a released record.
+            if tokio::time::timeout(Duration::from_secs(30), store.drain())
+                .await
+                .is_err()
+            {
+                eprintln!("warning: the release's last Redis delete did not finish within 30 s");
+            }
+            Ok(match released {
                 ForceReleased::Released => {
                     println!("released: the in-flight record is gone, the next request runs");
                     ExitCode::SUCCESS
