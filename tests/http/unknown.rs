@@ -287,3 +287,45 @@ fn a_panicked_handler_under_reject_leaves_the_outcome_unknown() {
         assert_eq!(calls.get(), 0, "the retry did not run the operation");
     });
 }
+
+/// An inner service's error is most often a refusal before anything ran (load shed, a closed
+/// buffer): the key is released and the retry runs, even under `Reject` (kept as
+/// outcome-unknown, one such blip would lock the key for its retention).
+#[test]
+fn a_service_error_under_reject_lets_the_retry_run() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tower::{Layer, ServiceExt};
+
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let inner = tower::service_fn(move |_: axum::http::Request<idempotency_tower::Body>| {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    return Err(std::io::Error::other("overloaded: shed before running"));
+                }
+                Ok(axum::http::Response::builder()
+                    .status(201)
+                    .body(axum::body::Body::from("charged"))
+                    .expect("response"))
+            }
+        });
+        let service = layer(store)
+            .on_outcome_unknown(OutcomeUnknown::Reject)
+            .layer(inner);
+        let request = || {
+            axum::http::Request::post("/charges")
+                .header("idempotency-key", "k")
+                .body(axum::body::Body::from("{}"))
+                .expect("request")
+        };
+        let shed = service.clone().oneshot(request()).await;
+        assert!(shed.is_err(), "the service's error reaches the caller");
+        let retry = service.oneshot(request()).await.expect("answered");
+        assert_eq!(retry.status(), 201);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    });
+}

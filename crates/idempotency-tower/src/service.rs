@@ -719,6 +719,12 @@ async fn run_detached<ResBody, E>(
                     // which the other attempt runs. Nothing to give back: the token is
                     // fenced off.
                     Err(Error::LeaseLost) => {
+                        // Unless it finished meanwhile (ready in the same poll as the
+                        // tick): then it ran, and is settled like any other (its outcome's
+                        // write will find the key lost).
+                        if let Some(result) = (&mut produce).now_or_never() {
+                            break result;
+                        }
                         tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
                         let detail = "this attempt lost its idempotency lease to another \
                                       attempt and was stopped; retry later with the same key";
@@ -765,16 +771,19 @@ where
 {
     let m = &config.metrics;
     let produced = match result {
-        // A panic or a service error (an inner timeout cutting the handler short) may come
-        // after the effect: its outcome is unknown, unlike a 5xx the handler chose to answer.
+        // A panic may come after the effect: its outcome is unknown, unlike a 5xx the handler
+        // chose to answer.
         Err(_panic) => {
             Metrics::inc(&m.panics, "idempotency_panics_total");
             give_up(config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
             return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
         }
+        // A service error is most often a refusal before anything ran (load shed, a closed
+        // buffer): released, so the retry runs, as before. Kept as outcome-unknown, one such
+        // blip would lock a key under `Reject` for its retention.
         Ok(Err(error)) => {
-            give_up(config, id, token, "service error").await;
+            release(config, id, token, "service error").await;
             return Settled::Answer(Err(error));
         }
         Ok(Ok(produced)) => {
@@ -1028,8 +1037,7 @@ async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static
     settle_lease(config, id, token, false, why).await;
 }
 
-/// Settles the lease of a handler whose outcome is unknown (it panicked, or its service
-/// failed): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
+/// Settles the lease of a handler whose outcome is unknown (it panicked): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
 /// retry runs again; under the other policies ended and kept (renewed for zero), so that the
 /// retry is taken over and the policy decides, as after a crash.
 async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
