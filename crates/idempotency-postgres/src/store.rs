@@ -879,29 +879,44 @@ impl PostgresStore {
     /// ended and kept — deleted, that attempt would be forgotten and the next `begin` would
     /// answer `Execute`), one budget from now. A grant not found then may be one whose
     /// statement has not committed yet: it waits on a lock, its commit on a replica, its
-    /// bytes on a network that heals. It is looked for again four and sixteen budgets later:
-    /// left, nobody would hold it, and the key would answer `InFlight` for the lease, then
+    /// bytes on a network that heals. It is looked for again 5 and 21 budgets from now: left,
+    /// nobody would hold it, and the key would answer `InFlight` for the lease, then
     /// `TakeOver`, an outcome reported unknown for an operation that never ran.
-    pub(crate) fn give_back_later(&self, mut grants: Vec<(RecordId, LeaseToken, bool)>) {
+    ///
+    /// `drain` waits for the first round only: most tokens given back were never written,
+    /// and a shutdown must not wait 21 budgets for each claim that timed out. The later
+    /// rounds are a best effort a shutdown may cut short.
+    pub(crate) fn give_back_later(&self, grants: Vec<(RecordId, LeaseToken, bool)>) {
         if grants.is_empty() {
             return;
         }
         let late = self.clone();
         self.in_background(async move {
-            for budgets in [1, 4, 16] {
-                tokio::time::sleep(late.call_timeout * budgets).await;
-                let mut left = Vec::new();
-                for (id, token, took) in grants {
-                    if !late.give_back_found(&id, token, took).await {
-                        left.push((id, token, took));
-                    }
-                }
-                if left.is_empty() {
-                    return;
-                }
-                grants = left;
+            let left = late.give_back_round(grants, 1).await;
+            if left.is_empty() {
+                return;
             }
+            tokio::spawn(async move {
+                let left = late.give_back_round(left, 4).await;
+                late.give_back_round(left, 16).await;
+            });
         });
+    }
+
+    /// After `budgets` call budgets, gives back `grants`; those not found are returned.
+    async fn give_back_round(
+        &self,
+        grants: Vec<(RecordId, LeaseToken, bool)>,
+        budgets: u32,
+    ) -> Vec<(RecordId, LeaseToken, bool)> {
+        tokio::time::sleep(self.call_timeout * budgets).await;
+        let mut left = Vec::new();
+        for (id, token, took) in grants {
+            if !self.give_back_found(&id, token, took).await {
+                left.push((id, token, took));
+            }
+        }
+        left
     }
 
     /// Releases (or, `took`, ends) the grant of `token`, retrying while the store is

@@ -439,6 +439,15 @@ fn by<T>(
     })
 }
 
+/// Whether Redis refused a command without running it, on a connection that does not resend.
+fn refused_unrun(conn: &Conn, error: &redis::RedisError) -> bool {
+    matches!(conn, Conn::Single(_))
+        && matches!(
+            error.code(),
+            Some("OOM" | "READONLY" | "NOREPLICAS" | "MISCONF" | "LOADING" | "BUSY")
+        )
+}
+
 /// Whether a command met a record of the earlier (hash) layout.
 fn wrong_type(error: &redis::RedisError) -> bool {
     error.code() == Some("WRONGTYPE")
@@ -872,12 +881,14 @@ impl RedisStore {
             Err(error) if error.is_connection_refusal() => {
                 return Err(Error::unavailable(error));
             }
-            // Redis answered with an error (`OOM` on a full `noeviction` Redis, `READONLY`
-            // from a replica after a failover): the command did not run, nothing can land
-            // late. Cancelling it would retry a script that fails the same way for an hour,
-            // once per refused claim. (A cluster client that resent the claim after a lost
-            // answer, the first copy having landed, would leave that lease to run out.)
-            Err(error) if error.code().is_some() => return Err(Error::unavailable(error)),
+            // Redis itself refused the command (`OOM` on a full `noeviction` Redis, `READONLY`
+            // from a replica after a failover): it did not run, nothing can land late, and a
+            // cancel would only write a marker into a Redis that is full. Only those codes,
+            // and only on a direct connection: a cluster client may have resent a claim whose
+            // first copy landed, and a proxy's own error says nothing of what it forwarded.
+            Err(error) if refused_unrun(&self.conn, &error) => {
+                return Err(Error::unavailable(error));
+            }
             Err(error) => Err(Error::unavailable(error)),
         };
         let found = match claimed {
