@@ -271,6 +271,44 @@ fn a_reused_key_on_another_nested_path_is_422() {
     });
 }
 
+/// A record stored behind `Router::nest` before the fingerprint took the nest's prefix (its
+/// fingerprint has the path without it) still replays for the same request: a 422 would
+/// tell the client to use a new key, and so to charge again.
+#[test]
+fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
+    block_on(async {
+        let store = memory();
+        let (inner, calls, _) = app(layer(store.clone()));
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let earlier = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/charges")
+            .body(b"{}")
+            .finish();
+        let id = record_id("k");
+        let idempotency_core::Begin::Execute(token) = store
+            .begin(&id, &earlier, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("a fresh key")
+        };
+        let stored = idempotency_core::Outcome::new(201).with_body("the earlier charge");
+        store
+            .complete(&id, token, &stored, Duration::from_secs(60))
+            .await
+            .expect("complete");
+        let request = axum::http::Request::post("/accounts/a/charges")
+            .header("idempotency-key", "k")
+            .body(Body::from("{}"))
+            .expect("request");
+        let response = router.oneshot(request).await.expect("infallible");
+        assert_eq!(response.status(), 201);
+        assert_eq!(response.headers()["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 #[test]
 fn canonical_json_ignores_key_order_and_whitespace() {
     block_on(async {

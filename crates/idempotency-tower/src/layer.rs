@@ -54,9 +54,24 @@ impl Config {
         if let BodyFingerprint::Custom(f) = &self.body_fingerprint {
             return f(parts, body);
         }
-        let path = request_uri(parts)
-            .path_and_query()
-            .map_or("/", |p| p.as_str());
+        self.fingerprint_of(request_uri(parts), parts, body)
+    }
+
+    /// The fingerprint earlier versions gave a request behind axum's `Router::nest` (the
+    /// path without the nest's prefix), when it differs: a record stored under it before an
+    /// upgrade is still the same request's, and must replay rather than answer 422 (which
+    /// tells the client to use a new key, and so to run the operation again).
+    pub(crate) fn legacy_fingerprint(&self, parts: &Parts, body: &Bytes) -> Option<Fingerprint> {
+        if matches!(self.body_fingerprint, BodyFingerprint::Custom(_))
+            || request_uri(parts) == &parts.uri
+        {
+            return None;
+        }
+        Some(self.fingerprint_of(&parts.uri, parts, body))
+    }
+
+    fn fingerprint_of(&self, uri: &http::Uri, parts: &Parts, body: &Bytes) -> Fingerprint {
+        let path = uri.path_and_query().map_or("/", |p| p.as_str());
         let mut fp = Fingerprint::builder()
             .method(parts.method.as_str())
             .path_and_query(path);
@@ -121,7 +136,9 @@ impl IdempotencyLayer {
     /// the inner router sees it without the nest's prefix; with the `axum` feature the
     /// fingerprint takes axum's `OriginalUri` instead, and without it, put the layer on the
     /// outer router (or scope keys by the prefix's parameters with
-    /// [`scope_fn`](IdempotencyLayer::scope_fn)).
+    /// [`scope_fn`](IdempotencyLayer::scope_fn)). A record stored before that change, under
+    /// the path without the prefix, still replays for its request (a mismatch is asked
+    /// again with that fingerprint) rather than answering 422.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             config: Arc::new(Config {

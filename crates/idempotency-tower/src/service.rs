@@ -176,6 +176,7 @@ where
     let scope = (config.scope)(&parts);
     let id = RecordId::new(&scope, &key);
     let fingerprint = config.fingerprint(&parts, &body);
+    let legacy = config.legacy_fingerprint(&parts, &body);
     let span = tracing::info_span!("idempotency", record = %id, store = config.store.name(), decision = tracing::field::Empty);
     decide(
         config,
@@ -187,6 +188,7 @@ where
             scope,
             id,
             fingerprint,
+            legacy,
         },
     )
     .instrument(span)
@@ -249,6 +251,9 @@ struct Keyed {
     scope: Scope,
     id: RecordId,
     fingerprint: Fingerprint,
+    /// The fingerprint earlier versions gave this request, if different (see
+    /// `Config::legacy_fingerprint`): asked once on a mismatch.
+    legacy: Option<Fingerprint>,
 }
 
 async fn decide<S, ResBody>(
@@ -256,7 +261,7 @@ async fn decide<S, ResBody>(
     inner: S,
     parts: Parts,
     body: Bytes,
-    keyed: Keyed,
+    mut keyed: Keyed,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -284,6 +289,12 @@ where
                 return Ok(replay(outcome));
             }
             Ok(Begin::Mismatch) => {
+                // Stored, perhaps, before an upgrade, under the fingerprint earlier versions
+                // gave this request: asked once more with that one.
+                if let Some(legacy) = keyed.legacy.take() {
+                    keyed.fingerprint = legacy;
+                    continue;
+                }
                 span.record("decision", "mismatch");
                 Metrics::inc(&m.mismatches, "idempotency_mismatches_total");
                 let detail = "this Idempotency-Key was already used for a different request \
