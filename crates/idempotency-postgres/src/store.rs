@@ -497,7 +497,10 @@ impl PostgresStore {
     /// on that same pool. Configure the pool's acquire timeout yourself; the call budget is
     /// 3 s. The pool's connections carry no `lock_timeout` unless you set one, so a key
     /// another transaction holds can stall its batch up to the `statement_timeout`: prefer
-    /// [`PostgresStore::builder`], whose batches run on connections that give up early.
+    /// [`PostgresStore::builder`], whose batches run on connections that give up early. Set
+    /// a `statement_timeout` on the pool's connections (the builder's is 2 s): a call that
+    /// runs out of its budget closes its connection, and without one the server keeps the
+    /// backend waiting on its lock while the pool opens another.
     pub fn from_pool(pool: PgPool) -> Self {
         let batches = Arc::new(Batches::new(pool.clone(), GroupCommit::default()));
         Self {
