@@ -290,11 +290,15 @@ where
         Ok(answer) => match (answer.granted(), answer.taken_over()) {
             (Some(token), _) => {
                 tracing::debug!(%token, "releasing a lease whose claimer went away");
-                Box::pin(async move { release_orphan(&store, &id, token).await })
+                Box::pin(async move {
+                    release_orphan(&store, &id, token).await;
+                })
             }
             (None, Some(token)) => {
                 tracing::debug!(%token, "ending a taken-over lease whose claimer went away");
-                Box::pin(async move { end_orphan(&store, &id, token).await })
+                Box::pin(async move {
+                    end_orphan(&store, &id, token).await;
+                })
             }
             (None, None) => Box::pin(async {}),
         },
@@ -321,18 +325,23 @@ fn unwound<T>(
 /// The release is fenced on the token, so a retry after one that landed changes nothing.
 ///
 /// The release closure stores hand to [`detached_claim`] calls it.
+///
+/// Returns `false` only when the store answered that the token holds no lease there
+/// (`LeaseLost`): it was never written, or it is settled already. A caller that suspects a
+/// write still on its way (a statement that has not committed yet) may look again later.
 pub async fn release_orphan<S: crate::Store + ?Sized>(
     store: &S,
     id: &crate::RecordId,
     token: LeaseToken,
-) {
-    settle_orphan(store, id, token, false).await;
+) -> bool {
+    settle_orphan(store, id, token, false).await
 }
 
 /// Ends a lease taken over from an unfinished attempt (`Begin::TakeOver`) whose claimer went
 /// away, keeping its record: renewed for zero, the lease is over at once, and the next
 /// `begin` takes it over and still reports the unfinished attempt, instead of answering
-/// `InFlight` until the lease runs out. Retried like [`release_orphan`]; fenced on the token.
+/// `InFlight` until the lease runs out. Retried like [`release_orphan`], and answers like it;
+/// fenced on the token.
 ///
 /// ```
 /// use std::time::Duration;
@@ -352,8 +361,8 @@ pub async fn end_orphan<S: crate::Store + ?Sized>(
     store: &S,
     id: &crate::RecordId,
     token: LeaseToken,
-) {
-    settle_orphan(store, id, token, true).await;
+) -> bool {
+    settle_orphan(store, id, token, true).await
 }
 
 async fn settle_orphan<S: crate::Store + ?Sized>(
@@ -361,7 +370,7 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
     id: &crate::RecordId,
     token: LeaseToken,
     end: bool,
-) {
+) -> bool {
     let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut backoff = std::time::Duration::from_millis(50);
     loop {
@@ -371,7 +380,8 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
             store.release(id, token).await
         };
         match settled {
-            Ok(()) | Err(crate::Error::LeaseLost) => return,
+            Ok(()) => return true,
+            Err(crate::Error::LeaseLost) => return false,
             Err(error) if tokio::time::Instant::now() + backoff < give_up => {
                 tracing::debug!(%error, record = %id, "giving back an orphaned lease; retrying");
                 tokio::time::sleep(backoff).await;
@@ -379,7 +389,7 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
             }
             Err(error) => {
                 tracing::warn!(%error, record = %id, "could not give back an orphaned lease; it expires by itself");
-                return;
+                return true; // nothing more to try
             }
         }
     }
@@ -436,8 +446,12 @@ pub async fn give_back_orphan<S: crate::Store + ?Sized>(
     grant: Begin,
 ) {
     match grant {
-        Begin::Execute(token) => release_orphan(store, id, token).await,
-        Begin::TakeOver(token) => end_orphan(store, id, token).await,
+        Begin::Execute(token) => {
+            release_orphan(store, id, token).await;
+        }
+        Begin::TakeOver(token) => {
+            end_orphan(store, id, token).await;
+        }
         _ => {}
     }
 }

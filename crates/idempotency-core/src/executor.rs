@@ -406,7 +406,9 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
             tracing::warn!(%error, record = %self.id, "could not release the lease; retrying");
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let (store, id, token) = (self.store.clone(), self.id, self.token);
-                let release = async move { crate::release_orphan(&*store, &id, token).await };
+                let release = async move {
+                    crate::release_orphan(&*store, &id, token).await;
+                };
                 self.settling.spawn_on(release, &runtime);
             }
         }
@@ -425,7 +427,9 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         };
         let (store, id, token) = (self.store.clone(), self.id, self.token);
         self.settling.spawn_on(
-            async move { crate::release_orphan(&*store, &id, token).await },
+            async move {
+                crate::release_orphan(&*store, &id, token).await;
+            },
             &runtime,
         );
     }

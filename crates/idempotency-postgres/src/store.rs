@@ -922,36 +922,16 @@ impl PostgresStore {
         left
     }
 
-    /// Releases (or, `took`, ends) the grant of `token`, retrying while the store is
-    /// unavailable (for at most a minute); whether it found the grant.
+    /// Releases (or, `took`, ends) the grant of `token` ([`release_orphan`] and [`end_orphan`]:
+    /// retried while the store is unavailable); whether it found the grant.
+    ///
+    /// [`release_orphan`]: idempotency_core::release_orphan
+    /// [`end_orphan`]: idempotency_core::end_orphan
     async fn give_back_found(&self, id: &RecordId, token: LeaseToken, took: bool) -> bool {
-        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            let found = self
-                .timed(async {
-                    let sql = if took { EXPIRE_SQL } else { RELEASE_SQL };
-                    sqlx::query(self.sql.get(sql))
-                        .bind(&id.as_bytes()[..])
-                        .bind(token.as_uuid())
-                        .execute_on(&self.pool)
-                        .await
-                        .map(|done| done.rows_affected() > 0)
-                        .map_err(db_error)
-                })
-                .await;
-            match found {
-                Ok(found) => return found,
-                Err(error) if tokio::time::Instant::now() + backoff < give_up => {
-                    tracing::debug!(%error, record = %id, "giving back an orphaned grant; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-                Err(error) => {
-                    tracing::warn!(%error, record = %id, "could not give back an orphaned grant; it expires by itself");
-                    return true; // nothing more to try
-                }
-            }
+        if took {
+            idempotency_core::end_orphan(self, id, token).await
+        } else {
+            idempotency_core::release_orphan(self, id, token).await
         }
     }
 
