@@ -176,7 +176,6 @@ where
     let scope = (config.scope)(&parts);
     let id = RecordId::new(&scope, &key);
     let fingerprint = config.fingerprint(&parts, &body);
-    let legacy = config.legacy_fingerprint(&parts, &body);
     let span = tracing::info_span!("idempotency", record = %id, store = config.store.name(), decision = tracing::field::Empty);
     decide(
         config,
@@ -188,7 +187,6 @@ where
             scope,
             id,
             fingerprint,
-            legacy,
         },
     )
     .instrument(span)
@@ -251,9 +249,6 @@ struct Keyed {
     scope: Scope,
     id: RecordId,
     fingerprint: Fingerprint,
-    /// The fingerprint earlier versions gave this request, if different (see
-    /// `Config::legacy_fingerprint`): asked once on a mismatch.
-    legacy: Option<Fingerprint>,
 }
 
 async fn decide<S, ResBody>(
@@ -273,6 +268,9 @@ where
     let m = &config.metrics;
     let span = tracing::Span::current();
     let wait_until = config.wait.map(|w| Instant::now() + w);
+    // Whether a mismatch was asked again under the fingerprint earlier versions gave this
+    // request (see `Config::legacy_fingerprint`): only ever computed on a mismatch.
+    let mut asked_legacy = false;
     loop {
         match claim(&config, keyed.id, keyed.fingerprint).await {
             Ok(Begin::Execute(token)) => {
@@ -291,9 +289,12 @@ where
             Ok(Begin::Mismatch) => {
                 // Stored, perhaps, before an upgrade, under the fingerprint earlier versions
                 // gave this request: asked once more with that one.
-                if let Some(legacy) = keyed.legacy.take() {
-                    keyed.fingerprint = legacy;
-                    continue;
+                if !asked_legacy {
+                    asked_legacy = true;
+                    if let Some(legacy) = config.legacy_fingerprint(&parts, &body) {
+                        keyed.fingerprint = legacy;
+                        continue;
+                    }
                 }
                 span.record("decision", "mismatch");
                 Metrics::inc(&m.mismatches, "idempotency_mismatches_total");
