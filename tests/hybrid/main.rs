@@ -1000,7 +1000,15 @@ fn cancellation_sweep_with_redis_writes_stalled() {
                 tokio::time::sleep(Duration::from_millis(1_500)).await;
             }
         });
-        let report = idempotency_test::conformance::sweep(&*store).await;
+        // A sweep whose operation completes at its first poll dropped nothing by chance
+        // (a preempted thread on a loaded machine): run it again, as the stores' own sweep.
+        let mut report = idempotency_test::conformance::sweep(&*store).await;
+        for _ in 1..idempotency_test::conformance::SWEEP_ROUNDS {
+            if report.dropped > 0 {
+                break;
+            }
+            report = idempotency_test::conformance::sweep(&*store).await;
+        }
         stalls.abort();
         println!(
             "sweep with Redis writes stalled: {report:?}, {:?}",
