@@ -237,6 +237,39 @@ fn a_release_right_after_begin_leaves_no_stale_mirror() {
     });
 }
 
+/// A release after the application completed the record in its own transaction
+/// (`complete_in`, `complete_claim_in`: an executor's run that panicked, failed or was dropped
+/// after its commit) is refused by Postgres, and must still drop the lease's mirror: left,
+/// it told every retry "in flight" until its TTL although the outcome was stored.
+#[test]
+fn a_release_refused_after_a_transactional_completion_drops_the_mirror() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let fp = Fingerprint::of(b"a");
+        let id = idempotency_test::conformance::fresh_id();
+        let lease = idempotency_test::conformance::LONG;
+        let token = idempotency_test::conformance::execute(&*store, &id, &fp, lease).await;
+        mirror_landed(&store, &id, &fp).await;
+        let pg = store.postgres();
+        let mut tx = pg.pool().begin().await.expect("tx");
+        pg.complete_in(&mut tx, &id, token, &Outcome::new(201), lease)
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert!(matches!(
+            store.release(&id, token).await,
+            Err(Error::LeaseLost)
+        ));
+        let again = store.begin(&id, &fp, lease).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Replay(ref o) if o.status == 201),
+            "after the refused release: {again:?}"
+        );
+    });
+}
+
 /// A lease's mirror can outlive its lease in Postgres (its delete failed, or another
 /// process released the key): another request under the key must then be decided by
 /// Postgres, not told 422 by a mirror that may be stale. (A stale mirror of the same request

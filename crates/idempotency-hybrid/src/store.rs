@@ -866,9 +866,19 @@ impl Store for HybridStore {
 
     async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
         idempotency_core::observe(self.name(), "release", async {
-            self.pg.release(id, token).await?;
+            // `LeaseLost` still drops the mirror: the token holds nothing in Postgres (it
+            // completed the record in the application's transaction, `complete_in`, or another
+            // attempt or an operator took the key), so its mirror is stale either way, and
+            // would tell retries "in flight" until its TTL. (The delete is fenced on the
+            // token: another attempt's mirror stays.)
+            let released = self.pg.release(id, token).await;
+            if let Err(error) = &released
+                && !matches!(error, Error::LeaseLost)
+            {
+                return released;
+            }
             if !self.may_be_mirrored(&token) {
-                return Ok(()); // no mirror to drop
+                return released; // no mirror to drop
             }
             // The lease's mirror may still be on its way: the delete goes after it.
             let repair = self.repair_unless_done(id, token);
@@ -887,7 +897,7 @@ impl Store for HybridStore {
                 repair.done();
             }
             self.forget_mirror(&token);
-            Ok(())
+            released
         })
         .await
     }
