@@ -11,6 +11,8 @@ use idempotency_test::{
     services,
 };
 
+mod claimed;
+
 /// The store shared by this binary's tests, migrated once.
 async fn store() -> Option<Arc<PostgresStore>> {
     idempotency_test::stores::postgres().await

@@ -1,6 +1,14 @@
 //! Run any async operation at most once per key: queue consumers, jobs, RPC handlers.
 
-use std::{future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use futures::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
@@ -72,7 +80,8 @@ pub enum RunError<E> {
 /// in flight), and once it returned `Ok` its outcome is stored whatever the caller does
 /// ([`finish_in_any_case`](crate::finish_in_any_case)); a panic releases it. A crash leaves the lease to expire, after which a
 /// redelivery runs again: make the effect itself idempotent (a unique constraint on the
-/// record id, or `PostgresStore::complete_in` in the effect's transaction) where that window
+/// record id), or store the result in the effect's own transaction
+/// ([`Executor::run_with_claim`] with `PostgresStore::complete_claim_in`), where that window
 /// matters.
 ///
 /// A renewal answered `LeaseLost` (another attempt took the key over, or an operator released
@@ -184,6 +193,63 @@ impl<S: Store + ?Sized> Executor<S> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        self.run_with_claim(scope, key, fingerprint, |_claim| op())
+            .await
+    }
+
+    /// [`Executor::run`], handing the operation its [`Claim`], so that it can store its own
+    /// result **in the transaction of its effect**: the effect and the stored result then
+    /// commit together, and no crash, panic or lost answer between them can run the effect
+    /// twice.
+    ///
+    /// With Postgres, the operation writes its rows and calls
+    /// `PostgresStore::complete_claim_in(&mut tx, &claim, &value)` before it commits. Then:
+    ///
+    /// - committed, the key replays `value` whatever happens next (a crash, a panic, a
+    ///   dropped future, an `Err` returned after the commit: the executor's own release is
+    ///   fenced to a key still in flight);
+    /// - rolled back (or never committed), nothing took effect and the key is released as
+    ///   for any `Err`;
+    /// - if another attempt took the key over meanwhile, `complete_claim_in` answers
+    ///   `LeaseLost` and the transaction rolls back: the takeover's effect is the only one.
+    ///
+    /// Return `Ok(value)` only after the commit; the executor then stores `value` too, which
+    /// finds it stored already (a completion is idempotent for its token). Once the
+    /// operation has asked [`Claim::completion`] (which `complete_claim_in` does), a renewal
+    /// answered `LeaseLost` no longer stops it: that answer is its own completion, seen by a
+    /// renewal that waited on the transaction's row lock, or a takeover that the completion's
+    /// fence refuses.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::{Executor, Fingerprint, IdempotencyKey, MemoryStore, Scope};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let executor = Executor::new(Arc::new(MemoryStore::new()));
+    /// let key = IdempotencyKey::new("msg-42").unwrap();
+    /// let done = executor
+    ///     .run_with_claim(&Scope::new("charges"), &key, &Fingerprint::of(b"100"), |claim| async move {
+    ///         // With Postgres: write the charge and `complete_claim_in(&mut tx, &claim, &v)`
+    ///         // in one transaction. Here: the record the claim holds.
+    ///         Ok::<_, std::io::Error>(claim.id().to_string())
+    ///     })
+    ///     .await
+    ///     .unwrap();
+    /// assert!(!done.replayed);
+    /// # }
+    /// ```
+    pub async fn run_with_claim<T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        op: F,
+    ) -> Result<Executed<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(Claim) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
         let id = RecordId::new(scope, key);
         let lease = self.policy.lease();
         // The lease counts from the ask, not from the answer (see `within_lease`).
@@ -233,14 +299,22 @@ impl<S: Store + ?Sized> Executor<S> {
             settled: false,
             renewing: None,
         };
+        let claim = Claim {
+            id,
+            token,
+            retention: self.policy.retention(),
+            completing: Arc::new(AtomicBool::new(false)),
+        };
+        let completing = claim.completing.clone();
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
-        let operation = AssertUnwindSafe(op()).catch_unwind();
+        let operation = AssertUnwindSafe(op(claim)).catch_unwind();
         tokio::pin!(operation);
         let result = match futures::poll!(&mut operation) {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
-                let (renewing, lost) = renew_in_a_task(self.store.clone(), id, token, &self.policy);
+                let (renewing, lost) =
+                    renew_in_a_task(self.store.clone(), id, token, &self.policy, completing);
                 guard.renewing = Some(renewing);
                 // An operation that ends in the same poll as the loss is reported as run
                 // (its outcome's write then finds the key lost: `NotStored`).
@@ -273,13 +347,8 @@ impl<S: Store + ?Sized> Executor<S> {
                 // `Corrupt` (never released: a redelivery would run the effect twice).
                 // (A `Serialize` that panics counts as one that fails: the guard must not
                 // unwind into a release.)
-                let serialised =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::to_vec(&value)))
-                        .unwrap_or_else(|_| {
-                            Err(serde::ser::Error::custom("serialising the result panicked"))
-                        });
-                let (outcome, unserialisable) = match serialised {
-                    Ok(body) => (Outcome::new(200).with_body(body), None),
+                let (outcome, unserialisable) = match stored_form(&value) {
+                    Ok(outcome) => (outcome, None),
                     Err(e) => (
                         Outcome::new(500).with_body(UNSERIALISABLE),
                         Some(format!("the result does not serialise: {e}")),
@@ -338,6 +407,99 @@ impl<S: Store + ?Sized> Executor<S> {
 /// The stored body of a result that did not serialise; it does not decode as JSON.
 const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 
+/// The outcome an operation's result is stored as: status 200, the result as JSON (what a
+/// replay decodes). A `Serialize` that panics counts as one that fails: the caller must not
+/// unwind into a release after the effect.
+fn stored_form<T: Serialize>(value: &T) -> Result<Outcome, serde_json::Error> {
+    std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::to_vec(value)))
+        .unwrap_or_else(|_| Err(serde::ser::Error::custom("serialising the result panicked")))
+        .map(|body| Outcome::new(200).with_body(body))
+}
+
+/// The lease an operation of [`Executor::run_with_claim`] runs under: what it needs to
+/// store its own result in the transaction of its effect (`PostgresStore::complete_claim_in`
+/// takes it whole).
+#[derive(Debug, Clone)]
+pub struct Claim {
+    id: RecordId,
+    token: LeaseToken,
+    retention: Duration,
+    /// Set once the operation asked for its [`Completion`]: see
+    /// [`Executor::run_with_claim`].
+    completing: Arc<AtomicBool>,
+}
+
+/// What an operation stores, and under which lease, to complete its record itself:
+/// [`Claim::completion`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Completion {
+    /// The record the operation holds.
+    pub id: RecordId,
+    /// Its lease: the store fences the completion on it.
+    pub token: LeaseToken,
+    /// The result in its stored form, as [`Executor::run`] stores (and replays) it.
+    pub outcome: Outcome,
+    /// How long it is kept: the executor's policy.
+    pub retention: Duration,
+}
+
+impl Claim {
+    /// The record this run holds.
+    pub fn id(&self) -> &RecordId {
+        &self.id
+    }
+
+    /// The lease this run holds; every write the store accepts for this run is fenced on it.
+    pub fn token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// How long the executor's policy keeps a result.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// The completion that stores `value` as the executor would, for a store call the
+    /// operation makes itself (`PostgresStore::complete_in` in its own transaction). From
+    /// this call on, a renewal answered `LeaseLost` no longer stops the operation (see
+    /// [`Executor::run_with_claim`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] when `value` does not serialise: return before committing, and the
+    /// key is released.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use idempotency_core::{Claim, Executor, Fingerprint, IdempotencyKey, MemoryStore, Scope};
+    /// # use std::sync::Arc;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let executor = Executor::new(Arc::new(MemoryStore::new()));
+    /// # let key = IdempotencyKey::new("k").unwrap();
+    /// executor
+    ///     .run_with_claim(&Scope::new("s"), &key, &Fingerprint::of(b""), |claim: Claim| async move {
+    ///         let completion = claim.completion(&"charged").unwrap();
+    ///         assert_eq!(completion.outcome.body, br#""charged""#[..]);
+    ///         Ok::<_, std::io::Error>("charged".to_owned())
+    ///     })
+    ///     .await
+    ///     .unwrap();
+    /// # }
+    /// ```
+    pub fn completion<T: Serialize>(&self, value: &T) -> crate::Result<Completion> {
+        let outcome = stored_form(value)
+            .map_err(|e| Error::Corrupt(format!("the result does not serialise: {e}")))?;
+        self.completing.store(true, Ordering::SeqCst);
+        Ok(Completion {
+            id: self.id,
+            token: self.token,
+            outcome,
+            retention: self.retention,
+        })
+    }
+}
+
 /// Renews the lease of a running operation until aborted, in a task of its own. The
 /// operation runs in its caller's future (it may borrow from it), but its renewals must not
 /// depend on that future being polled: a caller that holds it while busy elsewhere (an outer
@@ -349,11 +511,17 @@ const UNSERIALISABLE: &[u8] = b"\x00unserialisable result";
 /// an operator released it), and the operation must stop. A store that is merely
 /// unavailable is no such answer: a late completion is still accepted while nobody took
 /// over, so the operation goes on and the renewals keep trying.
+///
+/// Once `completing` is set, the operation is storing its result in its own transaction,
+/// fenced there on the token: a `LeaseLost` is then its own completion (seen by a renewal
+/// that waited on the transaction's row lock), or a takeover that fence refuses, and stops
+/// nothing.
 fn renew_in_a_task<S: Store + ?Sized>(
     store: Arc<S>,
     id: RecordId,
     token: LeaseToken,
     policy: &Policy,
+    completing: Arc<AtomicBool>,
 ) -> (tokio::task::AbortHandle, tokio::sync::oneshot::Receiver<()>) {
     let (lease, every) = (policy.lease(), policy.renew_every());
     let (lost, on_lost) = tokio::sync::oneshot::channel();
@@ -364,7 +532,9 @@ fn renew_in_a_task<S: Store + ?Sized>(
             match store.renew(&id, token, lease).await {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
-                    let _ = lost.send(());
+                    if !completing.load(Ordering::SeqCst) {
+                        let _ = lost.send(());
+                    }
                     return;
                 }
                 Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
@@ -575,6 +745,48 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(done.value, 7);
+    }
+
+    /// An operation that stored its own result (as `complete_claim_in` does, in the effect's
+    /// transaction) and then panicked or failed: the key keeps that result, and the
+    /// redelivery replays it; when it returns `Ok`, the executor's own write finds it stored.
+    #[tokio::test]
+    async fn a_result_the_operation_stored_itself_replays() {
+        let store = Arc::new(MemoryStore::new());
+        let executor = Executor::new(store.clone());
+        let (scope, fp) = (Scope::new("t"), Fingerprint::of(b"p"));
+        for (k, ends) in [("panics", 0), ("fails", 1), ("returns", 2)] {
+            let done = executor
+                .run_with_claim(&scope, &key(k), &fp, |claim| {
+                    let store = store.clone();
+                    async move {
+                        let c = claim.completion(&format!("stored by {k}")).unwrap();
+                        store
+                            .complete(&c.id, c.token, &c.outcome, c.retention)
+                            .await
+                            .unwrap();
+                        match ends {
+                            0 => panic!("after storing"),
+                            1 => Err("after storing"),
+                            _ => Ok(format!("stored by {k}")),
+                        }
+                    }
+                })
+                .await;
+            match (ends, &done) {
+                (0, Err(RunError::Panicked)) | (1, Err(RunError::Failed(_))) => {}
+                (2, Ok(done)) => assert!(!done.replayed),
+                _ => panic!("{k}: {done:?}"),
+            }
+            let again = executor
+                .run(&scope, &key(k), &fp, || async {
+                    Ok::<_, &str>("ran again".to_owned())
+                })
+                .await
+                .unwrap();
+            assert!(again.replayed, "{k}");
+            assert_eq!(again.value, format!("stored by {k}"));
+        }
     }
 }
 

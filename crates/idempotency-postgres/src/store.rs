@@ -685,6 +685,61 @@ impl PostgresStore {
         self.complete_encoded(conn, &job).await.map(|_| ())
     }
 
+    /// Stores the result of an [`Executor::run_with_claim`] operation inside the operation's
+    /// own transaction: its effect and its stored result commit or roll back together, so a
+    /// crash, a panic or a lost commit answer between them never runs the effect twice (a
+    /// redelivery replays `value`).
+    ///
+    /// `value` is stored as the executor stores a result (see [`Claim::completion`]), with
+    /// the executor's retention. It answers [`Error::LeaseLost`] when another attempt took the
+    /// key over: roll back, and that attempt's effect is the only one. The row stays locked
+    /// until the transaction ends, so commit soon after.
+    ///
+    /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
+    /// [`Claim::completion`]: idempotency_core::Claim::completion
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Scope};
+    /// # use idempotency_postgres::PostgresStore;
+    /// # async fn run(store: Arc<PostgresStore>, message_id: IdempotencyKey) -> Result<(), Box<dyn std::error::Error>> {
+    /// let executor = Executor::new(store.clone());
+    /// let charged = executor
+    ///     .run_with_claim(&Scope::new("charges"), &message_id, &Fingerprint::of(b"1000"), |claim| {
+    ///         let store = store.clone();
+    ///         async move {
+    ///             let mut tx = store.pool().begin().await?;
+    ///             sqlx::query("INSERT INTO charges (amount) VALUES (1000)")
+    ///                 .execute(&mut *tx)
+    ///                 .await?;
+    ///             let charge = "ch_1".to_owned();
+    ///             store.complete_claim_in(&mut tx, &claim, &charge).await?;
+    ///             tx.commit().await?;
+    ///             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(charge)
+    ///         }
+    ///     })
+    ///     .await
+    ///     .map_err(|e| e.to_string())?;
+    /// assert_eq!(charged.value, "ch_1"); // `charged.replayed` on a redelivery
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_claim_in<T: serde::Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        claim: &idempotency_core::Claim,
+        value: &T,
+    ) -> Result<()> {
+        let completion = claim.completion(value)?;
+        self.complete_in(
+            conn,
+            &completion.id,
+            completion.token,
+            &completion.outcome,
+            completion.retention,
+        )
+        .await
+    }
+
     /// Completes and returns the record's fingerprint (one statement): what a cache in front
     /// of Postgres needs to store the outcome under. `None` when this token had completed the
     /// record already: `outcome` was not stored (the first one stands), so must not be cached.

@@ -15,8 +15,11 @@
 //! unique constraint on purpose**, so that its tests see any second effect the framework
 //! lets through. A real consumer closes that window in the effect itself: key it by the
 //! record id under a unique constraint (`INSERT … ON CONFLICT (record_id) DO NOTHING`, as
-//! the payments demo's charges do), or write it in the same transaction as the outcome
-//! (`PostgresStore::complete_in`).
+//! the payments demo's charges do), or write it in the same transaction as the outcome:
+//! `Executor::run_with_claim` hands the operation its claim, and
+//! `PostgresStore::complete_claim_in(&mut tx, &claim, &value)` stores the result in the
+//! effect's transaction (`tests/postgres/claimed.rs` shows it surviving a panic, an error and
+//! a dropped run after the commit).
 //!
 //! # Poison messages
 //!

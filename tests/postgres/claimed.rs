@@ -1,0 +1,250 @@
+//! `Executor::run_with_claim` with `PostgresStore::complete_claim_in`: the operation's effect
+//! and its stored result commit in one transaction, so nothing between them (a crash, a
+//! panic, a dropped future, an error after the commit) runs the effect a second time.
+//!
+//! The ledger has no unique constraint on purpose: a second effect would show as a second
+//! row, where a constraint would hide it.
+
+use std::time::Duration;
+
+use idempotency_core::{
+    Claim, Executed, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, ReleaseScope,
+    RunError, Scope, Store,
+};
+use idempotency_postgres::PostgresStore;
+use idempotency_test::block_on;
+
+use super::store;
+
+/// A ledger table of its own, without constraints.
+async fn ledger(store: &PostgresStore) -> String {
+    let table = idempotency_test::unique("ledger");
+    let ddl = format!("CREATE TABLE {table} (record_id bytea NOT NULL, entry text NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(ddl))
+        .execute(store.pool())
+        .await
+        .expect("create the ledger");
+    table
+}
+
+async fn entries(store: &PostgresStore, table: &str) -> Vec<String> {
+    let select = format!("SELECT entry FROM {table} ORDER BY entry");
+    sqlx::query_scalar(sqlx::AssertSqlSafe(select))
+        .fetch_all(store.pool())
+        .await
+        .expect("read the ledger")
+}
+
+/// What the operation does after its transaction committed.
+#[derive(Clone, Copy, Debug)]
+enum After {
+    Panics,
+    Fails,
+    /// Never returns: the run's future is dropped (a shutdown, a timeout, a crash's
+    /// equivalent for this process).
+    Hangs,
+}
+
+/// The operation: one ledger entry and its result, in one transaction.
+async fn write_and_complete(
+    store: &PostgresStore,
+    table: &str,
+    claim: &Claim,
+    entry: &str,
+) -> Result<String, idempotency_core::Error> {
+    let mut tx = store.pool().begin().await.map_err(unavailable)?;
+    let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, $2)");
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(&claim.id().as_bytes()[..])
+        .bind(entry)
+        .execute(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+    let value = entry.to_owned();
+    store.complete_claim_in(&mut tx, claim, &value).await?;
+    tx.commit().await.map_err(unavailable)?;
+    Ok(value)
+}
+
+fn unavailable(error: sqlx::Error) -> idempotency_core::Error {
+    idempotency_core::Error::unavailable(error)
+}
+
+/// An operation that committed its effect and its result, then panicked, failed or was
+/// dropped before the executor stored the result: the redelivery replays the committed
+/// result and writes nothing. (With `Executor::run` and the effect committed on its own,
+/// each of these releases the key and the redelivery writes a second entry.)
+#[test]
+fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = ledger(&store).await;
+        let executor = Executor::new(store.clone());
+        let scope = Scope::new("claimed");
+        for after in [After::Panics, After::Fails, After::Hangs] {
+            let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
+            let fp = Fingerprint::of(b"1000");
+            let (committed, on_commit) = tokio::sync::oneshot::channel();
+            let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
+                let (store, table) = (store.clone(), table.clone());
+                async move {
+                    write_and_complete(&store, &table, &claim, &format!("first {after:?}"))
+                        .await
+                        .expect("the first run commits");
+                    let _ = committed.send(());
+                    match after {
+                        After::Panics => panic!("after the commit"),
+                        After::Fails => Err("failed after the commit"),
+                        After::Hangs => std::future::pending().await,
+                    }
+                }
+            });
+            let first: Option<Result<Executed<String>, _>> = match after {
+                // Dropped once its transaction committed.
+                After::Hangs => tokio::select! {
+                    done = first => Some(done),
+                    _ = on_commit => None,
+                },
+                After::Panics | After::Fails => Some(first.await),
+            };
+            match (after, &first) {
+                (After::Panics, Some(Err(RunError::Panicked)))
+                | (After::Fails, Some(Err(RunError::Failed(_))))
+                | (After::Hangs, None) => {}
+                _ => panic!("{after:?}: {first:?}"),
+            }
+            // What the dropped run left to settle (its release, fenced off by the commit).
+            executor.drain().await;
+
+            let again = executor
+                .run_with_claim(&scope, &key, &fp, |claim| {
+                    let (store, table) = (store.clone(), table.clone());
+                    async move { write_and_complete(&store, &table, &claim, "second").await }
+                })
+                .await
+                .expect("the redelivery");
+            assert!(again.replayed, "{after:?}: the redelivery ran again");
+            assert_eq!(again.value, format!("first {after:?}"));
+        }
+        assert_eq!(
+            entries(&store, &table).await,
+            ["first Fails", "first Hangs", "first Panics"],
+            "one entry per key"
+        );
+    });
+}
+
+/// A run whose key an operator released while it ran (it looked stuck) and another attempt
+/// took over: its completion is refused (`LeaseLost`) inside its transaction, which rolls
+/// back with its entry. The takeover's entry is the only one, and the key replays it.
+#[test]
+fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = ledger(&store).await;
+        let executor = Executor::new(store.clone());
+        let scope = Scope::new("claimed");
+        let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
+        let fp = Fingerprint::of(b"1000");
+        let (written, on_written) = tokio::sync::oneshot::channel();
+        let (go_on, on_go_on) = tokio::sync::oneshot::channel::<()>();
+        let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
+            let (store, table) = (store.clone(), table.clone());
+            async move {
+                let mut tx = store.pool().begin().await.map_err(unavailable)?;
+                let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'late')");
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&claim.id().as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(unavailable)?;
+                let _ = written.send(());
+                let _ = on_go_on.await;
+                let value = "late".to_owned();
+                store.complete_claim_in(&mut tx, &claim, &value).await?;
+                tx.commit().await.map_err(unavailable)?;
+                Ok::<_, idempotency_core::Error>(value)
+            }
+        });
+        let takeover = async {
+            on_written.await.expect("the first run wrote");
+            let id = RecordId::new(&scope, &key);
+            store
+                .force_release(&id, ReleaseScope::default().with_live())
+                .await
+                .expect("the operator's release");
+            let taken = executor
+                .run_with_claim(&scope, &key, &fp, |claim| {
+                    let (store, table) = (store.clone(), table.clone());
+                    async move { write_and_complete(&store, &table, &claim, "takeover").await }
+                })
+                .await
+                .expect("the takeover");
+            let _ = go_on.send(());
+            taken
+        };
+        let (first, taken) = tokio::join!(first, takeover);
+        assert!(!taken.replayed);
+        assert!(
+            matches!(
+                first,
+                Err(RunError::Failed(idempotency_core::Error::LeaseLost) | RunError::LeaseLost)
+            ),
+            "{first:?}"
+        );
+        assert_eq!(entries(&store, &table).await, ["takeover"]);
+        let again = executor
+            .run_with_claim(&scope, &key, &fp, |_claim| async {
+                Ok::<String, idempotency_core::Error>("runs again".into())
+            })
+            .await
+            .expect("replay");
+        assert!(again.replayed);
+        assert_eq!(again.value, "takeover");
+    });
+}
+
+/// A renewal that waited on the row the run's own completion locked, or came after its
+/// commit, answers `LeaseLost` (the record is no longer in flight): that is the run's own
+/// completion, and must not stop it. Before `Claim::completion` told the executor, the run
+/// was stopped after its commit and reported `LeaseLost`.
+#[test]
+fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = ledger(&store).await;
+        // Renewed every 100 ms: several renewals fall inside the transaction and after it.
+        let executor = Executor::new(store.clone())
+            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
+        let scope = Scope::new("claimed");
+        let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
+        let fp = Fingerprint::of(b"1000");
+        let done = executor
+            .run_with_claim(&scope, &key, &fp, |claim| {
+                let (store, table) = (store.clone(), table.clone());
+                async move {
+                    let mut tx = store.pool().begin().await.map_err(unavailable)?;
+                    let insert =
+                        format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'once')");
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&claim.id().as_bytes()[..])
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(unavailable)?;
+                    let value = "once".to_owned();
+                    store.complete_claim_in(&mut tx, &claim, &value).await?;
+                    // The row is locked until the commit: renewals wait on it.
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    tx.commit().await.map_err(unavailable)?;
+                    // After the commit: renewals find the record completed.
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    Ok::<_, idempotency_core::Error>(value)
+                }
+            })
+            .await;
+        let done = done.expect("the run is not stopped by its own completion");
+        assert!(!done.replayed);
+        assert_eq!(done.value, "once");
+        assert_eq!(entries(&store, &table).await, ["once"]);
+    });
+}
