@@ -24,6 +24,7 @@ use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
 use idempotency_test::{
     block_on,
+    conformance::fresh_id,
     services::{self, RedisOptions, Service},
 };
 use sqlx::PgPool;
@@ -237,36 +238,66 @@ fn a_release_right_after_begin_leaves_no_stale_mirror() {
     });
 }
 
-/// A release after the application completed the record in its own transaction
-/// (`complete_in`, `complete_claim_in`: an executor's run that panicked, failed or was dropped
-/// after its commit) is refused by Postgres, and must still drop the lease's mirror: left,
-/// it told every retry "in flight" until its TTL although the outcome was stored.
+/// Claims a fresh record (its lease mirrored) and completes it in a committed application
+/// transaction (`complete_in`, as `Executor::run_with_claim` does); returns the token.
+async fn completed_in_a_transaction(
+    store: &HybridStore,
+    id: &RecordId,
+    fp: &Fingerprint,
+) -> idempotency_core::LeaseToken {
+    use idempotency_test::conformance::LONG;
+    let token = idempotency_test::conformance::execute(store, id, fp, LONG).await;
+    mirror_landed(store, id, fp).await;
+    let pg = store.postgres();
+    let mut tx = pg.pool().begin().await.expect("tx");
+    pg.complete_in(&mut tx, id, token, &Outcome::new(201), LONG)
+        .await
+        .expect("complete_in");
+    tx.commit().await.expect("commit");
+    token
+}
+
+/// After the application completed the record in its own transaction (`complete_in`, as
+/// `Executor::run_with_claim` does), the calls that follow from the token find it completed:
+/// the executor's own `complete` (answered `Ok`), or its release after a panic, an error or a
+/// drop past the commit (refused, `LeaseLost`). Both must drop the lease's mirror at once:
+/// the release left it, and the complete left it to the repair queue, so retries were told
+/// "in flight" until its TTL (or this process's next Redis call) although the outcome was
+/// stored.
 #[test]
-fn a_release_refused_after_a_transactional_completion_drops_the_mirror() {
+fn a_transactional_completion_leaves_no_lease_mirror_behind() {
     block_on(async {
         let Some(store) = shared_store().await else {
             return;
         };
-        let fp = Fingerprint::of(b"a");
-        let id = idempotency_test::conformance::fresh_id();
         let lease = idempotency_test::conformance::LONG;
-        let token = idempotency_test::conformance::execute(&*store, &id, &fp, lease).await;
-        mirror_landed(&store, &id, &fp).await;
-        let pg = store.postgres();
-        let mut tx = pg.pool().begin().await.expect("tx");
-        pg.complete_in(&mut tx, &id, token, &Outcome::new(201), lease)
-            .await
-            .expect("complete_in");
-        tx.commit().await.expect("commit");
-        assert!(matches!(
-            store.release(&id, token).await,
-            Err(Error::LeaseLost)
-        ));
-        let again = store.begin(&id, &fp, lease).await.expect("begin");
-        assert!(
-            matches!(again, Begin::Replay(ref o) if o.status == 201),
-            "after the refused release: {again:?}"
-        );
+        for release in [true, false] {
+            let (id, fp) = (fresh_id(), Fingerprint::of(b"a"));
+            let token = completed_in_a_transaction(&store, &id, &fp).await;
+            if release {
+                let released = store.release(&id, token).await;
+                assert!(matches!(released, Err(Error::LeaseLost)), "{released:?}");
+            } else {
+                store
+                    .complete(&id, token, &Outcome::new(201), lease)
+                    .await
+                    .expect("the executor's complete finds it stored");
+            }
+            // Asked of Redis directly, as another process's `begin` would first.
+            let peeked = store.redis().peek(&id, &fp).await;
+            assert!(
+                !matches!(
+                    peeked,
+                    Ok(idempotency_redis::Peek::Found(Begin::InFlight { .. }))
+                ),
+                "a stale mirror (release: {release}): {peeked:?}"
+            );
+            let again = store.begin(&id, &fp, lease).await.expect("begin");
+            assert!(
+                matches!(again, Begin::Replay(ref o) if o.status == 201),
+                "release: {release}: {again:?}"
+            );
+        }
     });
 }
 

@@ -640,6 +640,27 @@ impl HybridStore {
 
     /// Remembers the mirror of this lease as possibly stale unless the Redis step that
     /// fixes it finishes: failed, skipped or dropped mid-way, it is repaired later.
+    /// Deletes the token's lease mirror now, after a mirror write still on its way (fenced
+    /// on the token in Redis: another attempt's mirror and a cached outcome stay). If this
+    /// fails or is dropped, duplicates see "in flight" until the repair runs or the mirror's
+    /// TTL ends, and never execute twice.
+    async fn drop_mirror(&self, id: &RecordId, token: LeaseToken) {
+        let repair = self.repair_unless_done(id, token);
+        self.mirror_landed(&token).await;
+        let dropped = self
+            .try_redis(|| async {
+                match self.redis.release(id, token).await {
+                    Err(Error::LeaseLost) => Ok(()),
+                    other => other,
+                }
+            })
+            .await;
+        if dropped.is_some() {
+            repair.done();
+        }
+        self.forget_mirror(&token);
+    }
+
     fn repair_unless_done(&self, id: &RecordId, token: LeaseToken) -> RepairOnDrop<'_> {
         RepairOnDrop {
             store: self,
@@ -823,12 +844,15 @@ impl Store for HybridStore {
                 .await?;
             let Some(fp) = fp else {
                 // This token had completed it before (the first call's answer was lost, or the
-                // application used `complete_in`): `outcome` here was not stored, so it is not
-                // cached; the lease's mirror, if any, is dropped so duplicates ask Postgres.
+                // application used `complete_in`, as `Executor::run_with_claim` does):
+                // `outcome` here was not stored, so it is not cached; the lease's mirror, if
+                // any, is dropped now, so duplicates ask Postgres (left to the repair queue,
+                // it answered "in flight" until its TTL or this process's next Redis call).
                 if self.always() || self.may_be_mirrored(&token) {
-                    self.needs_repair(id, token);
+                    self.drop_mirror(id, token).await;
+                } else {
+                    self.forget_mirror(&token);
                 }
-                self.forget_mirror(&token);
                 return Ok(());
             };
             let ttl = retention.saturating_sub(sent.elapsed());
@@ -880,23 +904,7 @@ impl Store for HybridStore {
             if !self.may_be_mirrored(&token) {
                 return released; // no mirror to drop
             }
-            // The lease's mirror may still be on its way: the delete goes after it.
-            let repair = self.repair_unless_done(id, token);
-            self.mirror_landed(&token).await;
-            // Drop the mirrored lease (fenced on the same token); if this fails, duplicates see
-            // "in flight" until the repair runs or the mirror's TTL ends, and never execute twice.
-            let dropped = self
-                .try_redis(|| async {
-                    match self.redis.release(id, token).await {
-                        Err(Error::LeaseLost) => Ok(()),
-                        other => other,
-                    }
-                })
-                .await;
-            if dropped.is_some() {
-                repair.done();
-            }
-            self.forget_mirror(&token);
+            self.drop_mirror(id, token).await;
             released
         })
         .await
