@@ -35,6 +35,29 @@ async fn entries(store: &PostgresStore, table: &str) -> Vec<String> {
         .expect("read the ledger")
 }
 
+/// A key of its own, in this file's scope, for the message "1000".
+fn fresh_key() -> (Scope, IdempotencyKey, Fingerprint) {
+    let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
+    (Scope::new("claimed"), key, Fingerprint::of(b"1000"))
+}
+
+/// The key's answer to a redelivery that would run again: the value it replays.
+async fn replayed(
+    executor: &Executor<PostgresStore>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    fp: &Fingerprint,
+) -> String {
+    let again = executor
+        .run_with_claim(scope, key, fp, |_claim| async {
+            Ok::<String, idempotency_core::Error>("runs again".into())
+        })
+        .await
+        .expect("the redelivery");
+    assert!(again.replayed, "the redelivery ran again");
+    again.value
+}
+
 /// What the operation does after its transaction committed.
 #[derive(Clone, Copy, Debug)]
 enum After {
@@ -49,7 +72,7 @@ enum After {
 async fn write_and_complete(
     store: &PostgresStore,
     table: &str,
-    claim: &Claim,
+    claim: &Claim<String>,
     entry: &str,
 ) -> Result<String, idempotency_core::Error> {
     let mut tx = store.pool().begin().await.map_err(unavailable)?;
@@ -80,10 +103,8 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
         let Some(store) = store().await else { return };
         let table = ledger(&store).await;
         let executor = Executor::new(store.clone());
-        let scope = Scope::new("claimed");
         for after in [After::Panics, After::Fails, After::Hangs] {
-            let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
-            let fp = Fingerprint::of(b"1000");
+            let (scope, key, fp) = fresh_key();
             let (committed, on_commit) = tokio::sync::oneshot::channel();
             let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
                 let (store, table) = (store.clone(), table.clone());
@@ -134,6 +155,46 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
     });
 }
 
+/// An operation that retries its transaction because the first commit's answer was lost
+/// (the commit landed): the retry's completion is refused (`LeaseLost`, roll back), so its
+/// effect is not committed a second time. Before, the completion answered `Ok` (the token had
+/// completed the record: a `Store::complete` retry's answer) and the second entry committed.
+#[test]
+fn a_transaction_retried_after_its_commit_landed_commits_nothing() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = ledger(&store).await;
+        let executor = Executor::new(store.clone());
+        let (scope, key, fp) = fresh_key();
+        let done = executor
+            .run_with_claim(&scope, &key, &fp, |claim| {
+                let (store, table) = (store.clone(), table.clone());
+                async move {
+                    write_and_complete(&store, &table, &claim, "first try")
+                        .await
+                        .expect("the first try commits");
+                    // Its answer "lost": the operation retries the whole transaction.
+                    let retried = write_and_complete(&store, &table, &claim, "retry").await;
+                    assert!(
+                        matches!(retried, Err(idempotency_core::Error::LeaseLost)),
+                        "the retry must roll back: {retried:?}"
+                    );
+                    retried
+                }
+            })
+            .await;
+        assert!(
+            matches!(
+                done,
+                Err(RunError::Failed(idempotency_core::Error::LeaseLost))
+            ),
+            "{done:?}"
+        );
+        assert_eq!(entries(&store, &table).await, ["first try"]);
+        assert_eq!(replayed(&executor, &scope, &key, &fp).await, "first try");
+    });
+}
+
 /// A run whose key an operator released while it ran (it looked stuck) and another attempt
 /// took over: its completion is refused (`LeaseLost`) inside its transaction, which rolls
 /// back with its entry. The takeover's entry is the only one, and the key replays it.
@@ -143,9 +204,7 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
         let Some(store) = store().await else { return };
         let table = ledger(&store).await;
         let executor = Executor::new(store.clone());
-        let scope = Scope::new("claimed");
-        let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
-        let fp = Fingerprint::of(b"1000");
+        let (scope, key, fp) = fresh_key();
         let (written, on_written) = tokio::sync::oneshot::channel();
         let (go_on, on_go_on) = tokio::sync::oneshot::channel::<()>();
         let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
@@ -193,21 +252,14 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
             "{first:?}"
         );
         assert_eq!(entries(&store, &table).await, ["takeover"]);
-        let again = executor
-            .run_with_claim(&scope, &key, &fp, |_claim| async {
-                Ok::<String, idempotency_core::Error>("runs again".into())
-            })
-            .await
-            .expect("replay");
-        assert!(again.replayed);
-        assert_eq!(again.value, "takeover");
+        assert_eq!(replayed(&executor, &scope, &key, &fp).await, "takeover");
     });
 }
 
 /// A renewal that waited on the row the run's own completion locked, or came after its
 /// commit, answers `LeaseLost` (the record is no longer in flight): that is the run's own
-/// completion, and must not stop it. Before `Claim::completion` told the executor, the run
-/// was stopped after its commit and reported `LeaseLost`.
+/// completion, and must not stop it (once the store accepted the completion, the executor
+/// stops renewing). Before, the run was stopped after its commit and reported `LeaseLost`.
 #[test]
 fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
     block_on(async {
@@ -216,9 +268,7 @@ fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
         // Renewed every 100 ms: several renewals fall inside the transaction and after it.
         let executor = Executor::new(store.clone())
             .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
-        let scope = Scope::new("claimed");
-        let key = IdempotencyKey::new(uuid::Uuid::new_v4().to_string()).expect("key");
-        let fp = Fingerprint::of(b"1000");
+        let (scope, key, fp) = fresh_key();
         let done = executor
             .run_with_claim(&scope, &key, &fp, |claim| {
                 let (store, table) = (store.clone(), table.clone());

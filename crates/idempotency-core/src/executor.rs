@@ -43,10 +43,12 @@ pub enum RunError<E> {
     /// The key was used with a different fingerprint: a different operation.
     #[error("the key was used for a different operation")]
     Mismatch,
-    /// The operation failed; the key was released, so a redelivery runs it again.
+    /// The operation failed; the key was released, so a redelivery runs it again (unless
+    /// the operation had committed its result itself: [`Executor::run_with_claim`]).
     #[error("the operation failed and was released for a retry")]
     Failed(#[source] E),
-    /// The operation panicked; the key was released.
+    /// The operation panicked; the key was released (unless the operation had committed its
+    /// result itself: [`Executor::run_with_claim`]).
     #[error("the operation panicked and was released for a retry")]
     Panicked,
     /// **The operation was stopped at its await: its lease was lost** while it ran — a
@@ -213,12 +215,16 @@ impl<S: Store + ?Sized> Executor<S> {
     /// - if another attempt took the key over meanwhile, `complete_claim_in` answers
     ///   `LeaseLost` and the transaction rolls back: the takeover's effect is the only one.
     ///
-    /// Return `Ok(value)` only after the commit; the executor then stores `value` too, which
-    /// finds it stored already (a completion is idempotent for its token). Once the
-    /// operation has asked [`Claim::completion`] (which `complete_claim_in` does), a renewal
-    /// answered `LeaseLost` no longer stops it: that answer is its own completion, seen by a
-    /// renewal that waited on the transaction's row lock, or a takeover that the completion's
-    /// fence refuses.
+    /// Return `Ok(value)` with the value stored, after the commit; the executor then stores
+    /// it too, which finds it stored already (a completion is idempotent for its token).
+    /// Once the store accepted the operation's completion ([`Claim::accepted`], which
+    /// `complete_claim_in` calls), the transaction's row lock fences the key: the executor
+    /// stops renewing, and a renewal answered `LeaseLost` (its own commit) no longer stops
+    /// the operation. Before that, a `LeaseLost` stops it as in [`Executor::run`].
+    ///
+    /// After a commit, an `Err` or a panic reports [`RunError::Failed`] or
+    /// [`RunError::Panicked`], but the key is not released (the release is fenced to a
+    /// record still in flight): it replays the committed value.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -247,7 +253,7 @@ impl<S: Store + ?Sized> Executor<S> {
     ) -> Result<Executed<T>, RunError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: FnOnce(Claim) -> Fut,
+        F: FnOnce(Claim<T>) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
         let id = RecordId::new(scope, key);
@@ -303,9 +309,10 @@ impl<S: Store + ?Sized> Executor<S> {
             id,
             token,
             retention: self.policy.retention(),
-            completing: Arc::new(AtomicBool::new(false)),
+            accepted: Arc::new(AtomicBool::new(false)),
+            result: std::marker::PhantomData,
         };
-        let completing = claim.completing.clone();
+        let accepted = claim.accepted.clone();
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         let operation = AssertUnwindSafe(op(claim)).catch_unwind();
@@ -314,7 +321,7 @@ impl<S: Store + ?Sized> Executor<S> {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
                 let (renewing, lost) =
-                    renew_in_a_task(self.store.clone(), id, token, &self.policy, completing);
+                    renew_in_a_task(self.store.clone(), id, token, &self.policy, accepted);
                 guard.renewing = Some(renewing);
                 // An operation that ends in the same poll as the loss is reported as run
                 // (its outcome's write then finds the key lost: `NotStored`).
@@ -418,15 +425,38 @@ fn stored_form<T: Serialize>(value: &T) -> Result<Outcome, serde_json::Error> {
 
 /// The lease an operation of [`Executor::run_with_claim`] runs under: what it needs to
 /// store its own result in the transaction of its effect (`PostgresStore::complete_claim_in`
-/// takes it whole).
-#[derive(Debug, Clone)]
-pub struct Claim {
+/// takes it whole). Typed by the operation's result, so the value stored is of the type a
+/// replay decodes.
+pub struct Claim<T> {
     id: RecordId,
     token: LeaseToken,
     retention: Duration,
-    /// Set once the operation asked for its [`Completion`]: see
-    /// [`Executor::run_with_claim`].
-    completing: Arc<AtomicBool>,
+    /// Set once the store accepted the operation's own completion ([`Claim::accepted`]).
+    accepted: Arc<AtomicBool>,
+    result: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Claim<T> {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id,
+            token: self.token,
+            retention: self.retention,
+            accepted: self.accepted.clone(),
+            result: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Claim<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("id", &self.id)
+            .field("token", &self.token)
+            .field("retention", &self.retention)
+            .field("accepted", &self.accepted.load(Ordering::SeqCst))
+            .finish()
+    }
 }
 
 /// What an operation stores, and under which lease, to complete its record itself:
@@ -444,7 +474,7 @@ pub struct Completion {
     pub retention: Duration,
 }
 
-impl Claim {
+impl<T: Serialize> Claim<T> {
     /// The record this run holds.
     pub fn id(&self) -> &RecordId {
         &self.id
@@ -461,9 +491,9 @@ impl Claim {
     }
 
     /// The completion that stores `value` as the executor would, for a store call the
-    /// operation makes itself (`PostgresStore::complete_in` in its own transaction). From
-    /// this call on, a renewal answered `LeaseLost` no longer stops the operation (see
-    /// [`Executor::run_with_claim`]).
+    /// operation makes itself (`PostgresStore::complete_in` in its own transaction; once the
+    /// store accepted it, call [`Claim::accepted`]). `PostgresStore::complete_claim_in` does
+    /// both.
     ///
     /// # Errors
     ///
@@ -478,8 +508,8 @@ impl Claim {
     /// # let executor = Executor::new(Arc::new(MemoryStore::new()));
     /// # let key = IdempotencyKey::new("k").unwrap();
     /// executor
-    ///     .run_with_claim(&Scope::new("s"), &key, &Fingerprint::of(b""), |claim: Claim| async move {
-    ///         let completion = claim.completion(&"charged").unwrap();
+    ///     .run_with_claim(&Scope::new("s"), &key, &Fingerprint::of(b""), |claim: Claim<String>| async move {
+    ///         let completion = claim.completion(&"charged".to_owned()).unwrap();
     ///         assert_eq!(completion.outcome.body, br#""charged""#[..]);
     ///         Ok::<_, std::io::Error>("charged".to_owned())
     ///     })
@@ -487,16 +517,27 @@ impl Claim {
     ///     .unwrap();
     /// # }
     /// ```
-    pub fn completion<T: Serialize>(&self, value: &T) -> crate::Result<Completion> {
+    pub fn completion(&self, value: &T) -> crate::Result<Completion> {
         let outcome = stored_form(value)
             .map_err(|e| Error::Corrupt(format!("the result does not serialise: {e}")))?;
-        self.completing.store(true, Ordering::SeqCst);
         Ok(Completion {
             id: self.id,
             token: self.token,
             outcome,
             retention: self.retention,
         })
+    }
+
+    /// Tells the executor that the store **accepted** the operation's own completion, fenced
+    /// on this claim's token, in a transaction that has not ended: from here that
+    /// transaction's row lock fences the key (a takeover waits on it), so the executor stops
+    /// renewing the lease, and a renewal answered `LeaseLost` (its own commit, seen by a
+    /// renewal that waited on the lock) no longer stops the operation. Call it right after
+    /// the store's call returned `Ok` (`PostgresStore::complete_claim_in` does), then commit
+    /// or return; never before: until the store accepted, a `LeaseLost` is a takeover, and
+    /// the operation must stop.
+    pub fn accepted(&self) {
+        self.accepted.store(true, Ordering::SeqCst);
     }
 }
 
@@ -512,16 +553,15 @@ impl Claim {
 /// unavailable is no such answer: a late completion is still accepted while nobody took
 /// over, so the operation goes on and the renewals keep trying.
 ///
-/// Once `completing` is set, the operation is storing its result in its own transaction,
-/// fenced there on the token: a `LeaseLost` is then its own completion (seen by a renewal
-/// that waited on the transaction's row lock), or a takeover that fence refuses, and stops
-/// nothing.
+/// Once `accepted` is set, the store took the operation's own completion in a transaction
+/// that holds the record's row lock until it ends: renewing is then pointless (and would
+/// wait on that lock), and a `LeaseLost` can only be that transaction's commit.
 fn renew_in_a_task<S: Store + ?Sized>(
     store: Arc<S>,
     id: RecordId,
     token: LeaseToken,
     policy: &Policy,
-    completing: Arc<AtomicBool>,
+    accepted: Arc<AtomicBool>,
 ) -> (tokio::task::AbortHandle, tokio::sync::oneshot::Receiver<()>) {
     let (lease, every) = (policy.lease(), policy.renew_every());
     let (lost, on_lost) = tokio::sync::oneshot::channel();
@@ -529,10 +569,13 @@ fn renew_in_a_task<S: Store + ?Sized>(
         let mut renew = tokio::time::interval_at(Instant::now() + every, every);
         loop {
             renew.tick().await;
+            if accepted.load(Ordering::SeqCst) {
+                return;
+            }
             match store.renew(&id, token, lease).await {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
-                    if !completing.load(Ordering::SeqCst) {
+                    if !accepted.load(Ordering::SeqCst) {
                         let _ = lost.send(());
                     }
                     return;
@@ -745,6 +788,37 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(done.value, 7);
+    }
+
+    /// An operation that asked for its completion but whose store has not accepted it (the
+    /// statement failed, or has not run) is still stopped when its key is taken: before the
+    /// acceptance, `LeaseLost` is a takeover. (It once sufficed to ask.)
+    #[tokio::test(start_paused = true)]
+    async fn asking_for_the_completion_does_not_shield_the_run_from_a_takeover() {
+        let store = Arc::new(MemoryStore::new());
+        let lease = Duration::from_secs(3);
+        let executor =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let (asked, on_asked) = tokio::sync::oneshot::channel();
+        let run = executor.run_with_claim(&scope, &k, &fp, |claim| async move {
+            let _completion = claim.completion(&1u32).unwrap();
+            let _ = asked.send(());
+            std::future::pending::<()>().await; // the completion's statement, stalled
+            Ok::<_, &str>(1u32)
+        });
+        let operator = async {
+            on_asked.await.unwrap();
+            let id = RecordId::new(&scope, &k);
+            let live = crate::ReleaseScope::default().with_live();
+            store.force_release(&id, live).await.unwrap();
+        };
+        // Bounded: a run that is not stopped waits for ever.
+        let (stopped, ()) = tokio::join!(tokio::time::timeout(lease * 10, run), operator);
+        assert!(
+            matches!(stopped, Ok(Err(RunError::LeaseLost))),
+            "{stopped:?}"
+        );
     }
 
     /// An operation that stored its own result (as `complete_claim_in` does, in the effect's

@@ -648,8 +648,16 @@ impl PostgresStore {
     /// the transaction rolls back, the record stays in flight until its lease expires (or the
     /// caller releases it) and a retry executes again, finding no business row.
     ///
+    /// It answers [`Error::LeaseLost`] — roll back — when the token no longer holds the
+    /// record in flight: another attempt took it over, an operator released it, or this token
+    /// completed it already (a transaction retried after its commit's answer was lost: the
+    /// effect committed then, and must not commit twice).
+    ///
     /// The row stays locked until the transaction ends; a concurrent `begin` on the same key
-    /// sees it in flight meanwhile. The retention counts from when the row is written
+    /// waits on it meanwhile, then replays (committed) or answers in flight (rolled back).
+    /// Under `REPEATABLE READ` or `SERIALIZABLE`, complete first (before the effect's
+    /// statements): a renewal of the lease committed after the transaction's snapshot makes
+    /// the completion fail with a serialization error (`Unavailable`). The retention counts from when the row is written
     /// (`clock_timestamp()`), not from the start of the caller's transaction.
     ///
     /// ```no_run
@@ -682,7 +690,14 @@ impl PostgresStore {
             response: outcome.encode().to_vec(),
             retention,
         };
-        self.complete_encoded(conn, &job).await.map(|_| ())
+        match self.complete_encoded(conn, &job).await? {
+            Some(_) => Ok(()),
+            // This token completed the record before, in a transaction that committed: the
+            // caller is retrying a transaction whose commit answer it lost. Its effect is in
+            // that commit already, so this one must roll back, not commit it a second time
+            // (`Store::complete`, which writes no effect, answers `Ok` here instead).
+            None => Err(Error::LeaseLost),
+        }
     }
 
     /// Stores the result of an [`Executor::run_with_claim`] operation inside the operation's
@@ -691,12 +706,17 @@ impl PostgresStore {
     /// redelivery replays `value`).
     ///
     /// `value` is stored as the executor stores a result (see [`Claim::completion`]), with
-    /// the executor's retention. It answers [`Error::LeaseLost`] when another attempt took the
-    /// key over: roll back, and that attempt's effect is the only one. The row stays locked
-    /// until the transaction ends, so commit soon after.
+    /// the executor's retention; return that same value once committed. It answers
+    /// [`Error::LeaseLost`] when another attempt took the key over, or when this claim
+    /// completed it already (a retried transaction whose first commit landed): roll back,
+    /// and the effect that committed is the only one. The row stays locked until the
+    /// transaction ends, so commit (or return) right after: from here the lock fences the
+    /// key, and the executor stops renewing the lease (see [`Claim::accepted`]). The
+    /// isolation-level advice of [`PostgresStore::complete_in`] applies.
     ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
     /// [`Claim::completion`]: idempotency_core::Claim::completion
+    /// [`Claim::accepted`]: idempotency_core::Claim::accepted
     ///
     /// ```no_run
     /// # use std::sync::Arc;
@@ -726,7 +746,7 @@ impl PostgresStore {
     pub async fn complete_claim_in<T: serde::Serialize>(
         &self,
         conn: &mut PgConnection,
-        claim: &idempotency_core::Claim,
+        claim: &idempotency_core::Claim<T>,
         value: &T,
     ) -> Result<()> {
         let completion = claim.completion(value)?;
@@ -737,7 +757,11 @@ impl PostgresStore {
             &completion.outcome,
             completion.retention,
         )
-        .await
+        .await?;
+        // No await between the acceptance and this: the commit (after which a renewal finds
+        // the record completed) cannot come first.
+        claim.accepted();
+        Ok(())
     }
 
     /// Completes and returns the record's fingerprint (one statement): what a cache in front
