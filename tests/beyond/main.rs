@@ -172,9 +172,15 @@ fn executor_stale_owner_cannot_complete() {
 }
 
 async fn orders(store: &PostgresStore) -> (StateMachine, String) {
+    orders_versioned_as(store, "bigint").await
+}
+
+/// An orders table whose `version` column is of type `version_type`, with row o1 pending at
+/// version 1, and its machine pending → processing → shipped → completed.
+async fn orders_versioned_as(store: &PostgresStore, version_type: &str) -> (StateMachine, String) {
     let table = idempotency_test::unique("orders");
     let ddl = format!(
-        "CREATE TABLE {table} (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL)"
+        "CREATE TABLE {table} (id text PRIMARY KEY, status text NOT NULL, version {version_type} NOT NULL)"
     );
     sqlx::query(sqlx::AssertSqlSafe(ddl))
         .execute(store.pool())
@@ -195,71 +201,127 @@ async fn orders(store: &PostgresStore) -> (StateMachine, String) {
     (machine, table)
 }
 
+/// Also over a `version` column of type `integer`: a move is reported `Applied`, not a
+/// decoding error after the row moved (which a retry then saw as `AlreadyApplied`, so code
+/// acting on `Applied` never acted).
 #[test]
 fn transitions_walk_forward_and_tell_repeats_from_conflicts() {
     block_on(async {
         let Some(store) = store().await else { return };
+        for version_type in ["bigint", "integer"] {
+            let (m, _) = orders_versioned_as(&store, version_type).await;
+            let pool = store.pool();
+            assert_eq!(
+                m.transition(pool, "o1", "processing", 1).await.expect("t"),
+                Transition::Applied { version: 2 }
+            );
+            // The same request again: already applied, no second effect.
+            assert_eq!(
+                m.transition(pool, "o1", "processing", 1).await.expect("t"),
+                Transition::AlreadyApplied { version: 2 }
+            );
+            assert_eq!(
+                m.transition(pool, "o1", "shipped", 2).await.expect("t"),
+                Transition::Applied { version: 3 }
+            );
+            // A stale version.
+            assert_eq!(
+                m.transition(pool, "o1", "completed", 2).await.expect("t"),
+                Transition::Conflict {
+                    status: "shipped".into(),
+                    version: 3
+                }
+            );
+            // Backwards: "processing" only follows "pending".
+            assert_eq!(
+                m.transition(pool, "o1", "processing", 3).await.expect("t"),
+                Transition::Conflict {
+                    status: "shipped".into(),
+                    version: 3
+                }
+            );
+            assert_eq!(
+                m.transition(pool, "o1", "completed", 3).await.expect("t"),
+                Transition::Applied { version: 4 }
+            );
+            assert_eq!(
+                m.transition(pool, "missing", "processing", 1)
+                    .await
+                    .expect("t"),
+                Transition::NotFound
+            );
+            // A known status that nothing leads to: a forbidden move (a conflict), not bad
+            // input, and never "already applied" even where the row sits in it.
+            assert_eq!(
+                m.transition(pool, "o1", "pending", 4).await.expect("t"),
+                Transition::Conflict {
+                    status: "completed".into(),
+                    version: 4
+                }
+            );
+            assert_eq!(
+                m.transition(pool, "missing", "pending", 1)
+                    .await
+                    .expect("t"),
+                Transition::NotFound
+            );
+            // Not a status of the machine at all: the caller's error.
+            assert!(matches!(
+                m.transition(pool, "o1", "cancelled", 4).await,
+                Err(TransitionError::UnknownTarget(status)) if status == "cancelled"
+            ));
+        }
+    });
+}
+
+/// A move made inside the caller's transaction commits or rolls back with the caller's own
+/// writes (an outbox or ledger row): rolled back, the redelivery moves the row and writes
+/// the row again; committed, a repeat is `AlreadyApplied` and the follow-up write is there.
+/// Before, `transition` took only a `Copy` executor (a pool), so the move committed on its
+/// own and a crash before the follow-up write lost it for good (the repeat said
+/// `AlreadyApplied`, "acknowledge it").
+#[test]
+fn a_transition_commits_or_rolls_back_with_the_callers_transaction() {
+    block_on(async {
+        let Some(store) = store().await else { return };
         let (m, _) = orders(&store).await;
-        let pool = store.pool();
+        let outbox = idempotency_test::unique("outbox");
+        let ddl = format!("CREATE TABLE {outbox} (order_id text NOT NULL)");
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(store.pool())
+            .await
+            .expect("outbox");
+        let insert = format!("INSERT INTO {outbox} VALUES ('o1')");
+        for commit in [false, true] {
+            let mut tx = store.pool().begin().await.expect("tx");
+            assert_eq!(
+                m.transition(&mut *tx, "o1", "processing", 1)
+                    .await
+                    .expect("t"),
+                Transition::Applied { version: 2 }
+            );
+            sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+                .execute(&mut *tx)
+                .await
+                .expect("outbox row");
+            if commit {
+                tx.commit().await.expect("commit");
+            } else {
+                tx.rollback().await.expect("rollback"); // the crash before the commit
+            }
+        }
+        let count = format!("SELECT count(*) FROM {outbox}");
+        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(count))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(n, 1);
         assert_eq!(
-            m.transition(pool, "o1", "processing", 1).await.expect("t"),
-            Transition::Applied { version: 2 }
-        );
-        // The same request again: already applied, no second effect.
-        assert_eq!(
-            m.transition(pool, "o1", "processing", 1).await.expect("t"),
+            m.transition(store.pool(), "o1", "processing", 1)
+                .await
+                .expect("t"),
             Transition::AlreadyApplied { version: 2 }
         );
-        assert_eq!(
-            m.transition(pool, "o1", "shipped", 2).await.expect("t"),
-            Transition::Applied { version: 3 }
-        );
-        // A stale version.
-        assert_eq!(
-            m.transition(pool, "o1", "completed", 2).await.expect("t"),
-            Transition::Conflict {
-                status: "shipped".into(),
-                version: 3
-            }
-        );
-        // Backwards: "processing" only follows "pending".
-        assert_eq!(
-            m.transition(pool, "o1", "processing", 3).await.expect("t"),
-            Transition::Conflict {
-                status: "shipped".into(),
-                version: 3
-            }
-        );
-        assert_eq!(
-            m.transition(pool, "o1", "completed", 3).await.expect("t"),
-            Transition::Applied { version: 4 }
-        );
-        assert_eq!(
-            m.transition(pool, "missing", "processing", 1)
-                .await
-                .expect("t"),
-            Transition::NotFound
-        );
-        // A known status that nothing leads to: a forbidden move (a conflict), not bad
-        // input, and never "already applied" even where the row sits in it.
-        assert_eq!(
-            m.transition(pool, "o1", "pending", 4).await.expect("t"),
-            Transition::Conflict {
-                status: "completed".into(),
-                version: 4
-            }
-        );
-        assert_eq!(
-            m.transition(pool, "missing", "pending", 1)
-                .await
-                .expect("t"),
-            Transition::NotFound
-        );
-        // Not a status of the machine at all: the caller's error.
-        assert!(matches!(
-            m.transition(pool, "o1", "cancelled", 4).await,
-            Err(TransitionError::UnknownTarget(status)) if status == "cancelled"
-        ));
     });
 }
 

@@ -1,6 +1,6 @@
 //! Guarded state transitions: optimistic locking on a `status` + `version` row.
 
-use sqlx::{AssertSqlSafe, Encode, PgExecutor, Postgres, Type};
+use sqlx::{Acquire, AssertSqlSafe, Encode, Postgres, Type};
 
 /// What a transition attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,6 +152,11 @@ impl StateMachine {
 
     /// Attempts `-> to` on row `id`, expecting it at `expected_version`.
     ///
+    /// `conn` is a pool, a connection or **the caller's transaction** (`&mut *tx`): in a
+    /// transaction, the move commits or rolls back with the caller's own writes (an outbox
+    /// row, a ledger entry), so a crash between the move and those writes cannot leave the
+    /// move done and the writes lost (a repeat would answer `AlreadyApplied`).
+    ///
     /// A status no transition leads to (the machine's start, say) is never applied: the
     /// answer is [`Transition::Conflict`] with the row's status, or
     /// [`Transition::NotFound`].
@@ -159,9 +164,9 @@ impl StateMachine {
     /// # Errors
     /// [`TransitionError::UnknownTarget`] when `to` is not a status of the machine, and
     /// [`TransitionError::Database`] when a statement fails.
-    pub async fn transition<'e, I>(
+    pub async fn transition<'c, I>(
         &self,
-        executor: impl PgExecutor<'e> + Copy,
+        conn: impl Acquire<'c, Database = Postgres>,
         id: I,
         to: &str,
         expected_version: i64,
@@ -179,17 +184,21 @@ impl StateMachine {
             return Err(TransitionError::UnknownTarget(to.to_owned()));
         }
         let (t, idc, st, ver) = (&self.table, &self.id, &self.status, &self.version);
+        // Both statements on one connection: in the caller's transaction when it is one.
+        let mut conn = conn.acquire().await?;
+        // `::bigint`: an `integer` version column decodes too (a decoding error after the
+        // row moved would report a move that was applied as a failure).
         if !from.is_empty() {
             let update = format!(
                 "UPDATE {t} SET {st} = $2, {ver} = {ver} + 1 \
-                 WHERE {idc} = $1 AND {ver} = $3 AND {st} = ANY($4) RETURNING {ver}"
+                 WHERE {idc} = $1 AND {ver} = $3 AND {st} = ANY($4) RETURNING {ver}::bigint"
             );
             let applied: Option<(i64,)> = sqlx::query_as(AssertSqlSafe(update))
                 .bind(id.clone())
                 .bind(to)
                 .bind(expected_version)
                 .bind(&from)
-                .fetch_optional(executor)
+                .fetch_optional(&mut *conn)
                 .await?;
             if let Some((version,)) = applied {
                 return Ok(Transition::Applied { version });
@@ -197,10 +206,10 @@ impl StateMachine {
         }
         // Zero rows (or no move leads to `to`): read the row (a new statement, so a new
         // snapshot) to say why.
-        let read = format!("SELECT {st}::text, {ver} FROM {t} WHERE {idc} = $1");
+        let read = format!("SELECT {st}::text, {ver}::bigint FROM {t} WHERE {idc} = $1");
         let row: Option<(String, i64)> = sqlx::query_as(AssertSqlSafe(read))
             .bind(id)
-            .fetch_optional(executor)
+            .fetch_optional(&mut *conn)
             .await?;
         Ok(match row {
             None => Transition::NotFound,
