@@ -1622,6 +1622,29 @@ fn a_declared_length_response_is_stored_before_its_last_byte() {
     });
 }
 
+/// A response whose outcome was not stored (its lease was taken while the handler ran) does
+/// not advertise an expiry: it would promise a replay until that date, and a retry runs
+/// again (the other attempt decides the key).
+#[test]
+fn a_response_whose_outcome_was_not_stored_advertises_no_expiry() {
+    block_on(async {
+        let store = idempotency_test::late::LateBegin::new(MemoryStore::new(), Duration::ZERO);
+        store.lose_completes(1);
+        let layer = layer(Arc::new(store)).advertise_expiry(true);
+        let (router, calls, _) = app(layer);
+        let lost = send(&router, "POST", Some("exp-lost"), &[], "{}").await;
+        assert_eq!((lost.status, calls.get()), (201, 1));
+        assert!(
+            lost.headers.get("idempotency-expires").is_none(),
+            "{:?}",
+            lost.headers
+        );
+        let stored = send(&router, "POST", Some("exp-stored"), &[], "{}").await;
+        assert_eq!(stored.status, 201);
+        assert!(stored.headers.get("idempotency-expires").is_some());
+    });
+}
+
 /// `advertise_expiry`: a stored response and its replays say the same `Idempotency-Expires`
 /// date, never later than the record's expiry in the store (read back with `inspect`); a
 /// response that is not stored says nothing, and neither does a layer not told to.

@@ -30,6 +30,8 @@ pub struct LateBegin<S> {
     failing_releases: AtomicU64,
     /// How many of the next `renew` calls fail (`Unavailable`, nothing renewed).
     failing_renewals: AtomicU64,
+    /// How many of the next `complete` calls answer `LeaseLost` (nothing stored).
+    lost_completes: AtomicU64,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -47,6 +49,7 @@ impl<S: Store> LateBegin<S> {
             drains: AtomicU64::new(0),
             failing_releases: AtomicU64::new(0),
             failing_renewals: AtomicU64::new(0),
+            lost_completes: AtomicU64::new(0),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -73,6 +76,12 @@ impl<S: Store> LateBegin<S> {
     /// unreachable from this process only).
     pub fn fail_renewals(&self, n: u64) {
         self.failing_renewals.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `complete` calls answer `LeaseLost`, storing nothing (another
+    /// attempt took the key over, or an operator released it, while the operation ran).
+    pub fn lose_completes(&self, n: u64) {
+        self.lost_completes.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -149,6 +158,9 @@ impl<S: Store> Store for LateBegin<S> {
             .complete_task
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
+        if take_one(&self.lost_completes) {
+            return Err(idempotency_core::Error::LeaseLost);
+        }
         self.inner.complete(id, token, outcome, retention).await
     }
 

@@ -266,6 +266,11 @@ impl IdempotencyLayer {
     /// — up to the clock skew between this server and the store. A retry sent before it
     /// replays; one sent after it may run the operation again.
     ///
+    /// A buffered response whose outcome could not be stored (its lease was taken, or the
+    /// store stayed down) carries no date. A streamed one (larger than the stored-body
+    /// limit) sends its head before the outcome is stored, so it carries the date whenever
+    /// its status is stored.
+    ///
     /// ```
     /// use std::sync::Arc;
     /// use idempotency_core::MemoryStore;

@@ -827,7 +827,12 @@ where
     if config.policy.is_cacheable(parts.status.as_u16()) {
         advertise_expiry(config, &mut parts);
         let outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
-        complete(config, id, token, &outcome).await;
+        if !complete(config, id, token, &outcome).await {
+            // Not stored: the date would promise a replay that a retry will not get.
+            parts
+                .headers
+                .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
+        }
     } else {
         Metrics::inc(&m.released, "idempotency_released_total");
         release(config, id, token, "outcome not cacheable").await;
@@ -1091,18 +1096,24 @@ async fn settle_lease(
     }
 }
 
-/// Stores the outcome. A store blip must not lose it (the retry would run the operation
-/// again), so an unavailable store is retried, renewing the lease, for up to one lease.
-async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) {
+/// Stores the outcome; says whether it was. A store blip must not lose it (the retry would
+/// run the operation again), so an unavailable store is retried, renewing the lease, for up
+/// to one lease.
+async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) -> bool {
     let m = &config.metrics;
     match complete_retrying(&*config.store, &id, token, outcome, &config.policy).await {
-        Ok(()) => Metrics::inc(&m.executions, "idempotency_executions_total"),
+        Ok(()) => {
+            Metrics::inc(&m.executions, "idempotency_executions_total");
+            true
+        }
         Err(Error::LeaseLost) => {
             Metrics::inc(&m.lease_lost, "idempotency_lease_lost_total");
             tracing::error!("lease lost before completion: another attempt owns the key now");
+            false
         }
         Err(error) => {
             tracing::error!(%error, "the outcome could not be stored; a retry after the lease expires runs again");
+            false
         }
     }
 }
