@@ -24,8 +24,9 @@ pub(crate) enum Command {
     /// Prints the key's record as JSON; exits 1 when there is none.
     Inspect(Record),
     /// Releases the key's in-flight record whose lease ran out (its holder's late completion
-    /// is refused), so the next request runs; exits 1 when there is none, or its lease is live
-    /// and --live was not given, or it is completed and --completed was not given.
+    /// is refused), so the next request runs as new, not as "outcome unknown": check first
+    /// whether that attempt took effect. Exits 1 when there is none, or its lease is live and
+    /// --live was not given, or it is completed and --completed was not given.
     Release {
         #[command(flatten)]
         record: Record,
@@ -104,7 +105,10 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             Ok(match released {
                 ForceReleased::Released => {
-                    println!("released: the in-flight record is gone, the next request runs");
+                    println!(
+                        "released: the in-flight record is gone, the next request runs as new \
+                         (if the earlier attempt took effect, it takes effect twice)"
+                    );
                     ExitCode::SUCCESS
                 }
                 ForceReleased::Deleted => {
