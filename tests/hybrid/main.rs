@@ -301,6 +301,37 @@ fn a_transactional_completion_leaves_no_lease_mirror_behind() {
     });
 }
 
+/// A lease ended right after `begin` (`renew(token, 0)`: an abandoned takeover, a panicked
+/// handler under `Reject`) must take its mirror along even while the mirror's write is still
+/// on its way, or the next attempt is told "in flight" by it for its TTL instead of taking
+/// the unfinished attempt over. (The conformance case
+/// `a_lease_renewed_for_zero_ends_now_and_keeps_its_record` met this now and then.)
+#[test]
+fn a_lease_ended_right_after_begin_leaves_no_stale_mirror() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let fp = Fingerprint::of(b"a");
+        let lease = idempotency_test::conformance::LONG;
+        for _ in 0..100 {
+            let id = fresh_id();
+            let mut token = idempotency_test::conformance::execute(&*store, &id, &fp, lease).await;
+            // Ended after an `Execute`, then after a `TakeOver`.
+            for _ in 0..2 {
+                store
+                    .renew(&id, token, Duration::ZERO)
+                    .await
+                    .expect("renew for zero");
+                match store.begin(&id, &fp, lease).await.expect("begin") {
+                    Begin::TakeOver(taken) => token = taken,
+                    other => panic!("after the lease ended: {other:?}"),
+                }
+            }
+        }
+    });
+}
+
 /// A lease's mirror can outlive its lease in Postgres (its delete failed, or another
 /// process released the key): another request under the key must then be decided by
 /// Postgres, not told 422 by a mirror that may be stale. (A stale mirror of the same request

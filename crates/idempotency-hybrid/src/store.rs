@@ -638,8 +638,6 @@ impl HybridStore {
         true
     }
 
-    /// Remembers the mirror of this lease as possibly stale unless the Redis step that
-    /// fixes it finishes: failed, skipped or dropped mid-way, it is repaired later.
     /// Deletes the token's lease mirror now, after a mirror write still on its way (fenced
     /// on the token in Redis: another attempt's mirror and a cached outcome stay). If this
     /// fails or is dropped, duplicates see "in flight" until the repair runs or the mirror's
@@ -661,6 +659,8 @@ impl HybridStore {
         self.forget_mirror(&token);
     }
 
+    /// Remembers the mirror of this lease as possibly stale unless the Redis step that
+    /// fixes it finishes: failed, skipped or dropped mid-way, it is repaired later.
     fn repair_unless_done(&self, id: &RecordId, token: LeaseToken) -> RepairOnDrop<'_> {
         RepairOnDrop {
             store: self,
@@ -848,9 +848,12 @@ impl Store for HybridStore {
                 // `outcome` here was not stored, so it is not cached; the lease's mirror, if
                 // any, is dropped now, so duplicates ask Postgres (left to the repair queue,
                 // it answered "in flight" until its TTL or this process's next Redis call).
-                if self.always() || self.may_be_mirrored(&token) {
+                if self.may_be_mirrored(&token) {
                     self.drop_mirror(id, token).await;
                 } else {
+                    if self.always() {
+                        self.needs_repair(id, token);
+                    }
                     self.forget_mirror(&token);
                 }
                 return Ok(());
@@ -914,6 +917,13 @@ impl Store for HybridStore {
         idempotency_core::observe(self.name(), "renew", async {
             self.pg.renew(id, token, lease).await?;
             if !self.may_be_mirrored(&token) {
+                return Ok(());
+            }
+            if lease.is_zero() {
+                // The lease ends now (an unfinished attempt kept for the next `begin` to take
+                // over): its mirror goes, after a write of it still on its way, which would
+                // otherwise land after the renew and say "in flight" for its TTL.
+                self.drop_mirror(id, token).await;
                 return Ok(());
             }
             // Noted before the call: a renew whose answer is lost may still have run.
