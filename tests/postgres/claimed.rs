@@ -256,6 +256,57 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
     });
 }
 
+/// A transaction that rolls back after its completion was accepted (a later statement
+/// failed, a serialization failure at commit) leaves the run on its lease: the renewals go
+/// on, so a redelivery meanwhile is told "in flight", and the run's retried transaction
+/// commits the only entry. Before, the renewals stopped at the acceptance: the lease ran out
+/// and the redelivery took the key over while the run was still going.
+#[test]
+fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = ledger(&store).await;
+        let lease = Duration::from_millis(300);
+        let executor =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let (scope, key, fp) = fresh_key();
+        let (rolled_back, on_rolled_back) = tokio::sync::oneshot::channel();
+        let (retry, on_retry) = tokio::sync::oneshot::channel::<()>();
+        let run = executor.run_with_claim(&scope, &key, &fp, |claim| {
+            let (store, table) = (store.clone(), table.clone());
+            async move {
+                let mut tx = store.pool().begin().await.map_err(unavailable)?;
+                let value = "once".to_owned();
+                store.complete_claim_in(&mut tx, &claim, &value).await?;
+                tx.rollback().await.map_err(unavailable)?;
+                let _ = rolled_back.send(());
+                let _ = on_retry.await;
+                write_and_complete(&store, &table, &claim, &value).await
+            }
+        });
+        let redelivery = async {
+            on_rolled_back.await.expect("rolled back");
+            // Three leases: the run's lease lives only if it is still renewed.
+            tokio::time::sleep(lease * 3).await;
+            let meanwhile = executor
+                .run_with_claim(&scope, &key, &fp, |claim| {
+                    let (store, table) = (store.clone(), table.clone());
+                    async move { write_and_complete(&store, &table, &claim, "redelivery").await }
+                })
+                .await;
+            let _ = retry.send(());
+            meanwhile
+        };
+        let (done, meanwhile) = tokio::join!(run, redelivery);
+        assert!(
+            matches!(meanwhile, Err(RunError::InFlight { .. })),
+            "{meanwhile:?}"
+        );
+        assert_eq!(done.expect("the retried transaction").value, "once");
+        assert_eq!(entries(&store, &table).await, ["once"]);
+    });
+}
+
 /// A renewal that waited on the row the run's own completion locked, or came after its
 /// commit, answers `LeaseLost` (the record is no longer in flight): that is the run's own
 /// completion, and must not stop it (once the store accepted the completion, the executor

@@ -218,9 +218,11 @@ impl<S: Store + ?Sized> Executor<S> {
     /// Return `Ok(value)` with the value stored, after the commit; the executor then stores
     /// it too, which finds it stored already (a completion is idempotent for its token).
     /// Once the store accepted the operation's completion ([`Claim::accepted`], which
-    /// `complete_claim_in` calls), the transaction's row lock fences the key: the executor
-    /// stops renewing, and a renewal answered `LeaseLost` (its own commit) no longer stops
-    /// the operation. Before that, a `LeaseLost` stops it as in [`Executor::run`].
+    /// `complete_claim_in` calls), a renewal answered `LeaseLost` stops the operation only if
+    /// the record is not completed (read with `Store::inspect`): most often that answer is the
+    /// operation's own commit. Before that, a `LeaseLost` stops it as in [`Executor::run`].
+    /// The lease is renewed until the operation returns, so a transaction that rolled back can
+    /// be retried on it.
     ///
     /// After a commit, an `Err` or a panic reports [`RunError::Failed`] or
     /// [`RunError::Panicked`], but the key is not released (the release is fenced to a
@@ -529,13 +531,14 @@ impl<T: Serialize> Claim<T> {
     }
 
     /// Tells the executor that the store **accepted** the operation's own completion, fenced
-    /// on this claim's token, in a transaction that has not ended: from here that
-    /// transaction's row lock fences the key (a takeover waits on it), so the executor stops
-    /// renewing the lease, and a renewal answered `LeaseLost` (its own commit, seen by a
-    /// renewal that waited on the lock) no longer stops the operation. Call it right after
-    /// the store's call returned `Ok` (`PostgresStore::complete_claim_in` does), then commit
-    /// or return; never before: until the store accepted, a `LeaseLost` is a takeover, and
-    /// the operation must stop.
+    /// on this claim's token, in a transaction that has not ended: from here a renewal
+    /// answered `LeaseLost` is most often that transaction's commit (seen by a renewal that
+    /// waited on its row lock), so the executor reads the record before it stops the
+    /// operation, and leaves a completed one to finish. Call it right after the store's call
+    /// returned `Ok` (`PostgresStore::complete_claim_in` does), then commit or return; never
+    /// before: until the store accepted, a `LeaseLost` is a takeover, and the operation must
+    /// stop. The lease is still renewed meanwhile, so a transaction that rolls back can be
+    /// retried on it.
     pub fn accepted(&self) {
         self.accepted.store(true, Ordering::SeqCst);
     }
@@ -554,8 +557,12 @@ impl<T: Serialize> Claim<T> {
 /// over, so the operation goes on and the renewals keep trying.
 ///
 /// Once `accepted` is set, the store took the operation's own completion in a transaction
-/// that holds the record's row lock until it ends: renewing is then pointless (and would
-/// wait on that lock), and a `LeaseLost` can only be that transaction's commit.
+/// that holds the record's row lock until it ends. The renewals go on (they wait on that
+/// lock): the transaction may still roll back, and the operation retry it, on its lease. A
+/// `LeaseLost` then is most often that transaction's commit, so the record is read before
+/// the operation is stopped: completed, it is left to finish (a completion of another
+/// attempt, after a rollback of this one's, is refused by the operation's next fenced
+/// completion); anything else, or no answer, stops it.
 fn renew_in_a_task<S: Store + ?Sized>(
     store: Arc<S>,
     id: RecordId,
@@ -569,13 +576,19 @@ fn renew_in_a_task<S: Store + ?Sized>(
         let mut renew = tokio::time::interval_at(Instant::now() + every, every);
         loop {
             renew.tick().await;
-            if accepted.load(Ordering::SeqCst) {
-                return;
-            }
             match store.renew(&id, token, lease).await {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
-                    if !accepted.load(Ordering::SeqCst) {
+                    let completed = || async {
+                        matches!(
+                            store.inspect(&id).await,
+                            Ok(Some(crate::Inspection {
+                                state: crate::RecordState::Completed { .. },
+                                ..
+                            }))
+                        )
+                    };
+                    if !(accepted.load(Ordering::SeqCst) && completed().await) {
                         let _ = lost.send(());
                     }
                     return;
@@ -790,35 +803,41 @@ mod tests {
         assert_eq!(done.value, 7);
     }
 
-    /// An operation that asked for its completion but whose store has not accepted it (the
-    /// statement failed, or has not run) is still stopped when its key is taken: before the
-    /// acceptance, `LeaseLost` is a takeover. (It once sufficed to ask.)
+    /// A run is stopped when its key is taken, whether it only asked for its completion (the
+    /// store has not accepted it: the statement failed, or has not run) or the store accepted
+    /// it in a transaction that then rolled back: the record read after the `LeaseLost` is not
+    /// completed. (It once sufficed to ask; then, to have been accepted.)
     #[tokio::test(start_paused = true)]
-    async fn asking_for_the_completion_does_not_shield_the_run_from_a_takeover() {
-        let store = Arc::new(MemoryStore::new());
-        let lease = Duration::from_secs(3);
-        let executor =
-            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
-        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
-        let (asked, on_asked) = tokio::sync::oneshot::channel();
-        let run = executor.run_with_claim(&scope, &k, &fp, |claim| async move {
-            let _completion = claim.completion(&1u32).unwrap();
-            let _ = asked.send(());
-            std::future::pending::<()>().await; // the completion's statement, stalled
-            Ok::<_, &str>(1u32)
-        });
-        let operator = async {
-            on_asked.await.unwrap();
-            let id = RecordId::new(&scope, &k);
-            let live = crate::ReleaseScope::default().with_live();
-            store.force_release(&id, live).await.unwrap();
-        };
-        // Bounded: a run that is not stopped waits for ever.
-        let (stopped, ()) = tokio::join!(tokio::time::timeout(lease * 10, run), operator);
-        assert!(
-            matches!(stopped, Ok(Err(RunError::LeaseLost))),
-            "{stopped:?}"
-        );
+    async fn a_run_is_stopped_when_its_key_is_taken_unless_its_record_is_completed() {
+        for accepted in [false, true] {
+            let store = Arc::new(MemoryStore::new());
+            let lease = Duration::from_secs(3);
+            let executor =
+                Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+            let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+            let (asked, on_asked) = tokio::sync::oneshot::channel();
+            let run = executor.run_with_claim(&scope, &k, &fp, |claim| async move {
+                let _completion = claim.completion(&1u32).unwrap();
+                if accepted {
+                    claim.accepted(); // … and its transaction rolled back
+                }
+                let _ = asked.send(());
+                std::future::pending::<()>().await; // a stalled statement
+                Ok::<_, &str>(1u32)
+            });
+            let operator = async {
+                on_asked.await.unwrap();
+                let id = RecordId::new(&scope, &k);
+                let live = crate::ReleaseScope::default().with_live();
+                store.force_release(&id, live).await.unwrap();
+            };
+            // Bounded: a run that is not stopped waits for ever.
+            let (stopped, ()) = tokio::join!(tokio::time::timeout(lease * 10, run), operator);
+            assert!(
+                matches!(stopped, Ok(Err(RunError::LeaseLost))),
+                "accepted: {accepted}: {stopped:?}"
+            );
+        }
     }
 
     /// An operation that stored its own result (as `complete_claim_in` does, in the effect's

@@ -710,9 +710,10 @@ impl PostgresStore {
     /// [`Error::LeaseLost`] when another attempt took the key over, or when this claim
     /// completed it already (a retried transaction whose first commit landed): roll back,
     /// and the effect that committed is the only one. The row stays locked until the
-    /// transaction ends, so commit (or return) right after: from here the lock fences the
-    /// key, and the executor stops renewing the lease (see [`Claim::accepted`]). The
-    /// isolation-level advice of [`PostgresStore::complete_in`] applies.
+    /// transaction ends, so commit (or return) right after; the executor keeps the lease
+    /// renewed meanwhile, and reads a `LeaseLost` renewal against the record (see
+    /// [`Claim::accepted`]). The isolation-level advice of [`PostgresStore::complete_in`]
+    /// applies.
     ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
     /// [`Claim::completion`]: idempotency_core::Claim::completion

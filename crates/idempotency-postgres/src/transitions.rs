@@ -155,7 +155,11 @@ impl StateMachine {
     /// `conn` is a pool, a connection or **the caller's transaction** (`&mut *tx`): in a
     /// transaction, the move commits or rolls back with the caller's own writes (an outbox
     /// row, a ledger entry), so a crash between the move and those writes cannot leave the
-    /// move done and the writes lost (a repeat would answer `AlreadyApplied`).
+    /// move done and the writes lost (a repeat would answer `AlreadyApplied`). Use `READ
+    /// COMMITTED` there (Postgres's default): under `REPEATABLE READ` or `SERIALIZABLE` the
+    /// row is read in the transaction's snapshot, so a move another transaction committed
+    /// since answers `Conflict` with the snapshot's status, or fails with a serialization
+    /// error; retry the whole transaction then.
     ///
     /// A status no transition leads to (the machine's start, say) is never applied: the
     /// answer is [`Transition::Conflict`] with the row's status, or
@@ -205,7 +209,7 @@ impl StateMachine {
             }
         }
         // Zero rows (or no move leads to `to`): read the row (a new statement, so a new
-        // snapshot) to say why.
+        // snapshot under READ COMMITTED) to say why.
         let read = format!("SELECT {st}::text, {ver}::bigint FROM {t} WHERE {idc} = $1");
         let row: Option<(String, i64)> = sqlx::query_as(AssertSqlSafe(read))
             .bind(id)
