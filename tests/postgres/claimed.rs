@@ -5,7 +5,7 @@
 //! The ledger has no unique constraint on purpose: a second effect would show as a second
 //! row, where a constraint would hide it.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use idempotency_core::{
     Claim, Executed, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, ReleaseScope,
@@ -25,6 +25,18 @@ async fn ledger(store: &PostgresStore) -> String {
         .await
         .expect("create the ledger");
     table
+}
+
+/// The shared store, a ledger of its own, and an executor (on a lease of `lease`, or the
+/// default policy).
+async fn setup(
+    lease: Option<Duration>,
+) -> Option<(Arc<PostgresStore>, String, Executor<PostgresStore>)> {
+    let store = store().await?;
+    let table = ledger(&store).await;
+    let policy = lease.map_or_else(Policy::default, |lease| Policy::default().with_lease(lease));
+    let executor = Executor::new(store.clone()).with_policy(policy);
+    Some((store, table, executor))
 }
 
 async fn entries(store: &PostgresStore, table: &str) -> Vec<String> {
@@ -100,24 +112,22 @@ fn unavailable(error: sqlx::Error) -> idempotency_core::Error {
 #[test]
 fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit() {
     block_on(async {
-        let Some(store) = store().await else { return };
-        let table = ledger(&store).await;
-        let executor = Executor::new(store.clone());
+        let Some((store, table, executor)) = setup(None).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
         for after in [After::Panics, After::Fails, After::Hangs] {
             let (scope, key, fp) = fresh_key();
             let (committed, on_commit) = tokio::sync::oneshot::channel();
-            let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
-                let (store, table) = (store.clone(), table.clone());
-                async move {
-                    write_and_complete(&store, &table, &claim, &format!("first {after:?}"))
-                        .await
-                        .expect("the first run commits");
-                    let _ = committed.send(());
-                    match after {
-                        After::Panics => panic!("after the commit"),
-                        After::Fails => Err("failed after the commit"),
-                        After::Hangs => std::future::pending().await,
-                    }
+            let first = executor.run_with_claim(&scope, &key, &fp, |claim| async move {
+                write_and_complete(store, table, &claim, &format!("first {after:?}"))
+                    .await
+                    .expect("the first run commits");
+                let _ = committed.send(());
+                match after {
+                    After::Panics => panic!("after the commit"),
+                    After::Fails => Err("failed after the commit"),
+                    After::Hangs => std::future::pending().await,
                 }
             });
             let first: Option<Result<Executed<String>, _>> = match after {
@@ -138,9 +148,8 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
             executor.drain().await;
 
             let again = executor
-                .run_with_claim(&scope, &key, &fp, |claim| {
-                    let (store, table) = (store.clone(), table.clone());
-                    async move { write_and_complete(&store, &table, &claim, "second").await }
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    write_and_complete(store, table, &claim, "second").await
                 })
                 .await
                 .expect("the redelivery");
@@ -148,7 +157,7 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
             assert_eq!(again.value, format!("first {after:?}"));
         }
         assert_eq!(
-            entries(&store, &table).await,
+            entries(store, table).await,
             ["first Fails", "first Hangs", "first Panics"],
             "one entry per key"
         );
@@ -162,19 +171,19 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
 #[test]
 fn a_transaction_retried_after_its_commit_landed_commits_nothing() {
     block_on(async {
-        let Some(store) = store().await else { return };
-        let table = ledger(&store).await;
-        let executor = Executor::new(store.clone());
+        let Some((store, table, executor)) = setup(None).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
         let (scope, key, fp) = fresh_key();
         let done = executor
             .run_with_claim(&scope, &key, &fp, |claim| {
-                let (store, table) = (store.clone(), table.clone());
                 async move {
-                    write_and_complete(&store, &table, &claim, "first try")
+                    write_and_complete(store, table, &claim, "first try")
                         .await
                         .expect("the first try commits");
                     // Its answer "lost": the operation retries the whole transaction.
-                    let retried = write_and_complete(&store, &table, &claim, "retry").await;
+                    let retried = write_and_complete(store, table, &claim, "retry").await;
                     assert!(
                         matches!(retried, Err(idempotency_core::Error::LeaseLost)),
                         "the retry must roll back: {retried:?}"
@@ -190,7 +199,7 @@ fn a_transaction_retried_after_its_commit_landed_commits_nothing() {
             ),
             "{done:?}"
         );
-        assert_eq!(entries(&store, &table).await, ["first try"]);
+        assert_eq!(entries(store, table).await, ["first try"]);
         assert_eq!(replayed(&executor, &scope, &key, &fp).await, "first try");
     });
 }
@@ -201,29 +210,27 @@ fn a_transaction_retried_after_its_commit_landed_commits_nothing() {
 #[test]
 fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
     block_on(async {
-        let Some(store) = store().await else { return };
-        let table = ledger(&store).await;
-        let executor = Executor::new(store.clone());
+        let Some((store, table, executor)) = setup(None).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
         let (scope, key, fp) = fresh_key();
         let (written, on_written) = tokio::sync::oneshot::channel();
         let (go_on, on_go_on) = tokio::sync::oneshot::channel::<()>();
-        let first = executor.run_with_claim(&scope, &key, &fp, |claim| {
-            let (store, table) = (store.clone(), table.clone());
-            async move {
-                let mut tx = store.pool().begin().await.map_err(unavailable)?;
-                let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'late')");
-                sqlx::query(sqlx::AssertSqlSafe(insert))
-                    .bind(&claim.id().as_bytes()[..])
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(unavailable)?;
-                let _ = written.send(());
-                let _ = on_go_on.await;
-                let value = "late".to_owned();
-                store.complete_claim_in(&mut tx, &claim, &value).await?;
-                tx.commit().await.map_err(unavailable)?;
-                Ok::<_, idempotency_core::Error>(value)
-            }
+        let first = executor.run_with_claim(&scope, &key, &fp, |claim| async move {
+            let mut tx = store.pool().begin().await.map_err(unavailable)?;
+            let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'late')");
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(&claim.id().as_bytes()[..])
+                .execute(&mut *tx)
+                .await
+                .map_err(unavailable)?;
+            let _ = written.send(());
+            let _ = on_go_on.await;
+            let value = "late".to_owned();
+            store.complete_claim_in(&mut tx, &claim, &value).await?;
+            tx.commit().await.map_err(unavailable)?;
+            Ok::<_, idempotency_core::Error>(value)
         });
         let takeover = async {
             on_written.await.expect("the first run wrote");
@@ -233,9 +240,8 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
                 .await
                 .expect("the operator's release");
             let taken = executor
-                .run_with_claim(&scope, &key, &fp, |claim| {
-                    let (store, table) = (store.clone(), table.clone());
-                    async move { write_and_complete(&store, &table, &claim, "takeover").await }
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    write_and_complete(store, table, &claim, "takeover").await
                 })
                 .await
                 .expect("the takeover");
@@ -251,7 +257,7 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
             ),
             "{first:?}"
         );
-        assert_eq!(entries(&store, &table).await, ["takeover"]);
+        assert_eq!(entries(store, table).await, ["takeover"]);
         assert_eq!(replayed(&executor, &scope, &key, &fp).await, "takeover");
     });
 }
@@ -264,34 +270,30 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
 #[test]
 fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
     block_on(async {
-        let Some(store) = store().await else { return };
-        let table = ledger(&store).await;
         let lease = Duration::from_millis(300);
-        let executor =
-            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let Some((store, table, executor)) = setup(Some(lease)).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
         let (scope, key, fp) = fresh_key();
         let (rolled_back, on_rolled_back) = tokio::sync::oneshot::channel();
         let (retry, on_retry) = tokio::sync::oneshot::channel::<()>();
-        let run = executor.run_with_claim(&scope, &key, &fp, |claim| {
-            let (store, table) = (store.clone(), table.clone());
-            async move {
-                let mut tx = store.pool().begin().await.map_err(unavailable)?;
-                let value = "once".to_owned();
-                store.complete_claim_in(&mut tx, &claim, &value).await?;
-                tx.rollback().await.map_err(unavailable)?;
-                let _ = rolled_back.send(());
-                let _ = on_retry.await;
-                write_and_complete(&store, &table, &claim, &value).await
-            }
+        let run = executor.run_with_claim(&scope, &key, &fp, |claim| async move {
+            let mut tx = store.pool().begin().await.map_err(unavailable)?;
+            let value = "once".to_owned();
+            store.complete_claim_in(&mut tx, &claim, &value).await?;
+            tx.rollback().await.map_err(unavailable)?;
+            let _ = rolled_back.send(());
+            let _ = on_retry.await;
+            write_and_complete(store, table, &claim, &value).await
         });
         let redelivery = async {
             on_rolled_back.await.expect("rolled back");
             // Three leases: the run's lease lives only if it is still renewed.
             tokio::time::sleep(lease * 3).await;
             let meanwhile = executor
-                .run_with_claim(&scope, &key, &fp, |claim| {
-                    let (store, table) = (store.clone(), table.clone());
-                    async move { write_and_complete(&store, &table, &claim, "redelivery").await }
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    write_and_complete(store, table, &claim, "redelivery").await
                 })
                 .await;
             let _ = retry.send(());
@@ -303,7 +305,7 @@ fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
             "{meanwhile:?}"
         );
         assert_eq!(done.expect("the retried transaction").value, "once");
-        assert_eq!(entries(&store, &table).await, ["once"]);
+        assert_eq!(entries(store, table).await, ["once"]);
     });
 }
 
@@ -314,15 +316,14 @@ fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
 #[test]
 fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
     block_on(async {
-        let Some(store) = store().await else { return };
-        let table = ledger(&store).await;
         // Renewed every 100 ms: several renewals fall inside the transaction and after it.
-        let executor = Executor::new(store.clone())
-            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
+        let Some((store, table, executor)) = setup(Some(Duration::from_millis(300))).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
         let (scope, key, fp) = fresh_key();
         let done = executor
             .run_with_claim(&scope, &key, &fp, |claim| {
-                let (store, table) = (store.clone(), table.clone());
                 async move {
                     let mut tx = store.pool().begin().await.map_err(unavailable)?;
                     let insert =
@@ -346,6 +347,6 @@ fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
         let done = done.expect("the run is not stopped by its own completion");
         assert!(!done.replayed);
         assert_eq!(done.value, "once");
-        assert_eq!(entries(&store, &table).await, ["once"]);
+        assert_eq!(entries(store, table).await, ["once"]);
     });
 }
