@@ -416,3 +416,45 @@ mod purger {
         assert_eq!(store.purge_expired(100).await.expect("purge"), 90);
     }
 }
+
+/// The record of an attempt whose outcome is unknown (its lease ran out unfinished: a crash
+/// mid-charge) is kept as long as a completed outcome is by default, a day: a retry two
+/// hours after the crash is still told `TakeOver`, so `OutcomeUnknown::Reject` and
+/// `Reconcile` see it, instead of `Execute`, which ran the charge a second time. Only past
+/// the day does the purge forget it.
+#[test]
+fn an_unknown_outcome_is_kept_for_a_day_not_an_hour() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Fingerprint, IdempotencyKey, RecordId, Scope};
+
+    idempotency_test::block_on(async {
+        let store = MemoryStore::with_manual_clock();
+        let lease = Duration::from_secs(30);
+        let fp = Fingerprint::of(b"amount=100");
+        let [retried, forgotten] = ["retried", "forgotten"].map(|key| {
+            RecordId::new(
+                &Scope::new("unknown"),
+                &IdempotencyKey::new(key).expect("key"),
+            )
+        });
+        for id in [&retried, &forgotten] {
+            let claimed = store.begin(id, &fp, lease).await.expect("begin");
+            assert!(matches!(claimed, Begin::Execute(_)), "{claimed:?}");
+        }
+
+        store.advance(lease + Duration::from_secs(2 * 3600));
+        assert_eq!(store.purge_expired(100).await.expect("purge"), 0);
+        let retry = store.begin(&retried, &fp, lease).await.expect("begin");
+        assert!(
+            matches!(retry, Begin::TakeOver(_)),
+            "two hours on: {retry:?}"
+        );
+
+        store.advance(Duration::from_secs(22 * 3600) + Duration::from_secs(1));
+        // The takeover's own lease ran out two hours later: it is kept until then plus a day.
+        assert_eq!(store.purge_expired(100).await.expect("purge"), 1);
+        let retry = store.begin(&forgotten, &fp, lease).await.expect("begin");
+        assert!(matches!(retry, Begin::Execute(_)), "a day on: {retry:?}");
+    });
+}

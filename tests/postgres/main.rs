@@ -482,6 +482,44 @@ fn purge_under_concurrent_inserts_removes_only_expired_rows() {
     });
 }
 
+/// The row of an attempt whose outcome is unknown (its lease ran out unfinished: a crash
+/// mid-charge) survives the purge for a day, as long as a completed outcome by default: a
+/// retry two hours after the crash is still told `TakeOver` (so the layer's `Reject` and
+/// `Reconcile` see it), not `Execute`, which charged a second time. Past the day it goes.
+/// The lease is moved into the past by the database's clock, as the purge reads it.
+#[test]
+fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (retried, forgotten) = (fresh_id(), fresh_id());
+        for (id, minutes_ago) in [(&retried, 2 * 60), (&forgotten, 24 * 60 + 1)] {
+            execute(&*store, id, &fp("a"), LONG).await;
+            sqlx::query(
+                "UPDATE idempotency_keys SET expires_at = now() - $2 * interval '1 minute' \
+                 WHERE record_id = $1",
+            )
+            .bind(id.as_bytes().as_slice())
+            .bind(f64::from(minutes_ago))
+            .execute(store.pool())
+            .await
+            .expect("move the lease back");
+        }
+        // Other cases share the table and leave expired rows too.
+        while store.purge_expired(1000).await.expect("purge") >= 1000 {}
+
+        let retry = store.begin(&retried, &fp("a"), LONG).await.expect("begin");
+        assert!(
+            matches!(retry, Begin::TakeOver(_)),
+            "two hours on: {retry:?}"
+        );
+        let retry = store
+            .begin(&forgotten, &fp("a"), LONG)
+            .await
+            .expect("begin");
+        assert!(matches!(retry, Begin::Execute(_)), "a day on: {retry:?}");
+    });
+}
+
 /// A takeover that waited on a row lock for longer than its lease must still be granted a
 /// whole lease. With `now()` (the statement's start) the lease it wrote had already ended,
 /// and the next `begin` executed a second time.

@@ -49,4 +49,5 @@ pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, Purger, spawn_purger};
 pub use store::{
     Begin, BoxError, Error, FOR_GOOD, LATE_COMPLETION_GRACE, LeaseToken, Result, Store,
+    UNKNOWN_OUTCOME_RETENTION,
 };

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use crate::{
-    Begin, Error, Fingerprint, ForceReleased, Inspection, LATE_COMPLETION_GRACE, LeaseToken,
-    Outcome, RecordId, ReleaseScope, Result, Store,
+    Begin, Error, Fingerprint, ForceReleased, Inspection, LeaseToken, Outcome, RecordId,
+    ReleaseScope, Result, Store, UNKNOWN_OUTCOME_RETENTION,
 };
 
 /// A [`Store`] in this process's memory.
@@ -334,8 +334,10 @@ impl Store for MemoryStore {
         let expired: Vec<RecordId> = records
             .iter()
             .filter(|(_, r)| match r.state {
-                // An expired lease stays a while for its owner's late completion.
-                State::InFlight { lease_until, .. } => lease_until + LATE_COMPLETION_GRACE <= now,
+                // An expired lease is an outcome nobody knows: kept as long as an outcome.
+                State::InFlight { lease_until, .. } => {
+                    lease_until + UNKNOWN_OUTCOME_RETENTION <= now
+                }
                 State::Completed { expires_at, .. } => expires_at <= now,
             })
             .map(|(id, _)| *id)

@@ -7,10 +7,27 @@ use uuid::Uuid;
 
 use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId, ReleaseScope};
 
-/// How long an expired lease that nobody took over stays in the store, so that its owner's
-/// late `complete` or `release` is still accepted: the purge leaves it alone this long, and
-/// Redis keeps it this long past its lease. A `begin` takes it over at once regardless.
+/// The least time an expired lease that nobody took over stays in any store, so that its
+/// owner's late `complete` or `release` is still accepted and a retry is told
+/// [`Begin::TakeOver`]: Redis keeps it this long past its lease (its record layout counts
+/// on it). The stores that purge keep it longer, [`UNKNOWN_OUTCOME_RETENTION`]. A `begin`
+/// takes it over at once regardless.
 pub const LATE_COMPLETION_GRACE: Duration = Duration::from_secs(3600);
+
+/// How long the Postgres and memory stores keep the record of an attempt whose outcome is
+/// unknown (its lease ran out unfinished and nobody took it over), counted from when its
+/// lease ran out: a day, as long as [`Policy`](crate::Policy) keeps an outcome by default.
+/// A crash mid-charge is then remembered as long as a charge would have been: a retry the
+/// next morning is still told [`Begin::TakeOver`] (the HTTP layer's `Reject` and `Reconcile`
+/// act on it), not `Execute`, which would charge again. [`Store::purge_expired`] removes it
+/// after that.
+///
+/// ```
+/// use idempotency_core::{Policy, UNKNOWN_OUTCOME_RETENTION};
+///
+/// assert_eq!(UNKNOWN_OUTCOME_RETENTION, Policy::default().retention());
+/// ```
+pub const UNKNOWN_OUTCOME_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// The longest lease or retention a store keeps: 100 years. A longer one (up to
 /// `Duration::MAX`, "for good") is kept this long, which in practice is the same; every
@@ -108,9 +125,9 @@ pub enum Begin {
     /// outcome is unknown**, and it may have had its effect (was the card charged?). Check
     /// before running the operation again, then `complete` or `release` as for `Execute`.
     ///
-    /// Reported while the expired lease's record exists, that is for at least
-    /// [`LATE_COMPLETION_GRACE`] after the lease ran out; a key retried later than that
-    /// answers `Execute`. A completed record past its retention, or a released one, is a
+    /// Reported while the expired lease's record exists: on Postgres and in memory for
+    /// [`UNKNOWN_OUTCOME_RETENTION`] (a day) after the lease ran out, on Redis for
+    /// [`LATE_COMPLETION_GRACE`] (an hour); a key retried later than that answers `Execute`. A completed record past its retention, or a released one, is a
     /// fresh start: `Execute`.
     TakeOver(LeaseToken),
     /// The operation completed earlier with the same fingerprint: return this outcome.
@@ -158,12 +175,13 @@ impl Begin {
 ///   fingerprint `Replay` when completed and `InFlight` while leased. An unfinished record
 ///   whose lease ran out is taken over by the same fingerprint only; another fingerprint is
 ///   `Mismatch` as long as the record exists (Redis: up to [`LATE_COMPLETION_GRACE`] past
-///   the lease; Postgres and memory: until the purge removes it, the same grace later).
+///   the lease; Postgres and memory: until the purge removes it,
+///   [`UNKNOWN_OUTCOME_RETENTION`] past the lease).
 /// - `complete`, `release` and `renew` succeed only while the token owns the record, and
 ///   otherwise return [`Error::LeaseLost`] and change nothing. A token owns an in-flight
 ///   record until another `begin` takes it over — **even after its lease ran out**: a late
-///   `complete` from a slow owner is accepted as long as nobody took over (and for at most
-///   [`LATE_COMPLETION_GRACE`]), so a store blip never causes a second execution. Once
+///   `complete` from a slow owner is accepted as long as nobody took over (and while the
+///   record is kept, at least [`LATE_COMPLETION_GRACE`]), so a store blip never causes a second execution. Once
 ///   another attempt took over, the old token is fenced off for good.
 /// - `complete` is idempotent for its token: repeating it after a lost answer returns `Ok`
 ///   and keeps the first outcome.
@@ -239,7 +257,7 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()>;
 
     /// Deletes up to `batch` records that are past their retention, or whose lease expired
-    /// more than [`LATE_COMPLETION_GRACE`] ago; returns how many. Stores whose records expire
+    /// unfinished more than [`UNKNOWN_OUTCOME_RETENTION`] ago; returns how many. Stores whose records expire
     /// by themselves return 0.
     async fn purge_expired(&self, batch: usize) -> Result<u64>;
 

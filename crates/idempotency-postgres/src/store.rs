@@ -422,8 +422,8 @@ WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 /// Bounded and `SKIP LOCKED`: two purgers split the work, and rows a live `begin` or
 /// `complete` is updating are skipped rather than waited on. (`now()` here, not
 /// `clock_timestamp()`: a volatile bound would keep the index on `expires_at` out of use.)
-/// An expired lease is left alone for `$2` ms (`LATE_COMPLETION_GRACE`), for its owner's
-/// late completion.
+/// An expired lease is left alone for `$2` ms (`UNKNOWN_OUTCOME_RETENTION`): a retry is told
+/// its outcome is unknown, and its owner's late completion is accepted.
 const PURGE_SQL: &str = "
 DELETE FROM idempotency_keys WHERE record_id IN (
     SELECT record_id FROM idempotency_keys
@@ -1379,7 +1379,7 @@ impl Store for PostgresStore {
         self.timed(async {
             let done = sqlx::query(self.sql.get(PURGE_SQL))
                 .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                .bind(millis(idempotency_core::LATE_COMPLETION_GRACE))
+                .bind(millis(idempotency_core::UNKNOWN_OUTCOME_RETENTION))
                 .execute_on(&self.pool)
                 .await
                 .map_err(db_error)?;
