@@ -485,25 +485,35 @@ fn purge_under_concurrent_inserts_removes_only_expired_rows() {
 /// The row of an attempt whose outcome is unknown (its lease ran out unfinished: a crash
 /// mid-charge) survives the purge for a day, as long as a completed outcome by default: a
 /// retry two hours after the crash is still told `TakeOver` (so the layer's `Reject` and
-/// `Reconcile` see it), not `Execute`, which charged a second time. Past the day it goes.
-/// The lease is moved into the past by the database's clock, as the purge reads it.
+/// `Reconcile` see it), not `Execute`, which charged a second time, and a slow owner's late
+/// completion is still accepted. Past the day it goes; a store set to keep these for half
+/// an hour purges a one-hour-old one. Leases are moved into the past by the database's
+/// clock, as the purge reads it (and only by hours: the other cases' purges keep them).
 #[test]
 fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
     block_on(async {
         let Some(store) = store().await else { return };
-        let (retried, forgotten) = (fresh_id(), fresh_id());
-        for (id, minutes_ago) in [(&retried, 2 * 60), (&forgotten, 24 * 60 + 1)] {
-            execute(&*store, id, &fp("a"), LONG).await;
-            sqlx::query(
-                "UPDATE idempotency_keys SET expires_at = now() - $2 * interval '1 minute' \
-                 WHERE record_id = $1",
-            )
-            .bind(id.as_bytes().as_slice())
-            .bind(f64::from(minutes_ago))
-            .execute(store.pool())
-            .await
-            .expect("move the lease back");
-        }
+        let move_back = |id: idempotency_core::RecordId, minutes: i32| {
+            let pool = store.pool().clone();
+            async move {
+                sqlx::query(
+                    "UPDATE idempotency_keys \
+                     SET expires_at = now() - $2 * interval '1 minute' WHERE record_id = $1",
+                )
+                .bind(id.as_bytes().as_slice())
+                .bind(f64::from(minutes))
+                .execute(&pool)
+                .await
+                .expect("move the lease back");
+            }
+        };
+        let (retried, late, forgotten) = (fresh_id(), fresh_id(), fresh_id());
+        execute(&*store, &retried, &fp("a"), LONG).await;
+        let late_token = execute(&*store, &late, &fp("a"), LONG).await;
+        execute(&*store, &forgotten, &fp("a"), LONG).await;
+        move_back(retried, 2 * 60).await;
+        move_back(late, 2 * 60).await;
+        move_back(forgotten, 24 * 60 + 1).await;
         // Other cases share the table and leave expired rows too.
         while store.purge_expired(1000).await.expect("purge") >= 1000 {}
 
@@ -512,11 +522,32 @@ fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
             matches!(retry, Begin::TakeOver(_)),
             "two hours on: {retry:?}"
         );
+        store
+            .complete(&late, late_token, &Outcome::new(201), LONG)
+            .await
+            .expect("a late completion two hours on");
+        assert_eq!(
+            store.begin(&late, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(Outcome::new(201))
+        );
         let retry = store
             .begin(&forgotten, &fp("a"), LONG)
             .await
             .expect("begin");
         assert!(matches!(retry, Begin::Execute(_)), "a day on: {retry:?}");
+
+        let half_an_hour = (*store)
+            .clone()
+            .with_unknown_outcome_retention(Duration::from_secs(30 * 60));
+        let short = fresh_id();
+        execute(&half_an_hour, &short, &fp("a"), LONG).await;
+        move_back(short, 60).await;
+        while half_an_hour.purge_expired(1000).await.expect("purge") >= 1000 {}
+        let retry = store.begin(&short, &fp("a"), LONG).await.expect("begin");
+        assert!(
+            matches!(retry, Begin::Execute(_)),
+            "kept half an hour: {retry:?}"
+        );
     });
 }
 

@@ -14,13 +14,15 @@ use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId, ReleaseSc
 /// takes it over at once regardless.
 pub const LATE_COMPLETION_GRACE: Duration = Duration::from_secs(3600);
 
-/// How long the Postgres and memory stores keep the record of an attempt whose outcome is
-/// unknown (its lease ran out unfinished and nobody took it over), counted from when its
-/// lease ran out: a day, as long as [`Policy`](crate::Policy) keeps an outcome by default.
-/// A crash mid-charge is then remembered as long as a charge would have been: a retry the
-/// next morning is still told [`Begin::TakeOver`] (the HTTP layer's `Reject` and `Reconcile`
-/// act on it), not `Execute`, which would charge again. [`Store::purge_expired`] removes it
-/// after that.
+/// How long the purge of the memory store, and by default of the Postgres store
+/// (`PostgresStoreBuilder::unknown_outcome_retention`), keeps the record of an attempt
+/// whose outcome is unknown (its lease ran out unfinished and nobody took it over), counted
+/// from when its lease ran out: a day, as long as [`Policy`](crate::Policy) keeps an
+/// outcome by default. A crash mid-charge is then remembered as long as a charge would
+/// have been: a retry the next morning is still told [`Begin::TakeOver`] (the HTTP layer's
+/// `Reject` and `Reconcile` act on it), not `Execute`, which would charge again. Past it,
+/// [`Store::purge_expired`] removes the record. Policies that keep outcomes longer should
+/// have the Postgres store keep these as long.
 ///
 /// ```
 /// use idempotency_core::{Policy, UNKNOWN_OUTCOME_RETENTION};
@@ -125,10 +127,11 @@ pub enum Begin {
     /// outcome is unknown**, and it may have had its effect (was the card charged?). Check
     /// before running the operation again, then `complete` or `release` as for `Execute`.
     ///
-    /// Reported while the expired lease's record exists: on Postgres and in memory for
-    /// [`UNKNOWN_OUTCOME_RETENTION`] (a day) after the lease ran out, on Redis for
-    /// [`LATE_COMPLETION_GRACE`] (an hour); a key retried later than that answers `Execute`. A completed record past its retention, or a released one, is a
-    /// fresh start: `Execute`.
+    /// Reported while the expired lease's record exists: on Postgres and in memory until a
+    /// purge past [`UNKNOWN_OUTCOME_RETENTION`] (a day; configurable on Postgres) after the
+    /// lease ran out, on Redis for [`LATE_COMPLETION_GRACE`] (an hour). A key retried once
+    /// its record is gone answers `Execute`. A completed record past its retention, or a
+    /// released one, is a fresh start: `Execute`.
     TakeOver(LeaseToken),
     /// The operation completed earlier with the same fingerprint: return this outcome.
     Replay(Outcome),
@@ -180,9 +183,10 @@ impl Begin {
 /// - `complete`, `release` and `renew` succeed only while the token owns the record, and
 ///   otherwise return [`Error::LeaseLost`] and change nothing. A token owns an in-flight
 ///   record until another `begin` takes it over — **even after its lease ran out**: a late
-///   `complete` from a slow owner is accepted as long as nobody took over (and while the
-///   record is kept, at least [`LATE_COMPLETION_GRACE`]), so a store blip never causes a second execution. Once
-///   another attempt took over, the old token is fenced off for good.
+///   `complete` from a slow owner is accepted as long as nobody took over (and while
+///   the record is kept, at least [`LATE_COMPLETION_GRACE`]), so a store blip never causes
+///   a second execution. Once another attempt took over, the old token is fenced off for
+///   good.
 /// - `complete` is idempotent for its token: repeating it after a lost answer returns `Ok`
 ///   and keeps the first outcome.
 /// - Times come from the store's own clock, never the caller's, read when the write happens.
@@ -257,7 +261,8 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()>;
 
     /// Deletes up to `batch` records that are past their retention, or whose lease expired
-    /// unfinished more than [`UNKNOWN_OUTCOME_RETENTION`] ago; returns how many. Stores whose records expire
+    /// unfinished more than [`UNKNOWN_OUTCOME_RETENTION`] ago (or the Postgres store's own
+    /// setting); returns how many. Stores whose records expire
     /// by themselves return 0.
     async fn purge_expired(&self, batch: usize) -> Result<u64>;
 

@@ -57,6 +57,8 @@ const MAX_BEGIN_ROUNDS: usize = 8;
 pub struct PostgresStore {
     pool: PgPool,
     call_timeout: Duration,
+    /// How long the purge keeps an attempt whose outcome is unknown.
+    unknown_outcome_retention: Duration,
     /// Shared: a store is cloned per call (claims and batches own one), and the names are
     /// strings.
     table: Arc<Table>,
@@ -76,6 +78,7 @@ pub struct PostgresStoreBuilder {
     acquire_timeout: Duration,
     statement_timeout: Duration,
     call_timeout: Duration,
+    unknown_outcome_retention: Duration,
     group_commit: Option<GroupCommit>,
     table: String,
 }
@@ -186,6 +189,33 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// How long [`purge_expired`](Store::purge_expired) keeps the record of an attempt
+    /// whose outcome is unknown (its lease ran out unfinished and nobody took it over),
+    /// counted from when its lease ran out (default
+    /// [`UNKNOWN_OUTCOME_RETENTION`](idempotency_core::UNKNOWN_OUTCOME_RETENTION), a day).
+    /// Until it is purged a retry is told [`Begin::TakeOver`], which the HTTP layer's
+    /// `OutcomeUnknown::Reject` and `Reconcile` act on; once purged, the retry runs as new.
+    /// **Set it to at least the longest retention your policies keep outcomes for**: a
+    /// crash is then remembered as long as a charge would have been. Capped at
+    /// [`FOR_GOOD`](idempotency_core::FOR_GOOD).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use idempotency_postgres::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), idempotency_core::Error> {
+    /// let week = Duration::from_secs(7 * 86_400); // the policies' retention
+    /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app")
+    ///     .unknown_outcome_retention(week)
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn unknown_outcome_retention(mut self, keep: Duration) -> Self {
+        self.unknown_outcome_retention = keep.min(idempotency_core::FOR_GOOD);
+        self
+    }
+
     /// Builds the pool. Connections open lazily, so this succeeds while the database is down;
     /// the first call then reports [`Error::Unavailable`].
     pub async fn connect(self) -> Result<PostgresStore> {
@@ -254,6 +284,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             pool,
             call_timeout: self.call_timeout,
+            unknown_outcome_retention: self.unknown_outcome_retention,
             sql: Statements::for_table(&table, ALL_SQL),
             table: Arc::new(table),
             batches,
@@ -422,8 +453,8 @@ WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 /// Bounded and `SKIP LOCKED`: two purgers split the work, and rows a live `begin` or
 /// `complete` is updating are skipped rather than waited on. (`now()` here, not
 /// `clock_timestamp()`: a volatile bound would keep the index on `expires_at` out of use.)
-/// An expired lease is left alone for `$2` ms (`UNKNOWN_OUTCOME_RETENTION`): a retry is told
-/// its outcome is unknown, and its owner's late completion is accepted.
+/// An expired lease is left alone for `$2` ms (the store's `unknown_outcome_retention`): a
+/// retry is told its outcome is unknown, and its owner's late completion is accepted.
 const PURGE_SQL: &str = "
 DELETE FROM idempotency_keys WHERE record_id IN (
     SELECT record_id FROM idempotency_keys
@@ -488,6 +519,7 @@ impl PostgresStore {
             acquire_timeout: Duration::from_secs(2),
             statement_timeout: Duration::from_secs(2),
             call_timeout: Duration::from_secs(3),
+            unknown_outcome_retention: idempotency_core::UNKNOWN_OUTCOME_RETENTION,
             group_commit: Some(GroupCommit::default()),
             table: "idempotency_keys".to_owned(),
         }
@@ -506,6 +538,7 @@ impl PostgresStore {
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
+            unknown_outcome_retention: idempotency_core::UNKNOWN_OUTCOME_RETENTION,
             table: Arc::default(),
             sql: Statements::default(),
             batches: Some(batches),
@@ -525,6 +558,13 @@ impl PostgresStore {
             .as_deref()
             .map(|b| Arc::new(Batches::new(b.pool.clone(), b.settings)));
         Ok(self)
+    }
+
+    /// This store with another [`PostgresStoreBuilder::unknown_outcome_retention`], for a
+    /// store made with [`PostgresStore::from_pool`].
+    pub fn with_unknown_outcome_retention(mut self, keep: Duration) -> Self {
+        self.unknown_outcome_retention = keep.min(idempotency_core::FOR_GOOD);
+        self
     }
 
     /// The key table, as the statements name it (`"schema"."table"` or `"table"`).
@@ -1379,7 +1419,7 @@ impl Store for PostgresStore {
         self.timed(async {
             let done = sqlx::query(self.sql.get(PURGE_SQL))
                 .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                .bind(millis(idempotency_core::UNKNOWN_OUTCOME_RETENTION))
+                .bind(millis(self.unknown_outcome_retention))
                 .execute_on(&self.pool)
                 .await
                 .map_err(db_error)?;

@@ -33,10 +33,11 @@ pub struct Unresolved {
 /// outcome: its lease ran out (the process crashed mid-operation, or hung). Was the card
 /// charged? The store cannot know; this decides who finds out.
 ///
-/// The store remembers such an attempt for a retry a day later on Postgres (and in memory:
-/// [`UNKNOWN_OUTCOME_RETENTION`](idempotency_core::UNKNOWN_OUTCOME_RETENTION)), for an hour
-/// on Redis alone ([`LATE_COMPLETION_GRACE`](idempotency_core::LATE_COMPLETION_GRACE));
-/// a retry later than that runs as a new request whatever this says.
+/// The store remembers such an attempt until its purge: on Postgres for a day by default
+/// ([`UNKNOWN_OUTCOME_RETENTION`](idempotency_core::UNKNOWN_OUTCOME_RETENTION); set the
+/// store's `unknown_outcome_retention` to the longest retention of your policies), on Redis
+/// alone for an hour ([`LATE_COMPLETION_GRACE`](idempotency_core::LATE_COMPLETION_GRACE)).
+/// A retry once it is gone runs as a new request whatever this says.
 ///
 /// ```
 /// use std::sync::Arc;

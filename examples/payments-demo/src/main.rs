@@ -99,6 +99,10 @@ pub(crate) async fn connect(config: &Config) -> Result<Stores, Box<dyn std::erro
         Some(url) => Some(
             PostgresStore::builder(url.as_str())
                 .max_connections(20)
+                // A crash is remembered (outcome unknown) as long as a charge would be.
+                .unknown_outcome_retention(
+                    config.retention.max(idempotency::UNKNOWN_OUTCOME_RETENTION),
+                )
                 .connect()
                 .await?,
         ),
