@@ -103,6 +103,11 @@ pub enum RunError<E> {
 /// held without polling while the outcome is written). At shutdown,
 /// [`Executor::drain`] waits for those tasks.
 ///
+/// Released means the next delivery runs the operation again: an effect the operation had
+/// already made when it was dropped (a row committed by itself) is made twice. Drop runs
+/// only between messages, or make the effect safe to cut: commit it with its result
+/// ([`Executor::run_with_claim`]), or key it by the record id under a unique constraint.
+///
 /// ```
 /// use std::sync::Arc;
 /// use idempotency_core::{Executor, Fingerprint, IdempotencyKey, MemoryStore, Scope};

@@ -3,23 +3,22 @@
 //! Streams deliver at least once: a consumer that dies after doing the work but before
 //! `XACK` gets the message again (another consumer claims it with `XAUTOCLAIM`), and producers
 //! that retry publish the same charge twice. Each message names its charge; the
-//! [`Executor`] runs the effect once per charge id over the Postgres
-//! store, and every repeat — redelivery or duplicate — replays the stored result and is
-//! acknowledged without a second effect.
+//! [`Executor`] runs the effect once per charge id over the Postgres store, and every
+//! repeat — redelivery or duplicate — replays the stored result and is acknowledged without
+//! a second effect.
 //!
-//! # What the executor cannot cover alone
+//! # The effect and its outcome commit together
 //!
-//! The executor stores the outcome after the effect: between the two, a crash, a panic, or a
-//! commit whose answer was lost (the connection broke after `COMMIT`) leaves an effect with
-//! no stored outcome, and the redelivery runs it again. This example's ledger has **no
-//! unique constraint on purpose**, so that its tests see any second effect the framework
-//! lets through. A real consumer closes that window in the effect itself: key it by the
-//! record id under a unique constraint (`INSERT … ON CONFLICT (record_id) DO NOTHING`, as
-//! the payments demo's charges do), or write it in the same transaction as the outcome:
-//! `Executor::run_with_claim` hands the operation its claim, and
-//! `PostgresStore::complete_claim_in(&mut tx, &claim, &value)` stores the result in the
-//! effect's transaction (`tests/postgres/claimed.rs` shows it surviving a panic, an error and
-//! a dropped run after the commit).
+//! The effect is a Postgres write, so it runs through [`Executor::run_with_claim`]: the
+//! ledger row and the charge's stored result ([`PostgresStore::complete_claim_in`]) are
+//! written in **one transaction**. Whatever stops the attempt — a crash, a panic, a poll
+//! dropped at any await (a shutdown's `select!`, an outer timeout), a commit whose answer
+//! was lost — either rolled the row back (the key is given back, or its lease runs out, and
+//! the redelivery applies the charge) or committed it with its result (the redelivery
+//! replays). This example's ledger has **no unique constraint on purpose**, so that its
+//! tests see any second effect the framework lets through. An effect outside the store's
+//! database (a card network) cannot share the transaction: key it by the record id instead
+//! ([`Claim::id`](idempotency::Claim::id)), as the payments demo's charges do.
 //!
 //! # Poison messages
 //!
@@ -28,39 +27,47 @@
 //! ([`Consumer::dead_letter_stream`], default `<stream>:dead`) and are acknowledged:
 //!
 //! - at once when they are **malformed** (no `charge_id`, no integer `amount`, a charge id
-//!   that is not a valid key) or **mismatch** (a charge id already applied with another
-//!   amount): no redelivery can change the answer;
-//! - when a failure — the effect, the idempotency store — happens on the message's
-//!   [`Consumer::max_deliveries`]-th delivery (default 5). The count is the one Redis keeps
-//!   in the group's pending list (`XPENDING`), so it survives consumer restarts.
+//!   that is not a valid key) or **mismatch** (a charge id applied already with another
+//!   amount: no redelivery can change that answer; while the other amount is still in
+//!   flight, the message is only deferred, as that attempt may yet fail);
+//! - when **the effect failed** (or panicked) for the [`Consumer::max_failures`]-th time
+//!   (default 5). Failures are counted per message in a Redis hash (`<stream>:failures`), so
+//!   the count survives consumer restarts, and only attempts that ran count: a delivery to
+//!   a consumer that died before handling it, or that found the charge in flight elsewhere,
+//!   is not a failure of the message.
 //!
-//! A message whose charge another consumer is applying right now (`InFlight`) is only
-//! deferred: that is not a failure of the message, and it resolves when the other attempt
-//! finishes or its lease expires. Each dead letter holds the original id (`id`), the `reason`,
-//! the `deliveries` so far, the `group` and `consumer`, and the message's own fields prefixed
-//! with `payload.`, so no field of the message can overwrite the others. The copy and the
-//! `XACK` are one Lua script: a message is dead-lettered once even when two consumers hold it.
-//! A store outage longer than `max_deliveries × claim_idle` dead-letters the messages that
-//! came due during it; they keep their payload for a replay.
+//! A message the idempotency store could not serve (unavailable) is left pending and never
+//! dead-lettered for it: an outage is not the message's fault, and it is applied once the
+//! store is back. A message whose charge another consumer is applying right now
+//! (`InFlight`) is deferred likewise. Each dead letter holds the original id (`id`), the
+//! `reason`, the `deliveries` and `failures` so far, the `group` and `consumer`, and the
+//! message's own fields prefixed with `payload.`, so no field of the message can overwrite
+//! the others. The copy and the `XACK` are one Lua script: a message is dead-lettered once
+//! even when two consumers hold it.
 //!
 //! # Outcomes that were not stored
 //!
-//! When the effect ran but storing its outcome failed for a whole lease of retries (the
-//! store's database was down), or another attempt took the charge over meanwhile, the
-//! executor answers [`RunError::NotStored`]. The charge **was applied**: leaving the message
-//! pending would apply it a second time on its next delivery (the ledger has no unique
-//! constraint), and dead-lettering it would invite a replay that does the same. Such a
-//! message is acknowledged, counted in [`Polled::not_stored`], and logged at error level
-//! ("the outcome was not stored") for an operator: after a store outage the record stays in
-//! flight until its lease expires, so a duplicate of the charge published after that applies
-//! it again. The lease is the executor's ([`Consumer::with_policy`], default 30 s).
+//! The executor stores the result again after the operation returns (it finds it committed
+//! already). Should that fail for a whole lease of retries (the store's database went down
+//! right after the commit), the executor answers [`RunError::NotStored`]. The charge **was
+//! applied**, and with its result, so a redelivery would replay: such a message is
+//! acknowledged all the same, counted in [`Polled::not_stored`], and logged at error level
+//! ("the outcome was not stored") for an operator. The lease is the executor's
+//! ([`Consumer::with_policy`], default 30 s).
+//!
+//! # Shutting down
+//!
+//! Stop polling between messages, or drop a poll anywhere: either way nothing is applied
+//! twice. Then [`Consumer::drain`], which waits for what dropped runs left to settle (a
+//! lease given back, an outcome being stored).
 //!
 //! Run the example with: `DATABASE_URL=postgres://… REDIS_URL=redis://… cargo run -p stream-consumer`
 
 use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use idempotency::{
-    Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope, postgres::PostgresStore,
+    Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState, RunError, Scope, Store,
+    postgres::PostgresStore,
 };
 use redis::{
     AsyncCommands, Script,
@@ -84,6 +91,18 @@ pub enum ConsumeError {
     /// The fault the tests inject: the process "dies" after the effect, before `XACK`.
     #[error("crashed before acknowledging {0}")]
     Crashed(String),
+}
+
+/// Why a charge's effect failed; its transaction rolled back.
+#[derive(Debug, thiserror::Error)]
+pub enum EffectError {
+    /// The ledger write or the transaction failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// Storing the result in the transaction failed (`LeaseLost`: another attempt took the
+    /// charge over, and its effect is the one that counts).
+    #[error(transparent)]
+    Store(#[from] idempotency::Error),
 }
 
 /// Counts of one [`Consumer::poll`].
@@ -116,6 +135,7 @@ pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Sen
 pub struct Consumer {
     redis: MultiplexedConnection,
     pool: PgPool,
+    store: Arc<PostgresStore>,
     executor: Executor<PostgresStore>,
     stream: String,
     group: String,
@@ -123,16 +143,21 @@ pub struct Consumer {
     ledger: String,
     /// Messages idle this long in another consumer's pending list are claimed.
     pub claim_idle: Duration,
-    /// A message that fails on this delivery (counting the first) is dead-lettered rather
-    /// than left for another one (default 5; 1 dead-letters on the first failure).
-    pub max_deliveries: u64,
+    /// A message whose effect failed this many times (counting this one) is dead-lettered
+    /// rather than left for another attempt (default 5; 1 dead-letters on the first failure).
+    pub max_failures: u64,
     /// The stream dead letters are added to (default `<stream>:dead`).
     pub dead_letter_stream: String,
+    /// The hash counting each pending message's failed attempts (`<stream>:failures`).
+    failures: String,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
     /// Test fault: awaited inside the effect of every charge (given its id), after the
-    /// ledger write and before the outcome is stored — e.g. to stop the store's database.
+    /// ledger write and before its transaction stores the outcome and commits.
     pub after_effect: Option<AfterEffect>,
+    /// Test fault: awaited after the effect's transaction committed, before the operation
+    /// returns (the executor then stores the outcome again) — e.g. to stop the database.
+    pub after_commit: Option<AfterEffect>,
 }
 
 impl Consumer {
@@ -154,16 +179,19 @@ impl Consumer {
         Self {
             redis,
             pool: store.pool().clone(),
-            executor: Executor::new(store),
+            executor: Executor::new(store.clone()),
+            store,
             stream: stream.into(),
             group: group.into(),
             name: name.into(),
             ledger: ledger.into(),
             claim_idle: Duration::from_secs(30),
-            max_deliveries: 5,
+            max_failures: 5,
             dead_letter_stream: format!("{stream}:dead"),
+            failures: format!("{stream}:failures"),
             crash_before_ack: None,
             after_effect: None,
+            after_commit: None,
         }
     }
 
@@ -280,61 +308,90 @@ impl Consumer {
             }
         };
         let scope = Scope::new(format!("stream:{}:{}", self.stream, self.group));
-        let (pool, ledger, after_effect) = (&self.pool, &self.ledger, &self.after_effect);
+        let (store, ledger) = (&*self.store, &self.ledger);
+        let (after_effect, after_commit) = (&self.after_effect, &self.after_commit);
+        let charge = charge_id.as_str();
         let result = self
             .executor
-            .run(
+            .run_with_claim(
                 &scope,
                 &key,
                 &Fingerprint::of(&amount.to_be_bytes()),
-                || async {
+                |claim| async move {
+                    // The row and the charge's result commit together, or neither does.
+                    let value = format!("applied {charge}");
+                    let mut tx = store.pool().begin().await?;
                     let insert =
                         format!("INSERT INTO {ledger} (charge_id, amount) VALUES ($1, $2)");
                     sqlx::query(sqlx::AssertSqlSafe(insert))
-                        .bind(&charge_id)
+                        .bind(charge)
                         .bind(amount)
-                        .execute(pool)
+                        .execute(&mut *tx)
                         .await?;
                     if let Some(fault) = after_effect {
-                        fault(&charge_id).await;
+                        fault(charge).await;
                     }
-                    Ok::<_, sqlx::Error>(format!("applied {charge_id}"))
+                    store.complete_claim_in(&mut tx, &claim, &value).await?;
+                    tx.commit().await?;
+                    if let Some(fault) = after_commit {
+                        fault(charge).await;
+                    }
+                    Ok::<_, EffectError>(value)
                 },
             )
             .await;
+        let id = RecordId::new(&scope, &key);
         match result {
             Ok(done) if done.replayed => polled.replayed += 1,
             Ok(_) => polled.applied += 1,
             // Someone else is applying this charge right now (or took it over from this
             // attempt, which was stopped): leave the message pending; it is claimed again
             // after `claim_idle` and then replays.
-            Err(RunError::InFlight { .. } | RunError::LeaseLost) => {
+            Err(
+                RunError::InFlight { .. }
+                | RunError::LeaseLost
+                | RunError::Failed(EffectError::Store(idempotency::Error::LeaseLost)),
+            ) => {
                 polled.deferred += 1;
                 return Ok(());
             }
-            // The charge was applied with another amount: every redelivery would answer the
-            // same, so it cannot wait for one.
+            // Another amount holds the charge id. Applied: every redelivery would answer the
+            // same, so the message cannot wait for one. Still in flight (or its attempt's
+            // outcome unknown): that attempt may yet fail and give the charge id back.
             Err(RunError::Mismatch) => {
+                if !self.applied(&id).await {
+                    polled.deferred += 1;
+                    return Ok(());
+                }
                 let reason =
                     format!("mismatch: charge {charge_id} was already applied with another amount");
                 return self.dead_letter(message, delivered, &reason, polled).await;
             }
-            // The charge was applied, but its outcome is not stored: a redelivery would apply
-            // it again, so acknowledge it like an applied one, and say so loudly.
+            // The charge was applied, but its outcome's second write failed: a redelivery
+            // replays what the transaction stored, so acknowledge it, and say so loudly.
             Err(error @ RunError::NotStored(_)) => {
                 let error = error_chain(&error);
                 tracing::error!(%error, charge = %charge_id, id = %message.id, "the charge was applied but the outcome was not stored; acknowledging the message without a redelivery");
                 polled.not_stored += 1;
             }
-            // The effect failed or the store did (the key is released or was never taken):
-            // a later delivery may succeed, up to `max_deliveries`.
+            // The store could not be asked: nothing ran, and no fault of the message. It
+            // stays pending, for a delivery once the store is back.
+            Err(error @ RunError::Store(_)) => {
+                let error = error_chain(&error);
+                tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
+                polled.failed += 1;
+                return Ok(());
+            }
+            // The effect failed or panicked, and rolled back (the key is released): a later
+            // attempt may succeed, up to `max_failures`.
             Err(error) => {
                 let error = error_chain(&error);
-                if delivered >= self.max_deliveries {
-                    let reason = format!("failed on delivery {delivered}: {error}");
+                let failures: u64 = self.redis.hincr(&self.failures, &message.id, 1).await?;
+                if failures >= self.max_failures {
+                    let reason = format!("failed {failures} times (delivery {delivered}): {error}");
                     return self.dead_letter(message, delivered, &reason, polled).await;
                 }
-                tracing::warn!(%error, charge = %charge_id, delivered, "attempt failed; will be redelivered");
+                tracing::warn!(%error, charge = %charge_id, delivered, failures, "attempt failed; will be redelivered");
                 polled.failed += 1;
                 return Ok(());
             }
@@ -342,12 +399,22 @@ impl Consumer {
         if self.crash_before_ack.as_deref() == Some(charge_id.as_str()) {
             return Err(ConsumeError::Crashed(charge_id));
         }
-        let acked: u64 = self
-            .redis
+        let (acked, _): (u64, u64) = redis::pipe()
             .xack(&self.stream, &self.group, &[&message.id])
+            .hdel(&self.failures, &message.id)
+            .query_async(&mut self.redis)
             .await?;
         polled.acked += acked;
         Ok(())
+    }
+
+    /// Whether the charge's record is completed: applied (with whichever amount). `false`
+    /// while in flight, gone, or when the store cannot tell now (the message then waits).
+    async fn applied(&self, id: &RecordId) -> bool {
+        matches!(
+            self.store.inspect(id).await,
+            Ok(Some(found)) if matches!(found.state, RecordState::Completed { .. })
+        )
     }
 
     /// Copies `message` to the dead-letter stream and acknowledges it, atomically; only the
@@ -360,9 +427,11 @@ impl Consumer {
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
         tracing::error!(id = %message.id, reason, delivered, stream = %self.dead_letter_stream, "dead-lettering message");
+        let failures: Option<u64> = self.redis.hget(&self.failures, &message.id).await?;
         let mut invocation = DEAD_LETTER.key(&self.stream);
         invocation
             .key(&self.dead_letter_stream)
+            .key(&self.failures)
             .arg(&self.group)
             .arg(&message.id)
             .arg("id")
@@ -371,6 +440,8 @@ impl Consumer {
             .arg(reason)
             .arg("deliveries")
             .arg(delivered)
+            .arg("failures")
+            .arg(failures.unwrap_or(0))
             .arg("group")
             .arg(&self.group)
             .arg("consumer")
@@ -389,11 +460,13 @@ impl Consumer {
     }
 }
 
-/// `XACK` and, if that removed the message from the pending list, `XADD` the dead letter.
-/// KEYS: stream, dead-letter stream. ARGV: group, message id, then the dead letter's fields.
+/// `XACK` and, if that removed the message from the pending list, `XADD` the dead letter;
+/// the message's failure count goes either way. KEYS: stream, dead-letter stream, failure
+/// counts. ARGV: group, message id, then the dead letter's fields.
 static DEAD_LETTER: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(
         r"
+redis.call('HDEL', KEYS[3], ARGV[2])
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
     redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
     return 1

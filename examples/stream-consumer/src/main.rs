@@ -47,8 +47,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "applied {} charges, acknowledged {} duplicates without a second effect",
         polled.applied, polled.replayed
     );
-    // Before exiting: nothing a dropped run left to settle may be cut off (bounded, as a
-    // shutdown deadline would be).
+    // Before exiting, what dropped runs left to settle (a lease given back, an outcome's
+    // second write) gets a bounded wait, as a shutdown deadline would give it. Cut off, it
+    // is still safe: a lease runs out, and an applied charge committed with its result.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(20), consumer.drain()).await;
     Ok(())
 }

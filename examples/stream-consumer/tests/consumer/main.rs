@@ -14,6 +14,7 @@ use std::{
 use idempotency::{Policy, postgres::PostgresStore};
 use idempotency_test::{block_on, services};
 use stream_consumer::{AfterEffect, ConsumeError, Consumer, Polled, publish};
+use tokio::sync::Notify;
 
 struct Rig {
     store: Arc<PostgresStore>,
@@ -337,10 +338,10 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
 }
 
 /// An effect that fails on every attempt (here a check constraint the amount breaks) is
-/// retried on each claim, and dead-lettered on its `max_deliveries`-th delivery. Every
+/// retried on each claim, and dead-lettered on its `max_failures`-th failure. Every
 /// delivery goes to a fresh consumer — a restart — so the count is the one Redis keeps.
 #[test]
-fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
+fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_failures() {
     block_on(async {
         let Some(mut rig) = rig().await else { return };
         rig.consumer("setup").await.setup().await.expect("setup");
@@ -364,7 +365,7 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
         for round in 0..8 {
             let mut consumer = rig.consumer(&format!("c{round}")).await;
             consumer.claim_idle = Duration::from_millis(50);
-            consumer.max_deliveries = 3;
+            consumer.max_failures = 3;
             consumer.dead_letter_stream.clone_from(&graveyard);
             let polled = consumer.poll(10).await.expect("poll");
             rounds.push((polled.applied, polled.failed, polled.dead_lettered));
@@ -393,7 +394,11 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
         assert_eq!(dead[0]["payload.charge_id"], "ch_huge");
         assert_eq!(dead[0]["payload.amount"], "5000000");
         let reason = &dead[0]["reason"];
-        assert!(reason.starts_with("failed on delivery 3: "), "{reason}");
+        assert!(
+            reason.starts_with("failed 3 times (delivery 3): "),
+            "{reason}"
+        );
+        assert_eq!(dead[0]["failures"], "3");
         assert!(
             reason.contains("amount_cap"),
             "the database's reason: {reason}"
@@ -408,8 +413,9 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_deliveries() {
     });
 }
 
-/// The effect ran, then the store's database went down for longer than the executor's lease,
-/// so storing the outcome failed on every retry (`RunError::NotStored`). The message is
+/// The effect committed with its result, then the store's database went down for longer than
+/// the executor's lease, so the executor's own write of the outcome failed on every retry
+/// (`RunError::NotStored`). The message is
 /// acknowledged — not left pending for a redelivery that would apply the charge again, not
 /// dead-lettered — and counted; with the database back, nothing is applied a second time.
 #[test]
@@ -454,7 +460,7 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
                 Box::pin(async move { pg.stop().await })
             },
         );
-        consumer.after_effect = Some(stop);
+        consumer.after_commit = Some(stop);
         publish(&mut rig.redis, &rig.stream, "ch_lost", 700)
             .await
             .expect("publish");
@@ -478,7 +484,7 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
 
         // The database back, past `claim_idle` (the lease ran out while `complete` retried):
         // a pending message would be claimed now and applied again. Nothing comes back.
-        consumer.after_effect = None;
+        consumer.after_commit = None;
         pg.start().await;
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert_eq!(consumer.poll(10).await.expect("poll"), Polled::default());
@@ -487,5 +493,177 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
             HashMap::from([("ch_lost".to_owned(), 1)]),
             "applied once"
         );
+    });
+}
+
+/// A fault that tells `reached` when the effect of `charge` got to it, then waits for
+/// `go` (for ever, if nothing notifies it).
+fn hold_at(charge: &'static str, reached: Arc<Notify>, go: Arc<Notify>) -> AfterEffect {
+    Arc::new(
+        move |id: &str| -> Pin<Box<dyn Future<Output = ()> + Send>> {
+            let (reached, go, hit) = (reached.clone(), go.clone(), id == charge);
+            Box::pin(async move {
+                if hit {
+                    reached.notify_one();
+                    go.notified().await;
+                }
+            })
+        },
+    )
+}
+
+/// The consumer's poll is dropped in the middle of the effect — a shutdown's `select!`, an
+/// outer timeout — after the ledger row was written and before anything was stored. The
+/// row must not stay without its outcome: once the run's lease is given back, the message's
+/// redelivery runs the effect, and the charge is applied once, not twice (the row was
+/// written outside any transaction, and the redelivery wrote it again).
+#[test]
+fn a_poll_dropped_mid_effect_applies_the_charge_once() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        let reached = Arc::new(Notify::new());
+        first.after_effect = Some(hold_at("ch_drop", reached.clone(), Arc::new(Notify::new())));
+        publish(&mut rig.redis, &rig.stream, "ch_drop", 500)
+            .await
+            .expect("publish");
+        tokio::select! {
+            polled = first.poll(10) => panic!("the effect is held: {polled:?}"),
+            () = reached.notified() => {}
+        }
+        // The poll is gone; what it left to settle (its lease) is given back.
+        first.drain().await;
+
+        let mut second = rig.consumer("c2").await;
+        second.claim_idle = Duration::from_millis(50);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let polled = second.poll(10).await.expect("poll");
+        assert_eq!(polled.acked, 1, "{polled:?}");
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_drop".to_owned(), 1)]),
+            "applied once"
+        );
+        assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// Deliveries that never ran the effect — consumers that claimed the message and died
+/// before handling it, or found it in flight on another — are not failures: a message is
+/// dead-lettered after `max_failures` attempts that failed, not after that many claims.
+/// Here three consumers claim it and vanish; the fourth delivery's attempt fails once, and
+/// the message stays pending for another.
+#[test]
+fn claims_that_never_ran_the_effect_do_not_count_toward_dead_lettering() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let check = format!(
+            "ALTER TABLE {} ADD CONSTRAINT amount_cap CHECK (amount < 1000000)",
+            rig.ledger
+        );
+        sqlx::query(sqlx::AssertSqlSafe(check))
+            .execute(rig.store.pool())
+            .await
+            .expect("constraint");
+        publish(&mut rig.redis, &rig.stream, "ch_huge", 5_000_000)
+            .await
+            .expect("publish");
+        let options = redis::streams::StreamReadOptions::default()
+            .group("ledger", "ghost-0")
+            .count(10);
+        let _: Option<redis::streams::StreamReadReply> =
+            redis::AsyncCommands::xread_options(&mut rig.redis, &[&rig.stream], &[">"], &options)
+                .await
+                .expect("read");
+        for ghost in ["ghost-1", "ghost-2"] {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _: redis::streams::StreamAutoClaimReply = redis::AsyncCommands::xautoclaim_options(
+                &mut rig.redis,
+                &rig.stream,
+                "ledger",
+                ghost,
+                50,
+                "0-0",
+                redis::streams::StreamAutoClaimOptions::default(),
+            )
+            .await
+            .expect("claim");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+
+        let mut consumer = rig.consumer("c1").await;
+        consumer.claim_idle = Duration::from_millis(50);
+        consumer.max_failures = 3;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            polled,
+            Polled {
+                failed: 1,
+                ..Polled::default()
+            },
+            "one attempt failed, on the fourth delivery"
+        );
+        assert_eq!(rig.pending().await, 1, "left for another attempt");
+        assert!(
+            rig.dead_letters(&format!("{}:dead", rig.stream))
+                .await
+                .is_empty()
+        );
+    });
+}
+
+/// Two messages name one charge with two amounts, and the first is still being applied when
+/// the second arrives: the second is not dead-lettered as "already applied" (the first may
+/// yet fail and be released), but deferred. Once the first is applied, the second's next
+/// delivery is dead-lettered for the mismatch.
+#[test]
+fn a_mismatch_with_a_charge_still_in_flight_is_deferred_then_dead_lettered() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        let (reached, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        first.after_effect = Some(hold_at("ch_twice", reached.clone(), go.clone()));
+        publish(&mut rig.redis, &rig.stream, "ch_twice", 100)
+            .await
+            .expect("publish");
+        let applying = tokio::spawn(async move { first.poll(10).await.expect("poll") });
+        reached.notified().await;
+        publish(&mut rig.redis, &rig.stream, "ch_twice", 999)
+            .await
+            .expect("publish");
+
+        let mut second = rig.consumer("c2").await;
+        second.claim_idle = Duration::from_millis(50);
+        let polled = second.poll(10).await.expect("poll");
+        assert_eq!(
+            polled,
+            Polled {
+                deferred: 1,
+                ..Polled::default()
+            },
+            "the charge is still in flight"
+        );
+
+        go.notify_one();
+        let polled = applying.await.expect("first consumer");
+        assert_eq!(polled.applied, 1, "{polled:?}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let polled = second.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1);
+        assert!(
+            dead[0]["reason"].starts_with("mismatch: charge ch_twice"),
+            "{dead:?}"
+        );
+        assert_eq!(dead[0]["payload.amount"], "999");
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_twice".to_owned(), 1)])
+        );
+        assert_eq!(rig.pending().await, 0);
     });
 }
