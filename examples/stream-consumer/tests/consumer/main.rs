@@ -108,6 +108,20 @@ impl Rig {
             .expect("xadd")
     }
 
+    /// Sets the group and ledger up, with a cap every amount of a million or more breaks:
+    /// an effect that fails on every attempt.
+    async fn capped_ledger(&self) {
+        self.consumer("setup").await.setup().await.expect("setup");
+        let check = format!(
+            "ALTER TABLE {} ADD CONSTRAINT amount_cap CHECK (amount < 1000000)",
+            self.ledger
+        );
+        sqlx::query(sqlx::AssertSqlSafe(check))
+            .execute(self.store.pool())
+            .await
+            .expect("constraint");
+    }
+
     async fn pending(&mut self) -> u64 {
         let reply: redis::streams::StreamPendingReply =
             redis::AsyncCommands::xpending(&mut self.redis, &self.stream, "ledger")
@@ -344,15 +358,7 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
 fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_failures() {
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        rig.consumer("setup").await.setup().await.expect("setup");
-        let check = format!(
-            "ALTER TABLE {} ADD CONSTRAINT amount_cap CHECK (amount < 1000000)",
-            rig.ledger
-        );
-        sqlx::query(sqlx::AssertSqlSafe(check))
-            .execute(rig.store.pool())
-            .await
-            .expect("constraint");
+        rig.capped_ledger().await;
         let graveyard = idempotency_test::unique("graveyard");
         let doomed = publish(&mut rig.redis, &rig.stream, "ch_huge", 5_000_000)
             .await
@@ -558,15 +564,7 @@ fn a_poll_dropped_mid_effect_applies_the_charge_once() {
 fn claims_that_never_ran_the_effect_do_not_count_toward_dead_lettering() {
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        rig.consumer("setup").await.setup().await.expect("setup");
-        let check = format!(
-            "ALTER TABLE {} ADD CONSTRAINT amount_cap CHECK (amount < 1000000)",
-            rig.ledger
-        );
-        sqlx::query(sqlx::AssertSqlSafe(check))
-            .execute(rig.store.pool())
-            .await
-            .expect("constraint");
+        rig.capped_ledger().await;
         publish(&mut rig.redis, &rig.stream, "ch_huge", 5_000_000)
             .await
             .expect("publish");
