@@ -1182,6 +1182,42 @@ fn a_large_response_streams_and_is_stored_without_its_body() {
     });
 }
 
+/// A response with a `Content-Length`, larger than the stored-body limit, streams to its end
+/// and ends cleanly: stored without its body at its first frame, it must still count the
+/// bytes it forwards after, or the end looked short of the declared length and was turned
+/// into an error after the last byte (a payment the client saw fail).
+#[test]
+fn a_large_response_with_a_declared_length_ends_cleanly() {
+    block_on(async {
+        let (router, calls, hold) = streaming_app(layer(memory()).max_stored_body(100_000));
+        let key = uuid::Uuid::new_v4().to_string();
+        let chunks = [("x-chunks", "16"), ("x-declare-length", "1")];
+        hold.notify_one(); // the end need not wait
+        let response = router
+            .clone()
+            .oneshot(stream_request(&key, &chunks))
+            .await
+            .expect("response");
+        assert_eq!(response.status(), 200);
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("the whole body, ending cleanly")
+            .to_bytes();
+        assert_eq!(body.len(), 16 * 64 * 1024);
+
+        let again = router
+            .clone()
+            .oneshot(stream_request(&key, &chunks))
+            .await
+            .expect("replay");
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(again.headers()["idempotent-replay-body"], "omitted");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// The layer's request future dropped at its 1st, 2nd, … poll (a client hang-up, an outer
 /// timeout) until it completes undropped: after every drop, the same request is answerable
 /// long before the lease would free an orphaned claim (it executes, or replays the execution

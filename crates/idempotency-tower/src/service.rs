@@ -937,7 +937,9 @@ async fn stream<ResBody, E>(
                 break false;
             }
         };
-        if let (Some(data), false) = (frame.data_ref(), stored) {
+        // Every frame is counted, stored or not: a body stored without its bytes (too large)
+        // still ends cleanly only once it reached its declared length.
+        if let Some(data) = frame.data_ref() {
             forwarded += data.len();
             if declared.is_some_and(|n| forwarded > n) {
                 // More than the declared length: a broken body, not a replayable one.
@@ -945,6 +947,8 @@ async fn stream<ResBody, E>(
                 abandon(&mut client);
                 break false;
             }
+        }
+        if let (Some(data), false) = (frame.data_ref(), stored) {
             if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
                 if declared == Some(forwarded) {
