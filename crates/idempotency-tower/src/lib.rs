@@ -61,7 +61,15 @@
 //! `tower::timeout`, a `select!` — and no lease is left claimed by nobody. Dropped before the
 //! claim lands, a lease granted meanwhile is released; dropped after, the handler still runs
 //! once and its outcome is stored for the retry. A panicking handler answers 500 and
-//! releases its lease (kept as outcome-unknown under `Reject` or `Reconcile`, see above). A handler that runs longer than the lease renews it every third of the lease.
+//! releases its lease (kept as outcome-unknown under `Reject` or `Reconcile`, see above). A
+//! handler that runs longer than the lease renews it every third of the lease.
+//!
+//! **Put timeouts outside this layer, never between it and the handler.** A
+//! `tower::timeout::TimeoutLayer` or `tower_http`'s `TimeoutLayer` inside it drops the
+//! handler mid-operation and answers an error (or a 408) that this layer does not store: the
+//! key is released, and the retry runs the operation a second time after its first run may
+//! have charged the card. Outside, the timeout drops only this layer's future, and the
+//! handler still runs to its end once.
 //!
 //! The handler's first step runs in the request's task; a handler that has to wait (almost
 //! any) continues in a task of its own, so values a layer outside this one put in a
