@@ -1658,6 +1658,33 @@ fn a_declared_length_response_is_stored_before_its_last_byte() {
     });
 }
 
+/// The store is down for longer than a lease right after the handler ran: the response goes
+/// out (the operation ran), and storing its outcome goes on in the background instead of
+/// stopping with the lease. Once it lands, the retry replays; before, the lease ran out with
+/// nothing stored, and the retry took the key over and charged a second time (`Reexecute`).
+#[test]
+fn an_outcome_the_store_refused_for_a_whole_lease_is_stored_later() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        // About five tries fit in a lease of a second; the sixth, in the background, lands.
+        store.fail_completes(10);
+        let policy = idempotency_core::Policy::default().with_lease(Duration::from_secs(1));
+        let layer = layer(store.clone()).policy(policy);
+        let (router, calls, _) = app(layer.clone());
+        let first = send(&router, "POST", Some("outage"), &[], "{}").await;
+        assert_eq!((first.status, calls.get()), (201, 1));
+        layer.drain().await; // the background write, until the store took it
+        tokio::time::sleep(Duration::from_millis(1500)).await; // the lease is long over
+        let retry = send(&router, "POST", Some("outage"), &[], "{}").await;
+        assert_eq!(calls.get(), 1, "the handler ran once");
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+    });
+}
+
 /// A response whose outcome was not stored (its lease was taken while the handler ran) does
 /// not advertise an expiry: it would promise a replay until that date, and a retry runs
 /// again (the other attempt decides the key).

@@ -458,3 +458,43 @@ fn an_unknown_outcome_is_kept_for_a_day_not_an_hour() {
         assert!(matches!(retry, Begin::Execute(_)), "a day on: {retry:?}");
     });
 }
+
+/// The store refuses the outcome for longer than a lease right after the operation ran: the
+/// run answers `NotStored` ("it ran"), and storing the outcome goes on in the background
+/// until the store takes it. The next delivery then replays; before, the lease ran out with
+/// nothing stored, and it took the key over and ran the operation a second time.
+#[test]
+fn an_outcome_not_stored_within_the_lease_is_stored_later() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let executor = Executor::new(store.clone())
+            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        let (scope, key, fp) = (
+            Scope::new("late"),
+            IdempotencyKey::new("k").expect("key"),
+            Fingerprint::of(b"p"),
+        );
+        // About five tries fit in a lease of a second; the sixth, in the background, lands.
+        store.fail_completes(10);
+        let first = executor
+            .run(&scope, &key, &fp, || async {
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
+        executor.drain().await; // the background write, until the store took it
+        tokio::time::sleep(Duration::from_millis(1500)).await; // the lease is long over
+        let again = executor
+            .run(&scope, &key, &fp, || async {
+                Ok::<_, ()>("twice".to_owned())
+            })
+            .await
+            .expect("replay");
+        assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+    });
+}

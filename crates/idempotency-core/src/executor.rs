@@ -61,9 +61,12 @@ pub enum RunError<E> {
     LeaseLost,
     /// **The operation ran; its outcome was not stored.** Storing it failed for a whole
     /// lease of retries (the store is down), or another attempt took the key over first.
-    /// Do not treat this as "nothing happened": the effect took place. A redelivery after
-    /// the lease runs the operation again unless the effect itself is idempotent (a unique
-    /// constraint on the record id), so alert on it, and prefer to acknowledge the message.
+    /// Do not treat this as "nothing happened": the effect took place. A store that was
+    /// down is written again in the background ([`complete_late`], counted by
+    /// [`Executor::drain`]) until it takes the outcome; a redelivery before that lands, or
+    /// after another attempt took over, runs the operation again unless the effect itself
+    /// is idempotent (a unique constraint on the record id), so alert on it, and prefer to
+    /// acknowledge the message.
     #[error("the operation ran; its outcome was not stored: {0}")]
     NotStored(#[source] Error),
     /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
@@ -149,8 +152,9 @@ impl<S: Store + ?Sized> Executor<S> {
 
     /// Waits until every lease that runs of this executor (and its clones) left to settle in
     /// a task of their own has settled: the outcome of a run dropped after its operation
-    /// succeeded is stored, the lease of one dropped while its operation ran (or while it
-    /// claimed) is given back. Call it at shutdown, once no run is left (each ended or was
+    /// succeeded is stored (so too one answered [`RunError::NotStored`] while the store was
+    /// down: written until the store is back, so bound the wait), the lease of one dropped
+    /// while its operation ran (or while it claimed) is given back. Call it at shutdown, once no run is left (each ended or was
     /// dropped), before the process exits.
     ///
     /// Cut short by the exit, an outcome that was not stored comes back as an attempt whose
@@ -371,14 +375,24 @@ impl<S: Store + ?Sized> Executor<S> {
                 // Stored in this future while its caller polls it; dropped, or held without
                 // polling (the lease is no longer renewed), the write goes on in a task of
                 // its own, counted by `drain`.
-                let (store, policy, settling) = (
+                // Not stored within a lease (the store stayed down): the answer says so, and
+                // the write goes on in a task of its own until the store takes it.
+                let (store, policy, settling, tracker) = (
                     self.store.clone(),
                     self.policy.clone(),
                     self.settling.token(),
+                    self.settling.clone(),
                 );
                 let write = finish_in_any_case(async move {
                     let _settling = settling;
-                    complete_retrying(&*store, &id, token, &outcome, &policy).await
+                    let stored = complete_retrying(&*store, &id, token, &outcome, &policy).await;
+                    if let Err(Error::Unavailable(_)) = &stored {
+                        tracker.spawn(async move {
+                            let (retention, lease) = (policy.retention(), policy.lease());
+                            complete_late(&*store, &id, token, &outcome, retention, lease).await;
+                        });
+                    }
+                    stored
                 });
                 guard.settled = true;
                 write.await.map_err(RunError::NotStored)?;
@@ -707,6 +721,61 @@ pub async fn complete_retrying<S: Store + ?Sized>(
                 let _ = store.renew(id, token, policy.lease()).await;
             }
             Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Stores an outcome that [`complete_retrying`] could not store within its lease (the store
+/// stayed unavailable), for as long as a late completion is accepted
+/// ([`LATE_COMPLETION_GRACE`](crate::LATE_COMPLETION_GRACE)): the operation ran, and until
+/// its outcome is stored, a retry after the lease takes the key over and runs it again.
+/// Tries every second at most, so a retry racing the store's return has about a second's
+/// window, not the rest of the outage; renews the lease before each try, so a retry that
+/// lands first answers "in flight" where it can. Returns whether the outcome was stored:
+/// `false` when the store answered that the token no longer owns the record (`LeaseLost`,
+/// another attempt took over), another error, or the grace ran out. Run it in a task of
+/// its own, tracked by the `drain` of whoever spawned it.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{complete_late, Begin, Fingerprint, MemoryStore, Outcome, RecordId, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let (id, fp) = (RecordId::from_bytes([9; 32]), Fingerprint::of(b"body"));
+/// let Ok(Begin::Execute(token)) = store.begin(&id, &fp, Duration::from_secs(30)).await else { panic!() };
+/// let outcome = Outcome::new(201);
+/// assert!(complete_late(&store, &id, token, &outcome, Duration::from_secs(60), Duration::from_secs(30)).await);
+/// assert_eq!(store.begin(&id, &fp, Duration::from_secs(30)).await.unwrap(), Begin::Replay(outcome));
+/// # }
+/// ```
+pub async fn complete_late<S: Store + ?Sized>(
+    store: &S,
+    id: &RecordId,
+    token: LeaseToken,
+    outcome: &Outcome,
+    retention: Duration,
+    lease: Duration,
+) -> bool {
+    let give_up = Instant::now() + crate::LATE_COMPLETION_GRACE;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Only a lease still ours is renewed (fenced); a failed renewal changes nothing.
+        let _ = store.renew(id, token, lease).await;
+        match store.complete(id, token, outcome, retention).await {
+            Ok(()) => {
+                tracing::info!(record = %id, "the outcome was stored late, once the store was back");
+                return true;
+            }
+            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
+                tracing::debug!(%error, record = %id, "storing the outcome late; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(error) => {
+                tracing::error!(%error, record = %id, "the outcome could not be stored; a retry after the lease runs the operation again");
+                return false;
+            }
         }
     }
 }

@@ -37,7 +37,9 @@ pub use detach::{
     FinishOnDrop, GrantsLease, detached_begin, detached_claim, end_orphan, finish_on_drop,
     give_back_orphan, release_orphan, within_lease, within_lease_with,
 };
-pub use executor::{Claim, Completion, Executed, Executor, RunError, complete_retrying};
+pub use executor::{
+    Claim, Completion, Executed, Executor, RunError, complete_late, complete_retrying,
+};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};
 pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};

@@ -32,6 +32,7 @@ pub struct LateBegin<S> {
     failing_renewals: AtomicU64,
     /// How many of the next `complete` calls answer `LeaseLost` (nothing stored).
     lost_completes: AtomicU64,
+    failing_completes: AtomicU64,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -50,6 +51,7 @@ impl<S: Store> LateBegin<S> {
             failing_releases: AtomicU64::new(0),
             failing_renewals: AtomicU64::new(0),
             lost_completes: AtomicU64::new(0),
+            failing_completes: AtomicU64::new(0),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -82,6 +84,12 @@ impl<S: Store> LateBegin<S> {
     /// attempt took the key over, or an operator released it, while the operation ran).
     pub fn lose_completes(&self, n: u64) {
         self.lost_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `complete` calls fail with `Unavailable`, storing nothing (a store
+    /// down for a while).
+    pub fn fail_completes(&self, n: u64) {
+        self.failing_completes.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -160,6 +168,11 @@ impl<S: Store> Store for LateBegin<S> {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
         if take_one(&self.lost_completes) {
             return Err(idempotency_core::Error::LeaseLost);
+        }
+        if take_one(&self.failing_completes) {
+            return Err(idempotency_core::Error::unavailable(
+                "a complete failed (injected)",
+            ));
         }
         self.inner.complete(id, token, outcome, retention).await
     }

@@ -296,7 +296,8 @@ impl IdempotencyLayer {
     }
 
     /// Waits until every operation started through this layer has finished and stored its
-    /// outcome — including those whose client already hung up — every
+    /// outcome — including those whose client already hung up, and those the store refused
+    /// for a whole lease, still written in the background until it takes them — every
     /// [`OutcomeUnknown`](crate::OutcomeUnknown) reconcile or verdict has been stored, and
     /// every lease this layer must give back (a claim whose request went away, a grant read
     /// too late to act on) has been given back. Call it after the server's graceful

@@ -14,8 +14,8 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_retrying, detached_begin, end_orphan, finish_in_any_case, give_back_orphan,
-    release_orphan,
+    complete_late, complete_retrying, detached_begin, end_orphan, finish_in_any_case,
+    give_back_orphan, release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -1102,7 +1102,8 @@ async fn settle_lease(
 
 /// Stores the outcome; says whether it was. A store blip must not lose it (the retry would
 /// run the operation again), so an unavailable store is retried, renewing the lease, for up
-/// to one lease.
+/// to one lease; the response then goes out, and the write goes on in a task of its own
+/// ([`complete_late`], counted by `drain`) until the store takes it.
 async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) -> bool {
     let m = &config.metrics;
     match complete_retrying(&*config.store, &id, token, outcome, &config.policy).await {
@@ -1116,7 +1117,12 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
             false
         }
         Err(error) => {
-            tracing::error!(%error, "the outcome could not be stored; a retry after the lease expires runs again");
+            tracing::error!(%error, "the outcome could not be stored within a lease; still trying in the background");
+            let (store, outcome) = (config.store.clone(), outcome.clone());
+            let (retention, lease) = (config.policy.retention(), config.policy.lease());
+            config.detached.spawn(async move {
+                complete_late(&*store, &id, token, &outcome, retention, lease).await;
+            });
             false
         }
     }
