@@ -1669,8 +1669,10 @@ fn an_outcome_the_store_refused_for_a_whole_lease_is_stored_later() {
             MemoryStore::new(),
             Duration::ZERO,
         ));
-        // About five tries fit in a lease of a second; the sixth, in the background, lands.
+        // Five tries at most fit in a lease of a second; the rest, in the background, fail
+        // until the eleventh lands.
         store.fail_completes(10);
+        store.fail_renewals(10); // the whole store is down, not only this outcome refused
         let policy = idempotency_core::Policy::default().with_lease(Duration::from_secs(1));
         let layer = layer(store.clone()).policy(policy);
         let (router, calls, _) = app(layer.clone());

@@ -479,8 +479,10 @@ fn an_outcome_not_stored_within_the_lease_is_stored_later() {
             IdempotencyKey::new("k").expect("key"),
             Fingerprint::of(b"p"),
         );
-        // About five tries fit in a lease of a second; the sixth, in the background, lands.
+        // Five tries at most fit in a lease of a second; the rest, in the background, fail
+        // until the eleventh lands.
         store.fail_completes(10);
+        store.fail_renewals(10); // the whole store is down, not only this outcome refused
         let first = executor
             .run(&scope, &key, &fp, || async {
                 Ok::<_, ()>("charged".to_owned())
@@ -496,5 +498,34 @@ fn an_outcome_not_stored_within_the_lease_is_stored_later() {
             .await
             .expect("replay");
         assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+    });
+}
+
+/// A store that takes the lease's renewals but refuses the outcome (too large, a
+/// constraint) is up: the background write gives up after three such refusals instead of
+/// holding the key "in flight" for an hour, and `drain` does not wait for it that long.
+#[test]
+fn an_outcome_a_live_store_keeps_refusing_is_not_retried_for_an_hour() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let executor = Executor::new(store.clone())
+            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        let (scope, key, fp) = (
+            Scope::new("refused"),
+            IdempotencyKey::new("k").expect("key"),
+            Fingerprint::of(b"p"),
+        );
+        store.fail_completes(1_000);
+        let first = executor
+            .run(&scope, &key, &fp, || async { Ok::<_, ()>(1u8) })
+            .await;
+        assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
+        let drained = tokio::time::timeout(Duration::from_secs(60), executor.drain()).await;
+        assert!(drained.is_ok(), "the background write gave up");
     });
 }

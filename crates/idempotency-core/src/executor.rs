@@ -163,8 +163,9 @@ impl<S: Store + ?Sized> Executor<S> {
     /// ([`Store::drain`]), including those other users of the same store left. Not waited
     /// for: runs still in progress (end or drop them first).
     ///
-    /// A store that is unavailable is retried (an outcome for up to a lease, a release for
-    /// longer), so bound the wait by your shutdown deadline:
+    /// A store that is unavailable is retried (a release for a minute, an outcome until the
+    /// store takes it, up to an hour: [`complete_late`]), so bound the wait by your shutdown
+    /// deadline:
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -726,15 +727,20 @@ pub async fn complete_retrying<S: Store + ?Sized>(
 }
 
 /// Stores an outcome that [`complete_retrying`] could not store within its lease (the store
-/// stayed unavailable), for as long as a late completion is accepted
+/// stayed unavailable), for as long as a late completion is accepted everywhere
 /// ([`LATE_COMPLETION_GRACE`](crate::LATE_COMPLETION_GRACE)): the operation ran, and until
 /// its outcome is stored, a retry after the lease takes the key over and runs it again.
-/// Tries every second at most, so a retry racing the store's return has about a second's
-/// window, not the rest of the outage; renews the lease before each try, so a retry that
-/// lands first answers "in flight" where it can. Returns whether the outcome was stored:
-/// `false` when the store answered that the token no longer owns the record (`LeaseLost`,
-/// another attempt took over), another error, or the grace ran out. Run it in a task of
-/// its own, tracked by the `drain` of whoever spawned it.
+///
+/// Tries about every second (each try waits out the store's own call budget while it is
+/// unreachable, and the tries of many tasks are spread by their tokens): a retry that
+/// reaches the store as it comes back can still win that race. Between tries it renews the
+/// lease, so a retry that lands first answers "in flight" where it can. A store that takes
+/// the renewal but refuses the outcome three times running is up and refuses this outcome
+/// (too large, a constraint): the task gives up rather than hold the key for an hour.
+/// Returns whether the outcome was stored: `false` when the store answered that the token
+/// no longer owns the record (`LeaseLost`: another attempt took over), another error, a
+/// refusal as above, or the grace ran out. Run it in a task of its own, tracked by the
+/// `drain` of whoever spawned it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -758,25 +764,39 @@ pub async fn complete_late<S: Store + ?Sized>(
     lease: Duration,
 ) -> bool {
     let give_up = Instant::now() + crate::LATE_COMPLETION_GRACE;
+    // Spread over a second by the token, so the tasks of one outage do not try in step.
+    let spread = Duration::from_millis(u64::from(token.as_uuid().as_bytes()[0]) * 4);
     let mut backoff = Duration::from_millis(100);
+    let mut refused = 0;
     loop {
-        // Only a lease still ours is renewed (fenced); a failed renewal changes nothing.
-        let _ = store.renew(id, token, lease).await;
-        match store.complete(id, token, outcome, retention).await {
+        let error = match store.complete(id, token, outcome, retention).await {
             Ok(()) => {
                 tracing::info!(record = %id, "the outcome was stored late, once the store was back");
                 return true;
             }
-            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
-                tracing::debug!(%error, record = %id, "storing the outcome late; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => error,
+            Err(Error::LeaseLost) => {
+                tracing::error!(record = %id, "the outcome was not stored: another attempt took the key over meanwhile");
+                return false;
             }
             Err(error) => {
                 tracing::error!(%error, record = %id, "the outcome could not be stored; a retry after the lease runs the operation again");
                 return false;
             }
+        };
+        // Only a lease still ours is renewed (fenced on the token).
+        if store.renew(id, token, lease).await.is_ok() {
+            refused += 1;
+            if refused >= 3 {
+                tracing::error!(%error, record = %id, "the store is up but refuses this outcome; a retry after the lease runs the operation again");
+                return false;
+            }
+        } else {
+            refused = 0;
         }
+        tracing::debug!(%error, record = %id, "storing the outcome late; retrying");
+        tokio::time::sleep(backoff + spread.min(backoff)).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 

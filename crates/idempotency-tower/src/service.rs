@@ -1116,13 +1116,17 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
             tracing::error!("lease lost before completion: another attempt owns the key now");
             false
         }
-        Err(error) => {
+        Err(error @ Error::Unavailable(_)) => {
             tracing::error!(%error, "the outcome could not be stored within a lease; still trying in the background");
             let (store, outcome) = (config.store.clone(), outcome.clone());
             let (retention, lease) = (config.policy.retention(), config.policy.lease());
             config.detached.spawn(async move {
                 complete_late(&*store, &id, token, &outcome, retention, lease).await;
             });
+            false
+        }
+        Err(error) => {
+            tracing::error!(%error, "the outcome could not be stored; a retry after the lease runs again");
             false
         }
     }
