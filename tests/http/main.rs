@@ -242,6 +242,19 @@ fn a_reused_key_with_another_body_is_422() {
     });
 }
 
+/// `POST path` with key `k` and body `{}`: the status, and whether it was a replay.
+async fn post_k(router: axum::Router, path: &str) -> (u16, bool) {
+    let request = axum::http::Request::post(path)
+        .header("idempotency-key", "k")
+        .body(Body::from("{}"))
+        .expect("request");
+    let response = router.oneshot(request).await.expect("infallible");
+    (
+        response.status().as_u16(),
+        response.headers().get("idempotent-replayed").is_some(),
+    )
+}
+
 /// Behind axum's `nest`, the layer on the inner router sees the path without the prefix;
 /// the fingerprint must still tell `/accounts/a/charges` from `/accounts/b/charges`, or the
 /// same key and body on the second would replay the first's answer (and never charge `b`).
@@ -250,20 +263,7 @@ fn a_reused_key_on_another_nested_path_is_422() {
     block_on(async {
         let (inner, calls, _) = app(layer(memory()));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let at = |path: &'static str| {
-            let router = router.clone();
-            async move {
-                let request = axum::http::Request::post(path)
-                    .header("idempotency-key", "k")
-                    .body(Body::from("{}"))
-                    .expect("request");
-                let response = router.oneshot(request).await.expect("infallible");
-                (
-                    response.status().as_u16(),
-                    response.headers().get("idempotent-replayed").is_some(),
-                )
-            }
-        };
+        let at = |path: &'static str| post_k(router.clone(), path);
         assert_eq!(at("/accounts/a/charges").await, (201, false));
         assert_eq!(at("/accounts/b/charges").await, (422, false));
         assert_eq!(at("/accounts/a/charges").await, (201, true));
@@ -306,6 +306,43 @@ fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
         assert_eq!(response.status(), 201);
         assert_eq!(response.headers()["idempotent-replayed"], "true");
         assert_eq!(calls.get(), 0);
+    });
+}
+
+/// The fallback to the earlier fingerprint only finds what was stored under it; it never runs
+/// a request under it. Here `/accounts/b/charges` meets `a`'s live lease (a mismatch), and
+/// `a` gives the key back just before `b` asks again with the earlier fingerprint: `b` must
+/// run under its own. Run under the earlier one, its record then replayed for
+/// `/accounts/c/charges` with the same key and body: `b`'s charge, answered to `c`.
+#[test]
+fn the_earlier_fingerprint_never_claims_a_key() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let (inner, calls, _) = app(layer(store.clone()));
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let at = |path: &'static str| post_k(router.clone(), path);
+        let a = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/accounts/a/charges")
+            .body(b"{}")
+            .finish();
+        let id = record_id("k");
+        let idempotency_core::Begin::Execute(token) = store
+            .inner()
+            .begin(&id, &a, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("a fresh key")
+        };
+        store.release_before_begin(2, id, token); // between `b`'s two asks
+        assert_eq!(at("/accounts/b/charges").await, (201, false));
+        assert_eq!(at("/accounts/c/charges").await, (422, false));
+        assert_eq!(at("/accounts/b/charges").await, (201, true));
+        assert_eq!(calls.get(), 1);
     });
 }
 

@@ -32,7 +32,10 @@ pub struct LateBegin<S> {
     failing_renewals: AtomicU64,
     /// How many of the next `complete` calls answer `LeaseLost` (nothing stored).
     lost_completes: AtomicU64,
+    /// How many of the next `complete` calls fail (`Unavailable`, nothing stored).
     failing_completes: AtomicU64,
+    /// A lease released on the inner store just before the `begin` calls count down to 0.
+    release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -52,6 +55,7 @@ impl<S: Store> LateBegin<S> {
             failing_renewals: AtomicU64::new(0),
             lost_completes: AtomicU64::new(0),
             failing_completes: AtomicU64::new(0),
+            release_before: std::sync::Mutex::new(None),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -90,6 +94,16 @@ impl<S: Store> LateBegin<S> {
     /// down for a while).
     pub fn fail_completes(&self, n: u64) {
         self.failing_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Releases `token`'s lease on `id`, on the inner store, just before the `n`-th `begin`
+    /// from now (counting from 1) runs: another attempt that gave its key back between two
+    /// asks of one request.
+    pub fn release_before_begin(&self, n: u64, id: RecordId, token: LeaseToken) {
+        *self
+            .release_before
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token));
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -149,6 +163,27 @@ async fn wait(delay_ms: &AtomicU64) {
 #[async_trait::async_trait]
 impl<S: Store> Store for LateBegin<S> {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+        let release = {
+            let mut due = self
+                .release_before
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match due.as_mut() {
+                Some((1, id, token)) => {
+                    let lease = (*id, *token);
+                    *due = None;
+                    Some(lease)
+                }
+                Some((n, _, _)) => {
+                    *n -= 1;
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some((id, token)) = release {
+            let _ = self.inner.release(&id, token).await;
+        }
         let answer = self.inner.begin(id, fp, lease).await;
         wait(&self.delay_ms).await;
         answer

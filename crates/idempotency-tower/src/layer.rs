@@ -137,8 +137,10 @@ impl IdempotencyLayer {
     /// fingerprint takes axum's `OriginalUri` instead, and without it, put the layer on the
     /// outer router (or scope keys by the prefix's parameters with
     /// [`scope_fn`](IdempotencyLayer::scope_fn)). A record stored before that change, under
-    /// the path without the prefix, still replays for its request (a mismatch is asked
-    /// again with that fingerprint) rather than answering 422.
+    /// the path without the prefix, still replays rather than answering 422 (a mismatch is
+    /// asked again with that fingerprint; as before the change, such a record replays for
+    /// every prefix over the same inner path); nothing is ever run under that fingerprint,
+    /// so no new record has it.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             config: Arc::new(Config {

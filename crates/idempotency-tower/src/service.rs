@@ -269,10 +269,26 @@ where
     let span = tracing::Span::current();
     let wait_until = config.wait.map(|w| Instant::now() + w);
     // Whether a mismatch was asked again under the fingerprint earlier versions gave this
-    // request (see `Config::legacy_fingerprint`): only ever computed on a mismatch.
+    // request (see `Config::legacy_fingerprint`): only ever computed on a mismatch. While
+    // asking with it, `current` keeps the request's own.
     let mut asked_legacy = false;
+    let mut current: Option<Fingerprint> = None;
     loop {
         match claim(&config, keyed.id, keyed.fingerprint).await {
+            Ok(Begin::Execute(token)) if current.is_some() => {
+                // The earlier fingerprint only finds what was stored under it (the key was
+                // given back since the mismatch): run under it, and its record would replay
+                // for every other request it stands for. Give the grant back and ask again
+                // with the request's own, the give-back run to its end even if dropped.
+                keyed.fingerprint = current.take().unwrap_or(keyed.fingerprint);
+                let (settling, id) = (config.clone(), keyed.id);
+                let give_back = async move {
+                    let why = "granted under the earlier fingerprint";
+                    settle_lease(&settling, id, token, false, why).await;
+                };
+                finish_in_any_case(give_back.in_current_span()).await;
+                continue;
+            }
             Ok(Begin::Execute(token)) => {
                 span.record("decision", "execute");
                 return execute(config, inner, parts, body, keyed, token).await;
@@ -292,6 +308,7 @@ where
                 if !asked_legacy {
                     asked_legacy = true;
                     if let Some(legacy) = config.legacy_fingerprint(&parts, &body) {
+                        current = Some(keyed.fingerprint);
                         keyed.fingerprint = legacy;
                         continue;
                     }
