@@ -346,6 +346,39 @@ fn the_earlier_fingerprint_never_claims_a_key() {
     });
 }
 
+/// An attempt stored under the earlier fingerprint that never finished (killed at an upgrade)
+/// stands for that request under every prefix: whose it was is unknown. A request that
+/// finds it through the fallback runs nothing under it (run, `b`'s charge was stored there
+/// and replayed to `a`): it answers 409 outcome-unknown, stores nothing, and the record
+/// stays for an operator.
+#[test]
+fn an_unfinished_attempt_under_the_earlier_fingerprint_is_not_run_again() {
+    block_on(async {
+        let store = Arc::new(MemoryStore::with_manual_clock());
+        let (inner, calls, _) = app(layer(store.clone()));
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let earlier = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/charges")
+            .body(b"{}")
+            .finish();
+        let id = record_id("k");
+        let begun = store.begin(&id, &earlier, Duration::from_secs(1)).await;
+        assert!(matches!(begun, Ok(idempotency_core::Begin::Execute(_))));
+        store.advance(Duration::from_secs(2)); // killed: its lease ran out unfinished
+        for account in ["/accounts/b/charges", "/accounts/a/charges"] {
+            assert_eq!(
+                post_k(router.clone(), account).await,
+                (409, false),
+                "{account}"
+            );
+        }
+        assert_eq!(calls.get(), 0);
+        let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert_eq!(kept.fingerprint, earlier);
+    });
+}
+
 #[test]
 fn canonical_json_ignores_key_order_and_whitespace() {
     block_on(async {

@@ -282,12 +282,33 @@ where
                 // with the request's own, the give-back run to its end even if dropped.
                 keyed.fingerprint = current.take().unwrap_or(keyed.fingerprint);
                 let (settling, id) = (config.clone(), keyed.id);
+                let running = config.detached.token(); // `drain` waits for the give-back
                 let give_back = async move {
+                    let _running = running;
                     let why = "granted under the earlier fingerprint";
                     settle_lease(&settling, id, token, false, why).await;
                 };
                 finish_in_any_case(give_back.in_current_span()).await;
                 continue;
+            }
+            Ok(Begin::TakeOver(token)) if current.is_some() => {
+                // An attempt under the earlier fingerprint never finished (killed at an
+                // upgrade). That fingerprint stands for this request under every prefix, so
+                // whose attempt it was is unknown: run nothing under it, keep the record
+                // unfinished (the lease ended), and say so without storing an answer.
+                span.record("decision", "outcome_unknown");
+                let (settling, id) = (config.clone(), keyed.id);
+                let running = config.detached.token();
+                let end = async move {
+                    let _running = running;
+                    let why = "taken over under the earlier fingerprint";
+                    settle_lease(&settling, id, token, true, why).await;
+                };
+                finish_in_any_case(end.in_current_span()).await;
+                let detail = "an earlier request with this Idempotency-Key, made before an \
+                              upgrade, did not finish, and whether its operation took effect is \
+                              unknown: it must be reconciled before this key can be used again";
+                return Ok(Problem::OutcomeUnknown.response(detail, None));
             }
             Ok(Begin::Execute(token)) => {
                 span.record("decision", "execute");
