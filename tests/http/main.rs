@@ -242,6 +242,16 @@ fn a_reused_key_with_another_body_is_422() {
     });
 }
 
+/// The fingerprint earlier versions gave `POST …/charges` with body `{}` behind a nest: the
+/// path without the prefix.
+fn earlier_fingerprint() -> idempotency_core::Fingerprint {
+    idempotency_core::Fingerprint::builder()
+        .method("POST")
+        .path_and_query("/charges")
+        .body(b"{}")
+        .finish()
+}
+
 /// `POST path` with key `k` and body `{}`: the status, and whether it was a replay.
 async fn post_k(router: axum::Router, path: &str) -> (u16, bool) {
     let request = axum::http::Request::post(path)
@@ -280,11 +290,7 @@ fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
         let store = memory();
         let (inner, calls, _) = app(layer(store.clone()));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let earlier = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/charges")
-            .body(b"{}")
-            .finish();
+        let earlier = earlier_fingerprint();
         let id = record_id("k");
         let idempotency_core::Begin::Execute(token) = store
             .begin(&id, &earlier, Duration::from_secs(30))
@@ -357,11 +363,7 @@ fn an_unfinished_attempt_under_the_earlier_fingerprint_is_not_run_again() {
         let store = Arc::new(MemoryStore::with_manual_clock());
         let (inner, calls, _) = app(layer(store.clone()));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let earlier = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/charges")
-            .body(b"{}")
-            .finish();
+        let earlier = earlier_fingerprint();
         let id = record_id("k");
         let begun = store.begin(&id, &earlier, Duration::from_secs(1)).await;
         assert!(matches!(begun, Ok(idempotency_core::Begin::Execute(_))));
