@@ -29,16 +29,19 @@
 //! - at once when they are **malformed** (no `charge_id`, no integer `amount`, a charge id
 //!   that is not a valid key) or **mismatch** (a charge id applied already with another
 //!   amount: no redelivery can change that answer; while the other amount is still in
-//!   flight, the message is only deferred, as that attempt may yet fail);
+//!   flight, or its attempt's outcome unknown, the message is only deferred, as that attempt
+//!   may yet fail);
 //! - when **the effect failed** (or panicked) for the [`Consumer::max_failures`]-th time
-//!   (default 5). Failures are counted per message in a Redis hash (`<stream>:failures`), so
-//!   the count survives consumer restarts, and only attempts that ran count: a delivery to
-//!   a consumer that died before handling it, or that found the charge in flight elsewhere,
-//!   is not a failure of the message.
+//!   (default 5), or its stored result no longer decodes. Failures are counted per message
+//!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
+//!   consumer restarts, and only attempts that ran count: a delivery to a consumer that died
+//!   before handling it, or that found the charge in flight elsewhere, is not a failure of
+//!   the message.
 //!
-//! A message the idempotency store could not serve (unavailable) is left pending and never
-//! dead-lettered for it: an outage is not the message's fault, and it is applied once the
-//! store is back. A message whose charge another consumer is applying right now
+//! A message that met an outage — the idempotency store unavailable, or the database
+//! unreachable, restarting, overloaded or out of time in the middle of the effect (its
+//! transaction rolled back) — is left pending and never counted or dead-lettered for it: an
+//! outage is not the message's fault, and it is applied once the database is back. A message whose charge another consumer is applying right now
 //! (`InFlight`) is deferred likewise. Each dead letter holds the original id (`id`), the
 //! `reason`, the `deliveries` and `failures` so far, the `group` and `consumer`, and the
 //! message's own fields prefixed with `payload.`, so no field of the message can overwrite
@@ -148,7 +151,8 @@ pub struct Consumer {
     pub max_failures: u64,
     /// The stream dead letters are added to (default `<stream>:dead`).
     pub dead_letter_stream: String,
-    /// The hash counting each pending message's failed attempts (`<stream>:failures`).
+    /// The hash counting each pending message's failed attempts
+    /// (`<stream>:<group>:failures`: each group has its own attempts).
     failures: String,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
@@ -188,7 +192,7 @@ impl Consumer {
             claim_idle: Duration::from_secs(30),
             max_failures: 5,
             dead_letter_stream: format!("{stream}:dead"),
-            failures: format!("{stream}:failures"),
+            failures: format!("{stream}:{group}:failures"),
             crash_before_ack: None,
             after_effect: None,
             after_commit: None,
@@ -308,37 +312,32 @@ impl Consumer {
             }
         };
         let scope = Scope::new(format!("stream:{}:{}", self.stream, self.group));
+        let fingerprint = Fingerprint::of(&amount.to_be_bytes());
         let (store, ledger) = (&*self.store, &self.ledger);
         let (after_effect, after_commit) = (&self.after_effect, &self.after_commit);
         let charge = charge_id.as_str();
         let result = self
             .executor
-            .run_with_claim(
-                &scope,
-                &key,
-                &Fingerprint::of(&amount.to_be_bytes()),
-                |claim| async move {
-                    // The row and the charge's result commit together, or neither does.
-                    let value = format!("applied {charge}");
-                    let mut tx = store.pool().begin().await?;
-                    let insert =
-                        format!("INSERT INTO {ledger} (charge_id, amount) VALUES ($1, $2)");
-                    sqlx::query(sqlx::AssertSqlSafe(insert))
-                        .bind(charge)
-                        .bind(amount)
-                        .execute(&mut *tx)
-                        .await?;
-                    if let Some(fault) = after_effect {
-                        fault(charge).await;
-                    }
-                    store.complete_claim_in(&mut tx, &claim, &value).await?;
-                    tx.commit().await?;
-                    if let Some(fault) = after_commit {
-                        fault(charge).await;
-                    }
-                    Ok::<_, EffectError>(value)
-                },
-            )
+            .run_with_claim(&scope, &key, &fingerprint, |claim| async move {
+                // The row and the charge's result commit together, or neither does.
+                let value = format!("applied {charge}");
+                let mut tx = store.pool().begin().await?;
+                let insert = format!("INSERT INTO {ledger} (charge_id, amount) VALUES ($1, $2)");
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(charge)
+                    .bind(amount)
+                    .execute(&mut *tx)
+                    .await?;
+                if let Some(fault) = after_effect {
+                    fault(charge).await;
+                }
+                store.complete_claim_in(&mut tx, &claim, &value).await?;
+                tx.commit().await?;
+                if let Some(fault) = after_commit {
+                    fault(charge).await;
+                }
+                Ok::<_, EffectError>(value)
+            })
             .await;
         let id = RecordId::new(&scope, &key);
         match result {
@@ -359,7 +358,7 @@ impl Consumer {
             // same, so the message cannot wait for one. Still in flight (or its attempt's
             // outcome unknown): that attempt may yet fail and give the charge id back.
             Err(RunError::Mismatch) => {
-                if !self.applied(&id).await {
+                if !self.applied_otherwise(&id, &fingerprint).await {
                     polled.deferred += 1;
                     return Ok(());
                 }
@@ -374,9 +373,12 @@ impl Consumer {
                 tracing::error!(%error, charge = %charge_id, id = %message.id, "the charge was applied but the outcome was not stored; acknowledging the message without a redelivery");
                 polled.not_stored += 1;
             }
-            // The store could not be asked: nothing ran, and no fault of the message. It
-            // stays pending, for a delivery once the store is back.
-            Err(error @ RunError::Store(_)) => {
+            // The store or the database could not be reached: nothing took effect, and no
+            // fault of the message. It stays pending, for a delivery once they are back.
+            Err(error @ RunError::Store(idempotency::Error::Unavailable(_)))
+            | Err(error @ RunError::Failed(_))
+                if outage(&error) =>
+            {
                 let error = error_chain(&error);
                 tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
                 polled.failed += 1;
@@ -408,12 +410,15 @@ impl Consumer {
         Ok(())
     }
 
-    /// Whether the charge's record is completed: applied (with whichever amount). `false`
-    /// while in flight, gone, or when the store cannot tell now (the message then waits).
-    async fn applied(&self, id: &RecordId) -> bool {
+    /// Whether the charge's record is completed with another amount than `fingerprint`'s.
+    /// `false` while in flight, gone, completed with this amount (a duplicate of this
+    /// message won meanwhile: the next delivery replays), or when the store cannot tell now
+    /// (the message then waits).
+    async fn applied_otherwise(&self, id: &RecordId, fingerprint: &Fingerprint) -> bool {
         matches!(
             self.store.inspect(id).await,
             Ok(Some(found)) if matches!(found.state, RecordState::Completed { .. })
+                && found.fingerprint != *fingerprint
         )
     }
 
@@ -457,6 +462,28 @@ impl Consumer {
         polled.dead_lettered += moved;
         polled.acked += moved;
         Ok(())
+    }
+}
+
+/// Whether a failed run met an outage rather than a fault of its message: the store
+/// unavailable before anything ran, or the database unreachable, restarting, overloaded or
+/// out of time mid-effect (the transaction then rolled back). Such runs neither count toward
+/// dead-lettering nor dead-letter.
+fn outage(error: &RunError<EffectError>) -> bool {
+    match error {
+        RunError::Store(idempotency::Error::Unavailable(_))
+        | RunError::Failed(EffectError::Store(idempotency::Error::Unavailable(_))) => true,
+        RunError::Failed(EffectError::Database(sqlx::Error::Database(db))) => {
+            // Connection exception, transaction rollback (serialisation, deadlock),
+            // insufficient resources, operator intervention (shutdown, statement timeout).
+            db.code().is_some_and(|code| {
+                ["08", "40", "53", "57"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            })
+        }
+        RunError::Failed(EffectError::Database(_)) => true, // I/O, pool, TLS, protocol
+        _ => false,
     }
 }
 

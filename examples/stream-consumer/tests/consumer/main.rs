@@ -427,31 +427,8 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_failures() {
 #[test]
 fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
     block_on(async {
-        if services::skipping() {
+        let Some((pg, mut rig)) = stoppable_rig().await else {
             return;
-        }
-        let Some(redis) = services::redis().await else {
-            return;
-        };
-        // A Postgres of its own (store and ledger): the effect stops it. The store's default
-        // budgets: a short one would also bound the healthy calls (the first `begin` opens
-        // the pool's first connection; the ledger is read just after the restart), which on a
-        // loaded machine can miss it. `complete`'s retries end with the lease either way.
-        let Some((pg, store)) = idempotency_test::stores::stoppable_postgres_with(|b| b).await
-        else {
-            return;
-        };
-        let pg = Arc::new(pg);
-        let client = redis::Client::open(redis.url()).expect("client");
-        let mut rig = Rig {
-            store,
-            redis: client
-                .get_multiplexed_async_connection()
-                .await
-                .expect("redis"),
-            client,
-            stream: idempotency_test::unique("charges"),
-            ledger: idempotency_test::unique("ledger"),
         };
         let mut consumer = rig
             .consumer("c1")
@@ -459,14 +436,7 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
             .with_policy(Policy::default().with_lease(Duration::from_secs(2)));
         consumer.setup().await.expect("setup");
         consumer.claim_idle = Duration::from_millis(50);
-        let stopper = pg.clone();
-        let stop: AfterEffect = Arc::new(
-            move |_charge: &str| -> Pin<Box<dyn Future<Output = ()> + Send>> {
-                let pg = stopper.clone();
-                Box::pin(async move { pg.stop().await })
-            },
-        );
-        consumer.after_commit = Some(stop);
+        consumer.after_commit = Some(stops(pg.clone()));
         publish(&mut rig.redis, &rig.stream, "ch_lost", 700)
             .await
             .expect("publish");
@@ -500,6 +470,40 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
             "applied once"
         );
     });
+}
+
+/// A rig on a Postgres of its own (store and ledger), which a test fault stops. The store's
+/// default budgets: a short one would also bound the healthy calls (the first `begin` opens
+/// the pool's first connection; the ledger is read just after the restart), which on a
+/// loaded machine can miss it.
+async fn stoppable_rig() -> Option<(Arc<services::Service>, Rig)> {
+    if services::skipping() {
+        return None;
+    }
+    let redis = services::redis().await?;
+    let (pg, store) = idempotency_test::stores::stoppable_postgres_with(|b| b).await?;
+    let client = redis::Client::open(redis.url()).expect("client");
+    let rig = Rig {
+        store,
+        redis: client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis"),
+        client,
+        stream: idempotency_test::unique("charges"),
+        ledger: idempotency_test::unique("ledger"),
+    };
+    Some((Arc::new(pg), rig))
+}
+
+/// A fault that stops `pg`.
+fn stops(pg: Arc<services::Service>) -> AfterEffect {
+    Arc::new(
+        move |_charge: &str| -> Pin<Box<dyn Future<Output = ()> + Send>> {
+            let pg = pg.clone();
+            Box::pin(async move { pg.stop().await })
+        },
+    )
 }
 
 /// A fault that tells `reached` when the effect of `charge` got to it, then waits for
@@ -663,5 +667,57 @@ fn a_mismatch_with_a_charge_still_in_flight_is_deferred_then_dead_lettered() {
             HashMap::from([("ch_twice".to_owned(), 1)])
         );
         assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// The database goes down in the middle of the effect (after the ledger write, before the
+/// commit): the transaction rolls back, nothing took effect, and that is no fault of the
+/// message. It is not counted toward dead-lettering (here one failure would dead-letter),
+/// stays pending, and is applied once when the database is back.
+#[test]
+fn a_database_outage_mid_effect_is_not_a_failure_of_the_message() {
+    block_on(async {
+        let Some((pg, mut rig)) = stoppable_rig().await else {
+            return;
+        };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        consumer.claim_idle = Duration::from_millis(50);
+        consumer.max_failures = 1;
+        consumer.after_effect = Some(stops(pg.clone()));
+        publish(&mut rig.redis, &rig.stream, "ch_outage", 700)
+            .await
+            .expect("publish");
+
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            polled,
+            Polled {
+                failed: 1,
+                ..Polled::default()
+            }
+        );
+        assert_eq!(rig.pending().await, 1, "left pending, not dead-lettered");
+
+        consumer.after_effect = None;
+        pg.start().await;
+        consumer.drain().await; // the lease given back once the database answered
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut applied = 0;
+        while applied == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            applied += consumer.poll(10).await.expect("poll").applied;
+        }
+        assert_eq!(applied, 1);
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_outage".to_owned(), 1)]),
+            "applied once"
+        );
+        assert!(
+            rig.dead_letters(&format!("{}:dead", rig.stream))
+                .await
+                .is_empty()
+        );
     });
 }
