@@ -154,8 +154,8 @@ impl<S: Store + ?Sized> Executor<S> {
     /// a task of their own has settled: the outcome of a run dropped after its operation
     /// succeeded is stored (so too one answered [`RunError::NotStored`] while the store was
     /// down: written until the store is back, so bound the wait), the lease of one dropped
-    /// while its operation ran (or while it claimed) is given back. Call it at shutdown, once no run is left (each ended or was
-    /// dropped), before the process exits.
+    /// while its operation ran (or while it claimed) is given back. Call it at shutdown, once
+    /// no run is left (each ended or was dropped), before the process exits.
     ///
     /// Cut short by the exit, an outcome that was not stored comes back as an attempt whose
     /// outcome is unknown, and a redelivery runs the operation again; a lease not given back
@@ -386,14 +386,7 @@ impl<S: Store + ?Sized> Executor<S> {
                 );
                 let write = finish_in_any_case(async move {
                     let _settling = settling;
-                    let stored = complete_retrying(&*store, &id, token, &outcome, &policy).await;
-                    if let Err(Error::Unavailable(_)) = &stored {
-                        tracker.spawn(async move {
-                            let (retention, lease) = (policy.retention(), policy.lease());
-                            complete_late(&*store, &id, token, &outcome, retention, lease).await;
-                        });
-                    }
-                    stored
+                    complete_or_keep_trying(store, &tracker, id, token, &outcome, &policy).await
                 });
                 guard.settled = true;
                 write.await.map_err(RunError::NotStored)?;
@@ -724,6 +717,41 @@ pub async fn complete_retrying<S: Store + ?Sized>(
             Err(error) => return Err(error),
         }
     }
+}
+
+/// [`complete_retrying`], and if the store stayed unavailable for the whole lease,
+/// [`complete_late`] in a task of `tracker` (whose `drain` then waits for it); returns what
+/// `complete_retrying` answered. What the executor and the HTTP layer do with an outcome.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotency_core::{complete_or_keep_trying, Begin, Fingerprint, MemoryStore, Outcome, Policy, RecordId, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let (store, tracker) = (Arc::new(MemoryStore::new()), tokio_util::task::TaskTracker::new());
+/// let (id, fp, policy) = (RecordId::from_bytes([8; 32]), Fingerprint::of(b"body"), Policy::default());
+/// let Ok(Begin::Execute(token)) = store.begin(&id, &fp, policy.lease()).await else { panic!() };
+/// let stored = complete_or_keep_trying(store.clone(), &tracker, id, token, &Outcome::new(201), &policy).await;
+/// assert!(stored.is_ok());
+/// # }
+/// ```
+pub async fn complete_or_keep_trying<S: Store + ?Sized>(
+    store: Arc<S>,
+    tracker: &TaskTracker,
+    id: RecordId,
+    token: LeaseToken,
+    outcome: &Outcome,
+    policy: &Policy,
+) -> Result<(), Error> {
+    let stored = complete_retrying(&*store, &id, token, outcome, policy).await;
+    if let Err(Error::Unavailable(_)) = &stored {
+        // Copied only here: the common path stores it at once.
+        let (outcome, retention, lease) = (outcome.clone(), policy.retention(), policy.lease());
+        tracker.spawn(async move {
+            complete_late(&*store, &id, token, &outcome, retention, lease).await;
+        });
+    }
+    stored
 }
 
 /// Stores an outcome that [`complete_retrying`] could not store within its lease (the store

@@ -38,7 +38,8 @@ pub use detach::{
     give_back_orphan, release_orphan, within_lease, within_lease_with,
 };
 pub use executor::{
-    Claim, Completion, Executed, Executor, RunError, complete_late, complete_retrying,
+    Claim, Completion, Executed, Executor, RunError, complete_late, complete_or_keep_trying,
+    complete_retrying,
 };
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};

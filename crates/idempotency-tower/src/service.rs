@@ -14,8 +14,8 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
     Begin, BoxError, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, RecordId, Scope,
-    complete_late, complete_retrying, detached_begin, end_orphan, finish_in_any_case,
-    give_back_orphan, release_orphan,
+    complete_or_keep_trying, detached_begin, end_orphan, finish_in_any_case, give_back_orphan,
+    release_orphan,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -281,14 +281,8 @@ where
                 // for every other request it stands for. Give the grant back and ask again
                 // with the request's own, the give-back run to its end even if dropped.
                 keyed.fingerprint = current.take().unwrap_or(keyed.fingerprint);
-                let (settling, id) = (config.clone(), keyed.id);
-                let running = config.detached.token(); // `drain` waits for the give-back
-                let give_back = async move {
-                    let _running = running;
-                    let why = "granted under the earlier fingerprint";
-                    settle_lease(&settling, id, token, false, why).await;
-                };
-                finish_in_any_case(give_back.in_current_span()).await;
+                let why = "granted under the earlier fingerprint";
+                settle_lease_in_any_case(&config, keyed.id, token, false, why).await;
                 continue;
             }
             Ok(Begin::TakeOver(token)) if current.is_some() => {
@@ -297,14 +291,8 @@ where
                 // whose attempt it was is unknown: run nothing under it, keep the record
                 // unfinished (the lease ended), and say so without storing an answer.
                 span.record("decision", "outcome_unknown");
-                let (settling, id) = (config.clone(), keyed.id);
-                let running = config.detached.token();
-                let end = async move {
-                    let _running = running;
-                    let why = "taken over under the earlier fingerprint";
-                    settle_lease(&settling, id, token, true, why).await;
-                };
-                finish_in_any_case(end.in_current_span()).await;
+                let why = "taken over under the earlier fingerprint";
+                settle_lease_in_any_case(&config, keyed.id, token, true, why).await;
                 let detail = "an earlier request with this Idempotency-Key, made before an \
                               upgrade, did not finish, and whether its operation took effect is \
                               unknown: it must be reconciled before this key can be used again";
@@ -1107,6 +1095,23 @@ async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static
     settle_lease(config, id, token, end, why).await;
 }
 
+/// [`settle_lease`] run to its end even if the request future is dropped meanwhile, and
+/// counted by `drain`.
+async fn settle_lease_in_any_case(
+    config: &Arc<Config>,
+    id: RecordId,
+    token: LeaseToken,
+    end: bool,
+    why: &'static str,
+) {
+    let (config, running) = (config.clone(), config.detached.token());
+    let settle = async move {
+        let _running = running;
+        settle_lease(&config, id, token, end, why).await;
+    };
+    finish_in_any_case(settle.in_current_span()).await;
+}
+
 /// Releases the lease, or ends it and keeps its record (`end`). A call that fails is retried
 /// in a task of its own (counted by `drain`): left to run out, the lease would answer the
 /// retries `409` for a whole lease, and a released one would then come back as an attempt
@@ -1141,10 +1146,11 @@ async fn settle_lease(
 /// Stores the outcome; says whether it was. A store blip must not lose it (the retry would
 /// run the operation again), so an unavailable store is retried, renewing the lease, for up
 /// to one lease; the response then goes out, and the write goes on in a task of its own
-/// ([`complete_late`], counted by `drain`) until the store takes it.
+/// ([`complete_or_keep_trying`], counted by `drain`) until the store takes it.
 async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Outcome) -> bool {
     let m = &config.metrics;
-    match complete_retrying(&*config.store, &id, token, outcome, &config.policy).await {
+    let (store, tracker, policy) = (config.store.clone(), &config.detached, &config.policy);
+    match complete_or_keep_trying(store, tracker, id, token, outcome, policy).await {
         Ok(()) => {
             Metrics::inc(&m.executions, "idempotency_executions_total");
             true
@@ -1156,11 +1162,6 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
         }
         Err(error @ Error::Unavailable(_)) => {
             tracing::error!(%error, "the outcome could not be stored within a lease; still trying in the background");
-            let (store, outcome) = (config.store.clone(), outcome.clone());
-            let (retention, lease) = (config.policy.retention(), config.policy.lease());
-            config.detached.spawn(async move {
-                complete_late(&*store, &id, token, &outcome, retention, lease).await;
-            });
             false
         }
         Err(error) => {

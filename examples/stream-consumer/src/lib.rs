@@ -41,8 +41,9 @@
 //! A message that met an outage — the idempotency store unavailable, or the database
 //! unreachable, restarting, overloaded or out of time in the middle of the effect (its
 //! transaction rolled back) — is left pending and never counted or dead-lettered for it: an
-//! outage is not the message's fault, and it is applied once the database is back. A message whose charge another consumer is applying right now
-//! (`InFlight`) is deferred likewise. Each dead letter holds the original id (`id`), the
+//! outage is not the message's fault, and it is applied once the database is back. A
+//! message whose charge another consumer is applying right now (`InFlight`) is deferred
+//! likewise. Each dead letter holds the original id (`id`), the
 //! `reason`, the `deliveries` and `failures` so far, the `group` and `consumer`, and the
 //! message's own fields prefixed with `payload.`, so no field of the message can overwrite
 //! the others. The copy and the `XACK` are one Lua script: a message is dead-lettered once
