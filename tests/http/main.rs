@@ -622,6 +622,41 @@ fn a_handler_whose_lease_was_lost_is_stopped() {
     });
 }
 
+/// A claim answered late (here 40 % of the lease after the store granted it: a slow store,
+/// a starved runtime) leaves the handler as many renewals before its lease runs out as a
+/// quick one, so one failed renewal does not lose it. The renewals were timed from the
+/// handler's start, not from the ask the store counts the lease from: the first came at 73 %
+/// of the lease and failed, the next after the lease had run out, and a retry in between
+/// took the key over and ran the operation a second time while the first still ran.
+#[tokio::test(start_paused = true)]
+async fn a_slow_claim_leaves_its_handler_every_renewal() {
+    {
+        let lease = Duration::from_secs(6);
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            lease * 2 / 5,
+        ));
+        store.fail_renewals(1); // a blip, which a lease is meant to ride out
+        let policy = idempotency_core::Policy::default().with_lease(lease);
+        let (router, calls, _) = app(layer(store.clone()).policy(policy));
+        let first = send(&router, "POST", Some("k"), &[("x-delay-ms", "5000")], "{}");
+        let retry = async {
+            // Just past the lease as first granted, and before the handler ends.
+            tokio::time::sleep(lease + Duration::from_millis(200)).await;
+            store.set_delay(Duration::ZERO);
+            send(&router, "POST", Some("k"), &[], "{}").await
+        };
+        let (first, retry) = tokio::join!(first, retry);
+        assert_eq!(
+            retry.status, 409,
+            "the retry took the key over: {}",
+            retry.body
+        );
+        assert_eq!(first.status, 201, "{}", first.body);
+        assert_eq!(calls.get(), 1);
+    }
+}
+
 #[test]
 fn a_panicking_handler_releases_its_lease() {
     block_on(async {

@@ -108,6 +108,46 @@ async fn an_operation_whose_lease_was_lost_is_stopped() {
     }
 }
 
+/// A claim answered late (40 % of the lease after the store granted it) leaves the operation
+/// as many renewals before its lease runs out as a quick one, so one failed renewal does not
+/// lose it. The renewals were timed from the operation's first wait, not from the ask the
+/// store counts the lease from: the first came at 73 % of the lease and failed, the next
+/// after the lease had run out, and a redelivery in between took the key over.
+#[tokio::test(start_paused = true)]
+async fn a_slow_claim_leaves_the_operation_every_renewal() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, Scope};
+    use idempotency_test::late::LateBegin;
+
+    let lease = Duration::from_secs(6);
+    let store = Arc::new(LateBegin::new(MemoryStore::new(), lease * 2 / 5));
+    store.fail_renewals(1); // a blip, which a lease is meant to ride out
+    let executor = Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+    let (scope, key, fp) = (
+        Scope::new("slow-claim"),
+        IdempotencyKey::new("k").expect("key"),
+        Fingerprint::of(b"p"),
+    );
+    let id = RecordId::new(&scope, &key);
+    let (go, wait) = tokio::sync::oneshot::channel::<()>();
+    let run = executor.run(&scope, &key, &fp, || async move {
+        let _ = wait.await;
+        Ok::<_, &str>(1)
+    });
+    let redelivery = async {
+        // Just past the lease as first granted, while the operation still runs.
+        tokio::time::sleep(lease + Duration::from_millis(200)).await;
+        let taken = store.inner().begin(&id, &fp, lease).await.expect("begin");
+        let _ = go.send(());
+        taken
+    };
+    let (ran, taken) = tokio::join!(run, redelivery);
+    assert!(matches!(taken, Begin::InFlight { .. }), "{taken:?}");
+    let ran = ran.expect("the run kept its lease");
+    assert!(!ran.replayed);
+}
+
 /// At shutdown, `drain` waits for what dropped runs left to settle: the outcome of one
 /// dropped after its operation succeeded, the leases of one dropped mid-operation and one
 /// dropped mid-claim.

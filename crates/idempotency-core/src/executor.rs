@@ -333,7 +333,7 @@ impl<S: Store + ?Sized> Executor<S> {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
                 let (renewing, lost) =
-                    renew_in_a_task(self.store.clone(), id, token, &self.policy, accepted);
+                    renew_in_a_task(self.store.clone(), id, token, &self.policy, asked, accepted);
                 guard.renewing = Some(renewing);
                 // An operation that ends in the same poll as the loss is reported as run
                 // (its outcome's write then finds the key lost: `NotStored`).
@@ -581,12 +581,16 @@ fn renew_in_a_task<S: Store + ?Sized>(
     id: RecordId,
     token: LeaseToken,
     policy: &Policy,
+    asked: Instant,
     accepted: Arc<AtomicBool>,
 ) -> (tokio::task::AbortHandle, tokio::sync::oneshot::Receiver<()>) {
     let (lease, every) = (policy.lease(), policy.renew_every());
     let (lost, on_lost) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
-        let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+        // On the schedule the store counts the lease by, from the ask: after a slow claim
+        // (up to half a lease, see `within_lease`) as many renewals are left before the lease
+        // runs out as after a quick one. One already due fires at once.
+        let mut renew = tokio::time::interval_at(asked + every, every);
         loop {
             renew.tick().await;
             match store.renew(&id, token, lease).await {

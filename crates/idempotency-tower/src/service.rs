@@ -274,7 +274,9 @@ where
     let mut asked_legacy = false;
     let mut current: Option<Fingerprint> = None;
     loop {
-        match claim(&config, keyed.id, keyed.fingerprint).await {
+        // The lease counts from the ask, not from the answer: so do its renewals.
+        let asked = Instant::now();
+        match claim(&config, keyed.id, keyed.fingerprint, asked).await {
             Ok(Begin::Execute(token)) if current.is_some() => {
                 // The earlier fingerprint only finds what was stored under it (the key was
                 // given back since the mismatch): run under it, and its record would replay
@@ -300,11 +302,11 @@ where
             }
             Ok(Begin::Execute(token)) => {
                 span.record("decision", "execute");
-                return execute(config, inner, parts, body, keyed, token).await;
+                return execute(config, inner, parts, body, keyed, token, asked).await;
             }
             Ok(Begin::TakeOver(token)) => {
                 span.record("decision", "outcome_unknown");
-                return outcome_unknown(config, inner, parts, body, keyed, token).await;
+                return outcome_unknown(config, inner, parts, body, keyed, token, asked).await;
             }
             Ok(Begin::Replay(outcome)) => {
                 span.record("decision", "replay");
@@ -373,6 +375,7 @@ async fn outcome_unknown<S, ResBody>(
     body: Bytes,
     keyed: Keyed,
     token: LeaseToken,
+    asked: Instant,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -428,8 +431,7 @@ where
                 // (and maybe run) again meanwhile.
                 let check = tokio::time::timeout(lease / 2, hook.check(unresolved));
                 tokio::pin!(check);
-                let every = config.policy.renew_every();
-                let mut renew = tokio::time::interval_at(Instant::now() + every, every);
+                let mut renew = renewals(&config, asked);
                 let found = loop {
                     tokio::select! {
                         found = &mut check => break found,
@@ -476,7 +478,7 @@ where
                     if idempotency_core::within_lease_with(&id, renewed, lease, answer, |_| {})
                         .is_ok()
                     {
-                        return execute(config, inner, parts, body, keyed, token).await;
+                        return execute(config, inner, parts, body, keyed, token, renewed).await;
                     }
                     let detail = "the request was not processed because its idempotency could \
                                   not be guaranteed; retry later with the same key";
@@ -503,7 +505,7 @@ where
                           whether it took effect could not be checked; retry later with the same key";
             return Ok(Problem::StoreUnavailable.response(detail, Some(config.policy.lease())));
         }
-        _ => return execute(config, inner, parts, body, keyed, token).await,
+        _ => return execute(config, inner, parts, body, keyed, token, asked).await,
     };
     // Reject: the verdict is the key's outcome until an operator deletes it.
     let store_it = {
@@ -549,11 +551,16 @@ enum Reconciled {
 /// request went away, a lease given back) until it has settled: a shutdown that cut a
 /// release short would leave the key claimed, and it would come back as an attempt whose
 /// outcome is unknown (409 under `Reject`) for an operation that never ran.
-async fn claim(config: &Config, id: RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
+///
+/// `asked` is when the caller asked: the lease counts from then, not from the answer, so one
+/// read late is given back (see `within_lease`).
+async fn claim(
+    config: &Config,
+    id: RecordId,
+    fingerprint: Fingerprint,
+    asked: Instant,
+) -> Result<Begin, Error> {
     let lease = config.policy.lease();
-    // The lease counts from the ask, not from the answer: one read late is given back
-    // (see `within_lease`).
-    let asked = Instant::now();
     let answer = if config.store.begin_settles_when_dropped() {
         config.store.begin(&id, &fingerprint, lease).await
     } else {
@@ -597,6 +604,7 @@ async fn execute<S, ResBody>(
     body: Bytes,
     keyed: Keyed,
     token: LeaseToken,
+    leased: Instant,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -625,7 +633,7 @@ where
             let (reply, answer) = tokio::sync::oneshot::channel();
             let run = async move {
                 let _running = running;
-                let run = run_detached(config, produce, id, token, started, reply);
+                let run = run_detached(config, produce, id, token, (leased, started), reply);
                 // A panic outside the handler (which is caught itself) drops the reply:
                 // answered below.
                 let _ = AssertUnwindSafe(run).catch_unwind().await;
@@ -640,7 +648,7 @@ where
             Settled::Answer(answer) => answer,
             Settled::Stream(parts, body) => {
                 let (reply, answer) = tokio::sync::oneshot::channel();
-                let renew = renewals(&config, started);
+                let renew = renewals(&config, leased);
                 let forward = async move {
                     let _running = running;
                     let mut renew = renew;
@@ -722,10 +730,13 @@ where
     )
 }
 
-/// The lease's renewals, on the schedule that started with the handler.
-fn renewals(config: &Config, started: Instant) -> tokio::time::Interval {
+/// The lease's renewals, on the schedule that started when the lease was asked for (or last
+/// renewed): the store counts the lease from then, so a slow claim or a slow reconcile hook
+/// leaves the handler as many renewals before the lease runs out as a quick one. One already
+/// due fires at once.
+fn renewals(config: &Config, leased: Instant) -> tokio::time::Interval {
     let every = config.policy.renew_every();
-    tokio::time::interval_at(started + every, every)
+    tokio::time::interval_at(leased + every, every)
 }
 
 /// The operation, in a task of its own once its handler had to wait: renews the lease
@@ -735,7 +746,7 @@ async fn run_detached<ResBody, E>(
     mut produce: BoxFuture<'static, Ran<ResBody, E>>,
     id: RecordId,
     token: LeaseToken,
-    started: Instant,
+    (leased, started): (Instant, Instant),
     reply: Reply<E>,
 ) where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
@@ -744,7 +755,7 @@ async fn run_detached<ResBody, E>(
     // Renew the lease while the handler runs, so a slow operation is not taken over. Not
     // biased: a handler that keeps its task's cooperative budget spent must not starve the
     // renewals (see `a_handler_that_spends_its_budget_still_has_its_lease_renewed`).
-    let mut renew = renewals(&config, started);
+    let mut renew = renewals(&config, leased);
     let result = loop {
         tokio::select! {
             result = &mut produce => break result,
