@@ -352,6 +352,44 @@ fn the_earlier_fingerprint_never_claims_a_key() {
     });
 }
 
+/// The same, when giving back the grant under the earlier fingerprint fails (a store blip):
+/// `b` is told to retry (503), not that its key belongs to another request (a final 422);
+/// the give-back goes on in the background, counted by `drain`, and `b`'s retry runs.
+#[test]
+fn a_grant_under_the_earlier_fingerprint_not_given_back_is_retried_not_refused() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let layer = layer(store.clone());
+        let (inner, calls, _) = app(layer.clone());
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let at = |path: &'static str| post_k(router.clone(), path);
+        let a = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/accounts/a/charges")
+            .body(b"{}")
+            .finish();
+        let id = record_id("k");
+        let idempotency_core::Begin::Execute(token) = store
+            .inner()
+            .begin(&id, &a, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("a fresh key")
+        };
+        store.release_before_begin(2, id, token); // between `b`'s two asks
+        store.fail_releases(1);
+        assert_eq!(at("/accounts/b/charges").await, (503, false));
+        layer.drain().await; // the give-back, retried
+        assert_eq!(at("/accounts/b/charges").await, (201, false));
+        assert_eq!(at("/accounts/b/charges").await, (201, true));
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// An attempt stored under the earlier fingerprint that never finished (killed at an upgrade)
 /// stands for that request under every prefix: whose it was is unknown. A request that
 /// finds it through the fallback runs nothing under it (run, `b`'s charge was stored there

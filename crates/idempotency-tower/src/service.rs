@@ -284,8 +284,16 @@ where
                 // with the request's own, the give-back run to its end even if dropped.
                 keyed.fingerprint = current.take().unwrap_or(keyed.fingerprint);
                 let why = "granted under the earlier fingerprint";
-                settle_lease_in_any_case(&config, keyed.id, token, false, why).await;
-                continue;
+                if settle_lease_in_any_case(&config, keyed.id, token, false, why).await {
+                    continue;
+                }
+                // Still held (the give-back is being retried): asked now, the key would
+                // answer a mismatch, a final 422 for a request that is the key's own.
+                span.record("decision", "unavailable");
+                Metrics::inc(&m.unavailable, "idempotency_unavailable_total");
+                let detail = "the request was not processed because its idempotency could not \
+                              be guaranteed; retry later with the same key";
+                return Ok(Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1))));
             }
             Ok(Begin::TakeOver(token)) if current.is_some() => {
                 // An attempt under the earlier fingerprint never finished (killed at an
@@ -294,7 +302,7 @@ where
                 // unfinished (the lease ended), and say so without storing an answer.
                 span.record("decision", "outcome_unknown");
                 let why = "taken over under the earlier fingerprint";
-                settle_lease_in_any_case(&config, keyed.id, token, true, why).await;
+                let _ = settle_lease_in_any_case(&config, keyed.id, token, true, why).await;
                 let detail = "an earlier request with this Idempotency-Key, made before an \
                               upgrade, did not finish, and whether its operation took effect is \
                               unknown: it must be reconciled before this key can be used again";
@@ -1092,7 +1100,7 @@ impl HttpBody for Streamed {
 
 /// Gives the lease back so that a retry runs again.
 async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
-    settle_lease(config, id, token, false, why).await;
+    let _ = settle_lease(config, id, token, false, why).await;
 }
 
 /// Settles the lease of a handler whose outcome is unknown (it panicked): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
@@ -1103,37 +1111,38 @@ async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static
     if end {
         tracing::warn!(why, record = %id, "the outcome is unknown: the key is kept for the outcome-unknown policy");
     }
-    settle_lease(config, id, token, end, why).await;
+    let _ = settle_lease(config, id, token, end, why).await;
 }
 
 /// [`settle_lease`] run to its end even if the request future is dropped meanwhile, and
-/// counted by `drain`.
+/// counted by `drain`; says whether the lease is settled now (or was no longer this one's).
 async fn settle_lease_in_any_case(
     config: &Arc<Config>,
     id: RecordId,
     token: LeaseToken,
     end: bool,
     why: &'static str,
-) {
+) -> bool {
     let (config, running) = (config.clone(), config.detached.token());
     let settle = async move {
         let _running = running;
-        settle_lease(&config, id, token, end, why).await;
+        settle_lease(&config, id, token, end, why).await
     };
-    finish_in_any_case(settle.in_current_span()).await;
+    finish_in_any_case(settle.in_current_span()).await
 }
 
 /// Releases the lease, or ends it and keeps its record (`end`). A call that fails is retried
 /// in a task of its own (counted by `drain`): left to run out, the lease would answer the
 /// retries `409` for a whole lease, and a released one would then come back as an attempt
-/// whose outcome is unknown.
+/// whose outcome is unknown. Says whether the lease is settled now (`false`: still held
+/// while the retries go on).
 async fn settle_lease(
     config: &Config,
     id: RecordId,
     token: LeaseToken,
     end: bool,
     why: &'static str,
-) {
+) -> bool {
     let settled = if end {
         config.store.renew(&id, token, Duration::ZERO).await
     } else {
@@ -1151,7 +1160,9 @@ async fn settle_lease(
                 release_orphan(&*store, &id, token).await;
             }
         });
+        return false;
     }
+    true
 }
 
 /// Stores the outcome; says whether it was. A store blip must not lose it (the retry would
