@@ -223,6 +223,41 @@ fn drain_waits_for_a_reconcile_whose_request_is_gone() {
     });
 }
 
+/// A request dropped (a hang-up, an outer timeout) while its reconcile hook looks, or as the
+/// hook answers, when the hook found nothing, ends the lease it took over instead of renewing
+/// it for nobody: the retry asks the hook again and runs at once. The lease was renewed and
+/// held, and every retry answered 409 for a whole lease.
+#[test]
+fn a_reconcile_whose_request_is_gone_leaves_the_key_to_the_retry() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let policy = OutcomeUnknown::reconcile(|_| async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok(None)
+        });
+        let layer = layer(store.clone()).on_outcome_unknown(policy);
+        let (router, calls, _) = app(layer.clone());
+        for (run, answered) in [(1, false), (2, true)] {
+            let (key, _) = crashed_attempt(&*store).await;
+            let request = axum::http::Request::post("/charges")
+                .header("idempotency-key", key.as_str())
+                .body(axum::body::Body::from("{}"))
+                .expect("request");
+            let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request));
+            assert!(futures::poll!(&mut first).is_pending(), "the hook looks");
+            if answered {
+                // Its verdict is sent, and never read.
+                tokio::time::sleep(Duration::from_millis(600)).await;
+            }
+            drop(first);
+            layer.drain().await; // the hook's task, to its end
+            let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(retry.status, 201, "{}", retry.body);
+            assert_eq!(calls.get(), run);
+        }
+    });
+}
+
 /// A request held without being polled after its reconcile hook found nothing must not run
 /// the operation on a lease that ran out meanwhile: another retry may have taken the key
 /// over, asked the hook (which found nothing, the first having run nothing yet) and run it.

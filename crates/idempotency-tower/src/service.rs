@@ -430,7 +430,12 @@ where
             let (task_config, hook) = (config.clone(), hook.clone());
             // Counted as running until its end, like an operation: `drain` waits for it.
             let running = config.detached.token();
-            let settled = tokio::spawn(async move {
+            let (verdict, settled) = tokio::sync::oneshot::channel();
+            let settled = Verdict {
+                settled,
+                lease: (config.clone(), id, token),
+            };
+            tokio::spawn(async move {
                 let _running = running;
                 let config = task_config;
                 let lease = config.policy.lease();
@@ -450,7 +455,7 @@ where
                         }
                     }
                 };
-                match found {
+                let reconciled = match found {
                     Ok(Ok(Some(outcome))) => {
                         complete(&config, id, token, &outcome).await;
                         Reconciled::Found(outcome)
@@ -467,10 +472,17 @@ where
                     }
                     Ok(Err(error)) => Reconciled::Unknown(error.to_string()),
                     Err(_) => Reconciled::Unknown(format!("no answer within {:?}", lease / 2)),
+                };
+                // The request went away while the hook looked: nobody is left to run the
+                // operation on the lease just renewed for it. Ended (and kept, so the next
+                // retry asks the hook again), not held: its retries would be told 409 for a
+                // whole lease.
+                if let Err(Reconciled::Nothing(_)) = verdict.send(reconciled) {
+                    let why = "reconciled for a request that is gone";
+                    let _ = settle_lease(&config, id, token, true, why).await;
                 }
-            })
-            .await;
-            match settled {
+            });
+            match settled.read().await {
                 Ok(Reconciled::Found(outcome)) => {
                     Metrics::inc(&config.metrics.replays, "idempotency_replays_total");
                     return Ok(replay(outcome));
@@ -545,6 +557,36 @@ enum Reconciled {
     Lost(String),
     /// The hook failed, panicked or took too long.
     Unknown(String),
+}
+
+/// Where a request waits for its reconcile hook's verdict. Dropped with a `Nothing` verdict
+/// sent but not read (the request went away as the hook answered), it ends the lease that
+/// was renewed for the operation, as the hook's task does when it finds the request gone.
+struct Verdict {
+    settled: tokio::sync::oneshot::Receiver<Reconciled>,
+    lease: (Arc<Config>, RecordId, LeaseToken),
+}
+
+impl Verdict {
+    /// The verdict; `Err` if the hook's task died (a panic).
+    async fn read(mut self) -> Result<Reconciled, ()> {
+        (&mut self.settled).await.map_err(|_| ())
+    }
+}
+
+impl Drop for Verdict {
+    fn drop(&mut self) {
+        let (config, id, token) = &self.lease;
+        let Ok(Reconciled::Nothing(_)) = self.settled.try_recv() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime left to write from: the lease runs out
+        };
+        let (store, id, token) = (config.store.clone(), *id, *token);
+        let end = async move { end_orphan(&*store, &id, token).await };
+        config.detached.spawn_on(end, &runtime);
+    }
 }
 
 /// `begin`, run to its end even if the request future is dropped (a client hang-up, an outer
