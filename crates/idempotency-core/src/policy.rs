@@ -4,9 +4,11 @@ use std::{fmt, sync::Arc, time::Duration};
 
 /// Lease length, retention and the cache rule, shared by the HTTP layer and the executor.
 ///
-/// The default caches 2xx, 3xx and 4xx outcomes except 408, 409, 425 and 429, and never 5xx:
-/// those statuses say "try again", so storing them would lock the key into a transient failure.
-/// An uncacheable outcome releases the key and the retry runs again.
+/// The default caches 2xx, 3xx and 4xx outcomes except 401, 403, 408, 409, 425 and 429, and
+/// never 5xx: those statuses say "try again", so storing them would lock the key into a
+/// transient failure. 401 and 403 are refusals for want of credentials or permission, which
+/// the fingerprint leaves out: stored, a retry with a fixed token would be replayed the
+/// refusal. An uncacheable outcome releases the key and the retry runs again.
 ///
 /// ```
 /// use std::time::Duration;
@@ -15,6 +17,7 @@ use std::{fmt, sync::Arc, time::Duration};
 /// let policy = Policy::default();
 /// assert!(policy.is_cacheable(201));
 /// assert!(policy.is_cacheable(404));
+/// assert!(!policy.is_cacheable(401));
 /// assert!(!policy.is_cacheable(429));
 /// assert!(!policy.is_cacheable(503));
 ///
@@ -30,8 +33,10 @@ pub struct Policy {
     cacheable: Arc<dyn Fn(u16) -> bool + Send + Sync>,
 }
 
-/// Statuses in the cacheable ranges that still mean "not done, try again".
-const RETRYABLE_4XX: [u16; 4] = [408, 409, 425, 429];
+/// Statuses in the cacheable ranges that still mean "not done, try again": a timeout, a
+/// conflict, too early, too many; and refusals that depend on credentials or permissions,
+/// not on the request the fingerprint covers.
+const RETRYABLE_4XX: [u16; 6] = [401, 403, 408, 409, 425, 429];
 
 /// The default cache rule of `docs/design.md` ("What is cached").
 pub fn default_cacheable(status: u16) -> bool {
