@@ -36,7 +36,11 @@
 //!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
 //!   consumer restarts, and only attempts that ran count: a delivery to a consumer that died
 //!   before handling it, or that found the charge in flight elsewhere, is not a failure of
-//!   the message.
+//!   the message. A count goes with its message: dropped by the ack, and never raised for a
+//!   message no longer pending (acknowledged by another consumer meanwhile).
+//!
+//! Claiming scans the pending list a bounded stretch per poll and goes on from where the
+//! last poll stopped, so an idle message behind a long run of live ones is reached.
 //!
 //! A message that met an outage — the idempotency store unavailable, or the database
 //! unreachable, restarting, overloaded or out of time in the middle of the effect (its
@@ -155,6 +159,10 @@ pub struct Consumer {
     /// The hash counting each pending message's failed attempts
     /// (`<stream>:<group>:failures`: each group has its own attempts).
     failures: String,
+    /// Where the next `XAUTOCLAIM` goes on scanning the pending list: each call looks at a
+    /// bounded number of entries, so always starting at the front would never reach an idle
+    /// message behind a long run of live ones.
+    claim_from: String,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
     /// Test fault: awaited inside the effect of every charge (given its id), after the
@@ -194,6 +202,7 @@ impl Consumer {
             max_failures: 5,
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
+            claim_from: "0-0".into(),
             crash_before_ack: None,
             after_effect: None,
             after_commit: None,
@@ -250,10 +259,20 @@ impl Consumer {
                 &self.group,
                 &self.name,
                 idle,
-                "0-0",
+                &self.claim_from,
                 StreamAutoClaimOptions::default().count(count),
             )
             .await?;
+        // `0-0` once the scan has gone round the whole list.
+        self.claim_from.clone_from(&claimed.next_stream_id);
+        if !claimed.deleted_ids.is_empty() {
+            // Trimmed from the stream while pending: gone from the pending list too, so
+            // their failure counts would never be dropped by an ack.
+            let _: u64 = self
+                .redis
+                .hdel(&self.failures, &claimed.deleted_ids)
+                .await?;
+        }
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)
             .count(count)
@@ -389,7 +408,18 @@ impl Consumer {
             // attempt may succeed, up to `max_failures`.
             Err(error) => {
                 let error = error_chain(&error);
-                let failures: u64 = self.redis.hincr(&self.failures, &message.id, 1).await?;
+                let failures: u64 = COUNT_FAILURE
+                    .key(&self.stream)
+                    .key(&self.failures)
+                    .arg(&self.group)
+                    .arg(&message.id)
+                    .invoke_async(&mut self.redis)
+                    .await?;
+                if failures == 0 {
+                    tracing::info!(%error, charge = %charge_id, "attempt failed, but the message was acknowledged meanwhile");
+                    polled.failed += 1;
+                    return Ok(());
+                }
                 if failures >= self.max_failures {
                     let reason = format!("failed {failures} times (delivery {delivered}): {error}");
                     return self.dead_letter(message, delivered, &reason, polled).await;
@@ -500,6 +530,21 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
     return 1
 end
 return 0
+",
+    )
+});
+
+/// Counts a failed attempt of a message, if it is still pending; answers the count (0 if it
+/// is not: another consumer acknowledged it, after this attempt failed, and dropped its
+/// count, which an increment landing after that would leave behind for ever). KEYS: stream,
+/// failure counts. ARGV: group, message id.
+static COUNT_FAILURE: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(
+        r"
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then
+    return 0
+end
+return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
 ",
     )
 });

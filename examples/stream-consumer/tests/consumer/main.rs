@@ -375,6 +375,15 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_failures() {
             consumer.dead_letter_stream.clone_from(&graveyard);
             let polled = consumer.poll(10).await.expect("poll");
             rounds.push((polled.applied, polled.failed, polled.dead_lettered));
+            if round == 0 {
+                // Counted per stream and group: another group's attempts are its own.
+                let counts = format!("{}:ledger:failures", rig.stream);
+                let counted: Option<u64> =
+                    redis::AsyncCommands::hget(&mut rig.redis, &counts, &doomed)
+                        .await
+                        .expect("hget");
+                assert_eq!(counted, Some(1));
+            }
             // Past `claim_idle`, so the next consumer claims what this one left pending.
             tokio::time::sleep(Duration::from_millis(150)).await;
         }
@@ -719,5 +728,96 @@ fn a_database_outage_mid_effect_is_not_a_failure_of_the_message() {
                 .await
                 .is_empty()
         );
+    });
+}
+
+/// A failed attempt of a message that another consumer acknowledged meanwhile (here the ack
+/// lands while the effect runs, and the effect then fails) counts nothing: the ack dropped
+/// the message's failure count, and an increment after it would stay in the hash for ever.
+#[test]
+fn a_failure_of_a_message_acknowledged_meanwhile_is_not_counted() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        let id = publish(&mut rig.redis, &rig.stream, "ch_acked", 100)
+            .await
+            .expect("publish");
+        let (redis, stream) = (rig.redis.clone(), rig.stream.clone());
+        consumer.after_effect = Some(Arc::new(
+            move |_charge: &str| -> Pin<Box<dyn Future<Output = ()> + Send>> {
+                let (mut redis, stream, id) = (redis.clone(), stream.clone(), id.clone());
+                Box::pin(async move {
+                    let acked: u64 =
+                        redis::AsyncCommands::xack(&mut redis, &stream, "ledger", &[&id])
+                            .await
+                            .expect("xack");
+                    assert_eq!(acked, 1);
+                    panic!("the effect fails after another consumer's ack");
+                })
+            },
+        ));
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(polled.failed, 1, "{polled:?}");
+        let counts = format!("{}:ledger:failures", rig.stream);
+        let left: u64 = redis::AsyncCommands::hlen(&mut rig.redis, &counts)
+            .await
+            .expect("hlen");
+        assert_eq!(left, 0, "a failure count outlived its message");
+    });
+}
+
+/// Claiming looks at a bounded stretch of the pending list per poll (`XAUTOCLAIM` checks at
+/// most ten entries per message asked for) and goes on from where it stopped: an idle
+/// message behind a long run of live ones is reached. Always starting at the front, the
+/// consumer never got past the live ones.
+#[test]
+fn an_idle_message_behind_many_live_ones_is_claimed() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        consumer.claim_idle = Duration::from_secs(2);
+        let mut live = Vec::new();
+        for n in 0..30 {
+            live.push(
+                publish(&mut rig.redis, &rig.stream, &format!("ch_live_{n}"), 1)
+                    .await
+                    .expect("publish"),
+            );
+        }
+        publish(&mut rig.redis, &rig.stream, "ch_orphan", 1)
+            .await
+            .expect("publish");
+        // A consumer reads them all and dies; a live one claims all but the last and works
+        // on them (each claim makes an entry fresh again).
+        let options = redis::streams::StreamReadOptions::default()
+            .group("ledger", "dead")
+            .count(100);
+        let _: Option<redis::streams::StreamReadReply> =
+            redis::AsyncCommands::xread_options(&mut rig.redis, &[&rig.stream], &[">"], &options)
+                .await
+                .expect("read");
+        tokio::time::sleep(Duration::from_millis(2200)).await;
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(&rig.stream)
+            .arg("ledger")
+            .arg("busy")
+            .arg(0)
+            .arg(&live)
+            .arg("JUSTID")
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xclaim");
+        let mut claimed = false;
+        for _ in 0..8 {
+            consumer.poll(1).await.expect("poll");
+            if rig.effects().await.contains_key("ch_orphan") {
+                claimed = true;
+                break;
+            }
+        }
+        assert!(claimed, "the idle message was never claimed");
+        assert_eq!(rig.effects().await["ch_orphan"], 1);
     });
 }
