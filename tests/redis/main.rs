@@ -674,3 +674,46 @@ fn a_flushed_script_cache_fails_no_call() {
         );
     });
 }
+
+/// A record whose TTL was removed from outside (`PERSIST`, a restore without TTLs) never
+/// expires: `begin` and `force_release` read its lease as live, and `inspect` says the same
+/// (a lease that never ends, a record kept for good). It said the lease had ended, so an
+/// operator was shown a crashed attempt that the release then refused as live.
+#[test]
+fn a_record_without_a_ttl_is_live_to_inspect_as_to_every_other_call() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let mut conn = shared_connection().await;
+        let (held, done) = (fresh_id(), fresh_id());
+        let _held_token = execute(&*store, &held, &fp("a"), LONG).await;
+        let other = execute(&*store, &done, &fp("a"), LONG).await;
+        store
+            .complete(&done, other, &Outcome::new(201), LONG)
+            .await
+            .expect("complete");
+        for id in [&held, &done] {
+            let persisted: i64 = redis::cmd("PERSIST")
+                .arg(store.key(id))
+                .query_async(&mut conn)
+                .await
+                .expect("persist");
+            assert_eq!(persisted, 1);
+        }
+        let years = std::time::SystemTime::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        let seen = store.inspect(&held).await.expect("inspect").expect("kept");
+        let idempotency_core::RecordState::InFlight { lease_remaining } = seen.state else {
+            panic!("{seen:?}")
+        };
+        assert!(lease_remaining > LONG, "{seen:?}");
+        assert!(seen.expires_at > years, "{seen:?}");
+        let again = store.begin(&held, &fp("a"), LONG).await.expect("begin");
+        assert!(matches!(again, Begin::InFlight { .. }), "{again:?}");
+        let released = store
+            .force_release(&held, idempotency_core::ReleaseScope::default())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Live);
+        let kept = store.inspect(&done).await.expect("inspect").expect("kept");
+        assert!(kept.is_completed() && kept.expires_at > years, "{kept:?}");
+    });
+}

@@ -1222,6 +1222,9 @@ impl RedisStore {
 }
 
 /// Decodes the reply of [`scripts::inspect`].
+/// 9999-01-01T00:00:00Z in Unix milliseconds: "never", for a record without a TTL.
+const NEVER_MS: i64 = 253_370_764_800_000;
+
 fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
     let corrupt = || Error::Corrupt("unexpected inspect reply".into());
     let number = |i: usize| -> Result<i64> {
@@ -1236,6 +1239,10 @@ fn inspection(reply: &[Vec<u8>]) -> Result<Option<Inspection>> {
         return Ok(None);
     }
     let (now, pttl) = (number(1)?, number(2)?);
+    // No TTL (`-1`: persisted from outside) never expires, and `begin` and `force_release`
+    // read such a lease as live: so does this, as a lease and a record that last for good
+    // (until the year 9999, which every date format can still write).
+    let pttl = if pttl == -1 { NEVER_MS - now } else { pttl };
     let at = |ms: i64| system_time_from_millis(ms as f64);
     let grace = i64::try_from(LATE_COMPLETION_GRACE.as_millis()).unwrap_or(i64::MAX);
     let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
