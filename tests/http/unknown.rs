@@ -227,9 +227,9 @@ fn drain_waits_for_a_reconcile_whose_request_is_gone() {
 /// hook answers, when the hook found nothing, ends the lease it took over instead of renewing
 /// it for nobody: the retry asks the hook again and runs at once. The lease was renewed and
 /// held, and every retry answered 409 for a whole lease.
-#[test]
-fn a_reconcile_whose_request_is_gone_leaves_the_key_to_the_retry() {
-    block_on(async {
+#[tokio::test(start_paused = true)]
+async fn a_reconcile_whose_request_is_gone_leaves_the_key_to_the_retry() {
+    {
         let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
         let policy = OutcomeUnknown::reconcile(|_| async {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -255,7 +255,39 @@ fn a_reconcile_whose_request_is_gone_leaves_the_key_to_the_retry() {
             assert_eq!(retry.status, 201, "{}", retry.body);
             assert_eq!(calls.get(), run);
         }
+    }
+}
+
+/// A reconcile verdict read too late to act on (the request was held without a poll for over
+/// half a lease) runs nothing, and ends the lease renewed for it rather than leave it held
+/// for nobody: the retry asks the hook again at once instead of answering 409.
+#[tokio::test(start_paused = true)]
+async fn a_reconcile_verdict_read_too_late_ends_its_lease() {
+    let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+    let lease = Duration::from_secs(3);
+    let policy = OutcomeUnknown::reconcile(|_| async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Ok(None)
     });
+    let layer = layer(store.clone())
+        .policy(Policy::default().with_lease(lease))
+        .on_outcome_unknown(policy);
+    let (router, calls, _) = app(layer.clone());
+    let (key, _) = crashed_attempt(&*store).await;
+    let request = axum::http::Request::post("/charges")
+        .header("idempotency-key", key.as_str())
+        .body(axum::body::Body::from("{}"))
+        .expect("request");
+    let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request));
+    assert!(futures::poll!(&mut first).is_pending(), "the hook looks");
+    // The hook answers, and the request is not polled for most of the lease it renewed.
+    tokio::time::sleep(lease * 2 / 3).await;
+    let first = first.await.expect("infallible");
+    assert_eq!(first.status(), 503);
+    layer.drain().await; // the lease's end
+    let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert_eq!(calls.get(), 1);
 }
 
 /// A request held without being polled after its reconcile hook found nothing must not run

@@ -434,6 +434,7 @@ where
             let settled = Verdict {
                 settled,
                 lease: (config.clone(), id, token),
+                runtime: tokio::runtime::Handle::current(),
             };
             tokio::spawn(async move {
                 let _running = running;
@@ -492,11 +493,16 @@ where
                     // without a poll past that lease: another retry may have taken the key
                     // over, asked the hook (which found nothing, nothing having run yet) and
                     // be running the operation. Read that late, it runs nothing, like a late
-                    // grant (`within_lease`); the record stays, to be asked again.
+                    // grant (`within_lease`); the record stays, to be asked again, and the
+                    // lease is ended, if still ours, rather than held for nobody.
                     let lease = config.policy.lease();
                     let answer = Ok(Begin::TakeOver(token));
-                    if idempotency_core::within_lease_with(&id, renewed, lease, answer, |_| {})
-                        .is_ok()
+                    let end = |_| {
+                        let store = config.store.clone();
+                        let end = async move { end_orphan(&*store, &id, token).await };
+                        config.detached.spawn(end);
+                    };
+                    if idempotency_core::within_lease_with(&id, renewed, lease, answer, end).is_ok()
                     {
                         return execute(config, inner, parts, body, keyed, token, renewed).await;
                     }
@@ -565,6 +571,8 @@ enum Reconciled {
 struct Verdict {
     settled: tokio::sync::oneshot::Receiver<Reconciled>,
     lease: (Arc<Config>, RecordId, LeaseToken),
+    /// The request's runtime: a future may be dropped on a thread outside it.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Verdict {
@@ -577,15 +585,16 @@ impl Verdict {
 impl Drop for Verdict {
     fn drop(&mut self) {
         let (config, id, token) = &self.lease;
+        // Closed first: a verdict sent from now on is refused (the task ends the lease
+        // itself), and one sent before is here to read. Read first, a verdict sent in
+        // between would be accepted and then dropped with the channel, unread.
+        self.settled.close();
         let Ok(Reconciled::Nothing(_)) = self.settled.try_recv() else {
             return;
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime left to write from: the lease runs out
-        };
         let (store, id, token) = (config.store.clone(), *id, *token);
         let end = async move { end_orphan(&*store, &id, token).await };
-        config.detached.spawn_on(end, &runtime);
+        config.detached.spawn_on(end, &self.runtime);
     }
 }
 
