@@ -263,16 +263,6 @@ impl Consumer {
                 StreamAutoClaimOptions::default().count(count),
             )
             .await?;
-        // `0-0` once the scan has gone round the whole list.
-        self.claim_from.clone_from(&claimed.next_stream_id);
-        if !claimed.deleted_ids.is_empty() {
-            // Trimmed from the stream while pending: gone from the pending list too, so
-            // their failure counts would never be dropped by an ack.
-            let _: u64 = self
-                .redis
-                .hdel(&self.failures, &claimed.deleted_ids)
-                .await?;
-        }
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)
             .count(count)
@@ -293,6 +283,18 @@ impl Consumer {
         for message in fresh {
             self.handle(&message, 1, &mut polled).await?;
         }
+        // Only once what it claimed was handled: a poll that fails before leaves the cursor
+        // where it was, and the next one scans that stretch again.
+        if !claimed.deleted_ids.is_empty() {
+            // Trimmed from the stream while pending: gone from the pending list too, so
+            // their failure counts would never be dropped by an ack.
+            let _: u64 = self
+                .redis
+                .hdel(&self.failures, &claimed.deleted_ids)
+                .await?;
+        }
+        // `0-0` once the scan has gone round the whole list.
+        self.claim_from = claimed.next_stream_id;
         Ok(polled)
     }
 

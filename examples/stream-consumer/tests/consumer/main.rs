@@ -777,7 +777,9 @@ fn an_idle_message_behind_many_live_ones_is_claimed() {
         let Some(mut rig) = rig().await else { return };
         let mut consumer = rig.consumer("c1").await;
         consumer.setup().await.expect("setup");
-        consumer.claim_idle = Duration::from_secs(2);
+        // Far longer than the eight polls below (each blocks 100 ms reading): the live
+        // ones stay unclaimable while they run.
+        consumer.claim_idle = Duration::from_secs(4);
         let mut live = Vec::new();
         for n in 0..30 {
             live.push(
@@ -798,7 +800,7 @@ fn an_idle_message_behind_many_live_ones_is_claimed() {
             redis::AsyncCommands::xread_options(&mut rig.redis, &[&rig.stream], &[">"], &options)
                 .await
                 .expect("read");
-        tokio::time::sleep(Duration::from_millis(2200)).await;
+        tokio::time::sleep(Duration::from_millis(4200)).await;
         let _: redis::Value = redis::cmd("XCLAIM")
             .arg(&rig.stream)
             .arg("ledger")
