@@ -36,6 +36,19 @@ async fn crashed_attempt(store: &dyn Store) -> (String, RecordId) {
     (key, id)
 }
 
+/// `POST /charges` with `key` and `{}`, sent without being awaited: a request future to poll
+/// once, hold, or drop.
+fn charge(
+    router: &axum::Router,
+    key: &str,
+) -> std::pin::Pin<Box<tower::util::Oneshot<axum::Router, axum::http::Request<axum::body::Body>>>> {
+    let request = axum::http::Request::post("/charges")
+        .header("idempotency-key", key)
+        .body(axum::body::Body::from("{}"))
+        .expect("request");
+    Box::pin(tower::ServiceExt::oneshot(router.clone(), request))
+}
+
 async fn postgres() -> Option<Arc<dyn Store>> {
     let store: Arc<dyn Store> = idempotency_test::stores::postgres().await?;
     Some(store)
@@ -239,11 +252,7 @@ async fn a_reconcile_whose_request_is_gone_leaves_the_key_to_the_retry() {
         let (router, calls, _) = app(layer.clone());
         for (run, answered) in [(1, false), (2, true)] {
             let (key, _) = crashed_attempt(&*store).await;
-            let request = axum::http::Request::post("/charges")
-                .header("idempotency-key", key.as_str())
-                .body(axum::body::Body::from("{}"))
-                .expect("request");
-            let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request));
+            let mut first = charge(&router, &key);
             assert!(futures::poll!(&mut first).is_pending(), "the hook looks");
             if answered {
                 // Its verdict is sent, and never read.
@@ -274,11 +283,7 @@ async fn a_reconcile_verdict_read_too_late_ends_its_lease() {
         .on_outcome_unknown(policy);
     let (router, calls, _) = app(layer.clone());
     let (key, _) = crashed_attempt(&*store).await;
-    let request = axum::http::Request::post("/charges")
-        .header("idempotency-key", key.as_str())
-        .body(axum::body::Body::from("{}"))
-        .expect("request");
-    let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request));
+    let mut first = charge(&router, &key);
     assert!(futures::poll!(&mut first).is_pending(), "the hook looks");
     // The hook answers, and the request is not polled for most of the lease it renewed.
     tokio::time::sleep(lease * 2 / 3).await;
@@ -307,13 +312,7 @@ fn a_reconcile_verdict_read_after_its_lease_ran_out_runs_nothing() {
             .policy(Policy::default().with_lease(lease))
             .on_outcome_unknown(policy));
         let (key, _) = crashed_attempt(&*store).await;
-        let request = || {
-            axum::http::Request::post("/charges")
-                .header("idempotency-key", key.as_str())
-                .body(axum::body::Body::from("{}"))
-                .expect("request")
-        };
-        let mut first = Box::pin(tower::ServiceExt::oneshot(router.clone(), request()));
+        let mut first = charge(&router, &key);
         assert!(
             futures::poll!(&mut first).is_pending(),
             "the hook runs in a task"
