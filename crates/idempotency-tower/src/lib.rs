@@ -63,7 +63,8 @@
 //! claim lands, a lease granted meanwhile is released; dropped after, the handler still runs
 //! once and its outcome is stored for the retry. A panicking handler answers 500 and
 //! releases its lease (kept as outcome-unknown under `Reject` or `Reconcile`, see above). A
-//! handler that runs longer than the lease renews it every third of the lease.
+//! handler that runs longer than the lease renews it every third of the lease, counted from
+//! the claim's ask (the store counts the lease from then).
 //!
 //! **Put timeouts outside this layer, never between it and the handler.** A
 //! `tower::timeout::TimeoutLayer` or `tower_http`'s `TimeoutLayer` inside it drops the
