@@ -732,6 +732,77 @@ fn concurrent_calls_share_statements() {
     });
 }
 
+/// A batch whose drain task is dropped while its statement runs (the drain runs on the
+/// runtime of the call that started it; here that runtime shuts down) may still commit the
+/// claims in it: the callers, told `Unavailable`, give them back. Left, a grant nobody held
+/// answered `InFlight` for a whole lease, then `TakeOver`: an outcome reported unknown for an
+/// operation that never ran.
+#[test]
+fn a_claim_whose_batch_died_unanswered_is_given_back() {
+    block_on(async {
+        // A lock wait far longer than the steps below: the batch waits, it does not give up.
+        let settings = GroupCommit::default().lock_timeout(Duration::from_secs(10));
+        let Some(store) = group_commit_store_with(settings).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let (first, second) = (fresh_id(), fresh_id());
+        // Two transactions hold each key's insert open: claims of them wait until they end.
+        let mut holds = Vec::new();
+        for id in [&first, &second] {
+            let mut tx = store.pool().begin().await.expect("tx");
+            sqlx::query(
+                "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, \
+                 expires_at) VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 minute')",
+            )
+            .bind(&id.as_bytes()[..])
+            .bind(&fp("other").as_bytes()[..])
+            .execute(&mut *tx)
+            .await
+            .expect("hold the key");
+            holds.push(tx);
+        }
+        let doomed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        // The first claim runs alone on the doomed runtime, holding the batch slot.
+        let lone = {
+            let store = store.clone();
+            doomed.spawn(async move { store.begin(&first, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The second queues behind it, from this runtime.
+        let queued = {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&second, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The first ends; its slot passes to a drain task on the doomed runtime, whose batch
+        // now waits on the second key.
+        holds.remove(0).rollback().await.expect("rollback");
+        let lone = lone.await.expect("task");
+        assert!(matches!(lone, Ok(Begin::Execute(_))), "{lone:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        doomed.shutdown_background(); // the drain task is dropped mid-statement
+        let queued = queued.await.expect("task");
+        assert!(matches!(queued, Err(Error::Unavailable(_))), "{queued:?}");
+        // The statement, still running on the server, commits the second claim.
+        holds.remove(0).rollback().await.expect("rollback");
+        store.drain().await; // the give-back
+        // Connections the doomed runtime opened fail once each ("being shutdown").
+        let mut again = store.begin(&second, &fp("a"), LONG).await;
+        for _ in 0..20 {
+            if !matches!(again, Err(Error::Unavailable(_))) {
+                break;
+            }
+            again = store.begin(&second, &fp("a"), LONG).await;
+        }
+        assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+    });
+}
+
 /// A key whose row another transaction holds (an application's `complete_in` that has not
 /// committed) must not stall the calls batched with it: their batch gives up on the lock
 /// after `lock_timeout` and each call goes on alone. Without the short lock timeout the

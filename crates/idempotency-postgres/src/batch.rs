@@ -323,6 +323,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     ) -> Result<Option<R>> {
         let settings = store.group_commit_settings();
         let (reply, answer) = oneshot::channel();
+        let claim = job.claim();
         let mut job = Some(job);
         let start = {
             let mut queue = self.lock();
@@ -378,6 +379,11 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                     tokio::spawn(drain(slot(None)));
                 }
                 answer.await.unwrap_or_else(|_| {
+                    // The drain was dropped without answering (its runtime shut down, a
+                    // panic): its statement may have run, and commit on the server all the
+                    // same. A grant nobody holds would answer `InFlight` for the lease, then
+                    // `TakeOver` for an operation that never ran: given back from here.
+                    release_later(store, claim.into_iter().collect());
                     Err(Error::unavailable("the batch ended without an answer"))
                 })
             }
