@@ -43,8 +43,13 @@ async fn pg_store(url: &str) -> PostgresStore {
 }
 
 async fn hybrid(pg: PostgresStore, redis_url: &str) -> HybridStore {
+    hybrid_with_prefix(pg, redis_url, &idempotency_test::unique("h")).await
+}
+
+/// [`hybrid`] with its Redis keys under `prefix`: two stores on one Redis, as two processes.
+async fn hybrid_with_prefix(pg: PostgresStore, redis_url: &str, prefix: &str) -> HybridStore {
     let redis = RedisStore::builder(redis_url)
-        .prefix(idempotency_test::unique("h"))
+        .prefix(prefix)
         .connect_timeout(Duration::from_millis(100))
         .response_timeout(Duration::from_millis(100))
         .call_budget(Duration::from_millis(150))
@@ -1349,5 +1354,84 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
             store.begin(&id, &fp, LEASE).await.expect("begin"),
             Begin::Execute(_)
         ));
+    });
+}
+
+/// A replay Postgres answered slowly (here its reply took 3 s on the network; so too a slow
+/// server), read before an operator's release of the record, is not copied into Redis after
+/// the release's second delete: it replayed there for the record's whole retention, and the
+/// key never ran again. The release's second delete allows for writes on their way by one
+/// Postgres call budget; a claim answered later than that is not copied.
+#[test]
+fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = idempotency_test::relay::delaying_relay(relay::upstream(pg.url())).await;
+        let slow_url = relay::through(pg.url(), relay.port);
+        let prefix = idempotency_test::unique("h");
+        // Per request: a group-commit batch gives up after two call budgets, sooner than
+        // the release's second delete; a single statement is bounded only by the claim's four.
+        let slow_pg = PostgresStore::builder(&slow_url)
+            .per_request()
+            .call_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("postgres store");
+        let gateway = hybrid_with_prefix(slow_pg, redis.url(), &prefix).await;
+        let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        gateway
+            .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        gateway.drain().await;
+        // Its copy is evicted: the next claim asks Postgres, whose reply comes late.
+        let keys = RedisStore::builder(redis.url())
+            .prefix(&prefix)
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let evicted: i64 = redis::cmd("DEL")
+            .arg(keys.key(&id))
+            .query_async(&mut conn)
+            .await
+            .expect("del");
+        assert_eq!(evicted, 1);
+        relay.delay_replies(Duration::from_millis(3200));
+        let slow = {
+            let gateway = gateway.clone();
+            tokio::spawn(async move { gateway.begin(&id, &fp, LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await; // the row is read
+        let released = operator
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        let gave_up = slow.await.expect("task");
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+        operator.drain().await; // the release's second delete
+        gateway.drain().await; // the slow claim, to its end
+        relay.delay_replies(Duration::ZERO);
+        let again = operator.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a deleted record replayed: {again:?}"
+        );
     });
 }

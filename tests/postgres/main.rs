@@ -969,12 +969,9 @@ fn an_extreme_duration_in_a_batch_fails_nobody() {
 /// The shared Postgres's URL through a [`cutting_relay`](idempotency_test::relay::cutting_relay).
 async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -> bool) -> String {
     let pg = services::postgres().await.expect("postgres");
-    let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let port = idempotency_test::relay::cutting_relay(upstream.clone(), armed, cut).await;
-    let relayed = pg.url().replace(&upstream, &format!("127.0.0.1:{port}"));
-    assert_ne!(relayed, pg.url(), "the store goes through the relay");
-    relayed
+    let upstream = idempotency_test::relay::upstream(pg.url());
+    let port = idempotency_test::relay::cutting_relay(upstream, armed, cut).await;
+    idempotency_test::relay::through(pg.url(), port)
 }
 
 /// A claim whose statement commits after its caller gave up, and after the store's first
@@ -1060,12 +1057,9 @@ fn connections_that_hang_mid_statement_do_not_hold_the_pool() {
             return;
         }
         let pg = services::postgres().await.expect("postgres");
-        let options: sqlx::postgres::PgConnectOptions = pg.url().parse().expect("postgres url");
-        let upstream = format!("{}:{}", options.get_host(), options.get_port());
-        let relay = idempotency_test::relay::stalling_relay(upstream.clone()).await;
-        let relayed = pg
-            .url()
-            .replace(&upstream, &format!("127.0.0.1:{}", relay.port));
+        let upstream = idempotency_test::relay::upstream(pg.url());
+        let relay = idempotency_test::relay::stalling_relay(upstream).await;
+        let relayed = idempotency_test::relay::through(pg.url(), relay.port);
         // A small pool, to see its slots go: every store call runs on it.
         let store = PostgresStore::builder(relayed)
             .per_request()

@@ -587,23 +587,18 @@ fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
             .connect()
             .await
             .expect("store");
-        let upstream = redis
-            .url()
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .to_owned();
+        let upstream = idempotency_test::relay::upstream(redis.url());
         let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         // The legacy claim's reply to a takeover is the array `{'t'}`.
         let port = idempotency_test::relay::cutting_relay(upstream.clone(), armed.clone(), |r| {
             r.windows(5).any(|w| w == b"\r\nt\r\n")
         })
         .await;
-        let store =
-            RedisStore::builder(redis.url().replace(&upstream, &format!("127.0.0.1:{port}")))
-                .prefix(prefix)
-                .connect()
-                .await
-                .expect("store through the relay");
+        let store = RedisStore::builder(idempotency_test::relay::through(redis.url(), port))
+            .prefix(prefix)
+            .connect()
+            .await
+            .expect("store through the relay");
         let mut conn = redis::Client::open(redis.url())
             .expect("client")
             .get_multiplexed_async_connection()

@@ -755,6 +755,7 @@ impl HybridStore {
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
+        let asked = Instant::now();
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
         let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
         self.inner.duplicates.observe(!first);
@@ -780,7 +781,13 @@ impl HybridStore {
                 });
                 mirrors.insert(token, mirroring);
             }
-            (Begin::Replay(outcome), Some(ttl)) if self.caching() => {
+            // Not a replay answered later than one Postgres call budget (a slow server or
+            // network): the row it read may have been deleted since by an operator's release,
+            // whose second delete allows for writes on their way by one budget only. Copied
+            // after it, the deleted record would replay from Redis for its whole retention.
+            (Begin::Replay(outcome), Some(ttl))
+                if self.caching() && asked.elapsed() <= self.pg.call_timeout() =>
+            {
                 self.try_redis(|| self.redis.cache_completed(id, fp, outcome, ttl))
                     .await;
             }

@@ -10,6 +10,38 @@ use std::sync::{
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The `host:port` a service URL (`postgres://…`, `redis://…`) connects to: a relay's
+/// upstream.
+///
+/// ```
+/// let url = "postgres://app:secret@127.0.0.1:5432/app?sslmode=disable";
+/// assert_eq!(idempotency_test::relay::upstream(url), "127.0.0.1:5432");
+/// assert_eq!(idempotency_test::relay::upstream("redis://127.0.0.1:6379/"), "127.0.0.1:6379");
+/// ```
+pub fn upstream(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host)
+        .to_owned()
+}
+
+/// `url` going through a relay on `127.0.0.1:port` instead of its own host.
+///
+/// ```
+/// let url = "postgres://app@127.0.0.1:5432/app";
+/// assert_eq!(
+///     idempotency_test::relay::through(url, 40000),
+///     "postgres://app@127.0.0.1:40000/app"
+/// );
+/// ```
+pub fn through(url: &str, port: u16) -> String {
+    let relayed = url.replacen(&upstream(url), &format!("127.0.0.1:{port}"), 1);
+    assert_ne!(relayed, url, "the URL goes through the relay");
+    relayed
+}
+
 /// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) and returns its port.
 ///
 /// While `armed` is false, bytes pass both ways untouched. Once it is set, the first chunk
@@ -33,10 +65,7 @@ pub async fn cutting_relay(
     armed: Arc<AtomicBool>,
     cut: fn(&[u8]) -> bool,
 ) -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("relay listens");
-    let port = listener.local_addr().expect("relay address").port();
+    let (listener, port) = listen().await;
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -108,10 +137,7 @@ impl StallingRelay {
 /// # }
 /// ```
 pub async fn stalling_relay(upstream: String) -> StallingRelay {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("relay listens");
-    let port = listener.local_addr().expect("relay address").port();
+    let (listener, port) = listen().await;
     let relay = StallingRelay {
         port,
         epoch: Arc::new(AtomicU64::new(0)),
@@ -160,4 +186,91 @@ async fn pass_until_frozen(
             return;
         }
     }
+}
+
+/// A relay whose replies can be held back: see [`delaying_relay`].
+#[derive(Debug, Clone)]
+pub struct DelayingRelay {
+    /// The relay's port on `127.0.0.1`.
+    pub port: u16,
+    delay_ms: Arc<AtomicU64>,
+}
+
+impl DelayingRelay {
+    /// From now on, each chunk the server sends reaches the client `delay` after it was sent
+    /// (in order: a slow network, a server answering late). Zero passes them at once.
+    pub fn delay_replies(&self, delay: std::time::Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.delay_ms.store(ms, Ordering::SeqCst);
+    }
+}
+
+/// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) that passes requests at once
+/// and replies after [`DelayingRelay::delay_replies`] (none at first): the server has done
+/// the work, and the client hears of it late.
+///
+/// ```no_run
+/// # async fn demo() {
+/// let relay = idempotency_test::relay::delaying_relay("127.0.0.1:5432".into()).await;
+/// relay.delay_replies(std::time::Duration::from_secs(3));
+/// # }
+/// ```
+pub async fn delaying_relay(upstream: String) -> DelayingRelay {
+    let (listener, port) = listen().await;
+    let relay = DelayingRelay {
+        port,
+        delay_ms: Arc::new(AtomicU64::new(0)),
+    };
+    let delay_ms = relay.delay_ms.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut client_rx, mut client_tx) = client.into_split();
+            let (mut server_rx, mut server_tx) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
+            });
+            let delay_ms = delay_ms.clone();
+            tokio::spawn(async move {
+                // Each chunk is stamped when it arrives and handed on at its due time, by a
+                // queue: a late chunk does not hold back the reading of the next.
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                let forward = tokio::spawn(async move {
+                    while let Some((due, chunk)) = rx.recv().await {
+                        tokio::time::sleep_until(due).await;
+                        let chunk: Vec<u8> = chunk;
+                        if client_tx.write_all(&chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match server_rx.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    let delay = std::time::Duration::from_millis(delay_ms.load(Ordering::SeqCst));
+                    let due = tokio::time::Instant::now() + delay;
+                    if tx.send((due, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+                drop(tx);
+                let _ = forward.await;
+            });
+        }
+    });
+    relay
+}
+
+/// A listener on a free port of `127.0.0.1`, and that port.
+async fn listen() -> (tokio::net::TcpListener, u16) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("relay listens");
+    let port = listener.local_addr().expect("relay address").port();
+    (listener, port)
 }
