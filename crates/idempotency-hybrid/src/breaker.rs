@@ -208,8 +208,15 @@ impl Breaker {
         }
     }
 
-    pub(crate) fn failure(&self) {
+    /// A call failed. `probe`: it was the half-open breaker's probe. Only the probe's answer
+    /// counts while half-open, as for [`success`](Self::success): a call admitted while the
+    /// breaker was closed and failing late says nothing of Redis now, and would reopen it
+    /// under the probe's feet and double the backoff.
+    fn failure_of(&self, probe: bool) {
         let mut inner = self.lock();
+        if !probe && matches!(*inner, Inner::HalfOpen { .. }) {
+            return;
+        }
         let open_for = match *inner {
             Inner::Closed { failures } if failures + 1 < self.config.failure_threshold => {
                 *inner = Inner::Closed {
@@ -250,7 +257,7 @@ impl Permit<'_> {
 
     pub(crate) fn failure(mut self) {
         self.reported = true;
-        self.breaker.failure();
+        self.breaker.failure_of(self.probe);
     }
 }
 
@@ -283,10 +290,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn opens_probes_backs_off_and_closes() {
         let breaker = Breaker::new(BreakerConfig::default());
-        breaker.failure();
-        breaker.failure();
+        breaker.failure_of(false);
+        breaker.failure_of(false);
         assert_eq!(breaker.state(), BreakerState::Closed);
-        breaker.failure();
+        breaker.failure_of(false);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(breaker.allow().is_none());
 
@@ -314,7 +321,7 @@ mod tests {
         let breaker = Breaker::new(BreakerConfig::default());
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
-            breaker.failure();
+            breaker.failure_of(false);
         }
         early.success(); // answered late, after the breaker opened
         assert_eq!(breaker.state(), BreakerState::Open);
@@ -332,11 +339,36 @@ mod tests {
         assert_eq!(breaker.closed.load(Ordering::Relaxed), 1);
     }
 
+    /// A call admitted while the breaker was closed and failing after it went half-open
+    /// does not reopen it under its probe: only the probe's answer counts. It reopened the
+    /// breaker and doubled the backoff.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_admitted_before_the_breaker_opened_cannot_reopen_it_while_it_probes() {
+        let breaker = Breaker::new(BreakerConfig::default());
+        let early = breaker.allow().expect("closed");
+        for _ in 0..3 {
+            breaker.failure_of(false);
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let probe = breaker.allow().expect("probe");
+        early.failure(); // answered late, while the breaker probes
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        assert_eq!(breaker.opened.load(Ordering::Relaxed), 1);
+        probe.failure();
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_millis(500)).await;
+        breaker
+            .allow()
+            .expect("the backoff doubled once, not twice")
+            .success();
+        assert_eq!(breaker.state(), BreakerState::Closed);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_cancelled_probe_hands_the_probe_on() {
         let breaker = Breaker::new(BreakerConfig::default());
         for _ in 0..3 {
-            breaker.failure();
+            breaker.failure_of(false);
         }
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker.allow().expect("probe");
