@@ -315,6 +315,28 @@ fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
     });
 }
 
+/// `/accounts/a/charges` claims key `k` (directly on the inner store) and gives it back just
+/// before the second `begin` from now: between a request's two asks.
+async fn a_holds_k_then_gives_it_back_before_the_second_ask(
+    store: &idempotency_test::late::LateBegin<MemoryStore>,
+) {
+    let a = idempotency_core::Fingerprint::builder()
+        .method("POST")
+        .path_and_query("/accounts/a/charges")
+        .body(b"{}")
+        .finish();
+    let id = record_id("k");
+    let idempotency_core::Begin::Execute(token) = store
+        .inner()
+        .begin(&id, &a, Duration::from_secs(30))
+        .await
+        .expect("begin")
+    else {
+        panic!("a fresh key")
+    };
+    store.release_before_begin(2, id, token);
+}
+
 /// The fallback to the earlier fingerprint only finds what was stored under it; it never runs
 /// a request under it. Here `/accounts/b/charges` meets `a`'s live lease (a mismatch), and
 /// `a` gives the key back just before `b` asks again with the earlier fingerprint: `b` must
@@ -330,21 +352,7 @@ fn the_earlier_fingerprint_never_claims_a_key() {
         let (inner, calls, _) = app(layer(store.clone()));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let at = |path: &'static str| post_k(router.clone(), path);
-        let a = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/accounts/a/charges")
-            .body(b"{}")
-            .finish();
-        let id = record_id("k");
-        let idempotency_core::Begin::Execute(token) = store
-            .inner()
-            .begin(&id, &a, Duration::from_secs(30))
-            .await
-            .expect("begin")
-        else {
-            panic!("a fresh key")
-        };
-        store.release_before_begin(2, id, token); // between `b`'s two asks
+        a_holds_k_then_gives_it_back_before_the_second_ask(&store).await;
         assert_eq!(at("/accounts/b/charges").await, (201, false));
         assert_eq!(at("/accounts/c/charges").await, (422, false));
         assert_eq!(at("/accounts/b/charges").await, (201, true));
@@ -366,21 +374,7 @@ fn a_grant_under_the_earlier_fingerprint_not_given_back_is_retried_not_refused()
         let (inner, calls, _) = app(layer.clone());
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let at = |path: &'static str| post_k(router.clone(), path);
-        let a = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/accounts/a/charges")
-            .body(b"{}")
-            .finish();
-        let id = record_id("k");
-        let idempotency_core::Begin::Execute(token) = store
-            .inner()
-            .begin(&id, &a, Duration::from_secs(30))
-            .await
-            .expect("begin")
-        else {
-            panic!("a fresh key")
-        };
-        store.release_before_begin(2, id, token); // between `b`'s two asks
+        a_holds_k_then_gives_it_back_before_the_second_ask(&store).await;
         store.fail_releases(1);
         assert_eq!(at("/accounts/b/charges").await, (503, false));
         layer.drain().await; // the give-back, retried
