@@ -1453,3 +1453,76 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
         );
     });
 }
+
+/// An operator's `force_release` given up (dropped, as an admin request whose client hung
+/// up) after Postgres deleted the record: its copy in Redis must still be deleted. The old
+/// code scheduled both of its Redis deletes only once Postgres had answered, so the dropped
+/// call left the copy, and every retry of the key replayed the outcome Postgres had
+/// forgotten, for the copy's whole TTL.
+#[test]
+fn an_operators_release_given_up_after_postgres_deleted_still_deletes_the_copy() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(pg.url())).await;
+        let prefix = idempotency_test::unique("h");
+        let gateway = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
+        let slow_pg = PostgresStore::builder(relay::through(pg.url(), relay.port))
+            .per_request()
+            .max_connections(1)
+            .call_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("postgres store");
+        let operator = hybrid_with_prefix(slow_pg, redis.url(), &prefix).await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        gateway
+            .complete(&id, token, &Outcome::new(201), RETENTION)
+            .await
+            .expect("complete");
+        gateway.drain().await;
+        assert!(matches!(
+            gateway.redis().peek(&id, &fp).await,
+            Ok(idempotency_redis::Peek::Found(Begin::Replay(_)))
+        ));
+        // The release's statements prepared on the operator's one connection, so that the
+        // delete below leaves at once and only its answer is held back. (A release that
+        // keeps the record, so that it schedules nothing of its own.)
+        let kept = operator
+            .force_release(&id, ReleaseScope::default())
+            .await
+            .expect("release of live leases only");
+        assert_eq!(kept, idempotency_core::ForceReleased::Completed);
+        // Back in the pool (sqlx checks a connection as it returns) before replies are held.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+
+        relay.delay_replies(Duration::from_millis(1500));
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(300),
+            operator.force_release(&id, ReleaseScope::default().with_completed()),
+        )
+        .await;
+        assert!(given_up.is_err(), "{given_up:?}");
+        tokio::time::sleep(Duration::from_millis(1700)).await;
+        relay.delay_replies(Duration::ZERO);
+        assert_eq!(
+            gateway.postgres().inspect(&id).await.expect("inspect"),
+            None,
+            "Postgres deleted the record"
+        );
+        operator.drain().await; // as the admin CLI does before it exits
+        let again = gateway.begin(&id, &fp, LEASE).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a released record replayed from Redis: {again:?}"
+        );
+    });
+}

@@ -5,7 +5,7 @@ use std::{
     panic::AssertUnwindSafe,
     sync::{
         Arc,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -975,22 +975,31 @@ impl Store for HybridStore {
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             self.inner.repairs().push((*id, None));
-            let found = self.pg.force_release(id, scope).await?;
-            if matches!(found, ForceReleased::Completed | ForceReleased::Live) {
-                // Kept in Postgres. The delete queued above still drops its copy in Redis:
-                // one cache miss, never an answer Postgres would not give.
-                return Ok(found);
-            }
-            self.inner.repairs().push((*id, None));
-            let (again, forget) = (self.clone(), *id);
+            // The second delete is scheduled before Postgres is asked: a call that fails or
+            // is dropped once its delete has been sent may have deleted the row all the
+            // same, and the copy in Redis (or one on its way) would then replay it. Only an
+            // answer that Postgres kept the record calls it off.
+            let kept = Arc::new(AtomicBool::new(false));
+            let (again, forget, called_off) = (self.clone(), *id, kept.clone());
             let writes_over = self.pg.call_timeout() + self.redis.call_budget() * 8;
             // Tracked: a process that exits after an operator's release (the admin CLI)
             // waits for it with `drain`.
             self.inner.settling.spawn(async move {
                 tokio::time::sleep(writes_over).await;
+                if called_off.load(Ordering::Acquire) {
+                    return;
+                }
                 again.inner.repairs().push((forget, None));
                 again.try_redis(|| async { Ok(()) }).await;
             });
+            let found = self.pg.force_release(id, scope).await?;
+            if matches!(found, ForceReleased::Completed | ForceReleased::Live) {
+                // Kept in Postgres. The delete queued above still drops its copy in Redis:
+                // one cache miss, never an answer Postgres would not give.
+                kept.store(true, Ordering::Release);
+                return Ok(found);
+            }
+            self.inner.repairs().push((*id, None));
             // Run by the repair step every Redis call takes first.
             match self.try_redis(|| async { Ok(()) }).await {
                 Some(()) => Ok(found),
