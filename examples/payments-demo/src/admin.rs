@@ -94,16 +94,17 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
             if completed {
                 scope = scope.with_completed();
             }
-            let released = store.force_release(&id, scope).await?;
+            let released = store.force_release(&id, scope).await;
             // The hybrid store deletes its Redis copy again once copies on their way have
-            // landed: exiting before that could leave one replaying a released record.
+            // landed: exiting before that could leave one replaying a released record. So
+            // too after an error: Postgres may have deleted the record all the same.
             if tokio::time::timeout(Duration::from_secs(30), store.drain())
                 .await
                 .is_err()
             {
                 eprintln!("warning: the release's last Redis delete did not finish within 30 s");
             }
-            Ok(match released {
+            Ok(match released? {
                 ForceReleased::Released => {
                     println!(
                         "released: the in-flight record is gone, the next request runs as new \

@@ -913,3 +913,96 @@ fn postgres_mode_crash_after_charge_is_reconciled() {
 fn hybrid_mode_crash_after_charge_is_reconciled() {
     in_mode("hybrid", crash_after_charge);
 }
+
+/// `admin release --completed` in hybrid mode while Redis refuses writes: Postgres deletes
+/// the record, the command reports the error (Redis still holds the copy) — and it still
+/// waits for the release's second Redis delete before it exits. The old command exited on
+/// the error at once, and the copy then replayed the deleted record for its whole TTL.
+#[test]
+fn hybrid_mode_a_cli_release_redis_refused_still_deletes_the_copy() {
+    use idempotency::{IdempotencyKey, RecordId, Scope, redis::redis};
+
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        // A Redis of its own: its writes are paused below.
+        let redis_service = services::start_redis(services::RedisOptions::default()).await;
+        let env = [
+            ("DATABASE_URL", pg.url().to_owned()),
+            ("REDIS_URL", redis_service.url().to_owned()),
+        ];
+        let account = format!("acct-{}", uuid::Uuid::new_v4().simple());
+        let key = uuid::Uuid::new_v4().to_string();
+        let id = RecordId::new(
+            &Scope::new(account.clone()),
+            &IdempotencyKey::new(key.clone()).expect("key"),
+        );
+        let keys = idempotency::redis::RedisStore::builder(redis_service.url())
+            .prefix("payments-demo")
+            .connect()
+            .await
+            .expect("redis store");
+        let record = keys.key(&id);
+        let mut conn = redis::Client::open(redis_service.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let (env2, account2, key2) = (env.clone(), account.clone(), key.clone());
+        tokio::task::spawn_blocking(move || {
+            let env: Vec<(&str, &str)> = env2.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let demo = Demo::start(&env);
+            let body =
+                format!(r#"{{"amount": 1000, "currency": "eur", "customer": "{account2}"}}"#);
+            let created = post(&demo, Some(&key2), &[("x-account-id", &account2)], &body);
+            assert_eq!(created.status, 201, "{}", created.body);
+            assert_eq!(demo.stop(), 0, "graceful shutdown");
+        })
+        .await
+        .expect("demo");
+        let copied: bool = redis::cmd("EXISTS")
+            .arg(&record)
+            .query_async(&mut conn)
+            .await
+            .expect("exists");
+        assert!(copied, "the charge's outcome was copied into Redis");
+
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(1500)
+            .arg("WRITE")
+            .query_async(&mut conn)
+            .await
+            .expect("CLIENT PAUSE");
+        let released = tokio::task::spawn_blocking(move || {
+            let mut command = Command::new(BIN);
+            command
+                .env_remove("DATABASE_URL")
+                .env_remove("REDIS_URL")
+                .env_remove("IDEMPOTENCY_STORE")
+                .args(["admin", "release", "--completed"])
+                .args(["--scope", &account, "--key", &key]);
+            for (k, v) in &env {
+                command.env(k, v);
+            }
+            command.output().expect("run payments-demo admin")
+        })
+        .await
+        .expect("cli");
+        assert_eq!(released.status.code(), Some(2), "{released:?}");
+        assert!(
+            String::from_utf8_lossy(&released.stderr).contains("call again"),
+            "{released:?}"
+        );
+        let left: bool = redis::cmd("EXISTS")
+            .arg(&record)
+            .query_async(&mut conn)
+            .await
+            .expect("exists");
+        assert!(
+            !left,
+            "the deleted record's copy is left in Redis to replay it"
+        );
+    });
+}
