@@ -593,16 +593,24 @@ fn renew_in_a_task<S: Store + ?Sized>(
         let mut renew = tokio::time::interval_at(asked + every, every);
         loop {
             renew.tick().await;
-            match store.renew(&id, token, lease).await {
+            // A store call that panics is a failed call, not the end of the task: a task
+            // that unwound would renew nothing more, and the lease would lapse while the
+            // operation still ran (the operation's own `select!` takes a dropped channel for
+            // no news, not for a loss).
+            let renewed = AssertUnwindSafe(store.renew(&id, token, lease))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|_| Err(Error::unavailable("the store's renew panicked")));
+            match renewed {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
                     let completed = || async {
                         matches!(
-                            store.inspect(&id).await,
-                            Ok(Some(crate::Inspection {
+                            AssertUnwindSafe(store.inspect(&id)).catch_unwind().await,
+                            Ok(Ok(Some(crate::Inspection {
                                 state: crate::RecordState::Completed { .. },
                                 ..
-                            }))
+                            })))
                         )
                     };
                     if !(accepted.load(Ordering::SeqCst) && completed().await) {
@@ -642,20 +650,25 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
     /// Releases the lease; one that fails is retried in a task of its own (counted by
     /// `drain`): left to run out, it would hold the key for a lease and then come back as an
     /// attempt whose outcome is unknown.
+    ///
+    /// The release finishes in any case, as an outcome's write does: a caller that holds
+    /// the run's future without polling it (or drops it) does not keep the key in flight.
     async fn release(&mut self) {
-        if let Err(error) = self.store.release(&self.id, self.token).await
-            && !matches!(error, Error::LeaseLost)
-        {
-            tracing::warn!(%error, record = %self.id, "could not release the lease; retrying");
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let (store, id, token) = (self.store.clone(), self.id, self.token);
-                let release = async move {
-                    crate::release_orphan(&*store, &id, token).await;
-                };
-                self.settling.spawn_on(release, &runtime);
-            }
-        }
+        let (store, id, token) = (self.store.clone(), self.id, self.token);
+        let (tracker, settling) = (self.settling.clone(), self.settling.token());
         self.settled = true;
+        finish_in_any_case(async move {
+            let _settling = settling;
+            if let Err(error) = store.release(&id, token).await
+                && !matches!(error, Error::LeaseLost)
+            {
+                tracing::warn!(%error, record = %id, "could not release the lease; retrying");
+                tracker.spawn(async move {
+                    crate::release_orphan(&*store, &id, token).await;
+                });
+            }
+        })
+        .await;
     }
 }
 
@@ -880,6 +893,140 @@ mod tests {
         let done = held.await.unwrap();
         assert_eq!((done.value, done.replayed), (1, false));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// The memory store, except that its first `renew` panics (a store's bug, a bad
+    /// dependency): what the executor makes of a store that unwinds. Its `release` may be
+    /// slow.
+    #[derive(Default)]
+    struct RenewPanicsOnce {
+        inner: MemoryStore,
+        panicked: std::sync::atomic::AtomicBool,
+        /// How long each `release` takes (a store a round trip away).
+        release_takes: Duration,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for RenewPanicsOnce {
+        async fn begin(
+            &self,
+            id: &RecordId,
+            fp: &Fingerprint,
+            lease: Duration,
+        ) -> crate::Result<Begin> {
+            self.inner.begin(id, fp, lease).await
+        }
+        async fn complete(
+            &self,
+            id: &RecordId,
+            token: LeaseToken,
+            outcome: &Outcome,
+            retention: Duration,
+        ) -> crate::Result<()> {
+            self.inner.complete(id, token, outcome, retention).await
+        }
+        async fn release(&self, id: &RecordId, token: LeaseToken) -> crate::Result<()> {
+            tokio::time::sleep(self.release_takes).await;
+            self.inner.release(id, token).await
+        }
+        async fn renew(
+            &self,
+            id: &RecordId,
+            token: LeaseToken,
+            lease: Duration,
+        ) -> crate::Result<()> {
+            assert!(
+                self.panicked.swap(true, Ordering::SeqCst),
+                "the store's renew panics"
+            );
+            self.inner.renew(id, token, lease).await
+        }
+        async fn purge_expired(&self, batch: usize) -> crate::Result<u64> {
+            self.inner.purge_expired(batch).await
+        }
+        async fn inspect(&self, id: &RecordId) -> crate::Result<Option<crate::Inspection>> {
+            self.inner.inspect(id).await
+        }
+        async fn force_release(
+            &self,
+            id: &RecordId,
+            scope: crate::ReleaseScope,
+        ) -> crate::Result<crate::ForceReleased> {
+            self.inner.force_release(id, scope).await
+        }
+        fn name(&self) -> &'static str {
+            "renew-panics-once"
+        }
+    }
+
+    /// A renewal that panics is one renewal failed, not the end of them. Before, the panic
+    /// ended the renewals' task: the lease lapsed while the operation still ran, and a
+    /// redelivery took the key over and ran it a second time.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_panics_does_not_end_the_renewals() {
+        let lease = Duration::from_secs(3);
+        let executor = Executor::new(Arc::new(RenewPanicsOnce::default()))
+            .with_policy(Policy::default().with_lease(lease));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let runs = AtomicUsize::new(0);
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let first = executor.run(&scope, &k, &fp, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let _ = wait.await;
+            Ok::<_, &str>(1u32)
+        });
+        tokio::pin!(first);
+        assert!(
+            futures::poll!(&mut first).is_pending(),
+            "the operation waits"
+        );
+        // Polled meanwhile, as a running operation is.
+        let _ = tokio::time::timeout(lease * 3, &mut first).await;
+        let redelivered = executor
+            .run(&scope, &k, &fp, || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, &str>(2u32)
+            })
+            .await;
+        assert!(
+            matches!(redelivered, Err(RunError::InFlight { .. })),
+            "{redelivered:?}"
+        );
+        go.send(()).unwrap();
+        let done = first.await.unwrap();
+        assert_eq!((done.value, done.replayed), (1, false));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// A run whose operation failed, held without polling while it gives its lease back
+    /// (its caller busy elsewhere), still gives it back: the release is handed over like an
+    /// outcome's write. Before, it waited for the caller's next poll, and a redelivery
+    /// meanwhile found the key in flight for nobody. (Real time: the hand-over's standby
+    /// thread runs on the wall clock.)
+    #[tokio::test]
+    async fn a_failed_run_held_without_polling_still_gives_its_lease_back() {
+        let store = RenewPanicsOnce {
+            release_takes: Duration::from_millis(20),
+            ..RenewPanicsOnce::default()
+        };
+        let executor = Executor::new(Arc::new(store))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(60)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let failed = executor.run(&scope, &k, &fp, || async { Err::<u32, _>("declined") });
+        tokio::pin!(failed);
+        assert!(
+            futures::poll!(&mut failed).is_pending(),
+            "the release is under way"
+        );
+        tokio::time::sleep(crate::HANDOVER_AFTER * 10).await;
+        let redelivered = executor
+            .run(&scope, &k, &fp, || async { Ok::<_, &str>(2u32) })
+            .await;
+        assert!(
+            matches!(&redelivered, Ok(done) if done.value == 2 && !done.replayed),
+            "{redelivered:?}"
+        );
+        assert!(matches!(failed.await, Err(RunError::Failed("declined"))));
     }
 
     #[tokio::test]
