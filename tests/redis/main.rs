@@ -712,3 +712,56 @@ fn a_record_without_a_ttl_is_live_to_inspect_as_to_every_other_call() {
         assert!(kept.is_completed() && kept.expires_at > years, "{kept:?}");
     });
 }
+
+/// A failover whose old primary vanished (or a NAT that dropped the flow): the connection
+/// hangs with no reset, and only TCP's own timeout (about 15 minutes) would end it. Every
+/// call runs out of budget on it, and redis-rs reconnects only on an error it sees, never on
+/// a call given up. Before, the store answered `Unavailable` to every call for those 15
+/// minutes, and its running operations could neither renew nor complete, so a retry served
+/// by another process took their keys over and ran them a second time. The store now
+/// replaces a connection that stopped answering.
+#[test]
+fn a_connection_that_hangs_is_replaced() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::redis().await.expect("redis");
+        let relay =
+            idempotency_test::relay::stalling_relay(idempotency_test::relay::upstream(redis.url()))
+                .await;
+        let store = RedisStore::builder(idempotency_test::relay::through(redis.url(), relay.port))
+            .prefix(idempotency_test::unique("t"))
+            .call_budget(Duration::from_millis(300))
+            .eviction_check(EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("store");
+        let held = fresh_id();
+        let Begin::Execute(token) = store.begin(&held, &fp("a"), LONG).await.expect("begin") else {
+            panic!("a fresh key executes")
+        };
+        relay.vanish();
+        for _ in 0..5 {
+            let hung = store.begin(&fresh_id(), &fp("a"), LONG).await;
+            assert!(matches!(hung, Err(Error::Unavailable(_))), "{hung:?}");
+        }
+        relay.fail_over();
+        let mut last = None;
+        for _ in 0..40 {
+            match store.begin(&fresh_id(), &fp("a"), LONG).await {
+                Ok(Begin::Execute(_)) => {
+                    last = None;
+                    break;
+                }
+                other => last = Some(other),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(last.is_none(), "the store never served again: {last:?}");
+        store
+            .renew(&held, token, LONG)
+            .await
+            .expect("the running operation renews its lease again");
+    });
+}

@@ -25,6 +25,7 @@
 //! # Ok(()) }
 //! ```
 
+mod conn;
 mod scripts;
 mod store;
 
