@@ -25,7 +25,6 @@
 //! # Ok(()) }
 //! ```
 
-mod conn;
 mod scripts;
 mod store;
 

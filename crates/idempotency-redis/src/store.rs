@@ -11,14 +11,11 @@ use idempotency_core::{
     Outcome, RecordId, ReleaseScope, Result, Store, system_time_from_millis,
 };
 use redis::{
-    Script, Value,
-    aio::{ConnectionManager, ConnectionManagerConfig},
+    Cmd, Pipeline, RedisFuture, Script, Value,
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
 };
 
-use crate::{
-    conn::Conn,
-    scripts::{self, FP, OUTCOME},
-};
+use crate::scripts::{self, FP, OUTCOME};
 
 /// What the read-only [`RedisStore::peek`] finds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +25,43 @@ pub enum Peek {
     Absent,
     /// A record that answers `begin` by itself: `Replay`, `InFlight` or `Mismatch`.
     Found(Begin),
+}
+
+/// Connection to a standalone Redis or a cluster, both cheap to clone.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 struct Scripts {
@@ -253,7 +287,10 @@ impl RedisStoreBuilder {
                 // longer than its budget allows.
                 .set_number_of_retries(1)
                 .set_max_delay(self.connect_timeout);
-            Conn::single(client, config, self.budget).map_err(Error::unavailable)?
+            Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(Error::unavailable)?,
+            )
         };
         let store = RedisStore {
             conn,
@@ -570,7 +607,7 @@ impl RedisStore {
     /// ```
     pub fn from_connection_manager(manager: ConnectionManager) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            given: Some(Given(Conn::given(manager))),
+            given: Some(Given(Conn::Single(manager))),
             ..Self::builder(String::new())
         }
     }
