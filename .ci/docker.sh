@@ -13,6 +13,8 @@ need_pkg() { dpkg -s "$1" >/dev/null 2>&1 || MISSING="$MISSING $1"; }
 MISSING=""
 command -v dockerd >/dev/null 2>&1 || need_pkg docker.io
 command -v mmdebstrap >/dev/null 2>&1 || need_pkg mmdebstrap
+# One Redis test makes a host vanish by dropping its packets on the loopback interface.
+command -v iptables >/dev/null 2>&1 || need_pkg iptables
 if [ -n "$MISSING" ]; then
   echo "==> installing:$MISSING"
   export DEBIAN_FRONTEND=noninteractive

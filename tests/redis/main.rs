@@ -712,3 +712,92 @@ fn a_record_without_a_ttl_is_live_to_inspect_as_to_every_other_call() {
         assert!(kept.is_completed() && kept.expires_at > years, "{kept:?}");
     });
 }
+
+/// Packets to `port` on the loopback interface dropped (not refused: no reset, no
+/// acknowledgement, as when a host is gone) until dropped itself. Needs `iptables` and root,
+/// and says so loudly.
+struct Blackhole {
+    port: u16,
+}
+
+impl Blackhole {
+    fn on(port: u16) -> Self {
+        Self::rule("-I", port);
+        Self { port }
+    }
+
+    fn rule(action: &str, port: u16) {
+        let status = std::process::Command::new("iptables")
+            .args([action, "INPUT", "-i", "lo", "-p", "tcp", "--dport"])
+            .arg(port.to_string())
+            .args(["-j", "DROP"])
+            .status()
+            .unwrap_or_else(|e| panic!("this test needs iptables (and root): {e}"));
+        assert!(status.success(), "iptables {action} failed: {status}");
+    }
+}
+
+impl Drop for Blackhole {
+    fn drop(&mut self) {
+        Self::rule("-D", self.port);
+    }
+}
+
+/// A failover whose old primary vanished (or a NAT that dropped the flow): the connection
+/// stays open with nothing acknowledged, and only TCP's own retries (about 15 minutes) would
+/// end it. redis-rs reconnects on an error it sees, never on a call given up by its budget.
+/// Before, the store answered `Unavailable` to every call until then, and its running
+/// operations could neither renew nor complete, so a retry served by another process took
+/// their keys over and ran them a second time. The store now has the kernel end a connection
+/// whose data goes unacknowledged (`dead_connection_after`), and redis-rs reconnects.
+#[test]
+fn a_connection_whose_server_vanished_is_ended_and_replaced() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
+        let store = RedisStore::builder(relay::through(redis.url(), relay.port))
+            .prefix(idempotency_test::unique("t"))
+            .call_budget(Duration::from_millis(300))
+            .dead_connection_after(Duration::from_secs(1))
+            .eviction_check(EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("store");
+        let held = fresh_id();
+        let Begin::Execute(token) = store.begin(&held, &fp("a"), LONG).await.expect("begin") else {
+            panic!("a fresh key executes")
+        };
+        // The host is gone: nothing the store sends is acknowledged, and the relay (the old
+        // primary) answers nothing more on the connections it had.
+        let gone = Blackhole::on(relay.port);
+        relay.vanish();
+        for _ in 0..8 {
+            let hung = store.begin(&fresh_id(), &fp("a"), LONG).await;
+            assert!(matches!(hung, Err(Error::Unavailable(_))), "{hung:?}");
+        }
+        // A new primary at the same address.
+        drop(gone);
+        relay.fail_over();
+        let mut last = None;
+        for _ in 0..40 {
+            match store.begin(&fresh_id(), &fp("a"), LONG).await {
+                Ok(Begin::Execute(_)) => {
+                    last = None;
+                    break;
+                }
+                other => last = Some(other),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(last.is_none(), "the store never served again: {last:?}");
+        store
+            .renew(&held, token, LONG)
+            .await
+            .expect("the running operation renews its lease again");
+    });
+}

@@ -158,6 +158,7 @@ pub struct RedisStoreBuilder {
     response_timeout: Option<Duration>,
     budget: Duration,
     eviction: EvictionCheck,
+    dead_after: Duration,
     /// PEM root certificates for `rediss://` (none: the system's).
     #[cfg(feature = "tls-rustls")]
     tls_roots: Option<Vec<u8>>,
@@ -182,6 +183,30 @@ impl RedisStoreBuilder {
     /// and 250 ms for a Redis Cluster, whose client gives up on a node with it.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = Some(timeout);
+        self
+    }
+
+    /// How long data sent to Redis may stay unacknowledged by its host before the connection
+    /// is ended as dead (`TCP_USER_TIMEOUT`, Linux; idle connections are probed as often by
+    /// TCP keepalive); default 10 s, zero for the system's own (about 15 minutes).
+    ///
+    /// A server gone without a reset (a failover behind a virtual IP, a NAT that dropped the
+    /// flow) leaves the connection open and silent: redis-rs reconnects on an error it sees,
+    /// and a call given up by its budget shows none. Without this, every call runs out of
+    /// budget until TCP gives up, and the operations running meanwhile cannot renew their
+    /// leases. The kernel ends the connection and drops what it had not delivered, so a
+    /// command sent on it can never land after those sent on its replacement. A Redis that is
+    /// merely slow (or stopped) still acknowledges at the TCP level: this does not end it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_redis::RedisStore;
+    ///
+    /// let builder = RedisStore::builder("redis://127.0.0.1:6379/")
+    ///     .dead_connection_after(Duration::from_secs(5));
+    /// ```
+    pub fn dead_connection_after(mut self, timeout: Duration) -> Self {
+        self.dead_after = timeout;
         self
     }
 
@@ -255,17 +280,20 @@ impl RedisStoreBuilder {
     /// A client for the first URL, with the given TLS roots if any.
     fn client(&self) -> Result<redis::Client> {
         self.check_tls()?;
-        let url = self.urls[0].as_str();
         let invalid = |e: redis::RedisError| Error::Config(format!("invalid Redis URL: {e}"));
+        let info = redis::IntoConnectionInfo::into_connection_info(self.urls[0].as_str())
+            .map_err(invalid)?;
+        let tcp = dead_connection_settings(info.tcp_settings().clone(), self.dead_after);
+        let info = info.set_tcp_settings(tcp);
         #[cfg(feature = "tls-rustls")]
         if let Some(pem) = &self.tls_roots {
             let certificates = redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(pem.clone()),
             };
-            return redis::Client::build_with_tls(url, certificates).map_err(invalid);
+            return redis::Client::build_with_tls(info, certificates).map_err(invalid);
         }
-        redis::Client::open(url).map_err(invalid)
+        redis::Client::open(info).map_err(invalid)
     }
 
     /// Connects (lazily for a standalone Redis, so the store can start while Redis is down
@@ -321,6 +349,10 @@ impl RedisStoreBuilder {
         let builder = redis::cluster::ClusterClient::builder(self.urls.clone())
             .connection_timeout(self.connect_timeout)
             .response_timeout(self.response_timeout.unwrap_or(CLUSTER_RESPONSE_TIMEOUT))
+            .tcp_settings(dead_connection_settings(
+                redis::io::tcp::TcpSettings::default(),
+                self.dead_after,
+            ))
             .retries(1);
         #[cfg(feature = "tls-rustls")]
         let builder = {
@@ -406,6 +438,27 @@ impl Drop for Unanswered<'_> {
         }
         self.store.cancel_later(&self.id, self.token);
     }
+}
+
+/// See [`RedisStoreBuilder::dead_connection_after`].
+const DEAD_CONNECTION_AFTER: Duration = Duration::from_secs(10);
+
+/// `tcp` with a dead connection ended after `after` unacknowledged (and idle ones probed as
+/// often); zero leaves `tcp` as it is.
+fn dead_connection_settings(
+    tcp: redis::io::tcp::TcpSettings,
+    after: Duration,
+) -> redis::io::tcp::TcpSettings {
+    if after.is_zero() {
+        return tcp;
+    }
+    let keepalive = redis::io::tcp::socket2::TcpKeepalive::new()
+        .with_time(after)
+        .with_interval((after / 4).max(Duration::from_secs(1)));
+    let tcp = tcp.set_keepalive(keepalive);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let tcp = tcp.set_user_timeout(after);
+    tcp
 }
 
 /// A lease token as the layout stores it (16 bytes), and as the legacy hash did (text, the
@@ -571,6 +624,7 @@ impl RedisStore {
             response_timeout: None,
             budget: Duration::from_millis(500),
             eviction: EvictionCheck::Refuse,
+            dead_after: DEAD_CONNECTION_AFTER,
             #[cfg(feature = "tls-rustls")]
             tls_roots: None,
         }
