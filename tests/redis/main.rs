@@ -721,25 +721,64 @@ struct Blackhole {
 }
 
 impl Blackhole {
+    /// Tags its rules, so that one a killed test run left behind is found and removed.
+    const TAG: &str = "idempotency-test-blackhole";
+
     fn on(port: u16) -> Self {
-        Self::rule("-I", port);
+        Self::clear_leftovers();
+        Self::rule("-I", port).expect("iptables -I");
         Self { port }
     }
 
-    fn rule(action: &str, port: u16) {
-        let status = std::process::Command::new("iptables")
-            .args([action, "INPUT", "-i", "lo", "-p", "tcp", "--dport"])
-            .arg(port.to_string())
-            .args(["-j", "DROP"])
-            .status()
+    fn iptables(args: &[String]) -> std::io::Result<std::process::Output> {
+        std::process::Command::new("iptables").args(args).output()
+    }
+
+    fn rule(action: &str, port: u16) -> Result<(), String> {
+        let args: Vec<String> = [action, "INPUT", "-i", "lo", "-p", "tcp", "--dport"]
+            .into_iter()
+            .map(String::from)
+            .chain([port.to_string()])
+            .chain(["-m", "comment", "--comment", Self::TAG, "-j", "DROP"].map(String::from))
+            .collect();
+        let out = Self::iptables(&args)
             .unwrap_or_else(|e| panic!("this test needs iptables (and root): {e}"));
-        assert!(status.success(), "iptables {action} failed: {status}");
+        out.status.success().then_some(()).ok_or_else(|| {
+            format!(
+                "iptables {action}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    fn clear_leftovers() {
+        let listed = Self::iptables(&["-S".into(), "INPUT".into()])
+            .unwrap_or_else(|e| panic!("this test needs iptables (and root): {e}"));
+        assert!(
+            listed.status.success(),
+            "this test needs iptables (and root): {}",
+            String::from_utf8_lossy(&listed.stderr)
+        );
+        for line in String::from_utf8_lossy(&listed.stdout).lines() {
+            if let Some(rule) = line.strip_prefix("-A ")
+                && line.contains(Self::TAG)
+            {
+                let mut args = vec!["-D".to_owned()];
+                args.extend(rule.split_whitespace().map(String::from));
+                let _ = Self::iptables(&args);
+            }
+        }
     }
 }
 
 impl Drop for Blackhole {
     fn drop(&mut self) {
-        Self::rule("-D", self.port);
+        // Not a second panic while the test is failing already: that would abort the binary.
+        if let Err(error) = Self::rule("-D", self.port)
+            && !std::thread::panicking()
+        {
+            panic!("{error}");
+        }
     }
 }
 
@@ -749,7 +788,8 @@ impl Drop for Blackhole {
 /// Before, the store answered `Unavailable` to every call until then, and its running
 /// operations could neither renew nor complete, so a retry served by another process took
 /// their keys over and ran them a second time. The store now has the kernel end a connection
-/// whose data goes unacknowledged (`dead_connection_after`), and redis-rs reconnects.
+/// whose data goes unacknowledged when asked to (`dead_connection_after`), and redis-rs
+/// reconnects.
 #[test]
 fn a_connection_whose_server_vanished_is_ended_and_replaced() {
     use idempotency_test::relay;

@@ -186,17 +186,25 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long data sent to Redis may stay unacknowledged by its host before the connection
-    /// is ended as dead (`TCP_USER_TIMEOUT`, Linux; idle connections are probed as often by
-    /// TCP keepalive); default 10 s, zero for the system's own (about 15 minutes).
+    /// Ends a connection whose data has gone unacknowledged by Redis's host for `timeout`
+    /// (`TCP_USER_TIMEOUT`, Linux; idle connections are probed by TCP keepalive), so that
+    /// redis-rs reconnects. Off by default (zero): TCP's own limit, about 15 minutes, applies.
     ///
-    /// A server gone without a reset (a failover behind a virtual IP, a NAT that dropped the
-    /// flow) leaves the connection open and silent: redis-rs reconnects on an error it sees,
-    /// and a call given up by its budget shows none. Without this, every call runs out of
-    /// budget until TCP gives up, and the operations running meanwhile cannot renew their
-    /// leases. The kernel ends the connection and drops what it had not delivered, so a
-    /// command sent on it can never land after those sent on its replacement. A Redis that is
-    /// merely slow (or stopped) still acknowledges at the TCP level: this does not end it.
+    /// **What it cures.** A server gone without a reset (a failover behind a virtual IP, a
+    /// NAT that dropped the flow) leaves the connection open and silent: redis-rs reconnects
+    /// on an error it sees, and a call given up by its budget shows none. Until TCP gives up,
+    /// every call runs out of budget, and the operations running meanwhile cannot renew their
+    /// leases (a hybrid store serves from Postgres alone meanwhile).
+    ///
+    /// **What it costs, and why it is off by default.** The kernel also ends a connection to
+    /// a Redis that is alive but stopped (paused, blocked by a long command, swapping) once
+    /// its receive buffer is full. The commands Redis had already accepted on it then run
+    /// when Redis resumes, interleaved with those sent on the new connection. The Redis
+    /// store's own writes are safe against that (a claim is cancelled twice, every other write
+    /// is fenced by its token), but a [hybrid store's](https://docs.rs/idempotency-hybrid)
+    /// copies and its repairs of them rely on one connection's order: a copy deleted by an
+    /// operator's release could land again and replay the deleted record. Turn it on for a
+    /// Redis-only store on a network where hosts vanish.
     ///
     /// ```
     /// use std::time::Duration;
@@ -440,11 +448,8 @@ impl Drop for Unanswered<'_> {
     }
 }
 
-/// See [`RedisStoreBuilder::dead_connection_after`].
-const DEAD_CONNECTION_AFTER: Duration = Duration::from_secs(10);
-
-/// `tcp` with a dead connection ended after `after` unacknowledged (and idle ones probed as
-/// often); zero leaves `tcp` as it is.
+/// `tcp` with a connection ended after `after` unacknowledged, and idle ones probed from
+/// half of it on (one lost probe is not a dead connection); zero leaves `tcp` as it is.
 fn dead_connection_settings(
     tcp: redis::io::tcp::TcpSettings,
     after: Duration,
@@ -453,8 +458,9 @@ fn dead_connection_settings(
         return tcp;
     }
     let keepalive = redis::io::tcp::socket2::TcpKeepalive::new()
-        .with_time(after)
-        .with_interval((after / 4).max(Duration::from_secs(1)));
+        // Both in whole seconds to the kernel, which refuses zero.
+        .with_time((after / 2).max(Duration::from_secs(1)))
+        .with_interval((after / 8).max(Duration::from_secs(1)));
     let tcp = tcp.set_keepalive(keepalive);
     #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
     let tcp = tcp.set_user_timeout(after);
@@ -624,7 +630,7 @@ impl RedisStore {
             response_timeout: None,
             budget: Duration::from_millis(500),
             eviction: EvictionCheck::Refuse,
-            dead_after: DEAD_CONNECTION_AFTER,
+            dead_after: Duration::ZERO,
             #[cfg(feature = "tls-rustls")]
             tls_roots: None,
         }
