@@ -312,6 +312,7 @@ impl<S: Store + ?Sized> Executor<S> {
         let mut guard = LeaseGuard {
             store: self.store.clone(),
             settling: self.settling.clone(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
             id,
             token,
             settled: false,
@@ -630,6 +631,9 @@ struct LeaseGuard<S: Store + ?Sized> {
     store: Arc<S>,
     /// The executor's, so its `drain` waits for what a drop leaves to settle.
     settling: TaskTracker,
+    /// The runtime the run started on: a future dropped outside any runtime's context (held
+    /// by a plain thread) still has its lease released there.
+    runtime: Option<tokio::runtime::Handle>,
     id: RecordId,
     token: LeaseToken,
     /// Released, or its outcome handed to a write that finishes in any case.
@@ -678,8 +682,11 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         if self.settled {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // the runtime is gone: the lease expires by itself
+        let Some(runtime) = tokio::runtime::Handle::try_current()
+            .ok()
+            .or_else(|| self.runtime.clone())
+        else {
+            return; // no runtime at all: the lease expires by itself
         };
         let (store, id, token) = (self.store.clone(), self.id, self.token);
         self.settling.spawn_on(
@@ -1027,6 +1034,39 @@ mod tests {
             "{redelivered:?}"
         );
         assert!(matches!(failed.await, Err(RunError::Failed("declined"))));
+    }
+
+    /// A run dropped outside the runtime's context (a future held by a plain thread, dropped
+    /// there) still gives its lease back, on the runtime it ran on. Before, the guard found no
+    /// runtime and left the lease to run out: a redelivery found the key in flight for nobody.
+    #[test]
+    fn a_run_dropped_outside_the_runtime_still_gives_its_lease_back() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(60)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async {
+            std::future::pending::<()>().await;
+            Ok::<_, &str>(1u32)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        drop(run); // here, outside the runtime
+        let redelivered = runtime.block_on(async {
+            executor.drain().await;
+            executor
+                .run(&scope, &k, &fp, || async { Ok::<_, &str>(2u32) })
+                .await
+        });
+        assert!(
+            matches!(&redelivered, Ok(done) if done.value == 2 && !done.replayed),
+            "{redelivered:?}"
+        );
     }
 
     #[tokio::test]
