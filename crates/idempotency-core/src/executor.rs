@@ -869,23 +869,34 @@ mod tests {
     /// over and ran the operation a second time.
     #[tokio::test(start_paused = true)]
     async fn a_run_held_without_polling_keeps_its_lease() {
+        a_waiting_run_keeps_its_lease(MemoryStore::new(), false).await;
+    }
+
+    /// Runs an operation that waits, for three leases — its future held without polling, or
+    /// `polled` — then checks that a redelivery meanwhile found the key in flight and that
+    /// the operation ran once, its own outcome answered.
+    async fn a_waiting_run_keeps_its_lease<S: Store + 'static>(store: S, polled: bool) {
         let lease = Duration::from_secs(3);
-        let executor = Executor::new(Arc::new(MemoryStore::new()))
-            .with_policy(Policy::default().with_lease(lease));
+        let executor =
+            Executor::new(Arc::new(store)).with_policy(Policy::default().with_lease(lease));
         let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
         let runs = AtomicUsize::new(0);
         let (go, wait) = tokio::sync::oneshot::channel::<()>();
-        let held = executor.run(&scope, &k, &fp, || async {
+        let first = executor.run(&scope, &k, &fp, || async {
             runs.fetch_add(1, Ordering::SeqCst);
             let _ = wait.await;
             Ok::<_, &str>(1u32)
         });
-        tokio::pin!(held);
+        tokio::pin!(first);
         assert!(
-            futures::poll!(&mut held).is_pending(),
+            futures::poll!(&mut first).is_pending(),
             "the operation waits"
         );
-        tokio::time::sleep(lease * 3).await;
+        if polled {
+            let _ = tokio::time::timeout(lease * 3, &mut first).await;
+        } else {
+            tokio::time::sleep(lease * 3).await;
+        }
         let redelivered = executor
             .run(&scope, &k, &fp, || async {
                 runs.fetch_add(1, Ordering::SeqCst);
@@ -897,7 +908,7 @@ mod tests {
             "{redelivered:?}"
         );
         go.send(()).unwrap();
-        let done = held.await.unwrap();
+        let done = first.await.unwrap();
         assert_eq!((done.value, done.replayed), (1, false));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
@@ -971,38 +982,8 @@ mod tests {
     /// redelivery took the key over and ran it a second time.
     #[tokio::test(start_paused = true)]
     async fn a_renewal_that_panics_does_not_end_the_renewals() {
-        let lease = Duration::from_secs(3);
-        let executor = Executor::new(Arc::new(RenewPanicsOnce::default()))
-            .with_policy(Policy::default().with_lease(lease));
-        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
-        let runs = AtomicUsize::new(0);
-        let (go, wait) = tokio::sync::oneshot::channel::<()>();
-        let first = executor.run(&scope, &k, &fp, || async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            let _ = wait.await;
-            Ok::<_, &str>(1u32)
-        });
-        tokio::pin!(first);
-        assert!(
-            futures::poll!(&mut first).is_pending(),
-            "the operation waits"
-        );
         // Polled meanwhile, as a running operation is.
-        let _ = tokio::time::timeout(lease * 3, &mut first).await;
-        let redelivered = executor
-            .run(&scope, &k, &fp, || async {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, &str>(2u32)
-            })
-            .await;
-        assert!(
-            matches!(redelivered, Err(RunError::InFlight { .. })),
-            "{redelivered:?}"
-        );
-        go.send(()).unwrap();
-        let done = first.await.unwrap();
-        assert_eq!((done.value, done.replayed), (1, false));
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        a_waiting_run_keeps_its_lease(RenewPanicsOnce::default(), true).await;
     }
 
     /// A run whose operation failed, held without polling while it gives its lease back
