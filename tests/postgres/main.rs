@@ -582,6 +582,51 @@ fn a_claim_that_waited_on_a_lock_gets_a_whole_lease() {
     });
 }
 
+/// A takeover decides between a new run and an unfinished one on the row it takes, not on an
+/// earlier read of it. Here the row was read completed and expired; before the takeover got
+/// its lock, another attempt took it over and crashed (its lease ended unfinished). Taking it
+/// as a plain new run (`Execute`) hid that attempt from `OutcomeUnknown::Reject` and
+/// `Reconcile`, and a give-back of the grant would have deleted its trace.
+#[test]
+fn a_takeover_decides_on_the_row_it_takes_not_on_an_earlier_read() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        store
+            .complete(&id, token, &Outcome::new(201), Duration::from_millis(1))
+            .await
+            .expect("complete");
+        tokio::time::sleep(Duration::from_millis(20)).await; // past its retention
+        let mut blocker = store.pool().begin().await.expect("tx");
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+            .bind(&id.as_bytes()[..])
+            .execute(&mut *blocker)
+            .await
+            .expect("lock");
+        // Reads the row completed and expired, then waits for the lock to take it over.
+        let waiting = {
+            let (store, id) = (store.clone(), id);
+            tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // Meanwhile another attempt took the row over, ran, and died unfinished.
+        sqlx::query(
+            "UPDATE idempotency_keys SET state = 0, lease_token = gen_random_uuid(),
+                 expires_at = clock_timestamp(), status = NULL, response = NULL,
+                 completed_at = NULL
+             WHERE record_id = $1",
+        )
+        .bind(&id.as_bytes()[..])
+        .execute(&mut *blocker)
+        .await
+        .expect("an attempt that died");
+        blocker.commit().await.expect("unlock");
+        let answer = waiting.await.expect("task").expect("begin");
+        assert!(matches!(answer, Begin::TakeOver(_)), "{answer:?}");
+    });
+}
+
 /// `complete_in` inside a long caller transaction keeps the whole retention, counted from
 /// the write, not from the transaction's start.
 #[test]

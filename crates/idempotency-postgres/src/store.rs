@@ -401,12 +401,17 @@ FROM idempotency_keys WHERE record_id = $1";
 /// blocks on the row lock, re-checks `expires_at <= clock_timestamp()` against the new
 /// version and updates nothing: exactly one taker wins. A late `complete` of the old owner
 /// that committed first makes the row live again, and the takeover updates nothing.
+///
+/// `$5` is the state the caller read, which decides whether the grant is a new run or one
+/// after an unfinished attempt (`TakeOver`): a row that changed state since (another attempt
+/// took a completed row over and died unfinished) is not taken, and the next round reads it.
 const TAKEOVER_SQL: &str = "
 UPDATE idempotency_keys
 SET fingerprint = $2, state = 0, lease_token = $3,
     expires_at = clock_timestamp() + $4 * interval '1 millisecond',
     status = NULL, response = NULL, created_at = clock_timestamp(), completed_at = NULL
 WHERE record_id = $1 AND expires_at <= clock_timestamp() AND (state = 1 OR fingerprint = $2)
+  AND state = $5
 RETURNING (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8";
 
 /// Re-arms a lease just granted whose write waited on a lock (see `fresh_grant`).
@@ -1162,7 +1167,7 @@ impl PostgresStore {
             return Ok(None); // released or purged in between: insert again
         };
         // An expired lease (not a completed row past its retention) never stored its outcome.
-        let unfinished = view.1 == 0;
+        let (state, unfinished) = (view.1, view.1 == 0);
         if let Some(decision) = Self::decide(fp, view)? {
             return Ok(Some(decision));
         }
@@ -1173,6 +1178,7 @@ impl PostgresStore {
                 .push(token);
         }
         let taken: Option<(f64,)> = claim_query(self.sql.get(TAKEOVER_SQL), id, fp, token, lease)
+            .bind(state)
             .fetch_optional_on(&self.pool)
             .await
             .map_err(db_error)?;
