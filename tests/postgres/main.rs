@@ -551,6 +551,20 @@ fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
     });
 }
 
+/// A transaction holding the row's lock (`FOR UPDATE`) until it ends.
+async fn lock_row(
+    store: &PostgresStore,
+    id: &idempotency_core::RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = store.pool().begin().await.expect("tx");
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+        .bind(&id.as_bytes()[..])
+        .execute(&mut *blocker)
+        .await
+        .expect("lock");
+    blocker
+}
+
 /// A takeover that waited on a row lock for longer than its lease must still be granted a
 /// whole lease. With `now()` (the statement's start) the lease it wrote had already ended,
 /// and the next `begin` executed a second time.
@@ -561,12 +575,7 @@ fn a_claim_that_waited_on_a_lock_gets_a_whole_lease() {
         let id = fresh_id();
         execute(&*store, &id, &fp("a"), SHORT).await;
         tokio::time::sleep(PAST_SHORT).await; // expired: the next begin takes it over
-        let mut blocker = store.pool().begin().await.expect("tx");
-        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
-            .bind(&id.as_bytes()[..])
-            .execute(&mut *blocker)
-            .await
-            .expect("lock");
+        let mut blocker = lock_row(&store, &id).await;
         let lease = Duration::from_millis(800);
         let waiting = {
             let (store, id) = (store.clone(), id);
@@ -598,12 +607,7 @@ fn a_takeover_decides_on_the_row_it_takes_not_on_an_earlier_read() {
             .await
             .expect("complete");
         tokio::time::sleep(Duration::from_millis(20)).await; // past its retention
-        let mut blocker = store.pool().begin().await.expect("tx");
-        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
-            .bind(&id.as_bytes()[..])
-            .execute(&mut *blocker)
-            .await
-            .expect("lock");
+        let mut blocker = lock_row(&store, &id).await;
         // Reads the row completed and expired, then waits for the lock to take it over.
         let waiting = {
             let (store, id) = (store.clone(), id);
