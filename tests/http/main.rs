@@ -281,6 +281,24 @@ fn a_reused_key_on_another_nested_path_is_422() {
     });
 }
 
+/// A top-level route and a nested one over the same inner path: the top-level route's
+/// records have exactly the fingerprint earlier versions gave the nested route. A key reused
+/// on the nested route must still be 422, not a replay of the top-level route's answer
+/// (account `b` never charged). The fallback to the earlier fingerprint is off by default.
+#[test]
+fn a_key_reused_from_a_top_level_route_on_a_nested_one_is_422() {
+    block_on(async {
+        let (inner, calls, _) = app(layer(memory()));
+        let router = axum::Router::new()
+            .nest("/accounts/{account}", inner.clone())
+            .merge(inner);
+        let at = |path: &'static str| post_k(router.clone(), path);
+        assert_eq!(at("/charges").await, (201, false));
+        assert_eq!(at("/accounts/b/charges").await, (422, false));
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// A record stored behind `Router::nest` before the fingerprint took the nest's prefix (its
 /// fingerprint has the path without it) still replays for the same request: a 422 would
 /// tell the client to use a new key, and so to charge again.
@@ -288,7 +306,7 @@ fn a_reused_key_on_another_nested_path_is_422() {
 fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
     block_on(async {
         let store = memory();
-        let (inner, calls, _) = app(layer(store.clone()));
+        let (inner, calls, _) = app(layer(store.clone()).replay_unprefixed_nested_records(true));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let earlier = earlier_fingerprint();
         let id = record_id("k");
@@ -349,7 +367,7 @@ fn the_earlier_fingerprint_never_claims_a_key() {
             MemoryStore::new(),
             Duration::ZERO,
         ));
-        let (inner, calls, _) = app(layer(store.clone()));
+        let (inner, calls, _) = app(layer(store.clone()).replay_unprefixed_nested_records(true));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let at = |path: &'static str| post_k(router.clone(), path);
         a_holds_k_then_gives_it_back_before_the_second_ask(&store).await;
@@ -370,7 +388,7 @@ fn a_grant_under_the_earlier_fingerprint_not_given_back_is_retried_not_refused()
             MemoryStore::new(),
             Duration::ZERO,
         ));
-        let layer = layer(store.clone());
+        let layer = layer(store.clone()).replay_unprefixed_nested_records(true);
         let (inner, calls, _) = app(layer.clone());
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let at = |path: &'static str| post_k(router.clone(), path);
@@ -393,7 +411,7 @@ fn a_grant_under_the_earlier_fingerprint_not_given_back_is_retried_not_refused()
 fn an_unfinished_attempt_under_the_earlier_fingerprint_is_not_run_again() {
     block_on(async {
         let store = Arc::new(MemoryStore::with_manual_clock());
-        let (inner, calls, _) = app(layer(store.clone()));
+        let (inner, calls, _) = app(layer(store.clone()).replay_unprefixed_nested_records(true));
         let router = axum::Router::new().nest("/accounts/{account}", inner);
         let earlier = earlier_fingerprint();
         let id = record_id("k");

@@ -36,6 +36,9 @@ pub(crate) struct Config {
     pub(crate) max_stored_body: usize,
     pub(crate) store_set_cookie: bool,
     pub(crate) advertise_expiry: bool,
+    /// Ask a mismatch again with the fingerprint earlier versions gave a nested request
+    /// ([`IdempotencyLayer::replay_unprefixed_nested_records`]).
+    pub(crate) unprefixed_nested: bool,
     pub(crate) outcome_unknown: crate::OutcomeUnknown,
     pub(crate) wait: Option<Duration>,
     pub(crate) metrics: Arc<Metrics>,
@@ -62,7 +65,8 @@ impl Config {
     /// upgrade is still the same request's, and must replay rather than answer 422 (which
     /// tells the client to use a new key, and so to run the operation again).
     pub(crate) fn legacy_fingerprint(&self, parts: &Parts, body: &Bytes) -> Option<Fingerprint> {
-        if matches!(self.body_fingerprint, BodyFingerprint::Custom(_))
+        if !self.unprefixed_nested
+            || matches!(self.body_fingerprint, BodyFingerprint::Custom(_))
             || request_uri(parts) == &parts.uri
         {
             return None;
@@ -136,11 +140,10 @@ impl IdempotencyLayer {
     /// the inner router sees it without the nest's prefix; with the `axum` feature the
     /// fingerprint takes axum's `OriginalUri` instead, and without it, put the layer on the
     /// outer router (or scope keys by the prefix's parameters with
-    /// [`scope_fn`](IdempotencyLayer::scope_fn)). A record stored before that change, under
-    /// the path without the prefix, still replays rather than answering 422 (a mismatch is
-    /// asked again with that fingerprint; as before the change, such a record replays for
-    /// every prefix over the same inner path); nothing is ever run under that fingerprint,
-    /// so no new record has it.
+    /// [`scope_fn`](IdempotencyLayer::scope_fn)). Records stored before that change, under
+    /// the path without the prefix, answer 422 unless
+    /// [`replay_unprefixed_nested_records`](IdempotencyLayer::replay_unprefixed_nested_records)
+    /// is on.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             config: Arc::new(Config {
@@ -156,6 +159,7 @@ impl IdempotencyLayer {
                 max_stored_body: 1 << 20,
                 store_set_cookie: false,
                 advertise_expiry: false,
+                unprefixed_nested: false,
                 outcome_unknown: crate::OutcomeUnknown::Reexecute,
                 wait: None,
                 metrics: Arc::new(Metrics::default()),
@@ -282,6 +286,30 @@ impl IdempotencyLayer {
     /// ```
     pub fn advertise_expiry(self, advertise: bool) -> Self {
         self.edit(|c| c.advertise_expiry = advertise)
+    }
+
+    /// For one retention period after upgrading from a version whose fingerprint took the
+    /// path without `Router::nest`'s prefix: a request behind a nest whose fingerprint does
+    /// not match its key's record is asked again with the fingerprint that version gave it,
+    /// so that a retry of a request stored before the upgrade replays instead of answering 422
+    /// (which tells the client to use a new key, and so to run the operation again). Nothing
+    /// is ever run under that fingerprint. Off by default.
+    ///
+    /// Turn it off again once the records stored before the upgrade have expired: while it is
+    /// on, a key reused between a top-level route and a nested one over the same inner path
+    /// (`/charges` and `/accounts/{account}/charges`), with the same body, replays the
+    /// other route's answer instead of answering 422, as every prefix did before the upgrade.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::MemoryStore;
+    /// use idempotency_tower::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()))
+    ///     .replay_unprefixed_nested_records(true);
+    /// ```
+    pub fn replay_unprefixed_nested_records(self, replay: bool) -> Self {
+        self.edit(|c| c.unprefixed_nested = replay)
     }
 
     /// What to do when an earlier attempt with the request's key never stored its outcome
