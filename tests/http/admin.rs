@@ -70,7 +70,7 @@ async fn admin_routes(store: Arc<dyn Store>) {
     let router = charges.nest("/admin", admin_router(store.clone()));
     let account = idempotency_test::unique("acct");
     let key = idempotency_test::unique("order");
-    let path = format!("/admin/idempotency/keys/{account}/{key}");
+    let path = format!("/admin/idempotency/scopes/{account}/keys/{key}");
     let charge = [
         ("idempotency-key", key.as_str()),
         ("x-account-id", account.as_str()),
@@ -158,7 +158,7 @@ async fn admin_routes(store: Arc<dyn Store>) {
     else {
         panic!("a fresh key executes");
     };
-    let stuck_path = format!("/admin/idempotency/keys/{account}/{stuck_key}");
+    let stuck_path = format!("/admin/idempotency/scopes/{account}/keys/{stuck_key}");
     let view = call(&router, "GET", &stuck_path, &[]).await;
     assert_eq!(view.json["state"], "in_flight", "{}", view.json);
     let left = view.json["lease_remaining_ms"]
@@ -233,7 +233,7 @@ async fn admin_routes(store: Arc<dyn Store>) {
         &call(
             &router,
             "GET",
-            &format!("/admin/idempotency/keys/{account}/%FF"),
+            &format!("/admin/idempotency/scopes/{account}/keys/%FF"),
             &[],
         )
         .await,
@@ -247,13 +247,67 @@ async fn admin_routes(store: Arc<dyn Store>) {
         &call(
             &router,
             "GET",
-            &format!("/admin/idempotency/keys/{account}/{long}"),
+            &format!("/admin/idempotency/scopes/{account}/keys/{long}"),
             &[],
         )
         .await,
         400,
         "urn:idempotency:problem:invalid-key",
     );
+}
+
+/// A key may hold `/`. Sent unencoded, a global key `a/b` must not name key `b` of scope `a`:
+/// a `?live=true` release of it released that other record's live lease, and its next request
+/// ran while the holder still ran. It is a 400 now; encoded, it names the global key.
+#[test]
+fn a_key_with_a_slash_left_unencoded_names_no_other_record() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let router = axum::Router::new().nest("/admin", admin_router(store.clone()));
+        let fp = idempotency_core::Fingerprint::of(b"the holder's request");
+        let key = |k: &str| IdempotencyKey::new(k).expect("key");
+        let scoped = RecordId::new(&Scope::new("a"), &key("b"));
+        let global = RecordId::new(&Scope::global(), &key("a/b"));
+        for id in [&scoped, &global] {
+            let begun = store.begin(id, &fp, Duration::from_secs(60)).await;
+            assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
+        }
+        for method in ["GET", "DELETE"] {
+            problem(
+                &call(
+                    &router,
+                    method,
+                    "/admin/idempotency/keys/a/b?live=true",
+                    &[],
+                )
+                .await,
+                400,
+                "urn:idempotency:problem:invalid-request",
+            );
+        }
+        let held = store.inspect(&scoped).await.expect("inspect");
+        let held = held.map(|r| r.state);
+        assert!(
+            matches!(held, Some(idempotency_core::RecordState::InFlight { lease_remaining })
+                if lease_remaining > Duration::from_secs(30)),
+            "released: {held:?}"
+        );
+        let view = call(&router, "GET", "/admin/idempotency/scopes/a/keys/b", &[]).await;
+        assert_eq!(
+            (view.json["scope"].as_str(), view.json["key"].as_str()),
+            (Some("a"), Some("b"))
+        );
+        let view = call(&router, "GET", "/admin/idempotency/keys/a%2Fb", &[]).await;
+        assert_eq!(
+            (view.json["scope"].as_str(), view.json["key"].as_str()),
+            (Some(""), Some("a/b"))
+        );
+        problem(
+            &call(&router, "GET", "/admin/idempotency/scopes/a/keys/b/c", &[]).await,
+            400,
+            "urn:idempotency:problem:invalid-request",
+        );
+    });
 }
 
 #[test]

@@ -575,7 +575,7 @@ fn a_claim_that_waited_on_a_lock_gets_a_whole_lease() {
         let id = fresh_id();
         execute(&*store, &id, &fp("a"), SHORT).await;
         tokio::time::sleep(PAST_SHORT).await; // expired: the next begin takes it over
-        let mut blocker = lock_row(&store, &id).await;
+        let blocker = lock_row(&store, &id).await;
         let lease = Duration::from_millis(800);
         let waiting = {
             let (store, id) = (store.clone(), id);

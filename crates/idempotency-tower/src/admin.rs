@@ -9,7 +9,7 @@ use axum::{
     Router,
     extract::{Path, RawQuery, State, rejection::PathRejection},
     response::{IntoResponse, Response},
-    routing::get,
+    routing::{any, get},
 };
 use http::{HeaderValue, StatusCode, header};
 use idempotency_core::{
@@ -21,15 +21,15 @@ use crate::Problem;
 
 /// The admin routes over `store`, to nest under a prefix of the application's choice:
 ///
-/// - `GET /idempotency/keys/{scope}/{key}`: `200` with the record as JSON (below), or `404`
-///   problem+json when there is none;
-/// - `DELETE /idempotency/keys/{scope}/{key}`: `204` after releasing an in-flight record
+/// - `GET /idempotency/scopes/{scope}/keys/{key}`: `200` with the record as JSON (below), or
+///   `404` problem+json when there is none;
+/// - `DELETE /idempotency/scopes/{scope}/keys/{key}`: `204` after releasing an in-flight record
 ///   whose lease ran out (the holder's late completion is refused); `409` problem+json for a
 ///   live lease unless the query says `?live=true`, and for a completed record unless it
 ///   says `?completed=true` (then it is deleted, and the key runs again on its next request);
 ///   `404` when there is none. Whether the lease ran out is checked by the store with the
 ///   delete, so a retry that took the key over since you looked keeps its lease;
-/// - the same two without `{scope}` (`/idempotency/keys/{key}`) for the global scope.
+/// - the same two at `/idempotency/keys/{key}` for the global scope.
 ///
 /// **Releasing a live lease (`?live=true`) lets the operation run again while its holder may
 /// still be running it.** Fencing refuses the holder's later writes to the store (its outcome
@@ -37,9 +37,11 @@ use crate::Problem;
 /// stuck (it renews its lease while it runs). Release even a lease that ran out only after
 /// reconciling its attempt: afterwards the key runs again as new, not as "outcome unknown".
 ///
-/// `{scope}` is what the layer's scope function returns for the requests that use the key
-/// (the whole string, percent-encoded in the path); `{key}` is the `Idempotency-Key` value.
-/// A malformed key is `400`, an unreachable store `503`, both problem+json.
+/// `{scope}` is what the layer's scope function returns for the requests that use the key,
+/// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
+/// hold `/`: `order/42` is `order%2F42`). A path with a segment too many (a `/` left
+/// unencoded) is `400`, never another record: `/idempotency/keys/a/b` does not name key `b`
+/// of scope `a`. A malformed key is `400`, an unreachable store `503`, all problem+json.
 ///
 /// The JSON view:
 ///
@@ -76,15 +78,33 @@ use crate::Problem;
 /// );
 /// ```
 pub fn admin_router(store: Arc<dyn Store>) -> Router {
+    // The scoped and the global routes differ in more than a segment's count: were they
+    // `keys/{scope}/{key}` and `keys/{key}`, a global key `a/b` sent unencoded would name key
+    // `b` of scope `a`, and a `?live=true` release another record's live lease. (The global
+    // scope, the layer's default, is the empty string: an empty path segment that proxies
+    // merging slashes would lose.)
     Router::new()
         .route(
-            "/idempotency/keys/{scope}/{key}",
+            "/idempotency/scopes/{scope}/keys/{key}",
             get(inspect).delete(release),
         )
-        // The global scope (`Scope::global()`, the layer's default) is the empty string: an
-        // empty path segment that proxies merging slashes would lose.
         .route("/idempotency/keys/{key}", get(inspect).delete(release))
+        .route("/idempotency/keys/{key}/{*rest}", any(too_many_segments))
+        .route(
+            "/idempotency/scopes/{scope}/keys/{key}/{*rest}",
+            any(too_many_segments),
+        )
         .with_state(store)
+}
+
+/// A path with a segment after the key: a `/` in a key or a scope left unencoded.
+async fn too_many_segments() -> Response {
+    problem(
+        Problem::InvalidRequest,
+        "the path has a segment after the key: percent-encode a '/' in a key or a scope \
+         (%2F); a scope's key is at idempotency/scopes/{scope}/keys/{key}, a global key at \
+         idempotency/keys/{key}",
+    )
 }
 
 /// The scope and key named by the path (no scope segment: the global scope).
@@ -131,7 +151,7 @@ fn rfc3339(t: SystemTime) -> String {
         .unwrap_or_default()
 }
 
-/// The JSON view of a record that `GET /idempotency/keys/{scope}/{key}` answers (see
+/// The JSON view of a record that `GET /idempotency/scopes/{scope}/keys/{key}` answers (see
 /// [`admin_router`]), for tools that read the store themselves (a CLI, a log line).
 ///
 /// ```

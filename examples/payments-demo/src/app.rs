@@ -92,7 +92,7 @@ async fn crash_header_allowed(
     next.run(request).await
 }
 
-/// The operator's routes under `/admin` (`GET`/`DELETE /admin/idempotency/keys/{account}/{key}`),
+/// The operator's routes under `/admin` (`GET`/`DELETE /admin/idempotency/scopes/{account}/keys/{key}`),
 /// for requests bearing `Authorization: Bearer <token>`: the demo's stand-in for the
 /// application's own operator authentication.
 pub(crate) fn admin(store: Arc<dyn Store>, token: String) -> Router {

@@ -732,7 +732,7 @@ fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     let created = post(&demo, Some(&key), &[("x-account-id", &account)], &body);
     assert_eq!(created.status, 201, "{}", created.body);
 
-    let path = format!("/admin/idempotency/keys/{account}/{key}");
+    let path = format!("/admin/idempotency/scopes/{account}/keys/{key}");
     let admin = |method: &str, path: &str, token: Option<&str>| {
         let bearer = token.map(|t| format!("Bearer {t}"));
         let headers: Vec<(&str, &str)> = bearer
