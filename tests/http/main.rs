@@ -618,23 +618,29 @@ fn a_5xx_is_not_stored_and_the_retry_runs_again() {
     });
 }
 
-/// A refusal for want of credentials or permission (401, 403) is not stored: it depends on
-/// headers the fingerprint leaves out, and nothing ran. Stored, the client that fixed its
-/// token and retried with the same key was replayed the refusal for the whole retention,
-/// and the payment never made.
+/// A refusal that depends on headers the fingerprint leaves out is not stored, and nothing
+/// ran: credentials or permission (401, 403), `Accept` (406), a precondition (412, 428),
+/// `Content-Type` (415). Stored, the client that fixed its token (or its `If-Match`, its
+/// content type) and retried with the same key was replayed the refusal for the whole
+/// retention, and the payment never made.
 #[test]
-fn an_authentication_refusal_is_not_stored() {
+fn a_refusal_that_depends_on_headers_is_not_stored() {
     block_on(async {
         let (router, calls, _) = app(layer(memory()));
-        for status in ["401", "403"] {
-            let key = format!("auth-{status}");
+        let refusals = ["401", "403", "406", "412", "415", "428"];
+        for status in refusals {
+            let key = format!("refused-{status}");
             let refused = send(&router, "POST", Some(&key), &[("x-fail", status)], "{}").await;
             assert_eq!(refused.status.to_string(), status);
             let retry = send(&router, "POST", Some(&key), &[], "{}").await;
-            assert_eq!(retry.status, 201, "{}", retry.body);
+            assert_eq!(retry.status, 201, "after {status}: {}", retry.body);
             assert!(retry.headers.get("idempotent-replayed").is_none());
         }
-        assert_eq!(calls.get(), 4, "each refusal, then each retry, ran");
+        assert_eq!(
+            calls.get(),
+            2 * refusals.len(),
+            "each refusal, then each retry, ran"
+        );
     });
 }
 

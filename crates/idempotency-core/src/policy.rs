@@ -4,11 +4,12 @@ use std::{fmt, sync::Arc, time::Duration};
 
 /// Lease length, retention and the cache rule, shared by the HTTP layer and the executor.
 ///
-/// The default caches 2xx, 3xx and 4xx outcomes except 401, 403, 408, 409, 425 and 429, and
-/// never 5xx: those statuses say "try again", so storing them would lock the key into a
-/// transient failure. 401 and 403 are refusals for want of credentials or permission, which
-/// the fingerprint leaves out: stored, a retry with a fixed token would be replayed the
-/// refusal. An uncacheable outcome releases the key and the retry runs again.
+/// The default caches 2xx, 3xx and 4xx outcomes except 401, 403, 406, 408, 409, 412, 415,
+/// 425, 428 and 429, and never 5xx: those statuses say "try again", so storing them would
+/// lock the key into a transient failure. 401, 403, 406, 412, 415 and 428 are refusals that
+/// depend on headers the fingerprint leaves out (credentials, `Accept`, preconditions,
+/// `Content-Type`): stored, a retry with a fixed header would be replayed the refusal. An
+/// uncacheable outcome releases the key and the retry runs again.
 ///
 /// ```
 /// use std::time::Duration;
@@ -18,6 +19,7 @@ use std::{fmt, sync::Arc, time::Duration};
 /// assert!(policy.is_cacheable(201));
 /// assert!(policy.is_cacheable(404));
 /// assert!(!policy.is_cacheable(401));
+/// assert!(!policy.is_cacheable(412));
 /// assert!(!policy.is_cacheable(429));
 /// assert!(!policy.is_cacheable(503));
 ///
@@ -34,9 +36,11 @@ pub struct Policy {
 }
 
 /// Statuses in the cacheable ranges that still mean "not done, try again": a timeout, a
-/// conflict, too early, too many; and refusals that depend on credentials or permissions,
-/// not on the request the fingerprint covers.
-const RETRYABLE_4XX: [u16; 6] = [401, 403, 408, 409, 425, 429];
+/// conflict, too early, too many; and refusals that depend on headers, not on the request
+/// the fingerprint covers: credentials or permissions (401, 403), `Accept` (406), a
+/// precondition failed or missing (412, 428), `Content-Type` (415). Refused, nothing ran,
+/// so running the retry is safe.
+const RETRYABLE_4XX: [u16; 10] = [401, 403, 406, 408, 409, 412, 415, 425, 428, 429];
 
 /// The default cache rule of `docs/design.md` ("What is cached").
 pub fn default_cacheable(status: u16) -> bool {

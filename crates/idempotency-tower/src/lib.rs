@@ -50,10 +50,11 @@
 //! same key. Every error body is `application/problem+json` (RFC 9457).
 //!
 //! # What is stored
-//! 2xx, 3xx and 4xx responses except 401, 403, 408, 409, 425, 429
+//! 2xx, 3xx and 4xx responses except 401, 403, 406, 408, 409, 412, 415, 425, 428, 429
 //! ([`Policy`](idempotency_core::Policy) decides; configure it with
 //! [`IdempotencyLayer::policy`]). A 5xx or one of those statuses releases the key, so the retry
-//! runs again: 401 and 403 depend on credentials, which the fingerprint leaves out. Hop-by-hop headers, `Content-Length`, `Date`
+//! runs again: 401, 403, 406, 412, 415 and 428 depend on headers the fingerprint leaves out
+//! (credentials, `Accept`, `If-Match`, `Content-Type`). Hop-by-hop headers, `Content-Length`, `Date`
 //! and (by default) `Set-Cookie` are not stored.
 //!
 //! # Disconnects, cancellation, panics, long operations
