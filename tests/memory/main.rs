@@ -569,3 +569,66 @@ fn an_outcome_a_live_store_keeps_refusing_is_not_retried_for_an_hour() {
         assert!(drained.is_ok(), "the background write gave up");
     });
 }
+
+/// An attempt whose lease ran out unfinished is remembered (`TakeOver`: its outcome unknown)
+/// a day by default, and as long as configured: a store whose outcomes are kept longer than a
+/// day must remember a crash as long, or a retry on the second day runs as new.
+#[tokio::test(start_paused = true)]
+async fn an_unknown_outcome_is_kept_as_long_as_configured() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Fingerprint, RecordId};
+
+    let day = Duration::from_secs(24 * 3600);
+    let (id, fp) = (RecordId::from_bytes([3; 32]), Fingerprint::of(b"a charge"));
+    let default = MemoryStore::new();
+    let week = MemoryStore::new().with_unknown_outcome_retention(7 * day);
+    for store in [&default, &week] {
+        let begun = store.begin(&id, &fp, Duration::from_secs(1)).await;
+        assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}"); // then it crashed
+    }
+    tokio::time::advance(2 * day).await;
+    assert_eq!(default.purge_expired(100).await.expect("purge"), 1);
+    assert_eq!(week.purge_expired(100).await.expect("purge"), 0);
+    let again = week.begin(&id, &fp, Duration::from_secs(30)).await;
+    assert!(matches!(again, Ok(Begin::TakeOver(_))), "{again:?}");
+}
+
+/// Two `complete`s of one token at once (a retry of one whose answer was lost) both
+/// succeed: the first outcome stands. The check for "completed by this token already" and
+/// the write took the lock apart, so the slower call could find the record completed between
+/// them and answer `LeaseLost`.
+#[test]
+fn two_completes_of_one_token_at_once_both_succeed() {
+    use std::{sync::Barrier, time::Duration};
+
+    use idempotency_core::{Begin, Fingerprint, Outcome, RecordId};
+
+    for round in 0..2_000_u32 {
+        let store = Arc::new(MemoryStore::new());
+        let mut bytes = [0; 32];
+        bytes[..4].copy_from_slice(&round.to_be_bytes());
+        let (id, fp) = (RecordId::from_bytes(bytes), Fingerprint::of(b"a charge"));
+        let Ok(Begin::Execute(token)) =
+            futures::executor::block_on(store.begin(&id, &fp, Duration::from_secs(30)))
+        else {
+            panic!("a fresh key executes");
+        };
+        let start = Arc::new(Barrier::new(2));
+        let calls: Vec<_> = (0..2)
+            .map(|_| {
+                let (store, start) = (store.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    let outcome = Outcome::new(201);
+                    let retention = Duration::from_secs(60);
+                    futures::executor::block_on(store.complete(&id, token, &outcome, retention))
+                })
+            })
+            .collect();
+        for call in calls {
+            let answer = call.join().expect("thread");
+            assert!(answer.is_ok(), "round {round}: {answer:?}");
+        }
+    }
+}

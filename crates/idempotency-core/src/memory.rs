@@ -36,6 +36,8 @@ pub struct MemoryStore {
     records: Mutex<HashMap<RecordId, Record>>,
     /// `None`: Tokio's clock and random tokens. `Some`: see [`MemoryStore::with_manual_clock`].
     manual: Option<Mutex<ManualClock>>,
+    /// See [`MemoryStore::with_unknown_outcome_retention`]; `None`: the default.
+    unknown_outcome_retention: Option<Duration>,
 }
 
 /// A clock that moves only when told, and a token counter: deterministic runs.
@@ -113,7 +115,26 @@ impl MemoryStore {
                 elapsed: Duration::ZERO,
                 issued: 0,
             })),
+            unknown_outcome_retention: None,
         }
+    }
+
+    /// This store keeping the record of an attempt whose lease ran out unfinished (its
+    /// outcome unknown: `begin` answers [`Begin::TakeOver`](crate::Begin::TakeOver)) for
+    /// `keep` after its lease ended, instead of [`UNKNOWN_OUTCOME_RETENTION`] (a day): when
+    /// outcomes are kept longer than a day, a crash must be remembered as long as a success
+    /// would be, or a retry on the second day runs as new.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_core::MemoryStore;
+    ///
+    /// let week = Duration::from_secs(7 * 24 * 3600);
+    /// let store = MemoryStore::new().with_unknown_outcome_retention(week);
+    /// ```
+    pub fn with_unknown_outcome_retention(mut self, keep: Duration) -> Self {
+        self.unknown_outcome_retention = Some(keep.min(crate::FOR_GOOD));
+        self
     }
 
     /// Moves a [manual clock](MemoryStore::with_manual_clock) forward; does nothing on a
@@ -160,6 +181,7 @@ impl MemoryStore {
         Self {
             records: Mutex::new(records.into_iter().collect()),
             manual: manual.map(Mutex::new),
+            unknown_outcome_retention: self.unknown_outcome_retention,
         }
     }
 
@@ -280,26 +302,24 @@ impl Store for MemoryStore {
         retention: Duration,
     ) -> Result<()> {
         crate::observe(self.name(), "complete", async {
-            {
-                let records = self.lock();
-                if let Some(Record {
-                    state: State::Completed { token: owner, .. },
-                    ..
-                }) = records.get(id)
-                    && *owner == token
-                {
-                    return Ok(()); // completed by this token already: the first outcome stands
-                }
+            // One lock for the check and the write: two `complete`s of one token at once (a
+            // retry of one whose answer was lost) both succeed, whichever writes.
+            let mut records = self.lock();
+            let Some(record) = records.get_mut(id) else {
+                return Err(Error::LeaseLost);
+            };
+            match &record.state {
+                // Completed by this token already: the first outcome stands.
+                State::Completed { token: owner, .. } if *owner == token => return Ok(()),
+                State::InFlight { token: owner, .. } if *owner == token => {}
+                _ => return Err(Error::LeaseLost),
             }
-            self.with_owned(id, token, |records| {
-                if let Some(record) = records.get_mut(id) {
-                    record.state = State::Completed {
-                        token,
-                        outcome: outcome.clone(),
-                        expires_at: self.now() + retention.min(crate::FOR_GOOD),
-                    };
-                }
-            })
+            record.state = State::Completed {
+                token,
+                outcome: outcome.clone(),
+                expires_at: self.now() + retention.min(crate::FOR_GOOD),
+            };
+            Ok(())
         })
         .await
     }
@@ -331,13 +351,16 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         let mut records = self.lock();
         let now = self.now();
+        let keep_unknown = self
+            .unknown_outcome_retention
+            .unwrap_or(UNKNOWN_OUTCOME_RETENTION);
         let expired: Vec<RecordId> = records
             .iter()
             .filter(|(_, r)| match r.state {
                 // An expired lease is an outcome nobody knows: kept as long as an outcome.
-                State::InFlight { lease_until, .. } => {
-                    lease_until + UNKNOWN_OUTCOME_RETENTION <= now
-                }
+                State::InFlight { lease_until, .. } => lease_until
+                    .checked_add(keep_unknown)
+                    .is_some_and(|until| until <= now),
                 State::Completed { expires_at, .. } => expires_at <= now,
             })
             .map(|(id, _)| *id)

@@ -114,7 +114,14 @@ pub(crate) async fn connect(config: &Config) -> Result<Stores, Box<dyn std::erro
             .call_budget(Duration::from_millis(200))
     });
     let (store, hybrid, redis): (Arc<dyn Store>, _, _) = match config.mode {
-        Mode::Memory => (Arc::new(MemoryStore::new()), None, None),
+        // A crash is remembered (outcome unknown) as long as a charge would be.
+        Mode::Memory => (
+            Arc::new(MemoryStore::new().with_unknown_outcome_retention(
+                config.retention.max(idempotency::UNKNOWN_OUTCOME_RETENTION),
+            )),
+            None,
+            None,
+        ),
         Mode::Postgres => (
             Arc::new(postgres.clone().ok_or("no DATABASE_URL")?),
             None,
