@@ -1030,49 +1030,68 @@ async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -
 /// lease, then `TakeOver` (an outcome reported unknown for an operation that never ran).
 #[test]
 fn a_claim_that_commits_after_its_give_back_is_still_given_back() {
-    block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        let store = PostgresStore::builder(pg.url())
-            .per_request()
-            .call_timeout(Duration::from_millis(300))
-            .statement_timeout(Duration::from_secs(30))
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        let id = fresh_id();
-        // Another transaction holds the key's row, uncommitted: the claim's insert waits.
-        let mut blocker = store.pool().begin().await.expect("transaction");
-        sqlx::query(
-            "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
-             VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
-        )
-        .bind(&id.as_bytes()[..])
-        .bind(&fp("a").as_bytes()[..])
-        .execute(&mut *blocker)
+    // Well past the store's first give-back (one budget after it gave up).
+    block_on(a_claim_committing_late_is_given_back(
+        Duration::from_secs(3),
+        Duration::from_millis(250),
+    ));
+}
+
+/// The same, committing after the third look (21 budgets after the claim was given up),
+/// where the looks used to end: a kernel retransmits a closed socket's unsent bytes for
+/// about 15 minutes, and a commit can wait on a replica longer still.
+#[test]
+fn a_claim_that_commits_after_the_third_look_is_still_given_back() {
+    block_on(a_claim_committing_late_is_given_back(
+        Duration::from_secs(8), // after the drain; 21 budgets of 300 ms are 6.3 s
+        Duration::from_secs(1),
+    ));
+}
+
+/// A per-request store with a 300 ms budget claims a key whose row another transaction
+/// holds for `held`, uncommitted, then the claim commits: its grant must be given back
+/// (`executes_within(pause)`).
+async fn a_claim_committing_late_is_given_back(held: Duration, pause: Duration) {
+    let Some(pg) = services::postgres().await else {
+        return;
+    };
+    let store = PostgresStore::builder(pg.url())
+        .per_request()
+        .call_timeout(Duration::from_millis(300))
+        .statement_timeout(Duration::from_secs(30))
+        .connect()
         .await
-        .expect("blocking insert");
-        let given_up = store.begin(&id, &fp("a"), LONG).await;
-        assert!(
-            matches!(given_up, Err(Error::Unavailable(_))),
-            "{given_up:?}"
-        );
-        // A shutdown waits for the first give-back only, not for the later looks (21
-        // budgets for every claim that timed out, most of which wrote nothing).
-        let drained = tokio::time::timeout(Duration::from_secs(3), store.drain()).await;
-        assert!(drained.is_ok(), "drain waited for the later give-backs");
-        // Well past the store's first give-back (one budget after it gave up), the blocker
-        // rolls back and the claim's insert commits: a lease for a caller long gone.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        blocker.rollback().await.expect("rollback");
-        let answers = executes_within(&store, || id, Duration::from_millis(250)).await;
-        assert!(
-            answers.is_ok(),
-            "the late grant was never given back: {answers:?}"
-        );
-    });
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let id = fresh_id();
+    // Another transaction holds the key's row, uncommitted: the claim's insert waits.
+    let mut blocker = store.pool().begin().await.expect("transaction");
+    sqlx::query(
+        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
+         VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
+    )
+    .bind(&id.as_bytes()[..])
+    .bind(&fp("a").as_bytes()[..])
+    .execute(&mut *blocker)
+    .await
+    .expect("blocking insert");
+    let given_up = store.begin(&id, &fp("a"), LONG).await;
+    assert!(
+        matches!(given_up, Err(Error::Unavailable(_))),
+        "{given_up:?}"
+    );
+    // A shutdown waits for the first give-back only, not for the later looks (for every
+    // claim that timed out, most of which wrote nothing).
+    let drained = tokio::time::timeout(Duration::from_secs(3), store.drain()).await;
+    assert!(drained.is_ok(), "drain waited for the later give-backs");
+    tokio::time::sleep(held).await;
+    // The blocker rolls back and the claim's insert commits: a lease for a caller long gone.
+    blocker.rollback().await.expect("rollback");
+    let answers = executes_within(&store, || id, pause).await;
+    assert!(
+        answers.is_ok(),
+        "the late grant was never given back: {answers:?}"
+    );
 }
 
 /// Begins on `id()` every `pause`, 40 times at most, until a `begin` executes; else the last

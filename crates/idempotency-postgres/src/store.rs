@@ -1007,44 +1007,55 @@ impl PostgresStore {
     /// ended and kept — deleted, that attempt would be forgotten and the next `begin` would
     /// answer `Execute`), one budget from now. A grant not found then may be one whose
     /// statement has not committed yet: it waits on a lock, its commit on a replica, its
-    /// bytes on a network that heals. It is looked for again 5 and 21 budgets from now: left,
-    /// nobody would hold it, and the key would answer `InFlight` for the lease, then
-    /// `TakeOver`, an outcome reported unknown for an operation that never ran.
+    /// bytes on a network that heals (a kernel retransmits a closed socket's unsent bytes for
+    /// about 15 minutes). It is looked for again [`LATER_LOOKS`] from then: left, nobody would
+    /// hold it, and the key would answer `InFlight` for the lease, then `TakeOver`, an
+    /// outcome reported unknown for an operation that never ran.
     ///
     /// `drain` waits for the first round only: most tokens given back were never written,
-    /// and a shutdown must not wait 21 budgets for each claim that timed out. The later
-    /// rounds are a best effort a shutdown may cut short.
+    /// and a shutdown must not wait for the later looks of each claim that timed out. They
+    /// are a best effort a shutdown may cut short.
     pub(crate) fn give_back_later(&self, grants: Vec<(RecordId, LeaseToken, bool)>) {
         if grants.is_empty() {
             return;
         }
         let late = self.clone();
         self.in_background(async move {
-            let left = late.give_back_round(grants, 1).await;
+            let mut left = late.give_back_round(grants, 1).await;
             if left.is_empty() {
                 return;
             }
             tokio::spawn(async move {
-                let left = late.give_back_round(left, 4).await;
-                late.give_back_round(left, 16).await;
+                for budgets in LATER_LOOKS {
+                    left = late.give_back_round(left, budgets).await;
+                    if left.is_empty() {
+                        return;
+                    }
+                }
             });
         });
     }
 
-    /// After `budgets` call budgets, gives back `grants`; those not found are returned.
+    /// After `budgets` call budgets, gives back `grants`, all at once (one after the other,
+    /// each retried for up to a minute while the store is unavailable, a long outage held a
+    /// shutdown a minute per grant); those not found are returned.
     async fn give_back_round(
         &self,
         grants: Vec<(RecordId, LeaseToken, bool)>,
         budgets: u32,
     ) -> Vec<(RecordId, LeaseToken, bool)> {
-        tokio::time::sleep(self.call_timeout * budgets).await;
-        let mut left = Vec::new();
-        for (id, token, took) in grants {
-            if !self.give_back_found(&id, token, took).await {
-                left.push((id, token, took));
-            }
-        }
-        left
+        tokio::time::sleep(self.call_timeout.saturating_mul(budgets)).await;
+        let found = futures::future::join_all(
+            grants
+                .iter()
+                .map(|(id, token, took)| self.give_back_found(id, *token, *took)),
+        )
+        .await;
+        grants
+            .into_iter()
+            .zip(found)
+            .filter_map(|(grant, found)| (!found).then_some(grant))
+            .collect()
     }
 
     /// Releases (or, `took`, ends) the grant of `token` ([`release_orphan`] and [`end_orphan`]:
@@ -1288,6 +1299,12 @@ where
 fn fenced(owned: bool) -> Result<()> {
     if owned { Ok(()) } else { Err(Error::LeaseLost) }
 }
+
+/// When a grant not found by its first give-back is looked for again, in call budgets after
+/// the look before: 5, 21, 85, 341 and 1,365 budgets after the claim was given up, over an
+/// hour with the default budget (3 s). Each look is one fenced statement per grant still
+/// missing.
+const LATER_LOOKS: [u32; 5] = [4, 16, 64, 256, 1024];
 
 impl PostgresStore {
     async fn inspect_row(&self, id: &RecordId) -> Result<Option<Inspection>> {
