@@ -52,7 +52,13 @@ async fn charge(
         .get("x-fail")
         .and_then(|v| v.to_str().ok()?.parse::<u16>().ok())
     {
-        return (StatusCode::from_u16(status).expect("status"), "failed").into_response();
+        let mut failed = (StatusCode::from_u16(status).expect("status"), "failed").into_response();
+        if headers.contains_key("x-maybe-applied") {
+            failed
+                .extensions_mut()
+                .insert(idempotency_tower::MaybeApplied);
+        }
+        return failed;
     }
     let record = ctx.map(|c| c.record_id.to_hex()).unwrap_or_default();
     (

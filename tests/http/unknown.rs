@@ -395,3 +395,30 @@ fn a_service_error_under_reject_lets_the_retry_run() {
         assert_eq!(calls.load(Ordering::SeqCst), 2);
     });
 }
+
+/// A failure the handler marks `MaybeApplied` (a processor that timed out after it may have
+/// charged) is not given back under `Reject`: the retry meets an attempt whose outcome is
+/// unknown (409), not a fresh run. Unmarked, or under `Reexecute`, the retry runs.
+#[test]
+fn a_failure_that_may_have_taken_effect_is_an_unknown_outcome() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let maybe = [("x-fail", "504"), ("x-maybe-applied", "1")];
+        for (policy, marked, retried) in [
+            (OutcomeUnknown::Reject, true, 409),
+            (OutcomeUnknown::Reject, false, 201),
+            (OutcomeUnknown::Reexecute, true, 201),
+        ] {
+            let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
+            let key = idempotency_test::unique("maybe");
+            let headers = if marked { &maybe[..] } else { &maybe[..1] };
+            let failed = send(&router, "POST", Some(&key), headers, "{}").await;
+            assert_eq!(failed.status, 504, "{}", failed.body);
+            let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(retry.status, retried, "marked {marked}: {}", retry.body);
+            assert_eq!(calls.get(), if retried == 409 { 1 } else { 2 });
+        }
+    });
+}

@@ -44,6 +44,7 @@
 //! | same key, different method/path/body | 422 `urn:idempotency:problem:key-reused` |
 //! | store down | 503 `urn:idempotency:problem:store-unavailable` + `Retry-After`; the handler does not run |
 //! | handler panics | 500 `urn:idempotency:problem:internal`; the key is released, or, under an outcome-unknown policy other than `Reexecute`, kept as an attempt whose outcome is unknown (it may have had its effect), so that the retry meets that policy |
+//! | handler answers a status not stored (a 5xx, a 409, a 429) | passed on; the key is released, or, marked [`MaybeApplied`] by the handler, settled like a panic |
 //! | an earlier attempt's lease ran out before it stored an outcome (it crashed or hung) | per [`IdempotencyLayer::on_outcome_unknown`]: runs again (default); or 409 `urn:idempotency:problem:outcome-unknown`, stored (for the retention) until an operator deletes the record; or the application's reconcile hook finds the effect and it is replayed |
 //!
 //! Keys are read as an RFC 8941 sf-string (`"abc"`) or a bare value (`abc`): both name the
@@ -54,8 +55,10 @@
 //! ([`Policy`](idempotency_core::Policy) decides; configure it with
 //! [`IdempotencyLayer::policy`]). A 5xx or one of those statuses releases the key, so the retry
 //! runs again: 401, 403, 406, 412, 415 and 428 depend on headers the fingerprint leaves out
-//! (credentials, `Accept`, `If-Match`, `Content-Type`). Hop-by-hop headers, `Content-Length`, `Date`
-//! and (by default) `Set-Cookie` are not stored.
+//! (credentials, `Accept`, `If-Match`, `Content-Type`). A failure that may have taken effect
+//! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
+//! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
+//! headers, `Content-Length`, `Date` and (by default) `Set-Cookie` are not stored.
 //!
 //! # Disconnects, cancellation, panics, long operations
 //! The claim (`Store::begin`) and the handler run to their end whatever happens to the
@@ -133,7 +136,7 @@ pub use layer::IdempotencyLayer;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use problem::Problem;
 pub use service::Idempotency;
-pub use unknown::{OutcomeUnknown, Reconcile, Unresolved};
+pub use unknown::{MaybeApplied, OutcomeUnknown, Reconcile, Unresolved};
 
 /// The body type the middleware hands to the inner service and returns.
 pub type Body = UnsyncBoxBody<Bytes, BodyError>;

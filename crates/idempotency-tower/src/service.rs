@@ -915,8 +915,7 @@ where
                 advertise_expiry(config, &mut parts);
                 return Settled::Stream(parts, body);
             }
-            Metrics::inc(&m.released, "idempotency_released_total");
-            release(config, id, token, "outcome not cacheable").await;
+            not_stored(config, id, token, &parts).await;
             return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
@@ -930,10 +929,26 @@ where
                 .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
         }
     } else {
-        Metrics::inc(&m.released, "idempotency_released_total");
-        release(config, id, token, "outcome not cacheable").await;
+        not_stored(config, id, token, &parts).await;
     }
     Settled::Answer(Ok(Response::from_parts(parts, full(body))))
+}
+
+/// Settles the lease of a response the policy does not store: given back, so the retry runs
+/// again; or, marked [`MaybeApplied`](crate::MaybeApplied) by its handler, settled like a
+/// panic, for the outcome-unknown policy.
+async fn not_stored(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    parts: &http::response::Parts,
+) {
+    if parts.extensions.get::<crate::MaybeApplied>().is_some() {
+        give_up(config, id, token, "a failure that may have taken effect").await;
+        return;
+    }
+    Metrics::inc(&config.metrics.released, "idempotency_released_total");
+    release(config, id, token, "outcome not cacheable").await;
 }
 
 /// Streams a cacheable response to the first client while keeping at most the stored-body
@@ -1154,7 +1169,8 @@ async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static
     let _ = settle_lease(config, id, token, false, why).await;
 }
 
-/// Settles the lease of a handler whose outcome is unknown (it panicked): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
+/// Settles the lease of a handler whose outcome is unknown (it panicked, or answered a failure
+/// marked [`MaybeApplied`](crate::MaybeApplied)): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
 /// retry runs again; under the other policies ended and kept (renewed for zero), so that the
 /// retry is taken over and the policy decides, as after a crash.
 async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {

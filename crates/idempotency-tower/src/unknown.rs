@@ -29,6 +29,25 @@ pub struct Unresolved {
     pub body: bytes::Bytes,
 }
 
+/// A response extension a handler adds to a failure whose effect may have happened all the
+/// same: a processor that timed out after it may have charged, a commit whose answer was lost.
+/// A response the policy does not store (a 5xx, a 409, a 429) gives its key back, and the
+/// retry runs again; with this extension the key is settled like a handler that panicked:
+/// under [`OutcomeUnknown::Reject`] and [`OutcomeUnknown::Reconcile`] it is kept, and the
+/// retry meets an attempt whose outcome is unknown (409, or the reconcile hook); under
+/// [`OutcomeUnknown::Reexecute`] it is given back as before. A response the policy stores is
+/// stored: its outcome is known.
+///
+/// ```
+/// use idempotency_tower::MaybeApplied;
+///
+/// // The processor did not answer in time: it may have charged.
+/// let mut response = http::Response::builder().status(504).body("try again later").unwrap();
+/// response.extensions_mut().insert(MaybeApplied);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaybeApplied;
+
 /// The policy for a request whose key was held by an earlier attempt that never stored an
 /// outcome: its lease ran out (the process crashed mid-operation, or hung). Was the card
 /// charged? The store cannot know; this decides who finds out.
