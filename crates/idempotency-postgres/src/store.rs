@@ -951,7 +951,8 @@ impl PostgresStore {
         let takeovers = std::sync::Mutex::new(Vec::new());
         // The token a failed claim may have left on the row (see `claim`).
         let in_doubt = std::sync::Mutex::new(None);
-        let claim = self.claim(id, fp, lease, &tokens, &takeovers, &in_doubt);
+        let started = std::sync::atomic::AtomicUsize::new(0);
+        let claim = self.claim(id, fp, lease, &tokens, &takeovers, &in_doubt, &started);
         match tokio::time::timeout(budget, claim).await {
             Ok(Err(error)) => {
                 // An error is not "nothing happened": the connection can break after the
@@ -969,7 +970,8 @@ impl PostgresStore {
             }
             Ok(answer) => answer,
             Err(_) => {
-                self.settle_orphans_later(*id, tokens.to_vec(), &takeovers);
+                let started = started.load(std::sync::atomic::Ordering::Relaxed);
+                self.settle_orphans_later(*id, tokens[..started].to_vec(), &takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
@@ -1036,38 +1038,44 @@ impl PostgresStore {
         });
     }
 
-    /// After `budgets` call budgets, gives back `grants`, all at once (one after the other,
-    /// each retried for up to a minute while the store is unavailable, a long outage held a
-    /// shutdown a minute per grant); those not found are returned.
+    /// After `budgets` call budgets, gives back `grants`, all at once (one after the other, a
+    /// long outage held a shutdown for each); those not settled are returned for the next
+    /// look: not found (not committed yet, or never written), or the store unreachable (a
+    /// partition: the claim's bytes may still arrive once it heals).
     async fn give_back_round(
         &self,
         grants: Vec<(RecordId, LeaseToken, bool)>,
         budgets: u32,
     ) -> Vec<(RecordId, LeaseToken, bool)> {
         tokio::time::sleep(self.call_timeout.saturating_mul(budgets)).await;
-        let found = futures::future::join_all(
+        let settled = futures::future::join_all(
             grants
                 .iter()
-                .map(|(id, token, took)| self.give_back_found(id, *token, *took)),
+                .map(|(id, token, took)| self.give_back_once(id, *token, *took)),
         )
         .await;
         grants
             .into_iter()
-            .zip(found)
-            .filter_map(|(grant, found)| (!found).then_some(grant))
+            .zip(settled)
+            .filter_map(|(grant, settled)| (!settled).then_some(grant))
             .collect()
     }
 
-    /// Releases (or, `took`, ends) the grant of `token` ([`release_orphan`] and [`end_orphan`]:
-    /// retried while the store is unavailable); whether it found the grant.
-    ///
-    /// [`release_orphan`]: idempotency_core::release_orphan
-    /// [`end_orphan`]: idempotency_core::end_orphan
-    async fn give_back_found(&self, id: &RecordId, token: LeaseToken, took: bool) -> bool {
-        if took {
-            idempotency_core::end_orphan(self, id, token).await
+    /// Releases (or, `took`, ends and keeps) the grant of `token`, fenced on it; whether it
+    /// is settled. One try: the looks after this one are the retries.
+    async fn give_back_once(&self, id: &RecordId, token: LeaseToken, took: bool) -> bool {
+        let given = if took {
+            self.renew(id, token, Duration::ZERO).await
         } else {
-            idempotency_core::release_orphan(self, id, token).await
+            self.release(id, token).await
+        };
+        match given {
+            Ok(()) => true,
+            Err(Error::LeaseLost) => false,
+            Err(error) => {
+                tracing::debug!(%error, record = %id, "could not give back a grant; looking again later");
+                false
+            }
         }
     }
 
@@ -1083,6 +1091,9 @@ impl PostgresStore {
     /// `in_doubt` holds the token of the round under way once one of its statements may
     /// have written it: an error from there on may hide a committed grant. Only that round's
     /// token can be on the row; a round that ends without an answer holds nothing.
+    /// `started` counts the rounds begun: a claim cut off by its budget gives back only their
+    /// tokens, not ones no statement ever carried.
+    #[allow(clippy::too_many_arguments)]
     async fn claim(
         &self,
         id: &RecordId,
@@ -1091,6 +1102,7 @@ impl PostgresStore {
         tokens: &[LeaseToken],
         takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
         in_doubt: &std::sync::Mutex<Option<LeaseToken>>,
+        started: &std::sync::atomic::AtomicUsize,
     ) -> Result<(Begin, Option<Duration>)> {
         let note = |token| {
             *in_doubt
@@ -1098,6 +1110,7 @@ impl PostgresStore {
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
         };
         for (round, token) in tokens.iter().enumerate() {
+            started.store(round + 1, std::sync::atomic::Ordering::Relaxed);
             let job = BeginJob::new(id, fp, *token, lease);
             let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
