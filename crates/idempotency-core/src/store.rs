@@ -14,8 +14,9 @@ use crate::{Fingerprint, ForceReleased, Inspection, Outcome, RecordId, ReleaseSc
 /// takes it over at once regardless.
 pub const LATE_COMPLETION_GRACE: Duration = Duration::from_secs(3600);
 
-/// How long the purge of the memory store, and by default of the Postgres store
-/// (`PostgresStoreBuilder::unknown_outcome_retention`), keeps the record of an attempt
+/// How long the purges of the memory and the Postgres stores keep by default (see
+/// [`MemoryStore::with_unknown_outcome_retention`](crate::MemoryStore::with_unknown_outcome_retention)
+/// and `PostgresStoreBuilder::unknown_outcome_retention`) the record of an attempt
 /// whose outcome is unknown (its lease ran out unfinished and nobody took it over), counted
 /// from when its lease ran out: a day, as long as [`Policy`](crate::Policy) keeps an
 /// outcome by default. A crash mid-charge is then remembered as long as a charge would

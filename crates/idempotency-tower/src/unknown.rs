@@ -52,9 +52,9 @@ pub struct MaybeApplied;
 /// outcome: its lease ran out (the process crashed mid-operation, or hung). Was the card
 /// charged? The store cannot know; this decides who finds out.
 ///
-/// The store remembers such an attempt until its purge: on Postgres for a day by default
-/// ([`UNKNOWN_OUTCOME_RETENTION`](idempotency_core::UNKNOWN_OUTCOME_RETENTION); set the
-/// store's `unknown_outcome_retention` to the longest retention of your policies), on Redis
+/// The store remembers such an attempt until its purge: in memory and on Postgres for a day
+/// by default ([`UNKNOWN_OUTCOME_RETENTION`](idempotency_core::UNKNOWN_OUTCOME_RETENTION); set
+/// the store's unknown-outcome retention to the longest retention of your policies), on Redis
 /// alone for an hour ([`LATE_COMPLETION_GRACE`](idempotency_core::LATE_COMPLETION_GRACE)).
 /// A retry once it is gone runs as a new request whatever this says.
 ///
