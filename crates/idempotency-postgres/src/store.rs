@@ -946,32 +946,28 @@ impl PostgresStore {
         let budget = self.call_timeout * 4;
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
             std::array::from_fn(|_| LeaseToken::generate());
-        // The tokens of rounds that tried to take an unfinished lease over, noted before the
-        // statement is sent: a grant of theirs must be ended, not deleted (see below).
-        let takeovers = std::sync::Mutex::new(Vec::new());
-        // The token a failed claim may have left on the row (see `claim`).
-        let in_doubt = std::sync::Mutex::new(None);
-        let started = std::sync::atomic::AtomicUsize::new(0);
-        let claim = self.claim(id, fp, lease, &tokens, &takeovers, &in_doubt, &started);
+        let rounds = Rounds::default();
+        let claim = self.claim(id, fp, lease, &tokens, &rounds);
         match tokio::time::timeout(budget, claim).await {
             Ok(Err(error)) => {
                 // An error is not "nothing happened": the connection can break after the
                 // server committed a grant. Left, that lease would run out unfinished and
                 // the retry would hear `TakeOver` (outcome unknown) for an operation that
                 // never ran.
-                let token = in_doubt
+                let token = rounds
+                    .in_doubt
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take();
                 if let Some(token) = token {
-                    self.settle_orphans_later(*id, vec![token], &takeovers);
+                    self.settle_orphans_later(*id, vec![token], &rounds.takeovers);
                 }
                 Err(error)
             }
             Ok(answer) => answer,
             Err(_) => {
-                let started = started.load(std::sync::atomic::Ordering::Relaxed);
-                self.settle_orphans_later(*id, tokens[..started].to_vec(), &takeovers);
+                let started = rounds.started.load(std::sync::atomic::Ordering::Relaxed);
+                self.settle_orphans_later(*id, tokens[..started].to_vec(), &rounds.takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
@@ -1088,29 +1084,26 @@ impl PostgresStore {
     /// round through a batch when group commit is on, the others (rare: a race, a takeover)
     /// on the per-request path, each with a token of its own.
     ///
-    /// `in_doubt` holds the token of the round under way once one of its statements may
-    /// have written it: an error from there on may hide a committed grant. Only that round's
-    /// token can be on the row; a round that ends without an answer holds nothing.
-    /// `started` counts the rounds begun: a claim cut off by its budget gives back only their
-    /// tokens, not ones no statement ever carried.
-    #[allow(clippy::too_many_arguments)]
+    /// What the rounds leave for a caller that gives the claim up is in `rounds`.
     async fn claim(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
         tokens: &[LeaseToken],
-        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
-        in_doubt: &std::sync::Mutex<Option<LeaseToken>>,
-        started: &std::sync::atomic::AtomicUsize,
+        rounds: &Rounds,
     ) -> Result<(Begin, Option<Duration>)> {
         let note = |token| {
-            *in_doubt
+            *rounds
+                .in_doubt
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
         };
+        let takeovers = &rounds.takeovers;
         for (round, token) in tokens.iter().enumerate() {
-            started.store(round + 1, std::sync::atomic::Ordering::Relaxed);
+            rounds
+                .started
+                .store(round + 1, std::sync::atomic::Ordering::Relaxed);
             let job = BeginJob::new(id, fp, *token, lease);
             let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
@@ -1311,6 +1304,22 @@ where
 
 fn fenced(owned: bool) -> Result<()> {
     if owned { Ok(()) } else { Err(Error::LeaseLost) }
+}
+
+/// What a claim's rounds leave for a caller that gives the claim up (its budget ran out, or
+/// it failed), to know which grants to give back and how.
+#[derive(Default)]
+struct Rounds {
+    /// The tokens of rounds that tried to take an unfinished lease over, noted before the
+    /// statement is sent: a grant of theirs must be ended, not deleted.
+    takeovers: std::sync::Mutex<Vec<LeaseToken>>,
+    /// The token of the round under way once one of its statements may have written it: an
+    /// error from there on may hide a committed grant. Only that round's token can be on the
+    /// row; a round that ends without an answer holds nothing.
+    in_doubt: std::sync::Mutex<Option<LeaseToken>>,
+    /// How many rounds began: a claim cut off by its budget gives back only their tokens,
+    /// not ones no statement ever carried.
+    started: std::sync::atomic::AtomicUsize,
 }
 
 /// When a grant not found by its first give-back is looked for again, in call budgets after
