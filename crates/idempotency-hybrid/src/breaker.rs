@@ -94,6 +94,11 @@ pub(crate) struct Breaker {
     inner: Flagged<Inner>,
     pub(crate) opened: AtomicU64,
     pub(crate) closed: AtomicU64,
+    /// The closed period a call was admitted in: bumped, under the lock, each time the
+    /// breaker closes again. A failure counts toward opening only in the period its call
+    /// was admitted in: a call admitted before the breaker opened and failing after it
+    /// closed again says nothing of Redis now.
+    period: AtomicU64,
 }
 
 impl Breaker {
@@ -106,6 +111,7 @@ impl Breaker {
             }),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
+            period: AtomicU64::new(0),
         }
     }
 
@@ -150,9 +156,11 @@ impl Breaker {
         // Closed and nothing failed: the lock would find the same (a failure racing this
         // call is ordered after it, as it would be had this call taken the lock first).
         if self.inner.holds() {
+            // Read after the flag (acquire): at least the period the flag was published in.
             return Some(Permit {
                 breaker: self,
                 probe: false,
+                period: self.period.load(Ordering::Acquire),
                 reported: false,
             });
         }
@@ -170,6 +178,7 @@ impl Breaker {
         Some(Permit {
             breaker: self,
             probe,
+            period: self.period.load(Ordering::Acquire),
             reported: false,
         })
     }
@@ -200,6 +209,7 @@ impl Breaker {
         if !matches!(*inner, Inner::Closed { failures: 0 }) {
             if !matches!(*inner, Inner::Closed { .. }) {
                 self.closed.fetch_add(1, Ordering::Relaxed);
+                self.period.fetch_add(1, Ordering::Release);
                 metrics::counter!("idempotency_breaker_closed_total").increment(1);
                 publish(BreakerState::Closed);
                 tracing::info!("Redis breaker closed: Redis answers again");
@@ -211,10 +221,14 @@ impl Breaker {
     /// A call failed. `probe`: it was the half-open breaker's probe. Only the probe's answer
     /// counts while half-open, as for [`success`](Self::success): a call admitted while the
     /// breaker was closed and failing late says nothing of Redis now, and would reopen it
-    /// under the probe's feet and double the backoff.
-    fn failure_of(&self, probe: bool) {
+    /// under the probe's feet and double the backoff. `period`: the closed period the call
+    /// was admitted in; a failure from an earlier one is not counted.
+    fn failure_of(&self, probe: bool, period: u64) {
         let mut inner = self.lock();
         if !probe && matches!(*inner, Inner::HalfOpen { .. }) {
+            return;
+        }
+        if !probe && period != self.period.load(Ordering::Acquire) {
             return;
         }
         let open_for = match *inner {
@@ -225,12 +239,14 @@ impl Breaker {
                 return;
             }
             Inner::Closed { .. } => self.config.base_backoff,
-            Inner::HalfOpen { backoff } => (backoff * 2).min(self.config.max_backoff),
+            // Saturating: a backoff configured near `Duration::MAX` must not panic the call
+            // that reports the failure.
+            Inner::HalfOpen { backoff } => backoff.saturating_mul(2).min(self.config.max_backoff),
             // A call admitted before the breaker opened failed late: already open.
             Inner::Open { .. } => return,
         };
         *inner = Inner::Open {
-            until: Instant::now() + open_for,
+            until: open_until(open_for),
             backoff: open_for,
         };
         self.opened.fetch_add(1, Ordering::Relaxed);
@@ -246,6 +262,8 @@ impl Breaker {
 pub(crate) struct Permit<'a> {
     breaker: &'a Breaker,
     probe: bool,
+    /// The closed period the call was admitted in.
+    period: u64,
     reported: bool,
 }
 
@@ -257,7 +275,7 @@ impl Permit<'_> {
 
     pub(crate) fn failure(mut self) {
         self.reported = true;
-        self.breaker.failure_of(self.probe);
+        self.breaker.failure_of(self.probe, self.period);
     }
 }
 
@@ -268,6 +286,15 @@ impl Drop for Permit<'_> {
             self.breaker.abandon_probe();
         }
     }
+}
+
+/// When an open period of `open_for` from now ends: a backoff too long for the clock
+/// (`Duration::MAX` as "until an operator restarts it") ends in a century, not in a panic.
+fn open_until(open_for: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(open_for)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 /// The breaker's state as the gauge `idempotency_breaker_state{state}`: 1 for the current
@@ -290,10 +317,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn opens_probes_backs_off_and_closes() {
         let breaker = Breaker::new(BreakerConfig::default());
-        breaker.failure_of(false);
-        breaker.failure_of(false);
+        breaker.failure_of(false, 0);
+        breaker.failure_of(false, 0);
         assert_eq!(breaker.state(), BreakerState::Closed);
-        breaker.failure_of(false);
+        breaker.failure_of(false, 0);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(breaker.allow().is_none());
 
@@ -321,7 +348,7 @@ mod tests {
         let breaker = Breaker::new(BreakerConfig::default());
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
-            breaker.failure_of(false);
+            breaker.failure_of(false, 0);
         }
         early.success(); // answered late, after the breaker opened
         assert_eq!(breaker.state(), BreakerState::Open);
@@ -330,6 +357,7 @@ mod tests {
         let late = Permit {
             breaker: &breaker,
             probe: false,
+            period: 0,
             reported: false,
         };
         late.success(); // another call admitted while closed, answered while half-open
@@ -347,7 +375,7 @@ mod tests {
         let breaker = Breaker::new(BreakerConfig::default());
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
-            breaker.failure_of(false);
+            breaker.failure_of(false, 0);
         }
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker.allow().expect("probe");
@@ -368,7 +396,7 @@ mod tests {
     async fn a_cancelled_probe_hands_the_probe_on() {
         let breaker = Breaker::new(BreakerConfig::default());
         for _ in 0..3 {
-            breaker.failure_of(false);
+            breaker.failure_of(false, 0);
         }
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker.allow().expect("probe");
@@ -384,5 +412,71 @@ mod tests {
         // A cancelled call while closed reports nothing either way.
         drop(breaker.allow().expect("closed"));
         assert_eq!(breaker.state(), BreakerState::Closed);
+    }
+
+    /// A call admitted before the breaker opened and failing after it closed again says
+    /// nothing of Redis now: it does not count toward opening it again. Two such stale
+    /// failures and one fresh one reopened it.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_admitted_before_the_breaker_opened_cannot_count_after_it_closed() {
+        let breaker = Breaker::new(BreakerConfig::default());
+        let stale = [
+            breaker.allow().expect("closed"),
+            breaker.allow().expect("closed"),
+        ];
+        for _ in 0..3 {
+            breaker.allow().expect("closed").failure();
+        }
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_millis(250)).await;
+        breaker.allow().expect("probe").success();
+        assert_eq!(breaker.state(), BreakerState::Closed);
+
+        for permit in stale {
+            permit.failure(); // answered late, in the next closed period
+        }
+        breaker.allow().expect("closed").failure();
+        assert_eq!(breaker.state(), BreakerState::Closed);
+        breaker.allow().expect("closed").failure();
+        breaker.allow().expect("closed").failure();
+        assert_eq!(
+            breaker.state(),
+            BreakerState::Open,
+            "fresh failures still open it"
+        );
+    }
+
+    /// A backoff of `Duration::MAX` (an operator's "until restarted") opens the breaker for
+    /// good instead of panicking the call that reports the failure; so does a doubling past
+    /// the clock's range.
+    #[tokio::test(start_paused = true)]
+    async fn a_backoff_too_long_for_the_clock_opens_the_breaker_without_panicking() {
+        let breaker = Breaker::new(
+            BreakerConfig::default()
+                .failure_threshold(1)
+                .backoff(Duration::MAX, Duration::MAX),
+        );
+        breaker.allow().expect("closed").failure();
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(breaker.allow().is_none(), "still open an hour later");
+
+        let doubling = Breaker::new(
+            BreakerConfig::default()
+                .failure_threshold(1)
+                .backoff(Duration::from_secs(1), Duration::MAX),
+        );
+        doubling.allow().expect("closed").failure();
+        *doubling.lock() = Inner::HalfOpen {
+            backoff: Duration::MAX / 2 + Duration::from_secs(1),
+        };
+        let probe = Permit {
+            breaker: &doubling,
+            probe: true,
+            period: 0,
+            reported: false,
+        };
+        probe.failure();
+        assert_eq!(doubling.state(), BreakerState::Open);
     }
 }
