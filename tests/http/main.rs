@@ -1954,3 +1954,37 @@ fn the_advertised_expiry_is_on_first_responses_and_replays_and_not_after_the_sto
         assert!(plain.headers.get("idempotency-expires").is_none());
     });
 }
+
+/// A header the response's `Connection` names is hop-by-hop for that response (RFC 9110
+/// §7.6.1): meant for the next hop only, like `Keep-Alive`. It is not stored, so a replay
+/// does not hand it to a client the first answer never reached. It was stored and replayed.
+#[test]
+fn a_header_the_response_names_in_connection_is_not_stored() {
+    block_on(async {
+        let router = axum::Router::new()
+            .route(
+                "/charges",
+                axum::routing::post(|| async {
+                    (
+                        axum::http::StatusCode::CREATED,
+                        [
+                            ("connection", "X-Hop-Secret, x-hop-other"),
+                            ("x-hop-secret", "next-hop-only"),
+                            ("x-hop-other", "also"),
+                            ("x-kept", "yes"),
+                        ],
+                        "charged",
+                    )
+                }),
+            )
+            .layer(layer(memory()));
+        let first = send(&router, "POST", Some("hop-1"), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        let retry = send(&router, "POST", Some("hop-1"), &[], "{}").await;
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(retry.headers["x-kept"], "yes");
+        assert!(retry.headers.get("x-hop-secret").is_none());
+        assert!(retry.headers.get("x-hop-other").is_none());
+        assert!(retry.headers.get("connection").is_none());
+    });
+}

@@ -66,8 +66,9 @@ impl<S> Idempotency<S> {
     }
 }
 
-/// Headers never stored: hop-by-hop (RFC 9110 §7.6.1), recomputed (`content-length`), or
-/// describing this response rather than the outcome (`date`).
+/// Headers never stored: hop-by-hop (RFC 9110 §7.6.1; so are those a response's
+/// `Connection` names), recomputed (`content-length`), or describing this response rather
+/// than the outcome (`date`).
 const NOT_STORED: [&str; 10] = [
     "connection",
     "keep-alive",
@@ -1320,9 +1321,23 @@ fn to_outcome(
     whole: BodyMark,
 ) -> Outcome {
     let mut outcome = Outcome::new(parts.status.as_u16());
+    // The headers `Connection` names are hop-by-hop for this response too (RFC 9110
+    // §7.6.1): meant for the next hop of the first answer, not for a retry's client.
+    let named_by_connection: Vec<String> = parts
+        .headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect();
     for (name, value) in &parts.headers {
         let name = name.as_str();
-        if NOT_STORED.contains(&name) || (name == "set-cookie" && !config.store_set_cookie) {
+        if NOT_STORED.contains(&name)
+            || (name == "set-cookie" && !config.store_set_cookie)
+            || named_by_connection.iter().any(|named| named == name)
+        {
             continue;
         }
         outcome
