@@ -11,16 +11,19 @@
 //!   a 422, which is safe, where a false equality is not.
 //! - **Duplicate keys are kept**, in the order sent, after sorting by key: `{"a":1,"a":2}`
 //!   stays distinct from `{"a":2}` whichever duplicate the handler's parser keeps.
+//! - **Keys equal but for case** (`"amount"` and `"Amount"` in one object), which some
+//!   parsers match as one key, leave the body to its raw bytes: sorting would part them.
 //!
 //! The output is itself compact JSON (strings re-encoded by serde_json, numbers and literals
 //! verbatim, members stably sorted by encoded key), from which the input's tokens can be read
 //! back: that is why equal outputs mean equal requests.
 //!
 //! [`canonical_json`] answers `None` for what it does not canonicalise — not JSON, invalid
-//! UTF-8, a lone surrogate escape (`"\ud800"`), nesting deeper than [`MAX_DEPTH`] — and the
-//! layer then fingerprints the raw bytes. Those bytes never equal any canonical output (a
-//! canonical output is valid JSON, valid UTF-8, escapes no surrogates and nests at most
-//! [`MAX_DEPTH`] deep), so the fallback cannot make two requests equal either.
+//! UTF-8, a lone surrogate escape (`"\ud800"`), nesting deeper than [`MAX_DEPTH`], keys equal
+//! but for case — and the layer then fingerprints the raw bytes. Those bytes never equal any
+//! canonical output (a canonical output is valid JSON, valid UTF-8, escapes no surrogates,
+//! nests at most [`MAX_DEPTH`] deep and holds no object with keys equal but for case), so the
+//! fallback cannot make two requests equal either.
 //!
 //! [`IdempotencyLayer::canonical_json`]: crate::IdempotencyLayer::canonical_json
 
@@ -144,6 +147,18 @@ impl<'a> Parser<'a> {
         // Stable: duplicates of one key keep their order, so "first wins" and "last wins"
         // parsers read the same member from two bodies with one canonical form.
         members.sort_by(|a, b| a.0.cmp(&b.0));
+        // Keys equal but for case may be one key to the handler's parser (Go's
+        // encoding/json, Jackson and .NET can match keys ignoring case, the last one
+        // winning), and sorting would part them: `{"amount":1,"Amount":100}` and
+        // `{"Amount":100,"amount":1}` had one form. Such a body is left to its raw bytes.
+        let mut keys: Vec<&String> = members.iter().map(|m| &m.0).collect();
+        keys.dedup(); // sorted: duplicates are adjacent
+        let mut lowered: Vec<String> = keys.iter().map(|key| key.to_lowercase()).collect();
+        lowered.sort_unstable();
+        lowered.dedup();
+        if lowered.len() != keys.len() {
+            return None;
+        }
         Some(Node::Object(members))
     }
 

@@ -107,6 +107,14 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
         ("zero", r#"{"amount":0}"#, r#"{"amount":-0}"#),
         ("exponent", r#"{"amount":100}"#, r#"{"amount":1e2}"#),
         ("duplicate", r#"{"amount":2}"#, r#"{"amount":1,"amount":2}"#),
+        // Go's encoding/json, Jackson and .NET can match keys ignoring case, the last one
+        // winning: 100 in the first body, 1 in the second. Sorted apart ("A" before "a"),
+        // the two had one canonical form and the second replayed the first's charge.
+        (
+            "case",
+            r#"{"amount":1,"Amount":100}"#,
+            r#"{"Amount":100,"amount":1}"#,
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -119,8 +127,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("decimal", 422),
             ("zero", 422),
             ("exponent", 422),
-            ("duplicate", 422)
+            ("duplicate", 422),
+            ("case", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!(calls.load(Ordering::SeqCst), 5);
 }
