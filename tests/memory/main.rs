@@ -632,3 +632,83 @@ fn two_completes_of_one_token_at_once_both_succeed() {
         }
     }
 }
+
+/// The purge works from a queue of deadlines, not a scan of every record: each record goes
+/// when the deadline it has now passes, whatever deadlines it had before (a renewal, a
+/// completion, a release and a new attempt each leave an older entry behind), in batches, in
+/// a snapshot as in the original.
+#[test]
+fn the_purge_removes_each_record_at_its_current_deadline() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Fingerprint, Outcome, RecordId, Store};
+
+    idempotency_test::block_on(async {
+        let store = MemoryStore::with_manual_clock();
+        let (fp, lease) = (Fingerprint::of(b"purge"), Duration::from_secs(30));
+        let (hour, day) = (Duration::from_secs(3600), Duration::from_secs(24 * 3600));
+        let id = |n: u8| RecordId::from_bytes([n; 32]);
+        let execute = |n: u8| {
+            let store = &store;
+            async move {
+                match store.begin(&id(n), &fp, lease).await.expect("begin") {
+                    Begin::Execute(token) | Begin::TakeOver(token) => token,
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        let outcome = Outcome::new(201);
+        // 1, 2, 3: completed, kept an hour.
+        for n in 1..=3 {
+            let token = execute(n).await;
+            store
+                .complete(&id(n), token, &outcome, hour)
+                .await
+                .expect("complete");
+        }
+        // 4: completed, kept two days (its lease's deadline, a day on, comes first).
+        let token = execute(4).await;
+        store
+            .complete(&id(4), token, &outcome, 2 * day)
+            .await
+            .expect("complete");
+        // 5: released, then run again and kept two days.
+        let token = execute(5).await;
+        store.release(&id(5), token).await.expect("release");
+        let token = execute(5).await;
+        store
+            .complete(&id(5), token, &outcome, 2 * day)
+            .await
+            .expect("complete");
+        // 6: still running an hour on, renewed for two days.
+        let running = execute(6).await;
+        store.advance(hour - Duration::from_secs(1));
+        store.renew(&id(6), running, 2 * day).await.expect("renew");
+        store.advance(Duration::from_secs(1));
+
+        let copy = store.snapshot();
+        for store in [&store, &copy] {
+            assert_eq!(store.purge_expired(2).await.expect("purge"), 2, "a batch");
+            assert_eq!(store.purge_expired(2).await.expect("purge"), 1);
+            assert_eq!(store.purge_expired(2).await.expect("purge"), 0);
+            assert_eq!(store.len(), 3);
+            store.advance(day + lease);
+            assert_eq!(
+                store.purge_expired(100).await.expect("purge"),
+                0,
+                "a day on: 4 and 5 are kept two days, 6's lease was renewed"
+            );
+            assert_eq!(store.len(), 3);
+            store.advance(day);
+            assert_eq!(store.purge_expired(100).await.expect("purge"), 2);
+            assert_eq!(
+                store.len(),
+                1,
+                "6's lease ended a day ago, an unknown outcome"
+            );
+            store.advance(day);
+            assert_eq!(store.purge_expired(100).await.expect("purge"), 1);
+            assert!(store.is_empty());
+        }
+    });
+}

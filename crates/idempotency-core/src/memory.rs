@@ -1,7 +1,8 @@
 //! The in-process store: for unit tests and the zero-setup demo. Single process only.
 
 use std::{
-    collections::HashMap,
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap},
     sync::{Mutex, MutexGuard},
     time::Duration,
 };
@@ -34,6 +35,12 @@ use crate::{
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     records: Mutex<HashMap<RecordId, Record>>,
+    /// When each record may be purged, earliest first: an entry is pushed each time a
+    /// record's deadline is set (`begin`, `complete`, `renew`), and one made stale by a later
+    /// deadline or a removal is dropped when it comes up. A purge reads only what is due,
+    /// instead of scanning every record under the lock every request waits on. Locked
+    /// after `records`, never before.
+    deadlines: Mutex<BinaryHeap<Reverse<(Instant, RecordId)>>>,
     /// `None`: Tokio's clock and random tokens. `Some`: see [`MemoryStore::with_manual_clock`].
     manual: Option<Mutex<ManualClock>>,
     /// See [`MemoryStore::with_unknown_outcome_retention`]; `None`: the default.
@@ -110,6 +117,7 @@ impl MemoryStore {
     pub fn with_manual_clock() -> Self {
         Self {
             records: Mutex::default(),
+            deadlines: Mutex::default(),
             manual: Some(Mutex::new(ManualClock {
                 base: Instant::now(),
                 elapsed: Duration::ZERO,
@@ -178,11 +186,17 @@ impl MemoryStore {
     /// not would split a key space in two.)
     pub fn snapshot(&self) -> Self {
         let (records, manual) = self.contents();
-        Self {
-            records: Mutex::new(records.into_iter().collect()),
+        let copy = Self {
+            records: Mutex::new(HashMap::new()),
+            deadlines: Mutex::default(),
             manual: manual.map(Mutex::new),
             unknown_outcome_retention: self.unknown_outcome_retention,
+        };
+        for (id, record) in records {
+            copy.schedule(&id, &record);
+            copy.lock().insert(id, record);
         }
+        copy
     }
 
     /// How many records the map holds, expired ones included.
@@ -197,6 +211,26 @@ impl MemoryStore {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<RecordId, Record>> {
         lock(&self.records)
+    }
+
+    /// When `record` may be purged: its retention's end, or for an attempt that never
+    /// completed its lease's end plus the unknown-outcome retention (`None`: never).
+    fn purge_at(&self, record: &Record) -> Option<Instant> {
+        match record.state {
+            // An expired lease is an outcome nobody knows: kept as long as an outcome.
+            State::InFlight { lease_until, .. } => lease_until.checked_add(
+                self.unknown_outcome_retention
+                    .unwrap_or(UNKNOWN_OUTCOME_RETENTION),
+            ),
+            State::Completed { expires_at, .. } => Some(expires_at),
+        }
+    }
+
+    /// Notes `record`'s purge deadline, just set (called with `records` locked).
+    fn schedule(&self, id: &RecordId, record: &Record) {
+        if let Some(at) = self.purge_at(record) {
+            lock(&self.deadlines).push(Reverse((at, *id)));
+        }
     }
 
     /// Runs `f` on the record if `token` owns it: in flight under this token, whether or not
@@ -274,17 +308,16 @@ impl Store for MemoryStore {
                 _ => false,
             };
             let token = self.new_token();
-            records.insert(
-                *id,
-                Record {
-                    fingerprint: *fp,
-                    created_at: now,
-                    state: State::InFlight {
-                        token,
-                        lease_until: now + lease.min(crate::FOR_GOOD),
-                    },
+            let record = Record {
+                fingerprint: *fp,
+                created_at: now,
+                state: State::InFlight {
+                    token,
+                    lease_until: now + lease.min(crate::FOR_GOOD),
                 },
-            );
+            };
+            self.schedule(id, &record);
+            records.insert(*id, record);
             Ok(if taken_over {
                 Begin::TakeOver(token)
             } else {
@@ -319,6 +352,7 @@ impl Store for MemoryStore {
                 outcome: outcome.clone(),
                 expires_at: self.now() + retention.min(crate::FOR_GOOD),
             };
+            self.schedule(id, record);
             Ok(())
         })
         .await
@@ -336,40 +370,42 @@ impl Store for MemoryStore {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         crate::observe(self.name(), "renew", async {
             self.with_owned(id, token, |records| {
-                if let Some(Record {
-                    state: State::InFlight { lease_until, .. },
-                    ..
-                }) = records.get_mut(id)
+                if let Some(record) = records.get_mut(id)
+                    && let State::InFlight { lease_until, .. } = &mut record.state
                 {
                     *lease_until = self.now() + lease.min(crate::FOR_GOOD);
+                    self.schedule(id, record);
                 }
             })
         })
         .await
     }
 
+    /// Takes the due deadlines off the heap, earliest first, and removes each record whose
+    /// deadline (read now: a renewal or a completion may have moved it) has passed.
     async fn purge_expired(&self, batch: usize) -> Result<u64> {
         let mut records = self.lock();
+        let mut deadlines = lock(&self.deadlines);
         let now = self.now();
-        let keep_unknown = self
-            .unknown_outcome_retention
-            .unwrap_or(UNKNOWN_OUTCOME_RETENTION);
-        let expired: Vec<RecordId> = records
-            .iter()
-            .filter(|(_, r)| match r.state {
-                // An expired lease is an outcome nobody knows: kept as long as an outcome.
-                State::InFlight { lease_until, .. } => lease_until
-                    .checked_add(keep_unknown)
-                    .is_some_and(|until| until <= now),
-                State::Completed { expires_at, .. } => expires_at <= now,
-            })
-            .map(|(id, _)| *id)
-            .take(batch)
-            .collect();
-        for id in &expired {
-            records.remove(id);
+        let mut purged = 0;
+        while purged < batch {
+            match deadlines.peek() {
+                Some(Reverse((at, _))) if *at <= now => {}
+                _ => break,
+            }
+            let Some(Reverse((_, id))) = deadlines.pop() else {
+                break;
+            };
+            let due = records
+                .get(&id)
+                .and_then(|record| self.purge_at(record))
+                .is_some_and(|at| at <= now);
+            if due {
+                records.remove(&id);
+                purged += 1;
+            }
         }
-        Ok(expired.len() as u64)
+        Ok(purged as u64)
     }
 
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
