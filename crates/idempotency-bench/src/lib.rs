@@ -29,7 +29,7 @@ use idempotency_test::services;
 
 pub use fault::Bucket;
 pub use report::{Ratio, Report};
-pub use scale::{ScaleSettings, run as run_scale};
+pub use scale::{ScaleSettings, run as run_scale, run_memory as run_scale_memory};
 pub use stats::{Measured, Round};
 
 use crate::{

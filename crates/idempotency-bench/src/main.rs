@@ -2,13 +2,14 @@
 //!
 //! Run with: `cargo run --release -p idempotency-bench -- [--concurrency 32] [--seconds 5] [--rounds 5] [--smoke] [--only http-first] [--out target/bench]`
 //! Scale (its own Postgres, millions of rows): `-- --scale [--scale-rows 10000000] [--scale-expired 1000000]`
+//! The same on the memory store: `-- --scale-memory --scale-rows 1000000 --scale-expired 100000`
 //! Every flag: `-- --help`.
 #![allow(clippy::print_stdout)]
 
 use std::{path::PathBuf, time::Duration};
 
 use clap::Parser;
-use idempotency_bench::{Report, ScaleSettings, Settings, run, run_scale};
+use idempotency_bench::{Report, ScaleSettings, Settings, run, run_scale, run_scale_memory};
 
 /// The benchmarks: the stores and the HTTP layer against hand-written baselines, on real
 /// Postgres and Redis containers (or the services named by IDEMPOTENCY_TEST_POSTGRES_URL /
@@ -42,6 +43,9 @@ struct Cli {
     /// Instead of the groups: the scale run (its own Postgres, millions of rows).
     #[arg(long)]
     scale: bool,
+    /// The scale run on the memory store instead of Postgres (no containers).
+    #[arg(long)]
+    scale_memory: bool,
     /// Rows in the table for the scale run [default: 10000000]; implies --scale.
     #[arg(long)]
     scale_rows: Option<u64>,
@@ -79,20 +83,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     settings.only = cli.only;
     let out = cli.out;
-    let scale = (cli.scale || cli.scale_rows.is_some() || cli.scale_expired.is_some()).then(|| {
-        let mut scale = ScaleSettings::default();
-        if let Some(rows) = cli.scale_rows {
-            scale.rows = rows;
-        }
-        if let Some(expired) = cli.scale_expired {
-            scale.expired = expired;
-        }
-        scale
-    });
+    let scale =
+        (cli.scale || cli.scale_memory || cli.scale_rows.is_some() || cli.scale_expired.is_some())
+            .then(|| {
+                let mut scale = ScaleSettings::default();
+                if let Some(rows) = cli.scale_rows {
+                    scale.rows = rows;
+                }
+                if let Some(expired) = cli.scale_expired {
+                    scale.expired = expired;
+                }
+                scale
+            });
     if let Some(scale) = scale {
-        let (measured, ratios) = idempotency_test::block_on(run_scale(scale))?;
+        let (measured, ratios) = if cli.scale_memory {
+            idempotency_test::block_on(run_scale_memory(scale))?
+        } else {
+            idempotency_test::block_on(run_scale(scale))?
+        };
         let report = Report {
             settings: serde_json::json!({
+                "store": if cli.scale_memory { "memory" } else { "postgres" },
                 "rows": scale.rows,
                 "expired": scale.expired,
                 "concurrency": scale.concurrency,
@@ -106,8 +117,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         println!("{}", report.markdown());
         std::fs::create_dir_all(&out)?;
-        std::fs::write(out.join("scale.json"), serde_json::to_vec_pretty(&report)?)?;
-        println!("wrote {}/scale.json", out.display());
+        let file = if cli.scale_memory {
+            "scale-memory.json"
+        } else {
+            "scale.json"
+        };
+        std::fs::write(out.join(file), serde_json::to_vec_pretty(&report)?)?;
+        println!("wrote {}/{file}", out.display());
         return Ok(());
     }
     // The harness's runtime: its containers and pools live on it.

@@ -2,7 +2,8 @@
 //!
 //! On a Postgres of its own (the table is filled to millions of rows): `begin` latency with
 //! 10 k rows, then with the full table; then the writers' latency while a batched purge
-//! deletes the expired rows, against the same writers just before.
+//! deletes the expired rows, against the same writers just before. The same on the memory
+//! store (`--scale-memory`): its purge takes the lock every request waits on.
 
 use std::{
     sync::{
@@ -13,7 +14,8 @@ use std::{
 };
 
 use idempotency::{
-    Begin, Fingerprint, IdempotencyKey, Purger, RecordId, Scope, Store, postgres::PostgresStore,
+    Begin, Fingerprint, IdempotencyKey, MemoryStore, Purger, RecordId, Scope, Store,
+    postgres::PostgresStore,
 };
 use idempotency_test::services;
 
@@ -82,13 +84,16 @@ async fn fill(pool: &sqlx::PgPool, from: u64, to: u64, expired: u64) -> Result<(
 }
 
 /// Writers doing `begin` + `complete` on new keys until `stop` (or `duration`): the `begin`
-/// latency and the whole operation's.
+/// latency and the whole operation's. `cycle`: each writer's keys repeat after this many (a
+/// repeat's `begin` replays and is counted as one operation), so that a store without I/O
+/// (the memory store, a million calls a second) does not fill its memory while measured.
 async fn writers(
-    store: Arc<PostgresStore>,
+    store: Arc<dyn Store>,
     group: &str,
     concurrency: usize,
     duration: Duration,
     stop: Arc<AtomicBool>,
+    cycle: Option<u64>,
 ) -> (Measured, Measured) {
     let scope = Scope::new(uuid::Uuid::new_v4().to_string());
     let started = Instant::now();
@@ -99,16 +104,25 @@ async fn writers(
             let mut n = 0u64;
             let fp = Fingerprint::of(b"scale");
             while started.elapsed() < duration && !stop.load(Ordering::Relaxed) {
-                let key = IdempotencyKey::new(format!("w{w}-{n}"))
+                let key = IdempotencyKey::new(format!("w{w}-{}", cycle.map_or(n, |c| n % c)))
                     .unwrap_or_else(|e| unreachable!("{e}"));
                 let id = RecordId::new(&scope, &key);
                 n += 1;
                 let t = Instant::now();
-                let Ok(Begin::Execute(token)) =
-                    store.begin(&id, &fp, Duration::from_secs(30)).await
-                else {
-                    errors += 1;
-                    continue;
+                let token = match store.begin(&id, &fp, Duration::from_secs(30)).await {
+                    Ok(Begin::Execute(token)) => token,
+                    Ok(Begin::Replay(_)) if cycle.is_some() => {
+                        stats::record(&mut begins, t.elapsed());
+                        stats::record(&mut ops, t.elapsed());
+                        // A store without I/O never yields: let the purge and the other
+                        // writers run.
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    _ => {
+                        errors += 1;
+                        continue;
+                    }
                 };
                 stats::record(&mut begins, t.elapsed());
                 match store
@@ -139,10 +153,32 @@ async fn writers(
     )
 }
 
-/// Runs the scale scenarios; returns what was measured and the ratios the targets name.
-pub async fn run(
-    settings: ScaleSettings,
-) -> Result<(Vec<Measured>, Vec<Ratio>), Box<dyn std::error::Error>> {
+/// Completes records `from..to` through the store's own calls (those below `expired` kept
+/// a millisecond, the others a day).
+async fn fill_memory(store: &MemoryStore, from: u64, to: u64, expired: u64) -> Result<(), Error> {
+    let (scope, fp) = (Scope::new("scale"), Fingerprint::of(b"fp"));
+    for i in from..to {
+        let key = IdempotencyKey::new(format!("scale-{i}"))?;
+        let id = RecordId::new(&scope, &key);
+        let Begin::Execute(token) = store.begin(&id, &fp, Duration::from_secs(30)).await? else {
+            return Err(format!("scale-{i} was not new").into());
+        };
+        let retention = if i < expired {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_secs(24 * 3600)
+        };
+        store.complete(&id, token, &outcome(), retention).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(2)).await; // the expired ones are now
+    Ok(())
+}
+
+type Error = Box<dyn std::error::Error>;
+
+/// Runs the scale scenarios on Postgres; returns what was measured and the ratios the
+/// targets name.
+pub async fn run(settings: ScaleSettings) -> Result<(Vec<Measured>, Vec<Ratio>), Error> {
     if services::skipping() {
         return Err("service-backed benchmarks were opted out".into());
     }
@@ -157,21 +193,45 @@ pub async fn run(
     );
     store.migrate().await?;
     let pool = store.pool().clone();
+    measure(settings, store, None, async |from, to, expired| {
+        Ok(fill(&pool, from, to, expired).await?)
+    })
+    .await
+}
+
+/// The same scenarios on the memory store (`settings.rows` records, filled through its
+/// own calls).
+pub async fn run_memory(settings: ScaleSettings) -> Result<(Vec<Measured>, Vec<Ratio>), Error> {
+    let store = Arc::new(MemoryStore::new());
+    let filled = store.clone();
+    measure(settings, store, Some(1000), async |from, to, expired| {
+        fill_memory(&filled, from, to, expired).await
+    })
+    .await
+}
+
+async fn measure(
+    settings: ScaleSettings,
+    store: Arc<dyn Store>,
+    cycle: Option<u64>,
+    fill: impl AsyncFn(u64, u64, u64) -> Result<(), Error>,
+) -> Result<(Vec<Measured>, Vec<Ratio>), Error> {
     let (c, d) = (settings.concurrency, settings.duration);
     let never = Arc::new(AtomicBool::new(false));
     let mut measured = Vec::new();
 
     let small = 10_000.min(settings.rows);
-    fill(&pool, 0, small, 0).await?;
-    let (small_begin, _) = writers(store.clone(), "scale 10k rows", c, d, never.clone()).await;
+    fill(0, small, 0).await?;
+    let (small_begin, _) =
+        writers(store.clone(), "scale 10k rows", c, d, never.clone(), cycle).await;
     measured.push(small_begin.clone());
 
     let t = Instant::now();
     // The expired rows are the first `expired` of the rest.
-    fill(&pool, small, settings.rows, small + settings.expired).await?;
+    fill(small, settings.rows, small + settings.expired).await?;
     let fill_s = t.elapsed().as_secs_f64();
     let label = format!("scale {} rows", settings.rows);
-    let (large_begin, before) = writers(store.clone(), &label, c, d, never.clone()).await;
+    let (large_begin, before) = writers(store.clone(), &label, c, d, never.clone(), cycle).await;
     measured.push(large_begin.clone());
     let mut before = before;
     before.group = "purge: writers before".into();
@@ -185,6 +245,7 @@ pub async fn run(
         c,
         Duration::from_secs(3600),
         stop.clone(),
+        cycle,
     ));
     // The library's purger, as an application runs it: small batches, each followed by a
     // pause in proportion to its time.
