@@ -789,33 +789,16 @@ fn concurrent_calls_share_statements() {
 #[test]
 fn a_claim_whose_batch_died_unanswered_is_given_back() {
     block_on(async {
-        // A lock wait far longer than the steps below: the batch waits, it does not give up.
-        let settings = GroupCommit::default().lock_timeout(Duration::from_secs(10));
-        let Some(store) = group_commit_store_with(settings).await else {
+        let Some(HeldPair {
+            store,
+            first,
+            second,
+            mut holds,
+            doomed,
+        }) = held_pair().await
+        else {
             return;
         };
-        let store = Arc::new(store);
-        let (first, second) = (fresh_id(), fresh_id());
-        // Two transactions hold each key's insert open: claims of them wait until they end.
-        let mut holds = Vec::new();
-        for id in [&first, &second] {
-            let mut tx = store.pool().begin().await.expect("tx");
-            sqlx::query(
-                "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, \
-                 expires_at) VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 minute')",
-            )
-            .bind(&id.as_bytes()[..])
-            .bind(&fp("other").as_bytes()[..])
-            .execute(&mut *tx)
-            .await
-            .expect("hold the key");
-            holds.push(tx);
-        }
-        let doomed = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
         // The first claim runs alone on the doomed runtime, holding the batch slot.
         let lone = {
             let store = store.clone();
@@ -850,6 +833,105 @@ fn a_claim_whose_batch_died_unanswered_is_given_back() {
         }
         assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
     });
+}
+
+/// The mirror image: the drain lives and the caller is gone. A claim queued from a runtime
+/// that shuts down while a drain on another runtime runs its batch cannot be handed to a
+/// task of its own (its runtime takes no more), so its answer finds nobody. The drain gives
+/// the grant back; it threw it away, and the key answered `InFlight` for a whole lease, then
+/// `TakeOver` for an operation that never ran.
+#[test]
+fn a_claim_whose_caller_died_during_its_batch_is_given_back() {
+    block_on(async {
+        let Some(HeldPair {
+            store,
+            first,
+            second,
+            mut holds,
+            doomed,
+        }) = held_pair().await
+        else {
+            return;
+        };
+        // The first claim runs alone on this runtime, holding the batch slot.
+        let lone = {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&first, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The second queues behind it, from the doomed runtime.
+        let queued = {
+            let store = store.clone();
+            doomed.spawn(async move { store.begin(&second, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The first ends; its slot passes to a drain task on this runtime, whose batch now
+        // waits on the second key.
+        holds.remove(0).rollback().await.expect("rollback");
+        let lone = lone.await.expect("task");
+        assert!(matches!(lone, Ok(Begin::Execute(_))), "{lone:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        doomed.shutdown_background(); // the queued caller is dropped mid-statement
+        drop(queued);
+        // The statement commits the second claim; its answer finds nobody.
+        holds.remove(0).rollback().await.expect("rollback");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        store.drain().await; // the give-back
+        let again = store.begin(&second, &fp("a"), LONG).await;
+        assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+    });
+}
+
+/// A group-commit store whose batches wait on a lock far longer than a test's steps, two
+/// fresh keys whose inserts two transactions hold open (claims of them wait until they end),
+/// and a runtime to shut down under a claim.
+struct HeldPair {
+    store: Arc<PostgresStore>,
+    first: idempotency_core::RecordId,
+    second: idempotency_core::RecordId,
+    holds: Vec<sqlx::Transaction<'static, sqlx::Postgres>>,
+    doomed: tokio::runtime::Runtime,
+}
+
+async fn held_pair() -> Option<HeldPair> {
+    let settings = GroupCommit::default().lock_timeout(Duration::from_secs(10));
+    let store = Arc::new(group_commit_store_with(settings).await?);
+    let (first, second) = (fresh_id(), fresh_id());
+    let mut holds = Vec::new();
+    for id in [&first, &second] {
+        holds.push(hold_insert(&store, id).await);
+    }
+    let doomed = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    Some(HeldPair {
+        store,
+        first,
+        second,
+        holds,
+        doomed,
+    })
+}
+
+/// Opens a transaction that inserts `id`'s row and holds it: claims of the key wait until
+/// it ends.
+async fn hold_insert(
+    store: &PostgresStore,
+    id: &idempotency_core::RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = store.pool().begin().await.expect("tx");
+    sqlx::query(
+        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, \
+         expires_at) VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 minute')",
+    )
+    .bind(&id.as_bytes()[..])
+    .bind(&fp("other").as_bytes()[..])
+    .execute(&mut *tx)
+    .await
+    .expect("hold the key");
+    tx
 }
 
 /// A key whose row another transaction holds (an application's `complete_in` that has not

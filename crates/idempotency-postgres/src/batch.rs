@@ -135,10 +135,10 @@ impl Batches {
         Self {
             pool,
             settings,
-            begin: Batcher::new(run_begin),
-            complete: Batcher::new(run_complete),
-            release: Batcher::new(run_release),
-            renew: Batcher::new(run_renew),
+            begin: Batcher::new(run_begin, |round| matches!(round, Round::Granted(_))),
+            complete: Batcher::new(run_complete, |_| false),
+            release: Batcher::new(run_release, |_| false),
+            renew: Batcher::new(run_renew, |_| false),
         }
     }
 
@@ -245,6 +245,8 @@ type Reply<R> = oneshot::Sender<Result<Option<R>>>;
 pub(crate) struct Batcher<J, R> {
     queue: Mutex<Queue<J, R>>,
     run: Run<J, R>,
+    /// Whether an answer grants its job's claim (a `begin` that inserted its row).
+    grants: fn(&R) -> bool,
 }
 
 struct Queue<J, R> {
@@ -286,7 +288,7 @@ impl<J, R> std::fmt::Debug for Batcher<J, R> {
 }
 
 impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
-    fn new(run: Run<J, R>) -> Self {
+    fn new(run: Run<J, R>, grants: fn(&R) -> bool) -> Self {
         Self {
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
@@ -296,6 +298,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 stats: GroupCommitStats::default(),
             }),
             run,
+            grants,
         }
     }
 
@@ -515,9 +518,21 @@ async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R
             queue.waiting.drain(..n).collect()
         };
         let (jobs, replies): (Vec<J>, Vec<Reply<R>>) = jobs.into_iter().unzip();
+        let claims: Vec<_> = jobs.iter().map(Keyed::claim).collect();
         let answers = run_bounded(batcher.run, &slot.store, jobs).await;
-        for (reply, answer) in replies.into_iter().zip(answers) {
-            let _ = reply.send(answer); // a caller that went away: its call landed anyway
+        let mut orphaned = Vec::new();
+        for ((reply, answer), claim) in replies.into_iter().zip(answers).zip(claims) {
+            let granted = matches!(&answer, Ok(Some(r)) if (batcher.grants)(r));
+            // A caller that went away: its call landed anyway. A caller dropped while it
+            // waits hands its claim to a task that takes this answer, unless it could not
+            // (its runtime shutting down): a grant nobody holds would answer `InFlight` for
+            // the lease, then `TakeOver` for an operation that never ran: given back.
+            if reply.send(answer).is_err() && granted {
+                orphaned.extend(claim);
+            }
+        }
+        if !orphaned.is_empty() {
+            release_later(&slot.store, orphaned);
         }
     }
 }
