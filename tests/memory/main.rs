@@ -541,6 +541,50 @@ fn an_outcome_not_stored_within_the_lease_is_stored_later() {
     });
 }
 
+/// A store that takes the lease's renewals while it refuses outcomes for a while (the
+/// Postgres store's group commit runs completes and renewals in separate batches: a full
+/// queue of completes, a batch of them past the statement timeout) is not refusing this
+/// outcome for good: the background write keeps trying for a whole lease of such refusals,
+/// and stores it. It gave up after three, within a second, and a retry after the lease ran
+/// the operation a second time.
+#[test]
+fn an_outcome_refused_for_less_than_a_lease_while_renewals_pass_is_stored_late() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let lease = Duration::from_secs(5);
+        let executor =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let (scope, key, fp) = (
+            Scope::new("refused-a-while"),
+            IdempotencyKey::new("k").expect("key"),
+            Fingerprint::of(b"p"),
+        );
+        // About nine tries fit in the lease; the background write meets four more refusals
+        // (within a second and a half), then the store takes it.
+        store.fail_completes(13);
+        let first = executor
+            .run(&scope, &key, &fp, || async {
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
+        executor.drain().await;
+        tokio::time::sleep(lease).await; // the lease is long over
+        let again = executor
+            .run(&scope, &key, &fp, || async {
+                Ok::<_, ()>("twice".to_owned())
+            })
+            .await
+            .expect("replay");
+        assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+    });
+}
+
 /// A store that takes the lease's renewals but refuses the outcome (too large, a
 /// constraint) is up: the background write gives up after three such refusals instead of
 /// holding the key "in flight" for an hour, and `drain` does not wait for it that long.

@@ -787,8 +787,11 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
 /// unreachable, and the tries of many tasks are spread by their tokens): a retry that
 /// reaches the store as it comes back can still win that race. Between tries it renews the
 /// lease, so a retry that lands first answers "in flight" where it can. A store that takes
-/// the renewal but refuses the outcome three times running is up and refuses this outcome
-/// (too large, a constraint): the task gives up rather than hold the key for an hour.
+/// the renewal but refuses the outcome three times running, for a whole lease, is up and
+/// refuses this outcome (too large, a constraint): the task gives up rather than hold the
+/// key for an hour. (Not sooner: a store may take renewals and refuse outcomes for a while
+/// for reasons of its own, such as the Postgres store's group commit, whose completes and
+/// renewals run in separate batches, a full queue of one refusing while the other runs.)
 /// Returns whether the outcome was stored: `false` when the store answered that the token
 /// no longer owns the record (`LeaseLost`: another attempt took over), another error, a
 /// refusal as above, or the grace ran out. Run it in a task of its own, tracked by the
@@ -819,7 +822,8 @@ pub async fn complete_late<S: Store + ?Sized>(
     // Spread over a second by the token, so the tasks of one outage do not try in step.
     let spread = Duration::from_millis(u64::from(token.as_uuid().as_bytes()[0]) * 4);
     let mut backoff = Duration::from_millis(100);
-    let mut refused = 0;
+    // Refusals in a row while renewals went through, and since when.
+    let (mut refused, mut refused_since) = (0, Instant::now());
     loop {
         let error = match store.complete(id, token, outcome, retention).await {
             Ok(()) => {
@@ -838,8 +842,11 @@ pub async fn complete_late<S: Store + ?Sized>(
         };
         // Only a lease still ours is renewed (fenced on the token).
         if store.renew(id, token, lease).await.is_ok() {
+            if refused == 0 {
+                refused_since = Instant::now();
+            }
             refused += 1;
-            if refused >= 3 {
+            if refused >= 3 && refused_since.elapsed() >= lease {
                 tracing::error!(%error, record = %id, "the store is up but refuses this outcome; a retry after the lease runs the operation again");
                 return false;
             }
