@@ -50,6 +50,23 @@
 //! Keys are read as an RFC 8941 sf-string (`"abc"`) or a bare value (`abc`): both name the
 //! same key. Every error body is `application/problem+json` (RFC 9457).
 //!
+//! # What the fingerprint covers
+//! The method, the path and query as the client sent them, and the body's bytes (or its
+//! canonical JSON, [`IdempotencyLayer::canonical_json`]); no header unless named with
+//! [`IdempotencyLayer::fingerprint_headers`]. So a header that changes what the body means
+//! belongs in the fingerprint or the [scope](IdempotencyLayer::scope_fn): an account header
+//! (`On-Behalf-Of`, a connected account) or an API version, or the same key and body on
+//! another account replay the first account's charge.
+//!
+//! Layers that change the request or the response belong **outside** this one (added after
+//! it, with axum's `.layer`), so that it sees what the handler sees and stores what every
+//! client can read:
+//! - request decompression: inside, the fingerprint covers the compressed bytes, and a client
+//!   that compresses its retry again (gzip stamps the time) gets a 422, then, told to use a
+//!   new key, may charge twice;
+//! - response compression: inside, the response is stored compressed and replayed with its
+//!   `Content-Encoding` to a retry that did not ask for it.
+//!
 //! # What is stored
 //! 2xx, 3xx and 4xx responses except 401, 403, 406, 408, 409, 412, 415, 425, 428, 429
 //! ([`Policy`](idempotency_core::Policy) decides; configure it with
@@ -58,7 +75,8 @@
 //! (credentials, `Accept`, `If-Match`, `Content-Type`). A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
-//! headers, `Content-Length`, `Date` and (by default) `Set-Cookie` are not stored.
+//! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
+//! default) `Set-Cookie` are not stored.
 //!
 //! # Disconnects, cancellation, panics, long operations
 //! The claim (`Store::begin`) and the handler run to their end whatever happens to the
