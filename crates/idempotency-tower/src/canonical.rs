@@ -153,7 +153,15 @@ impl<'a> Parser<'a> {
         // `{"Amount":100,"amount":1}` had one form. Such a body is left to its raw bytes.
         let mut keys: Vec<&String> = members.iter().map(|m| &m.0).collect();
         keys.dedup(); // sorted: duplicates are adjacent
-        let mut lowered: Vec<String> = keys.iter().map(|key| key.to_lowercase()).collect();
+        // Folded as Go does (each character to one of its simple case folds: `ſ` is `s`,
+        // `ς` is `σ`, `K` (Kelvin) is `k`), which `to_lowercase` alone leaves apart.
+        let fold = |key: &str| -> String {
+            key.chars()
+                .flat_map(char::to_uppercase)
+                .flat_map(char::to_lowercase)
+                .collect()
+        };
+        let mut lowered: Vec<String> = keys.iter().map(|key| fold(key)).collect();
         lowered.sort_unstable();
         lowered.dedup();
         if lowered.len() != keys.len() {

@@ -115,6 +115,12 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             r#"{"amount":1,"Amount":100}"#,
             r#"{"Amount":100,"amount":1}"#,
         ),
+        // Go folds `ſ` (U+017F) to `s`; lowercasing leaves it.
+        (
+            "fold",
+            r#"{"deſtination":"acct_B","destination":"acct_A"}"#,
+            r#"{"destination":"acct_A","deſtination":"acct_B"}"#,
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -128,8 +134,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("zero", 422),
             ("exponent", 422),
             ("duplicate", 422),
-            ("case", 422)
+            ("case", 422),
+            ("fold", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 5);
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
 }
