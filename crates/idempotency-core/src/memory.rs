@@ -142,6 +142,9 @@ impl MemoryStore {
     /// ```
     pub fn with_unknown_outcome_retention(mut self, keep: Duration) -> Self {
         self.unknown_outcome_retention = Some(keep.min(crate::FOR_GOOD));
+        // Records already held have their deadlines moved.
+        let deadlines = self.deadlines_of(&self.lock());
+        *lock(&self.deadlines) = deadlines;
         self
     }
 
@@ -192,10 +195,9 @@ impl MemoryStore {
             manual: manual.map(Mutex::new),
             unknown_outcome_retention: self.unknown_outcome_retention,
         };
-        for (id, record) in records {
-            copy.schedule(&id, &record);
-            copy.lock().insert(id, record);
-        }
+        let records = records.into_iter().collect();
+        *lock(&copy.deadlines) = copy.deadlines_of(&records);
+        *copy.lock() = records;
         copy
     }
 
@@ -226,11 +228,28 @@ impl MemoryStore {
         }
     }
 
-    /// Notes `record`'s purge deadline, just set (called with `records` locked).
-    fn schedule(&self, id: &RecordId, record: &Record) {
-        if let Some(at) = self.purge_at(record) {
-            lock(&self.deadlines).push(Reverse((at, *id)));
+    /// Notes the purge deadline of `id`'s record, just set (called with `records` locked).
+    /// A queue grown to twice the records (entries left stale by releases, renewals and
+    /// completions, which go only when their own deadline comes, a day or more on) is
+    /// rebuilt from the records: memory stays bounded by the records, and so does the work
+    /// of a purge that comes up on stale entries.
+    fn schedule(&self, records: &HashMap<RecordId, Record>, id: &RecordId) {
+        let mut deadlines = lock(&self.deadlines);
+        if deadlines.len() >= 2 * records.len() + 1024 {
+            *deadlines = self.deadlines_of(records);
+        } else if let Some(at) = records.get(id).and_then(|record| self.purge_at(record)) {
+            deadlines.push(Reverse((at, *id)));
         }
+    }
+
+    fn deadlines_of(
+        &self,
+        records: &HashMap<RecordId, Record>,
+    ) -> BinaryHeap<Reverse<(Instant, RecordId)>> {
+        records
+            .iter()
+            .filter_map(|(id, record)| Some(Reverse((self.purge_at(record)?, *id))))
+            .collect()
     }
 
     /// Runs `f` on the record if `token` owns it: in flight under this token, whether or not
@@ -316,8 +335,8 @@ impl Store for MemoryStore {
                     lease_until: now + lease.min(crate::FOR_GOOD),
                 },
             };
-            self.schedule(id, &record);
             records.insert(*id, record);
+            self.schedule(&records, id);
             Ok(if taken_over {
                 Begin::TakeOver(token)
             } else {
@@ -352,7 +371,7 @@ impl Store for MemoryStore {
                 outcome: outcome.clone(),
                 expires_at: self.now() + retention.min(crate::FOR_GOOD),
             };
-            self.schedule(id, record);
+            self.schedule(&records, id);
             Ok(())
         })
         .await
@@ -374,7 +393,7 @@ impl Store for MemoryStore {
                     && let State::InFlight { lease_until, .. } = &mut record.state
                 {
                     *lease_until = self.now() + lease.min(crate::FOR_GOOD);
-                    self.schedule(id, record);
+                    self.schedule(records, id);
                 }
             })
         })
@@ -470,5 +489,33 @@ impl Store for MemoryStore {
     fn begin_settles_when_dropped(&self) -> bool {
         // `begin` never awaits: dropped, it did nothing or everything.
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each attempt leaves a deadline in the queue, which a release does not take out: a
+    /// key retried 10,000 times through a handler that fails (each attempt released) left
+    /// 10,000 entries for a day, and for good under an unknown-outcome retention of
+    /// `FOR_GOOD`. The queue is now rebuilt once it is twice the records.
+    #[tokio::test]
+    async fn released_attempts_do_not_grow_the_deadline_queue() {
+        let store =
+            MemoryStore::with_manual_clock().with_unknown_outcome_retention(crate::FOR_GOOD);
+        let (id, fp) = (RecordId::from_bytes([1; 32]), Fingerprint::of(b"p"));
+        for _ in 0..10_000 {
+            let Ok(Begin::Execute(token)) = store.begin(&id, &fp, Duration::from_secs(30)).await
+            else {
+                panic!("a released key runs again");
+            };
+            store.release(&id, token).await.expect("release");
+        }
+        assert!(
+            lock(&store.deadlines).len() <= 1024 + 2,
+            "{}",
+            lock(&store.deadlines).len()
+        );
     }
 }
