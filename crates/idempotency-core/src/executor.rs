@@ -787,7 +787,7 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
 /// unreachable, and the tries of many tasks are spread by their tokens): a retry that
 /// reaches the store as it comes back can still win that race. Between tries it renews the
 /// lease, so a retry that lands first answers "in flight" where it can. A store that takes
-/// the renewal but refuses the outcome three times running, for a whole lease, is up and
+/// the renewal but refuses the outcome three times, over a whole lease, is up and
 /// refuses this outcome (too large, a constraint): the task gives up rather than hold the
 /// key for an hour. (Not sooner: a store may take renewals and refuse outcomes for a while
 /// for reasons of its own, such as the Postgres store's group commit, whose completes and
@@ -822,7 +822,7 @@ pub async fn complete_late<S: Store + ?Sized>(
     // Spread over a second by the token, so the tasks of one outage do not try in step.
     let spread = Duration::from_millis(u64::from(token.as_uuid().as_bytes()[0]) * 4);
     let mut backoff = Duration::from_millis(100);
-    // Refusals in a row while renewals went through, and since when.
+    // Refusals while renewals went through, and since the first.
     let (mut refused, mut refused_since) = (0, Instant::now());
     loop {
         let error = match store.complete(id, token, outcome, retention).await {
@@ -850,9 +850,9 @@ pub async fn complete_late<S: Store + ?Sized>(
                 tracing::error!(%error, record = %id, "the store is up but refuses this outcome; a retry after the lease runs the operation again");
                 return false;
             }
-        } else {
-            refused = 0;
         }
+        // A failed renewal does not restart the count: renewals that fail now and then
+        // would otherwise hold a key whose outcome is refused for good for the whole grace.
         tracing::debug!(%error, record = %id, "storing the outcome late; retrying");
         tokio::time::sleep(backoff + spread.min(backoff)).await;
         backoff = (backoff * 2).min(Duration::from_secs(1));
