@@ -1414,3 +1414,109 @@ fn a_restart_while_the_pool_is_idle_fails_no_call() {
         }
     });
 }
+
+/// A batch of completes that runs past the statement timeout (large outcomes, a row each
+/// slow to write) when no one of them alone would is not a refusal of each outcome: its
+/// calls go on alone, the per-request way. Each was answered `Unavailable`, and the cohort,
+/// retrying in step, failed together again until the background write took each refusal for
+/// the store refusing that outcome for good.
+#[test]
+fn a_batch_of_completes_past_the_statement_timeout_gives_its_calls_back() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let table = format!("gc_timeout_{}", uuid::Uuid::new_v4().simple());
+        let store = PostgresStore::builder(pg.url())
+            .table(table.clone())
+            .statement_timeout(Duration::from_secs(1))
+            .call_timeout(Duration::from_secs(5))
+            .group_commit(GroupCommit::default().concurrency(1))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        // Each stored outcome of status 299 takes 100 ms to write: one alone is well within
+        // the second, a batch of twenty is not.
+        for statement in [
+            "CREATE OR REPLACE FUNCTION slow_outcome() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(0.1); RETURN NEW; END $$"
+                .to_owned(),
+            format!(
+                "CREATE TRIGGER slow BEFORE UPDATE ON {table} FOR EACH ROW \
+                 WHEN (NEW.status = 299) EXECUTE FUNCTION slow_outcome()"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(store.pool())
+                .await
+                .expect("trigger");
+        }
+        let store = Arc::new(store);
+        let ids: Vec<_> = (0..21).map(|_| fresh_id()).collect();
+        let mut tokens = Vec::new();
+        for id in &ids {
+            tokens.push(execute(&*store, id, &fp("a"), LONG).await);
+        }
+        let outcome = Outcome::new(299).with_body("slow");
+        let completes = ids.iter().zip(&tokens).map(|(id, token)| {
+            let (store, id, token, outcome) = (store.clone(), *id, *token, outcome.clone());
+            tokio::spawn(async move { store.complete(&id, token, &outcome, LONG).await })
+        });
+        let answers: Vec<_> = futures::future::join_all(completes)
+            .await
+            .into_iter()
+            .map(|answer| answer.expect("task"))
+            .collect();
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+        for id in &ids {
+            let replay = store.begin(id, &fp("a"), LONG).await.expect("begin");
+            assert_eq!(replay, Begin::Replay(outcome.clone()));
+        }
+    });
+}
+
+/// A full queue of completes (Postgres not keeping up) refuses a claim, which ran nothing,
+/// but not an outcome, whose operation ran: the complete goes on alone, the per-request way.
+/// It was answered `Unavailable` at once, a refusal the background write could take for the
+/// store refusing that outcome for good.
+#[test]
+fn a_full_queue_sends_a_complete_the_per_request_way() {
+    block_on(async {
+        let settings = GroupCommit::default()
+            .max_batch(1)
+            .lock_timeout(Duration::from_secs(10));
+        let Some(store) = group_commit_store_with(settings).await else {
+            return;
+        };
+        let store = Arc::new(store);
+        let ids: Vec<_> = (0..41).map(|_| fresh_id()).collect();
+        let mut tokens = Vec::new();
+        for id in &ids {
+            tokens.push(execute(&*store, id, &fp("a"), LONG).await);
+        }
+        // The first complete takes the slot and waits on its row, locked here.
+        let mut lock = store.pool().begin().await.expect("tx");
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+            .bind(&ids[0].as_bytes()[..])
+            .execute(&mut *lock)
+            .await
+            .expect("lock the row");
+        let outcome = Outcome::new(201).with_body("ok");
+        let complete = |i: usize| {
+            let (store, id, token, outcome) = (store.clone(), ids[i], tokens[i], outcome.clone());
+            tokio::spawn(async move { store.complete(&id, token, &outcome, LONG).await })
+        };
+        let first = complete(0);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Thirty-two wait behind it (`max_batch` × 32), eight find the queue full.
+        let rest: Vec<_> = (1..ids.len()).map(complete).collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        lock.rollback().await.expect("rollback");
+        let mut answers = vec![first.await.expect("task")];
+        for answer in futures::future::join_all(rest).await {
+            answers.push(answer.expect("task"));
+        }
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    });
+}

@@ -316,8 +316,9 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     /// A call that finds a slot free and nobody waiting runs as a batch of one in the
     /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
     /// starts a draining task if a slot is free, or held by a lone call past its deadline. A
-    /// full queue (`max_batch` × 32 calls waiting) refuses at once with `Unavailable`:
-    /// back-pressure, not an ever longer wait; only a call that starts a drain joins it.
+    /// full queue (`max_batch` × 32 calls waiting) refuses a claim at once with
+    /// `Unavailable` (back-pressure, not an ever longer wait) and sends any other call the
+    /// per-request way; only a call that starts a drain joins it.
     pub(crate) async fn call(
         &self,
         store: &PostgresStore,
@@ -374,6 +375,11 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                     .pop()
                     .unwrap_or_else(|| Err(Error::unavailable("a batch lost its answer")))
             }
+            // A claim is refused (nothing ran). A complete, release or renew is the write of
+            // something that happened: it goes on alone, the per-request way, rather than be
+            // refused (an outcome refused now and again is taken, in the end, for the store
+            // refusing it for good, and its operation runs again after the lease).
+            (Start::Full, _) if claim.is_none() => Ok(None),
             (Start::Full, _) => Err(Error::unavailable(
                 "the group commit queue is full: Postgres is not keeping up",
             )),
@@ -555,6 +561,11 @@ fn give_back(error: &sqlx::Error) -> bool {
     }))
 }
 
+/// Whether a statement was cancelled by `statement_timeout` (and rolled back).
+fn statement_timed_out(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("57014"))
+}
+
 /// Whether a failed statement may have committed all the same: the connection broke after
 /// it was sent. (A database error means it rolled back; a pool timeout, that it never left.)
 fn in_doubt(error: &sqlx::Error) -> bool {
@@ -596,6 +607,12 @@ fn spread<J: Keyed, R, T>(
         }
         Err(error) if give_back(&error) => {
             tracing::debug!(%error, "a batch gave its calls back to the per-request path");
+        }
+        // A batch past the statement timeout (rolled back) may be too long only for being a
+        // batch (many large outcomes, many slow rows): its calls go on alone, each within
+        // the timeout, rather than fail together, retry together and fail again.
+        Err(error) if unique.len() > 1 && statement_timed_out(&error) => {
+            tracing::warn!(%error, calls = unique.len(), "a batch ran past the statement timeout; its calls go on alone");
         }
         Err(error) => {
             tracing::warn!(%error, calls = unique.len(), "a batch statement failed");
