@@ -118,6 +118,24 @@ fn quoted_and_bare_keys_name_the_same_record() {
     });
 }
 
+/// The draft's key is an sf-string, which may hold spaces: `"order 42"` is a key (it was a
+/// 400), replayed on retry; sent bare, a value with a space is no structured field (400).
+#[test]
+fn a_quoted_key_may_hold_spaces() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        let first = send(&router, "POST", Some("\"order 42\""), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        let retry = send(&router, "POST", Some("\"order 42\""), &[], "{}").await;
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(retry.body, first.body);
+        let bare = send(&router, "POST", Some("order 42"), &[], "{}").await;
+        assert_eq!(bare.status, 400);
+        assert_eq!(bare.problem_type(), "urn:idempotency:problem:invalid-key");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 #[test]
 fn bad_keys_are_400_problems() {
     block_on(async {

@@ -7,7 +7,9 @@ use sha2::{Digest, Sha256};
 /// The longest key accepted, as the IETF draft and most providers do.
 pub const MAX_KEY_LEN: usize = 255;
 
-/// A client-supplied `Idempotency-Key`: 1 to 255 visible ASCII characters (`0x21..=0x7e`).
+/// A client-supplied `Idempotency-Key`: 1 to 255 printable ASCII characters
+/// (`0x20..=0x7e`, what an RFC 8941 sf-string holds, as the IETF draft's key is), neither
+/// the first nor the last a space (transports trim them).
 ///
 /// Validated on construction, so every key a store sees is well formed.
 ///
@@ -17,7 +19,9 @@ pub const MAX_KEY_LEN: usize = 255;
 /// let key = IdempotencyKey::new("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap();
 /// assert_eq!(key.as_str().len(), 36);
 /// assert!(IdempotencyKey::new("").is_err());
-/// assert!(IdempotencyKey::new("has space").is_err());
+/// assert!(IdempotencyKey::new("order 42").is_ok());
+/// assert!(IdempotencyKey::new(" padded").is_err());
+/// assert!(IdempotencyKey::new("tab\there").is_err());
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
@@ -35,8 +39,11 @@ pub enum KeyError {
         /// The length of the rejected key.
         len: usize,
     },
-    /// The key holds a byte outside visible ASCII.
-    #[error("the idempotency key holds a character outside visible ASCII at position {position}")]
+    /// The key holds a byte outside printable ASCII, or starts or ends with a space.
+    #[error(
+        "the idempotency key holds a character outside printable ASCII, or a space at its \
+         start or end, at position {position}"
+    )]
     InvalidCharacter {
         /// Zero-based byte position of the first offending character.
         position: usize,
@@ -54,7 +61,7 @@ impl IdempotencyKey {
     /// Validates raw bytes (for example a header value) and wraps them as a key.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
         Self::validate(bytes)?;
-        // Visible ASCII is valid UTF-8.
+        // Printable ASCII is valid UTF-8.
         Ok(Self(String::from_utf8_lossy(bytes).into_owned()))
     }
 
@@ -65,8 +72,16 @@ impl IdempotencyKey {
         if bytes.len() > MAX_KEY_LEN {
             return Err(KeyError::TooLong { len: bytes.len() });
         }
-        if let Some(position) = bytes.iter().position(|b| !(0x21..=0x7e).contains(b)) {
+        if let Some(position) = bytes.iter().position(|b| !(0x20..=0x7e).contains(b)) {
             return Err(KeyError::InvalidCharacter { position });
+        }
+        if bytes[0] == b' ' {
+            return Err(KeyError::InvalidCharacter { position: 0 });
+        }
+        if bytes[bytes.len() - 1] == b' ' {
+            return Err(KeyError::InvalidCharacter {
+                position: bytes.len() - 1,
+            });
         }
         Ok(())
     }
@@ -213,8 +228,17 @@ mod tests {
     }
 
     #[test]
-    fn keys_are_bounded_visible_ascii() {
+    fn keys_are_bounded_printable_ascii() {
         assert!(IdempotencyKey::new("a").is_ok());
+        assert!(IdempotencyKey::new("order 42").is_ok());
+        assert_eq!(
+            IdempotencyKey::new(" a"),
+            Err(KeyError::InvalidCharacter { position: 0 })
+        );
+        assert_eq!(
+            IdempotencyKey::new("a "),
+            Err(KeyError::InvalidCharacter { position: 1 })
+        );
         assert!(IdempotencyKey::new("~!\"#").is_ok());
         assert!(IdempotencyKey::new("x".repeat(255)).is_ok());
         assert_eq!(

@@ -61,6 +61,13 @@ pub(crate) fn parse_value(raw: &[u8]) -> Result<IdempotencyKey, KeyProblem> {
             "a list of keys is not allowed; send exactly one key",
         ));
     }
+    // Nor is a bare value with a space a key (`a b` is no structured field): a key holding
+    // spaces is sent as an sf-string, quoted.
+    if trimmed.contains(&b' ') {
+        return Err(invalid(
+            "a key holding spaces must be sent quoted, as a structured-field string",
+        ));
+    }
     IdempotencyKey::from_bytes(trimmed).map_err(key_error)
 }
 
@@ -111,6 +118,14 @@ mod tests {
     fn a_bare_value_is_a_key_even_if_it_looks_like_another_item() {
         // `?1` is an sf-boolean, but clients send keys bare: a bare value is the key.
         assert_eq!(parse_value(b"?1").unwrap().as_str(), "?1");
+    }
+
+    #[test]
+    fn a_quoted_key_may_hold_spaces() {
+        // An sf-string holds 0x20..=0x7e: "order 42" is a key the draft allows.
+        assert_eq!(parse_value(br#""order 42""#).unwrap().as_str(), "order 42");
+        assert!(parse_value(b"order 42").is_err(), "bare, it must be quoted");
+        assert!(parse_value(br#"" padded""#).is_err());
     }
 
     #[test]

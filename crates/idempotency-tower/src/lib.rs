@@ -35,7 +35,7 @@
 //! | method not configured (default: anything but POST, PATCH) | passed through untouched |
 //! | no key, key optional (default) | passed through untouched |
 //! | no key, key required | 400 `urn:idempotency:problem:missing-key` |
-//! | key empty, > 255 chars, not visible ASCII, a list, a parameterised or non-string item, or several header lines | 400 `urn:idempotency:problem:invalid-key` |
+//! | key empty, > 255 chars, not printable ASCII, a space first or last or in a bare (unquoted) key, a list, a parameterised or non-string item, or several header lines | 400 `urn:idempotency:problem:invalid-key` |
 //! | body over the limit (by `Content-Length`, or while reading a chunked body) | 413 `urn:idempotency:problem:payload-too-large` |
 //! | body that breaks off before its end (a reset, an outer read timeout) | 400 `urn:idempotency:problem:invalid-request`; nothing runs, resend |
 //! | first request | runs the handler; stores the response if cacheable |
