@@ -40,15 +40,36 @@ pub(crate) struct App {
 }
 
 /// The scope of a key: the account. A stand-in for the authenticated principal.
+/// `account_readable` has refused a header this cannot read: falling back to a shared scope
+/// would replay one account's charge to another.
 pub(crate) fn scope(parts: &Parts) -> Scope {
     Scope::new(
         parts
             .headers
             .get("x-account-id")
             .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty())
             .unwrap_or("anonymous"),
     )
+}
+
+/// Refuses an `X-Account-Id` that is empty or not visible ASCII (400): read as no account,
+/// every such account would share the `anonymous` scope, and `josé` would be replayed
+/// `zoë`'s charge under the same key.
+async fn account_readable(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(account) = request.headers().get("x-account-id")
+        && account.to_str().map_or(true, str::is_empty)
+    {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-account",
+            "Unreadable account",
+            "X-Account-Id must be 1 or more visible ASCII characters",
+        );
+    }
+    next.run(request).await
 }
 
 pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
@@ -57,6 +78,7 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .route("/charges", post(create_charge))
         .route("/orders", post(create_order))
         .layer(layer)
+        .layer(axum::middleware::from_fn(account_readable))
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             crash_header_allowed,

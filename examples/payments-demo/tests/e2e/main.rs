@@ -168,6 +168,12 @@ fn exercise(demo: &Demo, mode: &str) {
     let other = post(demo, Some(&key), &[("x-account-id", "acct_other")], &body);
     assert_eq!(other.status, 201);
     assert_ne!(other.json()["id"], id.as_str());
+    // An account header the demo cannot read is refused, not taken for no account: every
+    // such account shared the `anonymous` scope, and was replayed this charge.
+    for unreadable in ["josé", ""] {
+        let refused = post(demo, Some(&key), &[("x-account-id", unreadable)], &body);
+        assert_problem(&refused, 400);
+    }
     // Same key, different body: 422.
     assert_problem(
         &post(demo, Some(&key), &[], &body.replace("1000", "2000")),
