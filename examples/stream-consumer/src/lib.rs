@@ -395,12 +395,11 @@ impl Consumer {
                 tracing::error!(%error, charge = %charge_id, id = %message.id, "the charge was applied but the outcome was not stored; acknowledging the message without a redelivery");
                 polled.not_stored += 1;
             }
-            // The store or the database could not be reached: nothing took effect, and no
-            // fault of the message. It stays pending, for a delivery once they are back.
-            Err(error @ RunError::Store(idempotency::Error::Unavailable(_)))
-            | Err(error @ RunError::Failed(_))
-                if outage(&error) =>
-            {
+            // Anything but a fault of the message (the store or the database unreachable,
+            // read-only, refusing the login, misconfigured): nothing took effect, or it rolled
+            // back. It stays pending, for a delivery once they are back, and does not count
+            // toward dead-lettering: a dead letter is acknowledged without its charge.
+            Err(error) if !fault_of_the_message(&error) => {
                 let error = error_chain(&error);
                 tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
                 polled.failed += 1;
@@ -498,24 +497,18 @@ impl Consumer {
     }
 }
 
-/// Whether a failed run met an outage rather than a fault of its message: the store
-/// unavailable before anything ran, or the database unreachable, restarting, overloaded or
-/// out of time mid-effect (the transaction then rolled back). Such runs neither count toward
-/// dead-lettering nor dead-letter.
-fn outage(error: &RunError<EffectError>) -> bool {
+/// Whether a failed run failed for its message's sake, so that another delivery would fail
+/// the same way: the ledger refused its data (a data exception, class 22, or a constraint,
+/// class 23), or the effect panicked. Only such failures count toward dead-lettering. Every
+/// other failure is the service's (the store or the database unreachable, restarting,
+/// read-only after a failover, refusing a rotated password, a table not migrated): a message
+/// dead-lettered for it would be acknowledged with its charge never applied.
+fn fault_of_the_message(error: &RunError<EffectError>) -> bool {
     match error {
-        RunError::Store(idempotency::Error::Unavailable(_))
-        | RunError::Failed(EffectError::Store(idempotency::Error::Unavailable(_))) => true,
-        RunError::Failed(EffectError::Database(sqlx::Error::Database(db))) => {
-            // Connection exception, transaction rollback (serialisation, deadlock),
-            // insufficient resources, operator intervention (shutdown, statement timeout).
-            db.code().is_some_and(|code| {
-                ["08", "40", "53", "57"]
-                    .iter()
-                    .any(|class| code.starts_with(class))
-            })
-        }
-        RunError::Failed(EffectError::Database(_)) => true, // I/O, pool, TLS, protocol
+        RunError::Failed(EffectError::Database(sqlx::Error::Database(db))) => db
+            .code()
+            .is_some_and(|code| code.starts_with("22") || code.starts_with("23")),
+        RunError::Panicked => true,
         _ => false,
     }
 }

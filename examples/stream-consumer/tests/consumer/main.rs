@@ -823,3 +823,60 @@ fn an_idle_message_behind_many_live_ones_is_claimed() {
         assert_eq!(rig.effects().await["ch_orphan"], 1);
     });
 }
+
+/// A database that refuses the ledger write for its own reasons (here read-only, as a pool
+/// left on a standby after a failover answers; a rotated password, a table not migrated do
+/// the same) is an outage, not a fault of the message: nothing is dead-lettered, however
+/// many deliveries fail, and the charge is applied once the database takes writes again.
+/// Only classes 08, 40, 53 and 57 were outages: after `max_failures` deliveries the message
+/// was dead-lettered and acknowledged, its charge never applied.
+#[test]
+fn a_database_refusing_writes_for_its_own_reasons_dead_letters_nothing() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let (function, table) = (format!("{}_read_only", rig.ledger), rig.ledger.clone());
+        for statement in [
+            format!(
+                "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                 RAISE EXCEPTION 'read-only' USING ERRCODE = '25006'; END $$"
+            ),
+            format!(
+                "CREATE TRIGGER read_only BEFORE INSERT ON {table} FOR EACH ROW \
+                 EXECUTE FUNCTION {function}()"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(rig.store.pool())
+                .await
+                .expect("trigger");
+        }
+        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c1").await;
+        consumer.claim_idle = Duration::from_millis(50);
+        consumer.max_failures = 1;
+        for _ in 0..3 {
+            let polled = consumer.poll(10).await.expect("poll");
+            assert_eq!(polled.dead_lettered, 0, "{polled:?}");
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        assert!(
+            rig.dead_letters(&format!("{}:dead", rig.stream))
+                .await
+                .is_empty()
+        );
+        assert_eq!(rig.pending().await, 1, "still pending");
+
+        let drop = format!("DROP TRIGGER read_only ON {table}");
+        sqlx::query(sqlx::AssertSqlSafe(drop))
+            .execute(rig.store.pool())
+            .await
+            .expect("drop trigger");
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(polled.applied, 1, "{polled:?}");
+        assert_eq!(rig.effects().await, HashMap::from([("ch_1".to_owned(), 1)]));
+        assert_eq!(rig.pending().await, 0);
+    });
+}
