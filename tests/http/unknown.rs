@@ -166,6 +166,41 @@ fn reconcile_replays_what_the_hook_found_and_runs_when_it_found_nothing() {
     });
 }
 
+/// The hook's answer is stored only if the policy stores its status: one it does not store
+/// (here a 502, a 409 or a 422 under a stricter rule) is answered and the key stays
+/// unresolved, so the next retry asks the hook again. It was stored whatever its status,
+/// and a refusal a retry could have got past was replayed for the whole retention.
+#[test]
+fn a_reconciled_answer_the_policy_does_not_store_is_not_stored() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = asked.clone();
+        let policy = OutcomeUnknown::reconcile(move |_| {
+            let count = count.clone();
+            async move {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(Some(Outcome::new(502).with_body("the processor is down")))
+            }
+        });
+        let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
+        let (key, _) = crashed_attempt(&*store).await;
+        for _ in 0..2 {
+            let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(answer.status, 502, "{}", answer.body);
+            assert_eq!(answer.body, "the processor is down");
+        }
+        assert_eq!(
+            asked.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "not stored: the retry asked the hook again"
+        );
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 #[test]
 fn a_failing_reconcile_hook_answers_503_and_runs_nothing() {
     block_on(async {

@@ -458,8 +458,17 @@ where
                     }
                 };
                 let reconciled = match found {
-                    Ok(Ok(Some(outcome))) => {
+                    // Stored only if the policy stores its status. One it does not (a 5xx, a
+                    // 409, a refusal the policy leaves out) is answered, and the key stays
+                    // unresolved: the lease ended, the record kept, so the next retry asks
+                    // the hook again rather than be replayed that answer for the retention.
+                    Ok(Ok(Some(outcome))) if config.policy.is_cacheable(outcome.status) => {
                         complete(&config, id, token, &outcome).await;
+                        Reconciled::Found(outcome)
+                    }
+                    Ok(Ok(Some(outcome))) => {
+                        let why = "a reconciled answer the policy does not store";
+                        let _ = settle_lease(&config, id, token, true, why).await;
                         Reconciled::Found(outcome)
                     }
                     // Nothing happened: run, on a whole lease, if the key is still ours.

@@ -90,7 +90,8 @@ pub enum OutcomeUnknown {
     /// Ask the application first: the hook gets the record id and the request
     /// ([`Unresolved`]) and looks for the earlier attempt's effect. `Some(outcome)`: the effect happened; the outcome is stored and
     /// answered as a replay (`Idempotent-Replayed: true`), and the operation does not run
-    /// again. `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
+    /// again (an outcome whose status the policy does not store is answered, not stored:
+    /// the next retry asks again). `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
     /// within half a lease: nobody knows yet; the answer is `503` with `Retry-After` and the
     /// key stays unresolved (the next retry asks again once this attempt's lease ran out).
     /// The lease is renewed while the hook runs.
