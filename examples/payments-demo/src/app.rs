@@ -162,6 +162,13 @@ pub(crate) fn reconcile(app: Arc<App>) -> OutcomeUnknown {
     OutcomeUnknown::reconcile(move |unresolved| {
         let app = app.clone();
         async move {
+            // Only charges are looked for. The orders handler creates once per record id (a
+            // unique constraint), so running it again answers the order a crashed attempt
+            // made; a charge found under an order's record id (the key charged before its
+            // record expired) is no answer to an order.
+            if unresolved.uri.path() != "/charges" {
+                return Ok(None);
+            }
             let Some(charge) = app.charges.by_record(&unresolved.record_id).await? else {
                 return Ok(None);
             };
