@@ -242,7 +242,9 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Begin>;
 
     /// Stores the outcome and keeps it for `retention` (from when the write lands, store
-    /// clock), if `token` still owns the record; `Ok` again if `token` already completed it.
+    /// clock), if `token` still owns the record; `Ok` again if `token` already completed it
+    /// and the record is still kept (past its retention, or once purged, the record is gone
+    /// and a store may answer `LeaseLost`: the Redis store does, its key having expired).
     async fn complete(
         &self,
         id: &RecordId,
