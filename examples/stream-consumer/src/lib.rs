@@ -498,17 +498,25 @@ impl Consumer {
 }
 
 /// Whether a failed run failed for its message's sake, so that another delivery would fail
-/// the same way: the ledger refused its data (a data exception, class 22, or a constraint,
-/// class 23), or the effect panicked. Only such failures count toward dead-lettering. Every
+/// the same way: the ledger refused its data (a data exception, class 22; a constraint, 23;
+/// a limit, 54; a validation trigger's error, P0), the effect panicked, or the charge's
+/// stored result no longer decodes. Only such failures count toward dead-lettering. Every
 /// other failure is the service's (the store or the database unreachable, restarting,
 /// read-only after a failover, refusing a rotated password, a table not migrated): a message
 /// dead-lettered for it would be acknowledged with its charge never applied.
 fn fault_of_the_message(error: &RunError<EffectError>) -> bool {
     match error {
-        RunError::Failed(EffectError::Database(sqlx::Error::Database(db))) => db
-            .code()
-            .is_some_and(|code| code.starts_with("22") || code.starts_with("23")),
-        RunError::Panicked => true,
+        // Data exception, integrity constraint, a value past a limit (54), an error a
+        // validation trigger raised (P0).
+        RunError::Failed(EffectError::Database(sqlx::Error::Database(db))) => {
+            db.code().is_some_and(|code| {
+                ["22", "23", "54", "P0"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            })
+        }
+        // The charge's stored result no longer decodes: every delivery would find it so.
+        RunError::Panicked | RunError::Store(idempotency::Error::Corrupt(_)) => true,
         _ => false,
     }
 }

@@ -880,3 +880,42 @@ fn a_database_refusing_writes_for_its_own_reasons_dead_letters_nothing() {
         assert_eq!(rig.pending().await, 0);
     });
 }
+
+/// A charge whose stored result no longer decodes fails on every delivery, for the
+/// message's sake: it is dead-lettered after `max_failures`, as the crate's docs say. Read
+/// as an outage (the review of the previous commit), it stayed pending for ever.
+#[test]
+fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
+    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Scope, Store};
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let id = RecordId::new(
+            &Scope::new(format!("stream:{}:ledger", rig.stream)),
+            &IdempotencyKey::new("ch_1").expect("key"),
+        );
+        let fp = Fingerprint::of(&100i64.to_be_bytes());
+        let Begin::Execute(token) = rig
+            .store
+            .begin(&id, &fp, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("a fresh key");
+        };
+        let garbled = Outcome::new(200).with_body("not what the consumer stored");
+        rig.store
+            .complete(&id, token, &garbled, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c1").await;
+        consumer.max_failures = 1;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        assert_eq!(rig.pending().await, 0);
+    });
+}
