@@ -142,9 +142,7 @@ impl MemoryStore {
     /// ```
     pub fn with_unknown_outcome_retention(mut self, keep: Duration) -> Self {
         self.unknown_outcome_retention = Some(keep.min(crate::FOR_GOOD));
-        // Records already held have their deadlines moved.
-        let deadlines = self.deadlines_of(&self.lock());
-        *lock(&self.deadlines) = deadlines;
+        self.reschedule_all(); // records already held have their deadlines moved
         self
     }
 
@@ -190,14 +188,12 @@ impl MemoryStore {
     pub fn snapshot(&self) -> Self {
         let (records, manual) = self.contents();
         let copy = Self {
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(records.into_iter().collect()),
             deadlines: Mutex::default(),
             manual: manual.map(Mutex::new),
             unknown_outcome_retention: self.unknown_outcome_retention,
         };
-        let records = records.into_iter().collect();
-        *lock(&copy.deadlines) = copy.deadlines_of(&records);
-        *copy.lock() = records;
+        copy.reschedule_all();
         copy
     }
 
@@ -240,6 +236,12 @@ impl MemoryStore {
         } else if let Some(at) = records.get(id).and_then(|record| self.purge_at(record)) {
             deadlines.push(Reverse((at, *id)));
         }
+    }
+
+    /// Rebuilds the deadline queue from the records.
+    fn reschedule_all(&self) {
+        let records = self.lock();
+        *lock(&self.deadlines) = self.deadlines_of(&records);
     }
 
     fn deadlines_of(
