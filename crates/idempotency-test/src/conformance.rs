@@ -473,12 +473,14 @@ pub async fn retention_expiry_makes_the_record_absent(store: &dyn Store) {
     execute(store, &id, &fp("b"), LONG).await;
 }
 
-/// Purging keeps live records (completed and in flight) and leaves expired ones absent.
+/// Purging keeps live records (completed and in flight) and removes expired ones: the
+/// token that completed a purged record no longer finds it (before the purge, memory and
+/// Postgres answer its repeated `complete` with `Ok`; Redis lets the key expire by itself).
 pub async fn purge_removes_only_expired_records(store: &dyn Store) {
     let expired = fresh_id();
-    let token = execute(store, &expired, &fp("a"), LONG).await;
+    let expired_token = execute(store, &expired, &fp("a"), LONG).await;
     store
-        .complete(&expired, token, &sample_outcome(), SHORT)
+        .complete(&expired, expired_token, &sample_outcome(), SHORT)
         .await
         .expect("complete");
     let expired_lease = fresh_id();
@@ -511,6 +513,15 @@ pub async fn purge_removes_only_expired_records(store: &dyn Store) {
         .complete(&in_flight, in_flight_token, &sample_outcome(), LONG)
         .await
         .expect("the in-flight owner still owns its record after a purge");
+    assert!(
+        matches!(
+            store
+                .complete(&expired, expired_token, &sample_outcome(), LONG)
+                .await,
+            Err(Error::LeaseLost)
+        ),
+        "a purged record is gone: the token that completed it owns nothing"
+    );
     execute(store, &expired, &fp("b"), LONG).await;
     take_over(store, &expired_lease, &fp("a"), LONG).await;
 }
