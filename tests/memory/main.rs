@@ -614,6 +614,41 @@ fn an_outcome_a_live_store_keeps_refusing_is_not_retried_for_an_hour() {
     });
 }
 
+/// A store that refuses an outcome for good while its renewals fail now and then (a flaky
+/// path to it) is still refusing that outcome: the background write gives up after refusals
+/// spanning a lease. A failed renewal restarted the count, so renewals failing every other
+/// try held the key "in flight" for the whole hour's grace (the code before `997b04f`).
+#[tokio::test(start_paused = true)]
+async fn an_outcome_refused_for_good_while_renewals_fail_now_and_then_is_given_up() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Fingerprint, Outcome, RecordId, complete_late};
+    use idempotency_test::late::LateBegin;
+
+    let store = LateBegin::new(MemoryStore::new(), Duration::ZERO);
+    let (id, fp, lease) = (
+        RecordId::from_bytes([4; 32]),
+        Fingerprint::of(b"a charge"),
+        Duration::from_secs(1),
+    );
+    let Ok(Begin::Execute(token)) = store.begin(&id, &fp, lease).await else {
+        panic!("a fresh key executes");
+    };
+    store.fail_completes(u64::MAX);
+    store.fail_every_other_renewal();
+    let outcome = Outcome::new(201);
+    let given_up = tokio::time::timeout(
+        Duration::from_secs(120),
+        complete_late(&store, &id, token, &outcome, Duration::from_secs(60), lease),
+    )
+    .await;
+    assert_eq!(
+        given_up,
+        Ok(false),
+        "the write gave up within two minutes (of the paused clock)"
+    );
+}
+
 /// An attempt whose lease ran out unfinished is remembered (`TakeOver`: its outcome unknown)
 /// a day by default, and as long as configured: a store whose outcomes are kept longer than a
 /// day must remember a crash as long, or a retry on the second day runs as new.

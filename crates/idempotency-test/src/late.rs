@@ -30,6 +30,10 @@ pub struct LateBegin<S> {
     failing_releases: AtomicU64,
     /// How many of the next `renew` calls fail (`Unavailable`, nothing renewed).
     failing_renewals: AtomicU64,
+    /// Whether every other `renew` fails (see [`LateBegin::fail_every_other_renewal`]),
+    /// and how many were asked.
+    alternating_renewals: std::sync::atomic::AtomicBool,
+    renewals: AtomicU64,
     /// How many of the next `complete` calls answer `LeaseLost` (nothing stored).
     lost_completes: AtomicU64,
     /// How many of the next `complete` calls fail (`Unavailable`, nothing stored).
@@ -53,6 +57,8 @@ impl<S: Store> LateBegin<S> {
             drains: AtomicU64::new(0),
             failing_releases: AtomicU64::new(0),
             failing_renewals: AtomicU64::new(0),
+            alternating_renewals: std::sync::atomic::AtomicBool::new(false),
+            renewals: AtomicU64::new(0),
             lost_completes: AtomicU64::new(0),
             failing_completes: AtomicU64::new(0),
             release_before: std::sync::Mutex::new(None),
@@ -82,6 +88,13 @@ impl<S: Store> LateBegin<S> {
     /// unreachable from this process only).
     pub fn fail_renewals(&self, n: u64) {
         self.failing_renewals.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes every other `renew` call from now fail with `Unavailable`, the first one
+    /// included (a flaky path to the store).
+    pub fn fail_every_other_renewal(&self) {
+        self.renewals.store(0, Ordering::SeqCst);
+        self.alternating_renewals.store(true, Ordering::SeqCst);
     }
 
     /// Makes the next `n` `complete` calls answer `LeaseLost`, storing nothing (another
@@ -223,7 +236,12 @@ impl<S: Store> Store for LateBegin<S> {
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
-        if take_one(&self.failing_renewals) {
+        let alternate = self.alternating_renewals.load(Ordering::SeqCst)
+            && self
+                .renewals
+                .fetch_add(1, Ordering::SeqCst)
+                .is_multiple_of(2);
+        if take_one(&self.failing_renewals) || alternate {
             return Err(idempotency_core::Error::unavailable(
                 "a renewal failed (injected)",
             ));
