@@ -401,6 +401,61 @@ fn drain_waits_for_the_second_delete_of_an_operators_release() {
     });
 }
 
+/// Found by the differential case (`answers_as_the_model_store`): an operator's release
+/// right after a claim or a completion (a lease released live, an outcome deleted) left
+/// Redis holding what that call wrote after answering — the lease's mirror, or the outcome's
+/// copy — because the write ran the release's queued delete first and then wrote. The next
+/// request was told "in flight", or `Mismatch` for another body, or replayed the deleted
+/// outcome, until the second delete seconds later. The release now waits for this
+/// process's writes to the record before its delete.
+#[test]
+fn an_operators_release_right_after_a_call_leaves_nothing_in_redis() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let long = idempotency_test::conformance::LONG;
+        let (a, b) = (Fingerprint::of(b"a"), Fingerprint::of(b"b"));
+        for round in 0..20 {
+            let id = fresh_id();
+            idempotency_test::conformance::execute(&*store, &id, &a, long).await;
+            let released = store
+                .force_release(&id, ReleaseScope::default().with_live())
+                .await
+                .expect("release");
+            assert_eq!(released, idempotency_core::ForceReleased::Released);
+            let next = store.begin(&id, &a, long).await.expect("begin");
+            assert!(
+                matches!(next, Begin::Execute(_)),
+                "round {round}: after a released lease: {next:?}"
+            );
+
+            let id = fresh_id();
+            let token = idempotency_test::conformance::execute(&*store, &id, &a, long).await;
+            store
+                .complete(&id, token, &Outcome::new(201).with_body("charged"), long)
+                .await
+                .expect("complete");
+            let deleted = store
+                .force_release(&id, ReleaseScope::default().with_completed())
+                .await
+                .expect("release");
+            assert_eq!(deleted, idempotency_core::ForceReleased::Deleted);
+            for body in [&b, &a] {
+                let next = store.begin(&id, body, long).await.expect("begin");
+                assert!(
+                    matches!(next, Begin::Execute(_)),
+                    "round {round}: after a deleted outcome: {next:?}"
+                );
+                store
+                    .force_release(&id, ReleaseScope::default().with_live())
+                    .await
+                    .expect("release");
+            }
+        }
+    });
+}
+
 #[test]
 fn replays_and_live_duplicates_are_answered_by_redis_alone() {
     block_on(async {

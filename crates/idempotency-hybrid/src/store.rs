@@ -110,8 +110,10 @@ struct Shared {
     /// and its timer.
     repairs: Flagged<Repairs>,
     repairing: tokio::sync::Mutex<()>,
-    /// Lease mirrors written after `begin` answered, until they land.
-    mirrors: std::sync::Mutex<std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>,
+    /// What this process writes to Redis after answering — a lease's mirror (after
+    /// `begin`), an outcome's copy (after `complete`) — by token, with the record, until it
+    /// lands.
+    mirrors: std::sync::Mutex<Mirrors>,
     redis_hits: AtomicU64,
     redis_misses: AtomicU64,
     redis_errors: AtomicU64,
@@ -127,6 +129,37 @@ struct Shared {
     mirrored: std::sync::Mutex<Mirrored>,
     /// Claims left running in the background: see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
+}
+
+/// See [`Shared::mirrors`]: by token and kind, so that a lease's mirror and its outcome's
+/// copy never replace each other.
+type Mirrors = std::collections::HashMap<(LeaseToken, Written), Pending>;
+
+/// What a write made after answering puts in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Written {
+    /// A live lease's mirror, after `begin`.
+    Mirror,
+    /// A completed outcome's copy, after `complete`.
+    Copy,
+}
+
+/// A write made after answering, until it lands: its record, a way to cancel it, and its end,
+/// which any number of callers wait for (the lease's owner and an operator's release both
+/// do; neither takes it from the other).
+#[derive(Clone)]
+struct Pending {
+    record: RecordId,
+    abort: tokio::task::AbortHandle,
+    landed: futures::future::Shared<futures::future::BoxFuture<'static, ()>>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("record", &self.record)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Leases mirrored under [`CachePolicy::Adaptive`], each with the instant past which its
@@ -536,23 +569,84 @@ impl HybridStore {
     /// flight" for a key whose lease is over. If its `SET` was already sent, the caller's
     /// later commands follow it on the same connection.
     async fn mirror_landed(&self, token: &LeaseToken) {
-        let pending = self.mirrors().remove(token);
-        if let Some(mirroring) = pending {
-            let mut mirroring = AbortOnDrop(mirroring);
-            let wait = self.redis.call_budget() * 4;
-            if tokio::time::timeout(wait, &mut mirroring.0).await.is_err() {
-                // An abort takes effect between polls: wait out the poll under way, so a SET
-                // it sent is queued before whatever the caller sends next.
-                mirroring.0.abort();
-                let _ = (&mut mirroring.0).await;
-            }
+        self.landed((*token, Written::Mirror)).await;
+    }
+
+    /// Waits for one write made after answering, as [`mirror_landed`](Self::mirror_landed)
+    /// describes, then forgets it.
+    async fn landed(&self, write: (LeaseToken, Written)) {
+        let Some(pending) = self.mirrors().get(&write).cloned() else {
+            return;
+        };
+        let _cancel = AbortOnDrop(pending.abort.clone());
+        let wait = self.redis.call_budget() * 4;
+        if tokio::time::timeout(wait, pending.landed.clone())
+            .await
+            .is_err()
+        {
+            // An abort takes effect between polls: wait out the poll under way, so a SET
+            // it sent is queued before whatever the caller sends next.
+            pending.abort.abort();
+            pending.landed.await;
+        }
+        // Done or cancelled (a cancelled task does not remove its own entry).
+        self.mirrors().remove(&write);
+    }
+
+    /// Spawns `write`, made after answering, noted under `token` and `kind` with its record
+    /// until it lands (see [`Shared::mirrors`]).
+    fn write_after_answering(
+        &self,
+        record: RecordId,
+        token: LeaseToken,
+        kind: Written,
+        write: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        use futures::FutureExt as _;
+        let this = self.clone();
+        // Spawned under the map's lock: the task removes its entry only after it was put
+        // there.
+        let mut mirrors = self.mirrors();
+        let task = tokio::spawn(async move {
+            write.await;
+            this.mirrors().remove(&(token, kind));
+        });
+        let abort = task.abort_handle();
+        let landed = async move {
+            let _ = task.await;
+        }
+        .boxed()
+        .shared();
+        mirrors.insert(
+            (token, kind),
+            Pending {
+                record,
+                abort,
+                landed,
+            },
+        );
+    }
+
+    /// Waits for every write to `id`'s record this process makes after answering (a lease's
+    /// mirror, an outcome's copy), as [`mirror_landed`](Self::mirror_landed) does for one.
+    ///
+    /// Such a write runs the queued repairs first, an operator's delete among them, and
+    /// then writes: an operator's release right after a claim or a completion found the
+    /// mirror or the copy back in Redis, and retries were told "in flight", `Mismatch`, or
+    /// replayed the deleted outcome until the second delete.
+    async fn writes_landed(&self, id: &RecordId) {
+        let writes: Vec<_> = self
+            .mirrors()
+            .iter()
+            .filter(|(_, pending)| pending.record == *id)
+            .map(|(write, _)| *write)
+            .collect();
+        for write in writes {
+            self.landed(write).await;
         }
     }
 
-    fn mirrors(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<LeaseToken, tokio::task::JoinHandle<()>>>
-    {
+    fn mirrors(&self) -> std::sync::MutexGuard<'_, Mirrors> {
         self.inner
             .mirrors
             .lock()
@@ -669,8 +763,9 @@ impl HybridStore {
     }
 }
 
-/// A spawned task cancelled when its handle drops (see [`HybridStore::mirror_landed`]).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// A spawned task cancelled when this drops (see [`HybridStore::mirror_landed`]); a task
+/// already done is left as it is.
+struct AbortOnDrop(tokio::task::AbortHandle);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -770,16 +865,11 @@ impl HybridStore {
                 // mirror that comes later finds the outcome and writes nothing).
                 let (this, id, fp, token) = (self.clone(), *id, *fp, *token);
                 let mirror = lease.min(self.mirror_ttl);
-                // Spawned under the map's lock: the task removes its entry only after it
-                // was put there.
                 self.note_mirror(token, mirror);
-                let mut mirrors = self.mirrors();
-                let mirroring = tokio::spawn(async move {
+                self.write_after_answering(id, token, Written::Mirror, async move {
                     this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
                         .await;
-                    this.mirrors().remove(&token);
                 });
-                mirrors.insert(token, mirroring);
             }
             // Not a replay answered later than one Postgres call budget (a slow server or
             // network): the row it read may have been deleted since by an operator's release,
@@ -872,8 +962,9 @@ impl Store for HybridStore {
                 }
                 // No lease mirror to replace: until the outcome lands in Redis a retry finds
                 // nothing there and asks Postgres, which replays. So the answer need not wait.
+                // Noted with the record, so that an operator's release waits for it.
                 let (this, id, outcome) = (self.clone(), *id, outcome.clone());
-                tokio::spawn(async move {
+                self.write_after_answering(id, token, Written::Copy, async move {
                     this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, ttl))
                         .await;
                 });
@@ -999,6 +1090,8 @@ impl Store for HybridStore {
                 kept.store(true, Ordering::Release);
                 return Ok(found);
             }
+            // A mirror or a copy this process was still writing would land after the delete.
+            self.writes_landed(id).await;
             self.inner.repairs().push((*id, None));
             // Run by the repair step every Redis call takes first.
             match self.try_redis(|| async { Ok(()) }).await {
