@@ -76,6 +76,8 @@ async fn claim_expecting(
     }
 }
 
+pub use crate::differential::answers_as_the_model_store;
+
 fn sample_outcome() -> Outcome {
     Outcome::new(201)
         .with_header("content-type", "application/json")
@@ -576,6 +578,41 @@ pub async fn concurrent_begins_execute_once_per_key(store: Arc<dyn Store>, keys:
     }
 }
 
+/// 32 concurrent `begin`s on an attempt whose lease ran out unfinished, on 8 keys in turn:
+/// exactly one `TakeOver` per key (one taker wins; the row lock, or the script), every other
+/// `InFlight` under the taker's lease, and the old owner's late `complete` refused.
+pub async fn concurrent_takeovers_grant_once(store: Arc<dyn Store>) {
+    for _ in 0..8 {
+        let id = fresh_id();
+        let crashed = execute(&*store, &id, &fp("a"), LONG).await;
+        store
+            .renew(&id, crashed, Duration::ZERO)
+            .await
+            .expect("end the lease, as after a crash");
+        let attempts = (0..32).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        });
+        let mut taken = Vec::new();
+        for result in futures::future::join_all(attempts).await {
+            match result.expect("task").expect("begin") {
+                Begin::TakeOver(token) => taken.push(token),
+                Begin::InFlight { .. } => {}
+                other => panic!("a takeover race answered {other:?}"),
+            }
+        }
+        assert_eq!(taken.len(), 1, "one taker, not {}", taken.len());
+        assert!(matches!(
+            store.complete(&id, crashed, &sample_outcome(), LONG).await,
+            Err(Error::LeaseLost)
+        ));
+        store
+            .complete(&id, taken[0], &sample_outcome(), LONG)
+            .await
+            .expect("the taker completes");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The operator's view: inspect and force_release.
 
@@ -861,9 +898,11 @@ macro_rules! conformance_tests {
         );
         $crate::conformance_tests!(@shared $store;
             concurrent_begins_execute_once,
+            concurrent_takeovers_grant_once,
             concurrent_mixed_calls_answer_as_alone,
             takeover_races_late_completion,
             dropped_calls_leave_the_key_answerable,
+            answers_as_the_model_store,
         );
     };
     (@shared $store:expr; $($case:ident),* $(,)?) => {
@@ -1083,6 +1122,8 @@ fn tally(report: &mut SweepReport, finished: Option<Result<(), Error>>, what: &s
 ///
 /// - `begin`: the key is answerable again long before the lease would free it: a lease the
 ///   dropped call was granted was released, not orphaned;
+/// - `begin` taking over an unfinished attempt: the key answers `TakeOver` again at once (the
+///   earlier attempt's outcome is still unknown), neither `InFlight` nor `Execute`;
 /// - `complete`: the owner completes again: `Ok` (the store's `complete` is idempotent, so a
 ///   dropped call that landed is no error), and the key replays that outcome;
 /// - `release`: the owner releases again (`Ok`, or `LeaseLost` because the dropped one
@@ -1119,6 +1160,39 @@ pub async fn sweep(store: &dyn Store) -> SweepReport {
             other => panic!("after begin dropped at poll {k}: {other:?}"),
         }
         assert!(k < MAX_POLLS, "begin never completed undropped");
+    }
+    for k in 1..=MAX_POLLS {
+        // A takeover of an attempt whose outcome is unknown: given up on, it must leave the
+        // record as it found it — unfinished, its lease over — not a lease nobody holds
+        // (`InFlight` for a lease) nor a fresh key (`Execute`: a retry under
+        // `OutcomeUnknown::Reject` would then run the operation as new).
+        let id = fresh_id();
+        let crashed = execute(store, &id, &fp("a"), SWEEP_LEASE).await;
+        store
+            .renew(&id, crashed, Duration::ZERO)
+            .await
+            .expect("end the lease, as after a crash");
+        let finished = match drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await {
+            Some(Ok(Begin::TakeOver(_))) => true,
+            Some(Ok(other)) => panic!("an unfinished attempt answered {other:?}"),
+            Some(Err(Error::Unavailable(_))) => {
+                report.unavailable += 1;
+                false
+            }
+            Some(Err(error)) => panic!("begin failed: {error}"),
+            None => {
+                report.dropped += 1;
+                false
+            }
+        };
+        if finished {
+            break;
+        }
+        match answer_within(store, &id, &fp("a")).await {
+            Begin::TakeOver(_) => {}
+            other => panic!("after a takeover dropped at poll {k}: {other:?}"),
+        }
+        assert!(k < MAX_POLLS, "a takeover never completed undropped");
     }
     for k in 1..=MAX_POLLS {
         let id = fresh_id();

@@ -15,6 +15,7 @@
 //! `#[tokio::test]` runtime breaks when that runtime shuts down and the next test reuses it.
 
 pub mod conformance;
+pub mod differential;
 pub mod http;
 pub mod late;
 pub mod relay;
