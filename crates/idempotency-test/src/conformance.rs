@@ -1137,19 +1137,16 @@ pub async fn sweep(store: &dyn Store) -> SweepReport {
     let outcome = sample_outcome();
     for k in 1..=MAX_POLLS {
         let id = fresh_id();
-        let finished = match drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await {
-            Some(Ok(Begin::Execute(_))) => true,
-            Some(Ok(other)) => panic!("a fresh key answered {other:?}"),
-            Some(Err(Error::Unavailable(_))) => {
-                report.unavailable += 1;
-                false
-            }
-            Some(Err(error)) => panic!("begin failed: {error}"),
-            None => {
-                report.dropped += 1;
-                false
-            }
-        };
+        let call = drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await;
+        let answered = call.map(|begun| {
+            begun.map(|answer| {
+                assert!(
+                    matches!(answer, Begin::Execute(_)),
+                    "a fresh key answered {answer:?}"
+                );
+            })
+        });
+        let finished = tally(&mut report, answered, "begin");
         if finished {
             break;
         }
@@ -1172,19 +1169,16 @@ pub async fn sweep(store: &dyn Store) -> SweepReport {
             .renew(&id, crashed, Duration::ZERO)
             .await
             .expect("end the lease, as after a crash");
-        let finished = match drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await {
-            Some(Ok(Begin::TakeOver(_))) => true,
-            Some(Ok(other)) => panic!("an unfinished attempt answered {other:?}"),
-            Some(Err(Error::Unavailable(_))) => {
-                report.unavailable += 1;
-                false
-            }
-            Some(Err(error)) => panic!("begin failed: {error}"),
-            None => {
-                report.dropped += 1;
-                false
-            }
-        };
+        let call = drop_at_poll(store.begin(&id, &fp("a"), SWEEP_LEASE), k).await;
+        let answered = call.map(|begun| {
+            begun.map(|answer| {
+                assert!(
+                    matches!(answer, Begin::TakeOver(_)),
+                    "an unfinished attempt answered {answer:?}"
+                );
+            })
+        });
+        let finished = tally(&mut report, answered, "a takeover");
         if finished {
             break;
         }
