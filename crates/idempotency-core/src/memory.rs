@@ -185,16 +185,22 @@ impl MemoryStore {
     /// A deep copy: the records and the clock, shared with nothing. (Deliberately not
     /// `Clone`: the other stores' clones share one backend, and a clone of this one that did
     /// not would split a key space in two.)
+    ///
+    /// The purge's deadline queue is copied as it is, stale entries and all, not rebuilt from
+    /// the records: the model checker explores the store through snapshots, and a rebuilt
+    /// queue would hide a deadline that `begin`, `complete` or `renew` failed to push.
     pub fn snapshot(&self) -> Self {
-        let (records, manual) = self.contents();
-        let copy = Self {
-            records: Mutex::new(records.into_iter().collect()),
-            deadlines: Mutex::default(),
-            manual: manual.map(Mutex::new),
+        let records = self.lock();
+        let deadlines = lock(&self.deadlines).clone();
+        Self {
+            records: Mutex::new(records.clone()),
+            deadlines: Mutex::new(deadlines),
+            manual: self
+                .manual
+                .as_ref()
+                .map(|clock| Mutex::new(lock(clock).clone())),
             unknown_outcome_retention: self.unknown_outcome_retention,
-        };
-        copy.reschedule_all();
-        copy
+        }
     }
 
     /// How many records the map holds, expired ones included.

@@ -22,10 +22,12 @@
 //!   the effect, or of one still holding (stalled) — or where an operator asked for it;
 //! - (b) `replays return the completed execution`: a replay carries the outcome of the
 //!   execution whose `complete` the store accepted, never another;
-//! - (c) `answerable once the owner stopped`: when the lease's owner no longer holds it and
-//!   its last lease has run out, a `begin` does not answer `InFlight`;
+//! - (c) `answerable once the lease ran out`: once the last lease granted or renewed has run
+//!   out, a `begin` (either body) does not answer `InFlight`, whether its owner stopped or is
+//!   still stalled;
 //! - (d) `fenced writes change nothing`: a `complete`/`release`/`renew` with a token that does
-//!   not own the record answers `LeaseLost` and leaves the store as it was;
+//!   not own the record — or a `release`/`renew` of a record its token completed — answers
+//!   `LeaseLost` and leaves the store as it was; no call answers any other error;
 //! - (e) `begin answers what the record is`: a specification of five lines (`expected`) —
 //!   `Mismatch` for a kept record of another body, `InFlight` (with the lease's remaining
 //!   time) while an unfinished lease lives, `TakeOver` once it ran out, `Replay` of a
@@ -115,10 +117,13 @@ struct State {
     owner_refused: bool,
     bad_purge: bool,
     bad_release: bool,
+    /// A call answered with an error other than `LeaseLost` (the store is never down here).
+    errored: bool,
     /// Witnesses that the bounds reach the cases that matter.
     late_completion_accepted: bool,
     crashed_owner_taken_over: bool,
     takeover_reported: bool,
+    replay_reported: bool,
     mismatch_reported: bool,
     lost_claim_taken_over: bool,
     repeated_complete: bool,
@@ -253,23 +258,27 @@ impl Protocol {
         }
     }
 
-    /// A fenced write with `token`: if the token does not own the record (another token
-    /// does, or nobody), it must fail and leave the store exactly as it was (d); if it owns
-    /// it and `must` says the write is due, it must succeed (f).
+    /// A fenced write: if `may` says the token may not write (another token owns the
+    /// record, or nobody; or, for a renewal or a release, its own record is completed), it
+    /// must fail and leave the store exactly as it was (d); if `must` says the write is due,
+    /// it must succeed (f). A failure is `LeaseLost`, never another error.
     fn fenced(
         &self,
         next: &mut State,
-        token: LeaseToken,
+        may: bool,
         must: bool,
         write: impl FnOnce(&MemoryStore) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let before = next.store.clone();
         let result = write(&next.store.0);
-        if !next.owns(token) && (result.is_ok() || next.store != before) {
+        if !may && (result.is_ok() || next.store != before) {
             next.fence_broken = true;
         }
-        if next.owns(token) && must && result.is_err() {
+        if must && result.is_err() {
             next.owner_refused = true;
+        }
+        if matches!(result, Err(ref error) if !matches!(error, Error::LeaseLost)) {
+            next.errored = true;
         }
         result
     }
@@ -282,7 +291,10 @@ impl Protocol {
         };
         let fp = self.sends[w]?;
         let expected = next.expected(fp);
-        let answer = block_on(next.store.0.begin(&self.id, &self.fps[fp], LEASE)).ok()?;
+        let Ok(answer) = block_on(next.store.0.begin(&self.id, &self.fps[fp], LEASE)) else {
+            next.errored = true;
+            return Some(());
+        };
         let seen = match &answer {
             Begin::Execute(_) => Expect::Execute,
             Begin::TakeOver(_) => Expect::TakeOver,
@@ -332,6 +344,7 @@ impl Protocol {
                 if next.completed.map(outcome) != Some(replayed) || next.record_fp != Some(fp) {
                     next.bad_replay = true;
                 }
+                next.replay_reported = true;
                 next.workers[w] = Worker::Finished;
             }
             Begin::InFlight { .. } => next.workers[w] = Worker::Ready { attempts: left },
@@ -357,7 +370,8 @@ impl Protocol {
         let repeat = next.owns(token) && next.completed.is_some();
         let due = next.owns(token) && (next.unfinished() || next.completed_live());
         let before = next.store.clone();
-        let result = self.fenced(next, token, due, |s| {
+        let may = next.owns(token);
+        let result = self.fenced(next, may, due, |s| {
             block_on(s.complete(&id, token, &outcome(label), RETENTION))
         });
         if result.is_ok() && repeat {
@@ -384,7 +398,10 @@ impl Protocol {
         let due = (next.completed.is_some() && next.ticks >= next.completed_until)
             || (next.unfinished() && next.ticks >= next.lease_until + ticks(KEEP_UNKNOWN));
         let before = next.store.clone();
-        let purged = block_on(next.store.0.purge_expired(usize::MAX)).ok()?;
+        let Ok(purged) = block_on(next.store.0.purge_expired(usize::MAX)) else {
+            next.errored = true;
+            return Some(());
+        };
         if purged != u64::from(due) || (next.store == before) == due {
             next.bad_purge = true;
         }
@@ -419,7 +436,10 @@ impl Protocol {
             scope = scope.with_completed();
         }
         let before = next.store.clone();
-        let answer = block_on(next.store.0.force_release(&self.id, scope)).ok()?;
+        let Ok(answer) = block_on(next.store.0.force_release(&self.id, scope)) else {
+            next.errored = true;
+            return Some(());
+        };
         let deletes = matches!(expected, ForceReleased::Released | ForceReleased::Deleted);
         if answer != expected || (next.store == before) == deletes {
             next.bad_release = true;
@@ -464,9 +484,11 @@ impl Model for Protocol {
             owner_refused: false,
             bad_purge: false,
             bad_release: false,
+            errored: false,
             late_completion_accepted: false,
             crashed_owner_taken_over: false,
             takeover_reported: false,
+            replay_reported: false,
             mismatch_reported: false,
             lost_claim_taken_over: false,
             repeated_complete: false,
@@ -553,9 +575,9 @@ impl Model for Protocol {
                 let Worker::Holding { token, .. } = next.workers[w] else {
                     return None;
                 };
-                let (id, due) = (self.id, next.owns(token) && next.unfinished());
+                let (id, may) = (self.id, next.owns(token) && next.unfinished());
                 if self
-                    .fenced(&mut next, token, due, |s| block_on(s.release(&id, token)))
+                    .fenced(&mut next, may, may, |s| block_on(s.release(&id, token)))
                     .is_ok()
                 {
                     next.owner = None;
@@ -567,9 +589,9 @@ impl Model for Protocol {
                 let Worker::Holding { token, .. } = next.workers[w] else {
                     return None;
                 };
-                let (id, due) = (self.id, next.owns(token) && next.unfinished());
+                let (id, may) = (self.id, next.owns(token) && next.unfinished());
                 if self
-                    .fenced(&mut next, token, due, |s| {
+                    .fenced(&mut next, may, may, |s| {
                         block_on(s.renew(&id, token, LEASE))
                     })
                     .is_ok()
@@ -599,12 +621,9 @@ impl Model for Protocol {
                 |_, s: &State| !s.bad_replay,
             ),
             Property::always(
-                "(c) answerable once the owner stopped",
+                "(c) answerable once the lease ran out",
                 |m: &Protocol, s: &State| {
-                    let holding = s.owner.is_some_and(|(w, token)| {
-                        matches!(s.workers[w], Worker::Holding { token: t, .. } if t == token)
-                    });
-                    if holding || s.ticks < s.lease_until {
+                    if s.ticks < s.lease_until {
                         return true;
                     }
                     (0..2).all(|fp| {
@@ -618,6 +637,7 @@ impl Model for Protocol {
             Property::always("(d) fenced writes change nothing", |_, s: &State| {
                 !s.fence_broken
             }),
+            Property::always("every call is answered", |_, s: &State| !s.errored),
             Property::always("(e) begin answers what the record is", |_, s: &State| {
                 !s.misanswered
             }),
@@ -643,10 +663,7 @@ impl Model for Protocol {
                 s.crashed_owner_taken_over && s.effects == 2
             }),
             Property::sometimes("a takeover reported", |_, s: &State| s.takeover_reported),
-            Property::sometimes("a replay", |_, s: &State| {
-                s.completed.is_some()
-                    && s.workers.iter().filter(|w| **w == Worker::Finished).count() >= 2
-            }),
+            Property::sometimes("a replay", |_, s: &State| s.replay_reported),
         ];
         if self.extras {
             properties.extend([
