@@ -578,7 +578,13 @@ impl HybridStore {
         let Some(pending) = self.mirrors().get(&write).cloned() else {
             return;
         };
-        let _cancel = AbortOnDrop(pending.abort.clone());
+        // Dropped here, or done: the write is cancelled (if still running) and forgotten. A
+        // cancelled task does not remove its own entry, and nothing else would.
+        let _forget = Forget {
+            store: self,
+            write,
+            abort: pending.abort.clone(),
+        };
         let wait = self.redis.call_budget() * 4;
         if tokio::time::timeout(wait, pending.landed.clone())
             .await
@@ -589,8 +595,6 @@ impl HybridStore {
             pending.abort.abort();
             pending.landed.await;
         }
-        // Done or cancelled (a cancelled task does not remove its own entry).
-        self.mirrors().remove(&write);
     }
 
     /// Spawns `write`, made after answering, noted under `token` and `kind` with its record
@@ -763,13 +767,18 @@ impl HybridStore {
     }
 }
 
-/// A spawned task cancelled when this drops (see [`HybridStore::mirror_landed`]); a task
-/// already done is left as it is.
-struct AbortOnDrop(tokio::task::AbortHandle);
+/// A write made after answering, cancelled and forgotten when this drops (see
+/// [`HybridStore::landed`]); a task already done is left as it is.
+struct Forget<'a> {
+    store: &'a HybridStore,
+    write: (LeaseToken, Written),
+    abort: tokio::task::AbortHandle,
+}
 
-impl Drop for AbortOnDrop {
+impl Drop for Forget<'_> {
     fn drop(&mut self) {
-        self.0.abort();
+        self.abort.abort();
+        self.store.mirrors().remove(&self.write);
     }
 }
 
