@@ -1229,7 +1229,10 @@ impl PostgresStore {
         // Half of the lease the row got (capped like the statement's).
         let half = millis(lease) as f64 / 2.0;
         for _ in 0..2 {
-            if left_ms >= half {
+            // A lease of zero is over when it is written, waited on a lock or not: it is
+            // granted as asked (the next `begin` takes it over, as after a renew for zero),
+            // not re-armed and given back round after round until the claim gives up.
+            if left_ms >= half || half == 0.0 {
                 return Ok(Some((Begin::Execute(token), Some(lease))));
             }
             tracing::info!(record = %id, left_ms, "a claim waited on a lock: re-arming its lease");

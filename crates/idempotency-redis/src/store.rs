@@ -414,6 +414,12 @@ fn millis(d: Duration) -> u64 {
         .max(1)
 }
 
+/// A lease in milliseconds, zero included (a lease that ends now), capped like [`millis`].
+/// Only for a TTL that adds the grace to it: `PX` refuses zero.
+fn lease_millis(d: Duration) -> u64 {
+    u64::try_from(d.min(idempotency_core::FOR_GOOD).as_millis()).unwrap_or(u64::MAX)
+}
+
 fn grace() -> u64 {
     millis(idempotency_core::LATE_COMPLETION_GRACE)
 }
@@ -922,7 +928,8 @@ impl RedisStore {
     ) -> Result<Begin> {
         let (raw, _) = token_forms(token);
         let key = self.key(id);
-        let ttl = millis(lease).saturating_add(grace());
+        // A zero lease is over at once, not in 1 ms (`millis` rounds up for `PX`).
+        let ttl = lease_millis(lease).saturating_add(grace());
         let fresh = scripts::value(b'0', fp.as_bytes(), &raw, &[]);
         let mut set = redis::cmd("SET");
         set.arg(&key)
@@ -983,7 +990,7 @@ impl RedisStore {
         fresh: &[u8],
     ) -> Result<Begin> {
         let (raw, _) = token_forms(token);
-        let ttl = millis(lease).saturating_add(grace()).to_string();
+        let ttl = lease_millis(lease).saturating_add(grace()).to_string();
         let taken: Result<Value> = self
             .run_keys(
                 self.budget * 4,
@@ -1436,9 +1443,7 @@ impl Store for RedisStore {
             // Zero ends the lease now (the record stays for the grace; a mirror goes), so
             // not `millis`, which rounds up to 1 ms: for that millisecond the lease would
             // still answer `InFlight`.
-            let lease = u64::try_from(lease.min(idempotency_core::FOR_GOOD).as_millis())
-                .unwrap_or(u64::MAX)
-                .to_string();
+            let lease = lease_millis(lease).to_string();
             let done: i64 = self
                 .run(
                     &self.scripts.renew,

@@ -254,6 +254,33 @@ pub async fn a_lease_renewed_for_zero_ends_now_and_keeps_its_record(store: &dyn 
     take_over(store, &id, &fp("a"), LONG).await;
 }
 
+/// A claim whose lease is zero is granted, and over at once, as a lease renewed for zero
+/// is: the next `begin` of the same request takes it over (its outcome is unknown), another
+/// request's is refused, and the first token owns nothing after the takeover. No store may
+/// refuse it as an error nor keep it live.
+pub async fn a_claim_with_a_zero_lease_is_over_at_once(store: &dyn Store) {
+    let id = fresh_id();
+    let first = execute(store, &id, &fp("a"), Duration::ZERO).await;
+    assert_eq!(
+        store.begin(&id, &fp("b"), LONG).await.expect("begin"),
+        Begin::Mismatch,
+        "the unfinished attempt is kept"
+    );
+    let owner = take_over(store, &id, &fp("a"), LONG).await;
+    assert!(matches!(
+        store.complete(&id, first, &sample_outcome(), LONG).await,
+        Err(Error::LeaseLost)
+    ));
+    store
+        .complete(&id, owner, &sample_outcome(), LONG)
+        .await
+        .expect("the owner completes");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+}
+
 /// A lease or a retention of `Duration::MAX` ("for good") is accepted, by a store that
 /// caps it at its own limit, and never overflows a clock: the record is claimed, renewed,
 /// completed and replayed like any other.
@@ -881,6 +908,7 @@ macro_rules! conformance_tests {
             expired_lease_is_taken_over,
             an_abandoned_takeover_keeps_the_outcome_unknown,
             a_lease_renewed_for_zero_ends_now_and_keeps_its_record,
+            a_claim_with_a_zero_lease_is_over_at_once,
             an_unfinished_lease_is_not_another_request_s,
             stale_token_changes_nothing,
             unbounded_durations_mean_for_good,
