@@ -39,6 +39,10 @@
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
 //!   message no longer pending (acknowledged by another consumer meanwhile).
 //!
+//! Charges are keyed by the effect they apply, the ledger ([`Consumer::scope`]), not by the
+//! group reading them: a consumer group created anew on the stream (renamed, or reset to
+//! its start) replays every charge the ledger holds instead of applying it again.
+//!
 //! Claiming scans the pending list a bounded stretch per poll and goes on from where the
 //! last poll stopped, so an idle message behind a long run of live ones is reached.
 //!
@@ -217,6 +221,21 @@ impl Consumer {
         self
     }
 
+    /// The scope of this consumer's charge keys: its effect, the ledger table. Not the
+    /// stream or the group: a group created anew, renamed or reset to the stream's start,
+    /// or a second stream carrying the same charges, replays what this ledger applied
+    /// already instead of applying it again.
+    ///
+    /// ```
+    /// # fn doc(consumer: &stream_consumer::Consumer) {
+    /// let key = idempotency::IdempotencyKey::new("ch_1").expect("a valid key");
+    /// let record = idempotency::RecordId::new(&consumer.scope(), &key);
+    /// # }
+    /// ```
+    pub fn scope(&self) -> Scope {
+        Scope::new(format!("ledger:{}", self.ledger))
+    }
+
     /// At shutdown, once polling stopped: waits until what dropped runs left to settle (an
     /// applied charge's outcome, a lease given back) has landed. See [`Executor::drain`].
     pub async fn drain(&self) {
@@ -333,7 +352,7 @@ impl Consumer {
                     .await;
             }
         };
-        let scope = Scope::new(format!("stream:{}:{}", self.stream, self.group));
+        let scope = self.scope();
         let fingerprint = Fingerprint::of(&amount.to_be_bytes());
         let (store, ledger) = (&*self.store, &self.ledger);
         let (after_effect, after_commit) = (&self.after_effect, &self.after_commit);

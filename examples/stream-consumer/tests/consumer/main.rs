@@ -48,8 +48,14 @@ async fn rig() -> Option<Rig> {
 }
 
 impl Rig {
-    /// A consumer on its own connection: `XREADGROUP BLOCK` holds the connection it runs on.
+    /// A consumer of the group `ledger`.
     async fn consumer(&self, name: &str) -> Consumer {
+        self.consumer_in("ledger", name).await
+    }
+
+    /// A consumer in `group` on its own connection (`XREADGROUP BLOCK` holds the connection
+    /// it runs on), writing the rig's ledger.
+    async fn consumer_in(&self, group: &str, name: &str) -> Consumer {
         // A response budget far beyond the 100 ms `BLOCK` of each read: redis-rs' default
         // (500 ms) leaves a loaded machine 400 ms of slack.
         let config =
@@ -63,7 +69,7 @@ impl Rig {
             conn,
             self.store.clone(),
             &self.stream,
-            "ledger",
+            group,
             name,
             &self.ledger,
         )
@@ -166,6 +172,38 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
             "exactly one effect"
         );
         assert_eq!(rig.pending().await, 0, "acknowledged");
+    });
+}
+
+/// A group created anew on the same stream (renamed, or reset to the stream's start)
+/// reads every charge again: each replays, none is applied a second time. The charge is
+/// the effect's, not the group's.
+#[test]
+fn a_group_created_anew_on_the_same_stream_applies_nothing_again() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        for (charge, amount) in [("ch_a", 100), ("ch_b", 200), ("ch_c", 300)] {
+            publish(&mut rig.redis, &rig.stream, charge, amount)
+                .await
+                .expect("publish");
+        }
+        let polled = first.poll(10).await.expect("poll");
+        assert_eq!(polled.applied, 3, "{polled:?}");
+
+        let mut renamed = rig.consumer_in("ledger-v2", "c1").await;
+        renamed.setup().await.expect("setup");
+        let polled = renamed.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.applied, polled.replayed),
+            (0, 3),
+            "every charge replays: {polled:?}"
+        );
+        let effects = rig.effects().await;
+        for charge in ["ch_a", "ch_b", "ch_c"] {
+            assert_eq!(effects.get(charge), Some(&1), "one effect for {charge}");
+        }
     });
 }
 
@@ -886,15 +924,13 @@ fn a_database_refusing_writes_for_its_own_reasons_dead_letters_nothing() {
 /// as an outage (the review of the previous commit), it stayed pending for ever.
 #[test]
 fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
-    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Scope, Store};
+    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Store};
 
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        rig.consumer("setup").await.setup().await.expect("setup");
-        let id = RecordId::new(
-            &Scope::new(format!("stream:{}:ledger", rig.stream)),
-            &IdempotencyKey::new("ch_1").expect("key"),
-        );
+        let mut setup = rig.consumer("setup").await;
+        setup.setup().await.expect("setup");
+        let id = RecordId::new(&setup.scope(), &IdempotencyKey::new("ch_1").expect("key"));
         let fp = Fingerprint::of(&100i64.to_be_bytes());
         let Begin::Execute(token) = rig
             .store
