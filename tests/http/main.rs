@@ -2006,3 +2006,35 @@ fn a_header_the_response_names_in_connection_is_not_stored() {
         assert!(retry.headers.get("connection").is_none());
     });
 }
+
+/// A `Connection` value with a byte that is not visible ASCII (obs-text, which HTTP allows in
+/// a field value) still names the headers its other parts name. The whole value was read as
+/// text or not at all, so one such byte made it name nothing, and the header it named was
+/// stored and replayed.
+#[test]
+fn a_connection_value_with_obs_text_still_names_its_other_headers() {
+    block_on(async {
+        let router = axum::Router::new()
+            .route(
+                "/charges",
+                axum::routing::post(|| async {
+                    let mut headers = axum::http::HeaderMap::new();
+                    headers.insert(
+                        "connection",
+                        axum::http::HeaderValue::from_bytes(b"X-Hop-Secret, caf\xe9")
+                            .expect("obs-text is a valid field value"),
+                    );
+                    headers.insert("x-hop-secret", "next-hop-only".parse().expect("value"));
+                    headers.insert("x-kept", "yes".parse().expect("value"));
+                    (axum::http::StatusCode::CREATED, headers, "charged")
+                }),
+            )
+            .layer(layer(memory()));
+        let first = send(&router, "POST", Some("hop-obs-1"), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        let retry = send(&router, "POST", Some("hop-obs-1"), &[], "{}").await;
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(retry.headers["x-kept"], "yes");
+        assert!(retry.headers.get("x-hop-secret").is_none());
+    });
+}

@@ -1331,14 +1331,16 @@ fn to_outcome(
 ) -> Outcome {
     let mut outcome = Outcome::new(parts.status.as_u16());
     // The headers `Connection` names are hop-by-hop for this response too (RFC 9110
-    // §7.6.1): meant for the next hop of the first answer, not for a retry's client.
+    // §7.6.1): meant for the next hop of the first answer, not for a retry's client. Split
+    // as bytes: a part that is not a header name (obs-text) names nothing, and the value's
+    // other parts still count.
     let named_by_connection: Vec<String> = parts
         .headers
         .get_all(http::header::CONNECTION)
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .map(|name| name.trim().to_ascii_lowercase())
+        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+        .filter_map(|name| std::str::from_utf8(name.trim_ascii()).ok())
+        .map(str::to_ascii_lowercase)
         .filter(|name| !name.is_empty())
         .collect();
     for (name, value) in &parts.headers {
