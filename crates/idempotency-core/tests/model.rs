@@ -12,7 +12,8 @@
 //! - three workers sending one request;
 //! - two sending it while a third sends another body under the same key;
 //! - two workers whose `begin` or `complete` may land with its answer lost (the worker tries
-//!   again: a claim nobody holds, a completion repeated), a purger that may run at any
+//!   again: a claim nobody holds, a completion repeated), a lease its holder ends at once
+//!   (`renew` for zero) before giving up, a purger that may run at any
 //!   moment, and an operator who may release an expired attempt or forget a completed
 //!   outcome (`force_release`, default scope or with completed records).
 //!
@@ -129,6 +130,7 @@ struct State {
     repeated_complete: bool,
     unknown_purged: bool,
     operator_released: bool,
+    lease_ended: bool,
     /// A grant whose answer was lost: its lease is held by nobody.
     orphan: bool,
 }
@@ -145,6 +147,9 @@ enum Action {
     CompleteLost(usize),
     Release(usize),
     Renew(usize),
+    /// A holder that gives up before running its effect ends its lease now, keeping the
+    /// record (`renew` for zero: what `end_orphan` does with a takeover nobody received).
+    End(usize),
     Crash(usize),
     Purge,
     /// An operator's `force_release`; `true`: completed records too.
@@ -494,6 +499,7 @@ impl Model for Protocol {
             repeated_complete: false,
             unknown_purged: false,
             operator_released: false,
+            lease_ended: false,
             orphan: false,
         }]
     }
@@ -517,12 +523,17 @@ impl Model for Protocol {
                         actions.push(Action::BeginLost(w));
                     }
                 }
-                Worker::Holding { ran: false, .. } => actions.extend([
-                    Action::Run(w),
-                    Action::Release(w),
-                    Action::Renew(w),
-                    Action::Crash(w),
-                ]),
+                Worker::Holding { ran: false, .. } => {
+                    actions.extend([
+                        Action::Run(w),
+                        Action::Release(w),
+                        Action::Renew(w),
+                        Action::Crash(w),
+                    ]);
+                    if self.extras {
+                        actions.push(Action::End(w));
+                    }
+                }
                 Worker::Holding { ran: true, .. } => {
                     actions.extend([Action::Complete(w), Action::Renew(w), Action::Crash(w)]);
                     if self.extras {
@@ -598,6 +609,26 @@ impl Model for Protocol {
                 {
                     next.lease_until = next.ticks + ticks(LEASE);
                 }
+            }
+            Action::End(w) => {
+                let Worker::Holding {
+                    token, ran: false, ..
+                } = next.workers[w]
+                else {
+                    return None;
+                };
+                let (id, may) = (self.id, next.owns(token) && next.unfinished());
+                if self
+                    .fenced(&mut next, may, may, |s| {
+                        block_on(s.renew(&id, token, Duration::ZERO))
+                    })
+                    .is_ok()
+                {
+                    // Over now: (c) and (e) ask for `TakeOver` from the next `begin`.
+                    next.lease_until = next.ticks;
+                    next.lease_ended = true;
+                }
+                next.workers[w] = Worker::Finished;
             }
             Action::Crash(w) => {
                 let Worker::Holding { ran, .. } = next.workers[w] else {
@@ -676,6 +707,7 @@ impl Model for Protocol {
                     s.unknown_purged
                 }),
                 Property::sometimes("an operator's release", |_, s: &State| s.operator_released),
+                Property::sometimes("a lease ended early", |_, s: &State| s.lease_ended),
             ]);
         }
         if self.sends.contains(&Some(1)) {
