@@ -5,12 +5,12 @@
 //! person thought of.
 //!
 //! The sequences leave out the clock: a lease is ended by `renew(token, 0)` (the record is
-//! kept, as after a crash) and an outcome expires by a `complete` with a retention of zero,
-//! each followed by a few milliseconds' sleep, so no answer depends on how long a call
-//! took. Three workers (two sending one body, the third another), each holding the last
-//! token it was granted — stale or not — begin (sometimes losing the answer), complete,
-//! release, renew, crash (forget their token); an operator releases within each scope, and
-//! a purger runs.
+//! kept, as after a crash) or granted for zero, and an outcome expires by a `complete` with
+//! a retention of zero, each followed by a few milliseconds' sleep, so no answer depends on
+//! how long a call took. Three workers (two sending one body, the third another), each
+//! holding the last token it was granted — stale or not — begin (sometimes losing the
+//! answer), complete, release, renew, crash (forget their token); an operator releases
+//! within each scope and inspects the record, and a purger runs.
 //!
 //! The contract leaves one answer open, and it is accepted either way: a repeated
 //! `complete` of a record past its retention (memory and Postgres keep it until the purge
@@ -20,7 +20,7 @@ use std::{fmt::Write as _, sync::Arc, time::Duration};
 
 use idempotency_core::{
     Begin, Error, Fingerprint, ForceReleased, LeaseToken, MemoryStore, Outcome, RecordId,
-    ReleaseScope, Store,
+    RecordState, ReleaseScope, Store,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -33,10 +33,12 @@ const PAST_ZERO: Duration = Duration::from_millis(5);
 
 #[derive(Debug, Clone, Copy)]
 enum Call {
-    /// `lost`: the answer never reaches the worker (it keeps the token it had).
+    /// `lost`: the answer never reaches the worker (it keeps the token it had); `zero`: a
+    /// lease of zero, over at once.
     Begin {
         worker: usize,
         lost: bool,
+        zero: bool,
     },
     Complete {
         worker: usize,
@@ -58,6 +60,17 @@ enum Call {
         completed: bool,
     },
     Purge,
+    Inspect,
+}
+
+/// What `inspect` reports, with what differs by store taken out (timestamps, how much of a
+/// lease is left): whether the record is completed (its status) or in flight (its lease
+/// over or not), and its body's fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    InFlight { over: bool, body: Fingerprint },
+    Completed { status: u16, body: Fingerprint },
+    Other,
 }
 
 /// What a call answered, with what the contract leaves open taken out: tokens (each store
@@ -73,6 +86,7 @@ enum Answer {
     LeaseLost,
     Released(ForceReleased),
     Purged,
+    Inspected(Option<Seen>),
 }
 
 /// One side of the comparison: a store and the token each worker holds on it.
@@ -96,10 +110,11 @@ impl Side<'_> {
             Err(other) => panic!("{}: {call:?} failed: {other}", store.name()),
         };
         match call {
-            Call::Begin { worker, lost } => {
+            Call::Begin { worker, lost, zero } => {
                 let body = &bodies[usize::from(worker == 2)];
+                let lease = if zero { Duration::ZERO } else { LONG };
                 let answer = store
-                    .begin(id, body, LONG)
+                    .begin(id, body, lease)
                     .await
                     .unwrap_or_else(|e| panic!("{}: begin failed: {e}", store.name()));
                 if let (Some(token), false) = (answer.lease_token(), lost) {
@@ -157,6 +172,23 @@ impl Side<'_> {
                 {}
                 Answer::Purged
             }
+            Call::Inspect => {
+                let inspection = store
+                    .inspect(id)
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: inspect failed: {e}", store.name()));
+                Answer::Inspected(inspection.map(|record| match record.state {
+                    RecordState::InFlight { lease_remaining } => Seen::InFlight {
+                        over: lease_remaining.is_zero(),
+                        body: record.fingerprint,
+                    },
+                    RecordState::Completed { status } => Seen::Completed {
+                        status,
+                        body: record.fingerprint,
+                    },
+                    _ => Seen::Other,
+                }))
+            }
         }
     }
 }
@@ -168,6 +200,7 @@ fn draw(rng: &mut StdRng, holding: [bool; WORKERS]) -> Call {
             0..30 => Call::Begin {
                 worker,
                 lost: rng.random_ratio(1, 8),
+                zero: rng.random_ratio(1, 10),
             },
             30..50 => Call::Complete {
                 worker,
@@ -179,10 +212,11 @@ fn draw(rng: &mut StdRng, holding: [bool; WORKERS]) -> Call {
                 end: rng.random_ratio(2, 3),
             },
             73..80 => Call::Crash { worker },
-            80..94 => Call::ForceRelease {
+            80..92 => Call::ForceRelease {
                 live: rng.random_ratio(1, 4),
                 completed: rng.random_bool(0.5),
             },
+            92..96 => Call::Inspect,
             _ => Call::Purge,
         };
         let needs_token = matches!(
@@ -249,7 +283,9 @@ pub async fn answers_as_the_model_store_for(store: &dyn Store, sequences: usize,
             }
             let zero = matches!(
                 call,
-                Call::Complete { expire: true, .. } | Call::Renew { end: true, .. }
+                Call::Complete { expire: true, .. }
+                    | Call::Renew { end: true, .. }
+                    | Call::Begin { zero: true, .. }
             );
             if zero {
                 tokio::time::sleep(PAST_ZERO).await;
