@@ -69,6 +69,11 @@ impl fmt::Debug for Policy {
 impl Policy {
     /// How long one attempt holds the key before a retry may take it over (default 30 s).
     /// Long operations keep it by renewing every third of it while they run.
+    ///
+    /// A lease of zero is over as soon as it is granted, on every store: the next retry
+    /// takes the attempt over (`TakeOver`, outcome unknown) instead of waiting, so nothing
+    /// keeps a duplicate from running beside the first attempt. Choose a lease longer than
+    /// the operation's longest pause between two renewals.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease.min(crate::FOR_GOOD);
         self
