@@ -191,6 +191,13 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         .with_lease(config.lease)
         .with_cacheable(|status| idempotency::default_cacheable(status) && status != 422);
     let pool = postgres.as_ref().map(|pg| pg.pool().clone());
+    if config.mode == Mode::Redis && pool.is_none() {
+        // Keys live in Redis, shared by every gateway; the charges do not.
+        tracing::warn!(
+            "charges and orders are kept in this process's memory: their record-id check does \
+             not span gateways or restarts (set DATABASE_URL to keep them in Postgres)"
+        );
+    }
     let app = Arc::new(App {
         mode: config.mode,
         charges: match &pool {

@@ -19,6 +19,11 @@ struct Demo {
 
 impl Demo {
     fn start(env: &[(&str, &str)]) -> Demo {
+        Self::start_with(env, Stdio::inherit())
+    }
+
+    /// Started with its log (stderr) sent to `stderr`.
+    fn start_with(env: &[(&str, &str)], stderr: Stdio) -> Demo {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("port")
@@ -31,7 +36,7 @@ impl Demo {
             .env_remove("DEMO_CRASH")
             .env("BIND", format!("127.0.0.1:{port}"))
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         for (k, v) in env {
             command.env(k, v);
         }
@@ -679,6 +684,24 @@ fn redis_mode() {
 #[test]
 fn hybrid_mode() {
     in_mode("hybrid", exercise_mode);
+}
+
+/// Redis mode without `DATABASE_URL` keeps the charges (the second check, by record id) in
+/// the process: it says so at startup, so nobody runs two gateways so believing otherwise.
+#[test]
+fn redis_mode_without_a_database_says_its_charges_stay_in_the_process() {
+    in_mode("redis", |env, _| {
+        let log = std::env::temp_dir().join(format!("demo-{}.log", std::process::id()));
+        let file = std::fs::File::create(&log).expect("log file");
+        let demo = Demo::start_with(env, Stdio::from(file));
+        assert_eq!(demo.stop(), 0, "graceful shutdown");
+        let written = std::fs::read_to_string(&log).expect("log");
+        let _ = std::fs::remove_file(&log);
+        assert!(
+            written.contains("kept in this process's memory") && written.contains("DATABASE_URL"),
+            "{written}"
+        );
+    });
 }
 
 #[test]
