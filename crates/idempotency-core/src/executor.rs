@@ -1024,6 +1024,39 @@ mod tests {
         assert!(matches!(failed.await, Err(RunError::Failed("declined"))));
     }
 
+    /// A lease of zero is refused, not acted on (what `Policy::with_lease` documents): the
+    /// operation never runs, the call is a store error, and its grant is given back, so the
+    /// key is free for a run with a real lease.
+    #[tokio::test]
+    async fn a_zero_lease_runs_nothing_and_gives_its_grant_back() {
+        let store = Arc::new(MemoryStore::new());
+        let zero =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(Duration::ZERO));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = ran.clone();
+        let refused = zero
+            .run(&scope, &k, &fp, || async move {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, &str>(1u32)
+            })
+            .await;
+        assert!(
+            matches!(&refused, Err(RunError::Store(Error::Unavailable(_)))),
+            "{refused:?}"
+        );
+        assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0);
+        zero.drain().await;
+        let real = Executor::new(store).with_policy(Policy::default());
+        let done = real
+            .run(&scope, &k, &fp, || async { Ok::<_, &str>(2u32) })
+            .await;
+        assert!(
+            matches!(&done, Ok(done) if done.value == 2 && !done.replayed),
+            "{done:?}"
+        );
+    }
+
     /// A run dropped outside the runtime's context (a future held by a plain thread, dropped
     /// there) still gives its lease back, on the runtime it ran on. Before, the guard found no
     /// runtime and left the lease to run out: a redelivery found the key in flight for nobody.

@@ -70,10 +70,13 @@ impl Policy {
     /// How long one attempt holds the key before a retry may take it over (default 30 s).
     /// Long operations keep it by renewing every third of it while they run.
     ///
-    /// A lease of zero is over as soon as it is granted, on every store: the next retry
-    /// takes the attempt over (`TakeOver`, outcome unknown) instead of waiting, so nothing
-    /// keeps a duplicate from running beside the first attempt. Choose a lease longer than
-    /// the operation's longest pause between two renewals.
+    /// Choose a lease longer than the operation's longest pause between two renewals, and
+    /// far longer than a claim's round trip to the store: a grant that arrives with half or
+    /// less of its lease left is given back, and the call answers `Unavailable` (the
+    /// executor's [`RunError::Store`](crate::RunError::Store), the layer's 503) without
+    /// running the operation. So a lease of zero refuses every call: a claim for zero is over
+    /// as soon as it is granted (at the store level, the next `begin` takes it over), and
+    /// acting on it would leave nothing to keep a duplicate from running beside it.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease.min(crate::FOR_GOOD);
         self
