@@ -472,7 +472,7 @@ fn records_of_the_earlier_layout_are_still_served() {
             s * 1000 + us / 1000
         };
         let outcome = Outcome::new(201).with_body("from before the upgrade");
-        let (done, live, over) = (fresh_id(), fresh_id(), fresh_id());
+        let (done, live, over, over_zero) = (fresh_id(), fresh_id(), fresh_id(), fresh_id());
         let token = idempotency_core::LeaseToken::generate();
         let fp_a = fp("a");
         let hset = |id: &idempotency_core::RecordId, fields: Vec<(&str, Vec<u8>)>| {
@@ -508,19 +508,21 @@ fn records_of_the_earlier_layout_are_still_served() {
         .query_async(&mut conn)
         .await
         .expect("hset");
-        let _: i64 = hset(
-            &over,
-            vec![
-                ("st", b"0".to_vec()),
-                ("fp", fp_bytes.clone()),
-                ("tok", token.to_string().into_bytes()),
-                ("exp", (now_ms - 1_000).to_string().into_bytes()),
-            ],
-        )
-        .query_async(&mut conn)
-        .await
-        .expect("hset");
-        for id in [&done, &live, &over] {
+        for id in [&over, &over_zero] {
+            let _: i64 = hset(
+                id,
+                vec![
+                    ("st", b"0".to_vec()),
+                    ("fp", fp_bytes.clone()),
+                    ("tok", token.to_string().into_bytes()),
+                    ("exp", (now_ms - 1_000).to_string().into_bytes()),
+                ],
+            )
+            .query_async(&mut conn)
+            .await
+            .expect("hset");
+        }
+        for id in [&done, &live, &over, &over_zero] {
             let _: i64 = redis::cmd("PEXPIRE")
                 .arg(store.key(id))
                 .arg(3_600_000)
@@ -567,6 +569,10 @@ fn records_of_the_earlier_layout_are_still_served() {
             .await
             .expect("the new owner releases");
         execute(&*store, &over, &fp_a, LONG).await;
+        // Taken over for a lease of zero: over at once, as in the current layout (it was
+        // written for 1 ms, and the next claim within it heard `InFlight`).
+        idempotency_test::conformance::take_over(&*store, &over_zero, &fp_a, Duration::ZERO).await;
+        idempotency_test::conformance::take_over(&*store, &over_zero, &fp_a, LONG).await;
     });
 }
 

@@ -865,9 +865,10 @@ impl HybridStore {
         self.inner.duplicates.observe(!first);
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
         match (&answer, ttl) {
-            // A zero lease is over at once: mirrored, it would say "in flight" for 1 ms.
+            // A lease under a millisecond is zero to Postgres, over at once: mirrored, it
+            // would say "in flight" for 1 ms (Redis rounds a TTL up).
             (Begin::Execute(token) | Begin::TakeOver(token), _)
-                if caching && !self.mirror_ttl.is_zero() && !lease.is_zero() =>
+                if caching && !self.mirror_ttl.is_zero() && lease.as_millis() > 0 =>
             {
                 // After answering: the operation need not wait for its lease's mirror. A
                 // `release` of this token waits for it (so its fenced delete runs after the

@@ -1048,7 +1048,8 @@ impl RedisStore {
         token: LeaseToken,
     ) -> Result<Begin> {
         let (_, text) = token_forms(token);
-        let lease = millis(lease).to_string();
+        // Zero honoured, as by the current layout's claim: the script adds the grace.
+        let lease = lease_millis(lease).to_string();
         let keys = [self.key(id), self.tombstone(id, token)];
         let claimed: Result<Value> = self
             .run_keys(
