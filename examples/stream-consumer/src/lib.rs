@@ -41,7 +41,9 @@
 //!
 //! Charges are keyed by the effect they apply, the ledger ([`Consumer::scope`]), not by the
 //! group reading them: a consumer group created anew on the stream (renamed, or reset to
-//! its start) replays every charge the ledger holds instead of applying it again.
+//! its start) replays every charge the ledger holds instead of applying it again. Earlier
+//! versions keyed charges by the group: [`Consumer::with_previous_scope`] carries an upgrade
+//! over without applying a charge twice.
 //!
 //! Claiming scans the pending list a bounded stretch per poll and goes on from where the
 //! last poll stopped, so an idle message behind a long run of live ones is reached.
@@ -78,8 +80,8 @@
 use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use idempotency::{
-    Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState, RunError, Scope, Store,
-    postgres::PostgresStore,
+    Begin, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState, RunError, Scope,
+    Store, postgres::PostgresStore,
 };
 use redis::{
     AsyncCommands, Script,
@@ -143,6 +145,20 @@ pub struct Polled {
 /// A test fault run inside the effect: see [`Consumer::after_effect`].
 pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
+/// What the record a charge had under the previous scope says.
+enum Previously {
+    /// None: apply it under the current scope.
+    Nothing,
+    /// Applied with this amount: acknowledge the message.
+    Applied,
+    /// Applied with another amount.
+    OtherAmount,
+    /// An attempt holds it: wait.
+    Holding,
+    /// The store could not tell: wait.
+    Unknown(String),
+}
+
 /// One consumer of a group.
 pub struct Consumer {
     redis: MultiplexedConnection,
@@ -167,6 +183,9 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
+    /// The scope an earlier version keyed charges by, consulted before a charge is applied
+    /// ([`Consumer::with_previous_scope`]).
+    previous_scope: Option<Scope>,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
     /// Test fault: awaited inside the effect of every charge (given its id), after the
@@ -207,6 +226,7 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
+            previous_scope: None,
             crash_before_ack: None,
             after_effect: None,
             after_commit: None,
@@ -234,6 +254,35 @@ impl Consumer {
     /// ```
     pub fn scope(&self) -> Scope {
         Scope::new(format!("ledger:{}", self.ledger))
+    }
+
+    /// The scope versions of this example before 4 December 2026 keyed charges by: the
+    /// stream and the group. Pass it to [`Consumer::with_previous_scope`] when upgrading.
+    pub fn group_scope(stream: &str, group: &str) -> Scope {
+        Scope::new(format!("stream:{stream}:{group}"))
+    }
+
+    /// Consults the records an earlier version wrote under `previous` (see
+    /// [`Consumer::group_scope`]) before applying a charge, so that changing the scope
+    /// applies nothing twice: a message still pending at the upgrade, or published again
+    /// after it, is acknowledged as a replay when its charge was applied under the old key,
+    /// and waits while an old attempt still holds it. An old attempt whose lease ran out
+    /// unfinished never committed (its ledger row and its outcome are one transaction): it
+    /// is taken over, which fences it should it still be running, and released.
+    ///
+    /// Stop every consumer of the earlier version before starting one with the new scope: an
+    /// old consumer does not look under the new one. Keep the option for as long as the old
+    /// records are kept (the store's retention).
+    ///
+    /// ```no_run
+    /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
+    /// let old = stream_consumer::Consumer::group_scope("charges", "ledger");
+    /// consumer.with_previous_scope(old)
+    /// # }
+    /// ```
+    pub fn with_previous_scope(mut self, previous: Scope) -> Self {
+        self.previous_scope = Some(previous);
+        self
     }
 
     /// At shutdown, once polling stopped: waits until what dropped runs left to settle (an
@@ -354,6 +403,27 @@ impl Consumer {
         };
         let scope = self.scope();
         let fingerprint = Fingerprint::of(&amount.to_be_bytes());
+        match self.under_previous_scope(&key, &fingerprint).await {
+            Previously::Nothing => {}
+            Previously::Applied => {
+                polled.replayed += 1;
+                return self.ack(message, charge_id, polled).await;
+            }
+            Previously::Holding => {
+                polled.deferred += 1;
+                return Ok(());
+            }
+            Previously::OtherAmount => {
+                let reason =
+                    format!("mismatch: charge {charge_id} was already applied with another amount");
+                return self.dead_letter(message, delivered, &reason, polled).await;
+            }
+            Previously::Unknown(error) => {
+                tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
+                polled.failed += 1;
+                return Ok(());
+            }
+        }
         let (store, ledger) = (&*self.store, &self.ledger);
         let (after_effect, after_commit) = (&self.after_effect, &self.after_commit);
         let charge = charge_id.as_str();
@@ -449,6 +519,16 @@ impl Consumer {
                 return Ok(());
             }
         }
+        self.ack(message, charge_id, polled).await
+    }
+
+    /// Acknowledges a message whose charge is applied (now, or before).
+    async fn ack(
+        &mut self,
+        message: &StreamId,
+        charge_id: String,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
         if self.crash_before_ack.as_deref() == Some(charge_id.as_str()) {
             return Err(ConsumeError::Crashed(charge_id));
         }
@@ -459,6 +539,44 @@ impl Consumer {
             .await?;
         polled.acked += acked;
         Ok(())
+    }
+
+    /// What the record of this charge under the previous scope, if one is set, says.
+    async fn under_previous_scope(&self, key: &IdempotencyKey, fp: &Fingerprint) -> Previously {
+        let Some(previous) = &self.previous_scope else {
+            return Previously::Nothing;
+        };
+        let id = RecordId::new(previous, key);
+        let found = match self.store.inspect(&id).await {
+            Ok(found) => found,
+            Err(error) => return Previously::Unknown(error.to_string()),
+        };
+        match found {
+            None => Previously::Nothing,
+            Some(record) => match record.state {
+                RecordState::Completed { .. } if record.fingerprint != *fp => {
+                    Previously::OtherAmount
+                }
+                RecordState::Completed { .. } => Previously::Applied,
+                RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
+                    Previously::Holding
+                }
+                // Ran out unfinished, so it never committed: fenced by a takeover (a stalled
+                // transaction of it can no longer store its outcome, so it rolls back), then
+                // let go. Another body's attempt answers `Mismatch` and is waited out.
+                _ => match self.store.begin(&id, fp, Duration::from_secs(30)).await {
+                    Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
+                        match self.store.release(&id, token).await {
+                            Ok(()) => Previously::Nothing,
+                            Err(error) => Previously::Unknown(error.to_string()),
+                        }
+                    }
+                    Ok(Begin::Replay(_)) => Previously::Applied,
+                    Ok(Begin::InFlight { .. } | Begin::Mismatch) => Previously::Holding,
+                    Err(error) => Previously::Unknown(error.to_string()),
+                },
+            },
+        }
     }
 
     /// Whether the charge's record is completed with another amount than `fingerprint`'s.

@@ -207,6 +207,66 @@ fn a_group_created_anew_on_the_same_stream_applies_nothing_again() {
     });
 }
 
+/// An upgrade from the group scope with `with_previous_scope`: a charge applied under the
+/// old key is acknowledged as a replay, one an old attempt still holds waits, and one whose
+/// old attempt ran out unfinished (it never committed) is applied, once.
+#[test]
+fn an_upgrade_from_the_group_scope_applies_nothing_twice() {
+    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Store};
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let old = Consumer::group_scope(&rig.stream, "ledger");
+        let claim = |charge: &str, lease: Duration| {
+            let id = RecordId::new(&old, &IdempotencyKey::new(charge).expect("key"));
+            let store = rig.store.clone();
+            async move {
+                let fp = Fingerprint::of(&100i64.to_be_bytes());
+                match store.begin(&id, &fp, lease).await.expect("begin") {
+                    Begin::Execute(token) => (id, token),
+                    other => panic!("a fresh key answered {other:?}"),
+                }
+            }
+        };
+        // Applied by the old version: its ledger row and its outcome.
+        let (done, token) = claim("ch_done", Duration::from_secs(30)).await;
+        let insert = format!(
+            "INSERT INTO {} (charge_id, amount) VALUES ('ch_done', 100)",
+            rig.ledger
+        );
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .execute(rig.store.pool())
+            .await
+            .expect("ledger");
+        rig.store
+            .complete(&done, token, &Outcome::new(200), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        // Held by an old attempt right now, and one that ran out unfinished.
+        claim("ch_live", Duration::from_secs(30)).await;
+        claim("ch_over", Duration::ZERO).await;
+        for charge in ["ch_done", "ch_live", "ch_over"] {
+            publish(&mut rig.redis, &rig.stream, charge, 100)
+                .await
+                .expect("publish");
+        }
+
+        let mut upgraded = rig.consumer("c1").await.with_previous_scope(old);
+        let polled = upgraded.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.applied, polled.replayed, polled.deferred),
+            (1, 1, 1),
+            "{polled:?}"
+        );
+        let effects = rig.effects().await;
+        assert_eq!(effects.get("ch_done"), Some(&1), "not applied again");
+        assert_eq!(effects.get("ch_over"), Some(&1), "applied once");
+        assert_eq!(effects.get("ch_live"), None, "waits for the old attempt");
+        assert_eq!(rig.pending().await, 1);
+    });
+}
+
 /// 1,000 messages, 20 % of them duplicates (half published back to back, so two consumers
 /// race on them), three consumers: every charge applied exactly once.
 #[test]
