@@ -8,14 +8,15 @@
 //! Workers may begin, run the effect, complete, release (before the effect: an error), renew,
 //! crash at any step, or stall for any number of clock ticks (time advances between any two
 //! steps), so they complete late, after their lease ran out. Leases, retention and the
-//! unknown-outcome retention expire. Three configurations, each explored whole:
+//! unknown-outcome retention expire. Four configurations, each explored whole:
 //! - three workers sending one request;
 //! - two sending it while a third sends another body under the same key;
 //! - two workers whose `begin` or `complete` may land with its answer lost (the worker tries
 //!   again: a claim nobody holds, a completion repeated), a lease its holder ends at once
 //!   (`renew` for zero) before giving up, a purger that may run at any
 //!   moment, and an operator who may release an expired attempt or forget a completed
-//!   outcome (`force_release`, default scope or with completed records).
+//!   outcome (`force_release`, default scope or with completed records);
+//! - two workers and an operator who releases live leases too (`with_live`).
 //!
 //! Properties (`docs/model.md` maps them to Postgres and Redis):
 //! - (a) `at most one effect per window`: a second effect in a retention window only where
@@ -131,6 +132,7 @@ struct State {
     unknown_purged: bool,
     operator_released: bool,
     lease_ended: bool,
+    live_released: bool,
     /// A grant whose answer was lost: its lease is held by nobody.
     orphan: bool,
 }
@@ -152,8 +154,12 @@ enum Action {
     End(usize),
     Crash(usize),
     Purge,
-    /// An operator's `force_release`; `true`: completed records too.
-    ForceRelease(bool),
+    /// An operator's `force_release`, in a scope that may take live leases and completed
+    /// records too.
+    ForceRelease {
+        live: bool,
+        completed: bool,
+    },
 }
 
 /// What `begin` must answer, from the ghost record alone.
@@ -173,6 +179,8 @@ struct Protocol {
     sends: [Option<usize>; WORKERS],
     /// Lost answers, the purger and the operator.
     extras: bool,
+    /// An operator who releases live leases too (with completed records or not).
+    live_operator: bool,
 }
 
 fn outcome(label: u8) -> Outcome {
@@ -249,6 +257,10 @@ impl State {
 
 impl Protocol {
     fn new(sends: [Option<usize>; WORKERS], extras: bool) -> Self {
+        Self::with_operator(sends, extras, false)
+    }
+
+    fn with_operator(sends: [Option<usize>; WORKERS], extras: bool, live_operator: bool) -> Self {
         Self {
             id: RecordId::new(
                 &Scope::new("model"),
@@ -260,6 +272,7 @@ impl Protocol {
             ],
             sends,
             extras,
+            live_operator,
         }
     }
 
@@ -424,8 +437,8 @@ impl Protocol {
         Some(())
     }
 
-    fn force_release(&self, next: &mut State, completed_too: bool) -> Option<()> {
-        let expected = if next.unfinished() && next.ticks < next.lease_until {
+    fn force_release(&self, next: &mut State, live_too: bool, completed_too: bool) -> Option<()> {
+        let expected = if next.unfinished() && next.ticks < next.lease_until && !live_too {
             ForceReleased::Live
         } else if next.unfinished() {
             ForceReleased::Released
@@ -440,6 +453,9 @@ impl Protocol {
         if completed_too {
             scope = scope.with_completed();
         }
+        if live_too {
+            scope = scope.with_live();
+        }
         let before = next.store.clone();
         let Ok(answer) = block_on(next.store.0.force_release(&self.id, scope)) else {
             next.errored = true;
@@ -453,6 +469,9 @@ impl Protocol {
             return next.bad_release.then_some(());
         }
         next.operator_released = true;
+        if next.unfinished() && next.ticks < next.lease_until {
+            next.live_released = true;
+        }
         if next.completed.is_some() {
             next.allowed += 1; // the operator asked for the operation to run again
         }
@@ -500,6 +519,7 @@ impl Model for Protocol {
             unknown_purged: false,
             operator_released: false,
             lease_ended: false,
+            live_released: false,
             orphan: false,
         }]
     }
@@ -511,9 +531,23 @@ impl Model for Protocol {
         if self.extras {
             actions.extend([
                 Action::Purge,
-                Action::ForceRelease(false),
-                Action::ForceRelease(true),
+                Action::ForceRelease {
+                    live: false,
+                    completed: false,
+                },
+                Action::ForceRelease {
+                    live: false,
+                    completed: true,
+                },
             ]);
+        }
+        if self.live_operator {
+            for completed in [false, true] {
+                actions.push(Action::ForceRelease {
+                    live: true,
+                    completed,
+                });
+            }
         }
         for (w, worker) in state.workers.iter().enumerate() {
             match worker {
@@ -637,7 +671,9 @@ impl Model for Protocol {
                 next.workers[w] = Worker::Crashed { ran };
             }
             Action::Purge => self.purge(&mut next)?,
-            Action::ForceRelease(completed_too) => self.force_release(&mut next, completed_too)?,
+            Action::ForceRelease { live, completed } => {
+                self.force_release(&mut next, live, completed)?;
+            }
         }
         Some(next)
     }
@@ -710,6 +746,12 @@ impl Model for Protocol {
                 Property::sometimes("a lease ended early", |_, s: &State| s.lease_ended),
             ]);
         }
+        if self.live_operator {
+            properties.push(Property::sometimes(
+                "a live lease released by an operator",
+                |_, s: &State| s.live_released,
+            ));
+        }
         if self.sends.contains(&Some(1)) {
             properties.push(Property::sometimes(
                 "another body refused",
@@ -754,6 +796,18 @@ fn the_state_machine_holds_its_properties_exhaustively() {
 #[test]
 fn a_key_reused_with_another_body_holds_its_properties_exhaustively() {
     check(Protocol::new([Some(0), Some(0), Some(1)], false));
+}
+
+/// Two clients sending one request, and an operator who releases live leases too, with or
+/// without completed records (`ReleaseScope::with_live`): the owner is fenced off, and its
+/// effect may run again only because the operator asked.
+#[test]
+fn an_operator_releasing_live_leases_holds_the_properties_exhaustively() {
+    check(Protocol::with_operator(
+        [Some(0), Some(0), None],
+        false,
+        true,
+    ));
 }
 
 /// Two clients, with answers lost on the way back (a claim nobody holds, a completion
