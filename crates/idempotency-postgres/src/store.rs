@@ -760,6 +760,11 @@ impl PostgresStore {
     /// [`Claim::accepted`]). The isolation-level advice of [`PostgresStore::complete_in`]
     /// applies.
     ///
+    /// Make it the transaction's last statement, and let no error after it go unseen: a
+    /// statement that fails later in the transaction, even one whose error is ignored,
+    /// aborts it, and Postgres answers the `COMMIT` with a rollback that sqlx reports as
+    /// success. The executor would then store `value` for an effect that did not commit.
+    ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
     /// [`Claim::completion`]: idempotency_core::Claim::completion
     /// [`Claim::accepted`]: idempotency_core::Claim::accepted

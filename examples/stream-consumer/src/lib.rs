@@ -267,8 +267,12 @@ impl Consumer {
     /// applies nothing twice: a message still pending at the upgrade, or published again
     /// after it, is acknowledged as a replay when its charge was applied under the old key,
     /// and waits while an old attempt still holds it. An old attempt whose lease ran out
-    /// unfinished never committed (its ledger row and its outcome are one transaction): it
-    /// is taken over, which fences it should it still be running, and released.
+    /// unfinished is taken over, which fences it should it still be running, and released,
+    /// and the charge is applied: what the earlier version did on its own takeover. Since
+    /// the ledger row and the outcome became one transaction (`run_with_claim`), such an
+    /// attempt never committed; a record left by a version older than that (its row
+    /// committed on its own, under `run`) may have, and is applied again, as that version
+    /// would have.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -561,9 +565,10 @@ impl Consumer {
                 RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
                     Previously::Holding
                 }
-                // Ran out unfinished, so it never committed: fenced by a takeover (a stalled
-                // transaction of it can no longer store its outcome, so it rolls back), then
-                // let go. Another body's attempt answers `Mismatch` and is waited out.
+                // Ran out unfinished: with the transactional completion, it never committed.
+                // Fenced by a takeover (a stalled transaction of it can no longer store its
+                // outcome, so it rolls back), then let go. Another body's attempt answers
+                // `Mismatch` and is waited out (until the purge of unknown outcomes).
                 _ => match self.store.begin(&id, fp, Duration::from_secs(30)).await {
                     Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
                         match self.store.release(&id, token).await {
