@@ -412,6 +412,22 @@ impl Protocol {
         Some(())
     }
 
+    /// A fenced `renew` for `lease` by worker `w` (zero ends the lease now): whether the
+    /// store took it.
+    fn renew(&self, next: &mut State, w: usize, lease: Duration) -> Option<bool> {
+        let Worker::Holding { token, .. } = next.workers[w] else {
+            return None;
+        };
+        let (id, may) = (self.id, next.owns(token) && next.unfinished());
+        let renewed = self
+            .fenced(next, may, may, |s| block_on(s.renew(&id, token, lease)))
+            .is_ok();
+        if renewed {
+            next.lease_until = next.ticks + ticks(lease);
+        }
+        Some(renewed)
+    }
+
     fn purge(&self, next: &mut State) -> Option<()> {
         let due = (next.completed.is_some() && next.ticks >= next.completed_until)
             || (next.unfinished() && next.ticks >= next.lease_until + ticks(KEEP_UNKNOWN));
@@ -631,37 +647,14 @@ impl Model for Protocol {
                 next.workers[w] = Worker::Finished;
             }
             Action::Renew(w) => {
-                let Worker::Holding { token, .. } = next.workers[w] else {
-                    return None;
-                };
-                let (id, may) = (self.id, next.owns(token) && next.unfinished());
-                if self
-                    .fenced(&mut next, may, may, |s| {
-                        block_on(s.renew(&id, token, LEASE))
-                    })
-                    .is_ok()
-                {
-                    next.lease_until = next.ticks + ticks(LEASE);
-                }
+                self.renew(&mut next, w, LEASE)?;
             }
             Action::End(w) => {
-                let Worker::Holding {
-                    token, ran: false, ..
-                } = next.workers[w]
-                else {
+                if !matches!(next.workers[w], Worker::Holding { ran: false, .. }) {
                     return None;
-                };
-                let (id, may) = (self.id, next.owns(token) && next.unfinished());
-                if self
-                    .fenced(&mut next, may, may, |s| {
-                        block_on(s.renew(&id, token, Duration::ZERO))
-                    })
-                    .is_ok()
-                {
-                    // Over now: (c) and (e) ask for `TakeOver` from the next `begin`.
-                    next.lease_until = next.ticks;
-                    next.lease_ended = true;
                 }
+                // Over now: (c) and (e) ask for `TakeOver` from the next `begin`.
+                next.lease_ended |= self.renew(&mut next, w, Duration::ZERO)?;
                 next.workers[w] = Worker::Finished;
             }
             Action::Crash(w) => {

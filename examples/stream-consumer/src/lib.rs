@@ -145,6 +145,11 @@ pub struct Polled {
 /// A test fault run inside the effect: see [`Consumer::after_effect`].
 pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
+/// The dead letter's reason for a charge id applied already with another amount.
+fn applied_otherwise_reason(charge_id: &str) -> String {
+    format!("mismatch: charge {charge_id} was already applied with another amount")
+}
+
 /// What the record a charge had under the previous scope says.
 enum Previously {
     /// None: apply it under the current scope.
@@ -418,8 +423,7 @@ impl Consumer {
                 return Ok(());
             }
             Previously::OtherAmount => {
-                let reason =
-                    format!("mismatch: charge {charge_id} was already applied with another amount");
+                let reason = applied_otherwise_reason(&charge_id);
                 return self.dead_letter(message, delivered, &reason, polled).await;
             }
             Previously::Unknown(error) => {
@@ -477,8 +481,7 @@ impl Consumer {
                     polled.deferred += 1;
                     return Ok(());
                 }
-                let reason =
-                    format!("mismatch: charge {charge_id} was already applied with another amount");
+                let reason = applied_otherwise_reason(&charge_id);
                 return self.dead_letter(message, delivered, &reason, polled).await;
             }
             // The charge was applied, but its outcome's second write failed: a redelivery
