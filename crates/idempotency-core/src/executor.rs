@@ -69,6 +69,29 @@ pub enum RunError<E> {
     /// acknowledge the message.
     #[error("the operation ran; its outcome was not stored: {0}")]
     NotStored(#[source] Error),
+    /// **The operation returned `Ok`, but the result it stored in its own transaction did
+    /// not commit** ([`Executor::run_with_claim`]): it had told the executor that the store
+    /// accepted its completion ([`Claim::accepted`]), yet the store still held its lease in
+    /// flight. The transaction rolled back after the completion — a statement after it
+    /// failed, and Postgres answers the `COMMIT` of a failed transaction with a rollback
+    /// that sqlx reports as success — or it was never committed. Nothing it wrote took
+    /// effect; the executor stored nothing and released the key, so a redelivery runs the
+    /// operation again. The operation has a bug: make the completion its transaction's last
+    /// statement, or commit with `PostgresStore::commit_claim`.
+    #[error(
+        "the operation returned Ok, but the result it stored in its transaction did not commit; the key was released"
+    )]
+    NotCommitted,
+    /// **Whether the operation's transaction committed is not known**
+    /// ([`Executor::run_with_claim`]): it returned `Ok` after the store accepted the result
+    /// it stored in its own transaction, and the store could not be reached for a whole
+    /// lease to confirm that the transaction committed. The executor writes nothing more:
+    /// if it committed, the key replays its result; if it did not, the key is released (the
+    /// release goes on in the background, counted by [`Executor::drain`]) or its lease runs
+    /// out. Redeliver (leave the message pending): the redelivery replays the result, or
+    /// runs the operation again if nothing committed.
+    #[error("whether the operation's transaction committed is not known: {0}")]
+    Unconfirmed(#[source] Error),
     /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
     /// result does not decode.
     #[error(transparent)]
@@ -214,8 +237,9 @@ impl<S: Store + ?Sized> Executor<S> {
     /// commit together, and no crash, panic or lost answer between them can run the effect
     /// twice.
     ///
-    /// With Postgres, the operation writes its rows and calls
-    /// `PostgresStore::complete_claim_in(&mut tx, &claim, &value)` before it commits. Then:
+    /// With Postgres, the operation writes its rows and ends its transaction with
+    /// `PostgresStore::commit_claim(tx, &claim, &value)` (the completion, then the commit).
+    /// Then:
     ///
     /// - committed, the key replays `value` whatever happens next (a crash, a panic, a
     ///   dropped future, an `Err` returned after the commit: the executor's own release is
@@ -225,8 +249,14 @@ impl<S: Store + ?Sized> Executor<S> {
     /// - if another attempt took the key over meanwhile, `complete_claim_in` answers
     ///   `LeaseLost` and the transaction rolls back: the takeover's effect is the only one.
     ///
-    /// Return `Ok(value)` with the value stored, after the commit; the executor then stores
-    /// it too, which finds it stored already (a completion is idempotent for its token).
+    /// Return `Ok(value)` with the value stored, after the commit. The executor then confirms
+    /// that the commit took place: it gives the lease back, which the store refuses for a
+    /// completed record. A release that goes through means the completion never committed
+    /// (a transaction that rolled back after it, or was never committed): nothing is stored,
+    /// the key is free for a retry, and the run answers [`RunError::NotCommitted`]. A store
+    /// that cannot be reached to confirm it answers [`RunError::Unconfirmed`] (redeliver).
+    /// Once confirmed, the executor stores the value too, which finds it stored already (a
+    /// completion is idempotent for its token).
     /// Once the store accepted the operation's completion ([`Claim::accepted`], which
     /// `complete_claim_in` calls), a renewal answered `LeaseLost` stops the operation only if
     /// the record is not completed (read with `Store::inspect`): most often that answer is the
@@ -326,6 +356,7 @@ impl<S: Store + ?Sized> Executor<S> {
             result: std::marker::PhantomData,
         };
         let accepted = claim.accepted.clone();
+        let completed_itself = claim.accepted.clone();
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         let operation = AssertUnwindSafe(op(claim)).catch_unwind();
@@ -362,6 +393,11 @@ impl<S: Store + ?Sized> Executor<S> {
                 Err(RunError::Failed(error))
             }
             Ok(Ok(value)) => {
+                // An operation that stored its result in its own transaction: confirm that
+                // the transaction committed before storing anything.
+                if completed_itself.load(Ordering::SeqCst) {
+                    guard.confirm_committed(self.policy.lease()).await?;
+                }
                 // The operation ran: whatever happens now, the key must not run it again. A
                 // result that does not serialise is stored as a marker that replays as
                 // `Corrupt` (never released: a redelivery would run the effect twice).
@@ -552,7 +588,8 @@ impl<T: Serialize> Claim<T> {
     /// returned `Ok` (`PostgresStore::complete_claim_in` does), then commit or return; never
     /// before: until the store accepted, a `LeaseLost` is a takeover, and the operation must
     /// stop. The lease is still renewed meanwhile, so a transaction that rolls back can be
-    /// retried on it.
+    /// retried on it. An operation that returns `Ok` once this is set has its commit
+    /// confirmed before its value is stored ([`RunError::NotCommitted`]).
     pub fn accepted(&self) {
         self.accepted.store(true, Ordering::SeqCst);
     }
@@ -648,6 +685,49 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
     fn stop_renewing(&mut self) {
         if let Some(renewing) = self.renewing.take() {
             renewing.abort();
+        }
+    }
+
+    /// For an operation that returned `Ok` after the store accepted the result it stored in
+    /// its own transaction ([`Claim::accepted`]): confirms that the transaction committed, by
+    /// giving the lease back. A store releases only a record still in flight under this
+    /// token, so a refusal (`LeaseLost`) means the record is completed — by that commit, or
+    /// by another attempt after it rolled back, which the write that follows tells apart —
+    /// and a release that goes through means the completion never committed: the key is
+    /// free for a retry, and nothing may be stored for it. An unreachable store is asked
+    /// again for a lease, then in the background ([`release_orphan`](crate::release_orphan),
+    /// counted by `drain`): whenever it lands, released or refused, it is right.
+    ///
+    /// Dropped meanwhile, the guard releases instead: the same fenced call.
+    async fn confirm_committed<E>(&mut self, lease: Duration) -> Result<(), RunError<E>> {
+        let give_up = Instant::now() + lease;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let released = AssertUnwindSafe(self.store.release(&self.id, self.token))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|_| Err(Error::unavailable("the store's release panicked")));
+            match released {
+                Ok(()) => {
+                    self.settled = true;
+                    tracing::error!(record = %self.id, "the operation returned Ok, but the result it stored in its transaction did not commit; released the key");
+                    return Err(RunError::NotCommitted);
+                }
+                Err(Error::LeaseLost) => return Ok(()),
+                Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
+                    tracing::warn!(%error, record = %self.id, "confirming the operation's commit failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(error) => {
+                    self.settled = true;
+                    let (store, id, token) = (self.store.clone(), self.id, self.token);
+                    self.settling.spawn(async move {
+                        crate::release_orphan(&*store, &id, token).await;
+                    });
+                    return Err(RunError::Unconfirmed(error));
+                }
+            }
         }
     }
 
@@ -1192,6 +1272,7 @@ mod tests {
                             .complete(&c.id, c.token, &c.outcome, c.retention)
                             .await
                             .unwrap();
+                        claim.accepted();
                         match ends {
                             0 => panic!("after storing"),
                             1 => Err("after storing"),
@@ -1214,6 +1295,37 @@ mod tests {
             assert!(again.replayed, "{k}");
             assert_eq!(again.value, format!("stored by {k}"));
         }
+    }
+
+    /// An operation that told the executor its store accepted its own completion
+    /// ([`Claim::accepted`]) and returned `Ok`, though that completion never committed: its
+    /// transaction rolled back afterwards (with Postgres, silently: a statement that failed
+    /// after the completion turns the `COMMIT` into a rollback that sqlx reports as
+    /// success). The executor stores nothing, releases the key, says so (`NotCommitted`),
+    /// and the redelivery runs. Before, it stored the value itself: every redelivery
+    /// replayed a result whose effect had never taken place.
+    #[tokio::test]
+    async fn a_result_accepted_in_a_transaction_that_rolled_back_is_not_stored() {
+        let executor = Executor::new(Arc::new(MemoryStore::new()));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let first = executor
+            .run_with_claim(&scope, &k, &fp, |claim| async move {
+                let _completion = claim.completion(&"charged".to_owned()).unwrap();
+                claim.accepted(); // … and then its transaction rolled back
+                Ok::<_, &str>("charged".to_owned())
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotCommitted)), "{first:?}");
+        let again = executor
+            .run(&scope, &k, &fp, || async {
+                Ok::<_, &str>("charged on the redelivery".to_owned())
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            (again.value.as_str(), again.replayed),
+            ("charged on the redelivery", false)
+        );
     }
 }
 
