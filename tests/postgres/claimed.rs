@@ -96,8 +96,7 @@ async fn write_and_complete(
         .await
         .map_err(unavailable)?;
     let value = entry.to_owned();
-    store.complete_claim_in(&mut tx, claim, &value).await?;
-    tx.commit().await.map_err(unavailable)?;
+    store.commit_claim(tx, claim, &value).await?;
     Ok(value)
 }
 
@@ -161,6 +160,109 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
             ["first Fails", "first Hangs", "first Panics"],
             "one entry per key"
         );
+    });
+}
+
+/// An operation whose transaction failed after its completion, the error ignored: Postgres
+/// answers the `COMMIT` of that failed transaction with a rollback, which sqlx reports as a
+/// success. Nothing committed (no entry, no result), and the run says so (`NotCommitted`)
+/// with the key released: the redelivery writes the entry once. Before, the executor stored
+/// the result itself, and every redelivery replayed an entry that was never written.
+#[test]
+fn a_transaction_that_rolled_back_after_its_completion_stores_nothing() {
+    block_on(async {
+        let Some((store, table, executor)) = setup(None).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
+        let (scope, key, fp) = fresh_key();
+        let first = executor
+            .run_with_claim(&scope, &key, &fp, |claim| async move {
+                let mut tx = store.pool().begin().await.map_err(unavailable)?;
+                let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'lost')");
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&claim.id().as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(unavailable)?;
+                let value = "lost".to_owned();
+                store.complete_claim_in(&mut tx, &claim, &value).await?;
+                let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+                assert!(failed.is_err(), "the statement after the completion fails");
+                tx.commit().await.map_err(unavailable)?; // a rollback, answered as a commit
+                Ok::<_, idempotency_core::Error>(value)
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotCommitted)), "{first:?}");
+        assert!(entries(store, table).await.is_empty(), "nothing committed");
+
+        let again = executor
+            .run_with_claim(&scope, &key, &fp, |claim| async move {
+                write_and_complete(store, table, &claim, "written").await
+            })
+            .await
+            .expect("the redelivery");
+        assert!(
+            !again.replayed,
+            "the redelivery replayed a result never committed"
+        );
+        assert_eq!(entries(store, table).await, ["written"]);
+        assert_eq!(replayed(&executor, &scope, &key, &fp).await, "written");
+    });
+}
+
+/// A `COMMIT` that fails (here a deferred constraint, checked at the commit) through
+/// `commit_claim`: the run fails, nothing is stored, the key is released, and the
+/// redelivery runs.
+#[test]
+fn a_commit_that_fails_stores_nothing_and_releases_the_key() {
+    block_on(async {
+        let Some((store, _, executor)) = setup(None).await else {
+            return;
+        };
+        let table = idempotency_test::unique("deferred");
+        let ddl = format!(
+            "CREATE TABLE {table} (entry text NOT NULL, \
+             UNIQUE (entry) DEFERRABLE INITIALLY DEFERRED)"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(store.pool())
+            .await
+            .expect("create the table");
+        let (store, table) = (&*store, table.as_str());
+        let (scope, key, fp) = fresh_key();
+        let run = |entries: &'static [&'static str]| {
+            executor.run_with_claim(&scope, &key, &fp, move |claim| async move {
+                let mut tx = store.pool().begin().await.map_err(unavailable)?;
+                for entry in entries {
+                    let insert = format!("INSERT INTO {table} (entry) VALUES ($1)");
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(*entry)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(unavailable)?;
+                }
+                let value = entries.join("+");
+                store.commit_claim(tx, &claim, &value).await?;
+                Ok::<_, idempotency_core::Error>(value)
+            })
+        };
+        let first = run(&["twice", "twice"]).await;
+        assert!(
+            matches!(
+                first,
+                Err(RunError::Failed(idempotency_core::Error::Unavailable(_)))
+            ),
+            "{first:?}"
+        );
+        let again = run(&["once"]).await.expect("the redelivery");
+        assert_eq!((again.value.as_str(), again.replayed), ("once", false));
+        let select = format!("SELECT entry FROM {table}");
+        let rows: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(select))
+            .fetch_all(store.pool())
+            .await
+            .expect("read");
+        assert_eq!(rows, ["once"]);
     });
 }
 

@@ -8,8 +8,9 @@
 //! - [`PostgresStore`] implements [`Store`](idempotency_core::Store);
 //! - [`PostgresStore::complete_in`] completes a record inside the application's own
 //!   transaction: the business effect and the stored outcome commit together;
-//!   [`PostgresStore::complete_claim_in`] does the same for an operation of
-//!   [`Executor::run_with_claim`](idempotency_core::Executor::run_with_claim);
+//!   [`PostgresStore::commit_claim`] does the same for an operation of
+//!   [`Executor::run_with_claim`](idempotency_core::Executor::run_with_claim), and commits
+//!   ([`PostgresStore::complete_claim_in`] leaves the commit to the caller);
 //! - [`migrator`] embeds the migrations (`_idempotency_migrations` table);
 //! - purge expired rows with [`idempotency_core::Purger`] (small batches, `SKIP LOCKED`, paced
 //!   so that live statements keep their latency);

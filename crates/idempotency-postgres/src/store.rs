@@ -760,10 +760,14 @@ impl PostgresStore {
     /// [`Claim::accepted`]). The isolation-level advice of [`PostgresStore::complete_in`]
     /// applies.
     ///
-    /// Make it the transaction's last statement, and let no error after it go unseen: a
-    /// statement that fails later in the transaction, even one whose error is ignored,
-    /// aborts it, and Postgres answers the `COMMIT` with a rollback that sqlx reports as
-    /// success. The executor would then store `value` for an effect that did not commit.
+    /// Make it the transaction's last statement ([`commit_claim`](Self::commit_claim) does
+    /// both): a statement that fails later in the transaction, even one whose error is
+    /// ignored, aborts it, and Postgres answers the `COMMIT` with a rollback that sqlx
+    /// reports as success. The executor then finds the record still in flight, stores
+    /// nothing and releases the key ([`RunError::NotCommitted`]), so a redelivery runs the
+    /// operation again; but the operation had told its own caller it succeeded.
+    ///
+    /// [`RunError::NotCommitted`]: idempotency_core::RunError::NotCommitted
     ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
     /// [`Claim::completion`]: idempotency_core::Claim::completion
@@ -813,6 +817,53 @@ impl PostgresStore {
         // the record completed) cannot come first.
         claim.accepted();
         Ok(())
+    }
+
+    /// [`complete_claim_in`](Self::complete_claim_in), then commits the transaction: the
+    /// result is stored as the transaction's last statement, as it must be, and nothing can
+    /// run between it and the `COMMIT`. The way to end an [`Executor::run_with_claim`]
+    /// operation's transaction, unless something else must commit it.
+    ///
+    /// Answers as `complete_claim_in` does (a refused completion rolls the transaction back),
+    /// or [`Error::Unavailable`] when the `COMMIT` failed (a deferred constraint, a
+    /// serialization failure, the connection lost with its answer): return the error, and
+    /// the executor releases the key, fenced to a record still in flight, so a commit that
+    /// landed all the same keeps its result and replays it.
+    ///
+    /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Scope};
+    /// # use idempotency_postgres::PostgresStore;
+    /// # async fn run(store: Arc<PostgresStore>, message_id: IdempotencyKey) -> Result<(), Box<dyn std::error::Error>> {
+    /// let executor = Executor::new(store.clone());
+    /// let charged = executor
+    ///     .run_with_claim(&Scope::new("charges"), &message_id, &Fingerprint::of(b"1000"), |claim| {
+    ///         let store = store.clone();
+    ///         async move {
+    ///             let mut tx = store.pool().begin().await?;
+    ///             sqlx::query("INSERT INTO charges (amount) VALUES (1000)")
+    ///                 .execute(&mut *tx)
+    ///                 .await?;
+    ///             let charge = "ch_1".to_owned();
+    ///             store.commit_claim(tx, &claim, &charge).await?;
+    ///             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(charge)
+    ///         }
+    ///     })
+    ///     .await
+    ///     .map_err(|e| e.to_string())?;
+    /// assert_eq!(charged.value, "ch_1");
+    /// # Ok(()) }
+    /// ```
+    pub async fn commit_claim<T: serde::Serialize>(
+        &self,
+        mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+        claim: &idempotency_core::Claim<T>,
+        value: &T,
+    ) -> Result<()> {
+        self.complete_claim_in(&mut tx, claim, value).await?;
+        tx.commit().await.map_err(db_error)
     }
 
     /// Completes and returns the record's fingerprint (one statement): what a cache in front

@@ -10,7 +10,7 @@
 //! # The effect and its outcome commit together
 //!
 //! The effect is a Postgres write, so it runs through [`Executor::run_with_claim`]: the
-//! ledger row and the charge's stored result ([`PostgresStore::complete_claim_in`]) are
+//! ledger row and the charge's stored result ([`PostgresStore::commit_claim`]) are
 //! written in **one transaction**. Whatever stops the attempt — a crash, a panic, a poll
 //! dropped at any await (a shutdown's `select!`, an outer timeout), a commit whose answer
 //! was lost — either rolled the row back (the key is given back, or its lease runs out, and
@@ -61,13 +61,18 @@
 //!
 //! # Outcomes that were not stored
 //!
-//! The executor stores the result again after the operation returns (it finds it committed
-//! already). Should that fail for a whole lease of retries (the store's database went down
-//! right after the commit), the executor answers [`RunError::NotStored`]. The charge **was
-//! applied**, and with its result, so a redelivery would replay: such a message is
-//! acknowledged all the same, counted in [`Polled::not_stored`], and logged at error level
-//! ("the outcome was not stored") for an operator. The lease is the executor's
-//! ([`Consumer::with_policy`], default 30 s).
+//! After the operation returns, the executor confirms that its transaction committed (it
+//! gives the lease back, which the store refuses for a completed record), then stores the
+//! result again (it finds it committed already). Should the store's database go down right
+//! after the commit, the confirmation fails for a whole lease of retries and the executor
+//! answers [`RunError::Unconfirmed`]: the message stays pending, counted in
+//! [`Polled::failed`], and its redelivery replays the committed charge once the database is
+//! back (a transaction that did not commit would run again instead). Should the database
+//! go down between the two calls, the second write fails and the executor answers
+//! [`RunError::NotStored`]: the charge **was applied**, and with its result, so a
+//! redelivery would replay; such a message is acknowledged all the same, counted in
+//! [`Polled::not_stored`], and logged at error level ("the outcome was not stored") for an
+//! operator. The lease is the executor's ([`Consumer::with_policy`], default 30 s).
 //!
 //! # Shutting down
 //!
@@ -450,8 +455,7 @@ impl Consumer {
                 if let Some(fault) = after_effect {
                     fault(charge).await;
                 }
-                store.complete_claim_in(&mut tx, &claim, &value).await?;
-                tx.commit().await?;
+                store.commit_claim(tx, &claim, &value).await?;
                 if let Some(fault) = after_commit {
                     fault(charge).await;
                 }

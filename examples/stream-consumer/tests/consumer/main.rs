@@ -527,12 +527,13 @@ fn a_message_failing_on_every_delivery_is_dead_lettered_after_max_failures() {
 }
 
 /// The effect committed with its result, then the store's database went down for longer than
-/// the executor's lease, so the executor's own write of the outcome failed on every retry
-/// (`RunError::NotStored`). The message is
-/// acknowledged — not left pending for a redelivery that would apply the charge again, not
-/// dead-lettered — and counted; with the database back, nothing is applied a second time.
+/// the executor's lease, so the executor could not confirm the commit on any retry
+/// (`RunError::Unconfirmed`). The message stays pending — not acknowledged (had the
+/// transaction not committed, its charge would be lost), not dead-lettered, not counted
+/// toward dead-lettering — and once the database is back its redelivery replays the charge:
+/// applied once.
 #[test]
-fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
+fn a_charge_whose_commit_could_not_be_confirmed_is_redelivered_and_replays() {
     block_on(async {
         let Some((pg, mut rig)) = stoppable_rig().await else {
             return;
@@ -552,25 +553,31 @@ fn a_charge_applied_whose_outcome_was_not_stored_is_acknowledged() {
         assert_eq!(
             polled,
             Polled {
-                not_stored: 1,
+                failed: 1,
+                ..Polled::default()
+            }
+        );
+        assert_eq!(rig.pending().await, 1, "left pending, not acknowledged");
+        let dead = format!("{}:dead", rig.stream);
+        assert!(
+            rig.dead_letters(&dead).await.is_empty(),
+            "an applied charge is not dead-lettered"
+        );
+
+        // The database back, past `claim_idle`: the pending message is claimed again and
+        // replays the committed charge.
+        consumer.after_commit = None;
+        pg.start().await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(
+            consumer.poll(10).await.expect("poll"),
+            Polled {
+                replayed: 1,
                 acked: 1,
                 ..Polled::default()
             }
         );
-        assert_eq!(rig.pending().await, 0, "acknowledged, not left pending");
-        assert!(
-            rig.dead_letters(&format!("{}:dead", rig.stream))
-                .await
-                .is_empty(),
-            "an applied charge is not dead-lettered"
-        );
-
-        // The database back, past `claim_idle` (the lease ran out while `complete` retried):
-        // a pending message would be claimed now and applied again. Nothing comes back.
-        consumer.after_commit = None;
-        pg.start().await;
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(consumer.poll(10).await.expect("poll"), Polled::default());
+        assert_eq!(rig.pending().await, 0);
         assert_eq!(
             rig.effects().await,
             HashMap::from([("ch_lost".to_owned(), 1)]),
