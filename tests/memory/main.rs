@@ -791,3 +791,68 @@ fn the_purge_removes_each_record_at_its_current_deadline() {
         }
     });
 }
+
+/// An operation that stored its own result and returned `Ok` while the store refused every
+/// call for a whole lease: the executor cannot confirm that its transaction committed, so it
+/// writes nothing and says so (`Unconfirmed`), and its release goes on in the background.
+/// Whatever happened, the key then answers right: a completion that committed replays; one
+/// that did not (the transaction rolled back) is released, and the next run executes. Were
+/// the value stored instead, the rolled-back case would replay a result never committed.
+#[test]
+fn a_commit_the_executor_cannot_confirm_is_left_to_the_store() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        for committed in [true, false] {
+            let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+            let executor = Executor::new(store.clone())
+                .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+            let (scope, key, fp) = (
+                Scope::new("unconfirmed"),
+                IdempotencyKey::new("k").expect("key"),
+                Fingerprint::of(b"p"),
+            );
+            // About five tries fit in a lease of a second; the background release lands on
+            // its third.
+            store.fail_releases(8);
+            let inner = store.clone();
+            let first = executor
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    let c = claim.completion(&"charged".to_owned()).expect("completion");
+                    if committed {
+                        inner
+                            .complete(&c.id, c.token, &c.outcome, c.retention)
+                            .await
+                            .expect("complete");
+                    }
+                    claim.accepted(); // … and the transaction committed, or rolled back
+                    Ok::<_, ()>("charged".to_owned())
+                })
+                .await;
+            assert!(
+                matches!(first, Err(RunError::Unconfirmed(_))),
+                "committed: {committed}: {first:?}"
+            );
+            executor.drain().await; // the background release
+            let again = executor
+                .run(&scope, &key, &fp, || async {
+                    Ok::<_, ()>("charged again".to_owned())
+                })
+                .await
+                .expect("the redelivery");
+            let expected = if committed {
+                ("charged", true)
+            } else {
+                ("charged again", false)
+            };
+            assert_eq!(
+                (again.value.as_str(), again.replayed),
+                expected,
+                "committed: {committed}"
+            );
+        }
+    });
+}
