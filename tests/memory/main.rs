@@ -856,3 +856,47 @@ fn a_commit_the_executor_cannot_confirm_is_left_to_the_store() {
         }
     });
 }
+
+/// An operation that stored its own result and returned `Ok`, though its transaction rolled
+/// back; the executor's release, which confirms that, went through but its answer was lost,
+/// and the retry is refused (the record is gone). A refusal is no confirmation of a commit:
+/// the executor's completion, which a record this token completed would accept, is refused
+/// too, so the run answers `NotCommitted` and the redelivery runs. Before, the refusal read
+/// as "committed", and the run answered `NotStored` ("it ran"), which a consumer
+/// acknowledges: a charge never applied was dropped.
+#[test]
+fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, RunError, Scope};
+    use idempotency_test::late::LateBegin;
+
+    idempotency_test::block_on(async {
+        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+        let executor = Executor::new(store.clone());
+        let (scope, key, fp) = (
+            Scope::new("lost-answer"),
+            IdempotencyKey::new("k").expect("key"),
+            Fingerprint::of(b"p"),
+        );
+        store.lose_release_answers(1);
+        let first = executor
+            .run_with_claim(&scope, &key, &fp, |claim| async move {
+                let _completion = claim.completion(&"charged".to_owned()).expect("completion");
+                claim.accepted(); // … and then the transaction rolled back
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotCommitted)), "{first:?}");
+        let again = executor
+            .run(&scope, &key, &fp, || async {
+                Ok::<_, ()>("charged on the redelivery".to_owned())
+            })
+            .await
+            .expect("the redelivery");
+        assert_eq!(
+            (again.value.as_str(), again.replayed),
+            ("charged on the redelivery", false)
+        );
+    });
+}

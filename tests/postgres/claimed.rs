@@ -11,7 +11,7 @@ use idempotency_core::{
     Claim, Executed, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, ReleaseScope,
     RunError, Scope, Store,
 };
-use idempotency_postgres::PostgresStore;
+use idempotency_postgres::{CommitClaimError, PostgresStore};
 use idempotency_test::block_on;
 
 use super::store;
@@ -212,8 +212,8 @@ fn a_transaction_that_rolled_back_after_its_completion_stores_nothing() {
 }
 
 /// A `COMMIT` that fails (here a deferred constraint, checked at the commit) through
-/// `commit_claim`: the run fails, nothing is stored, the key is released, and the
-/// redelivery runs.
+/// `commit_claim`: the run fails with the database's error, nothing is stored, the key is
+/// released, and the redelivery runs.
 #[test]
 fn a_commit_that_fails_stores_nothing_and_releases_the_key() {
     block_on(async {
@@ -244,17 +244,18 @@ fn a_commit_that_fails_stores_nothing_and_releases_the_key() {
                 }
                 let value = entries.join("+");
                 store.commit_claim(tx, &claim, &value).await?;
-                Ok::<_, idempotency_core::Error>(value)
+                Ok::<_, CommitClaimError>(value)
             })
         };
+        // The database's own error, for the caller to classify (a constraint: the message's
+        // fault, not the store's).
         let first = run(&["twice", "twice"]).await;
-        assert!(
-            matches!(
-                first,
-                Err(RunError::Failed(idempotency_core::Error::Unavailable(_)))
-            ),
-            "{first:?}"
-        );
+        match &first {
+            Err(RunError::Failed(CommitClaimError::Commit(sqlx::Error::Database(db)))) => {
+                assert_eq!(db.code().as_deref(), Some("23505"), "{db}");
+            }
+            other => panic!("{other:?}"),
+        }
         let again = run(&["once"]).await.expect("the redelivery");
         assert_eq!((again.value.as_str(), again.replayed), ("once", false));
         let select = format!("SELECT entry FROM {table}");

@@ -71,13 +71,17 @@ pub enum RunError<E> {
     NotStored(#[source] Error),
     /// **The operation returned `Ok`, but the result it stored in its own transaction did
     /// not commit** ([`Executor::run_with_claim`]): it had told the executor that the store
-    /// accepted its completion ([`Claim::accepted`]), yet the store still held its lease in
-    /// flight. The transaction rolled back after the completion — a statement after it
-    /// failed, and Postgres answers the `COMMIT` of a failed transaction with a rollback
-    /// that sqlx reports as success — or it was never committed. Nothing it wrote took
-    /// effect; the executor stored nothing and released the key, so a redelivery runs the
-    /// operation again. The operation has a bug: make the completion its transaction's last
-    /// statement, or commit with `PostgresStore::commit_claim`.
+    /// accepted its completion ([`Claim::accepted`]), yet the record is not completed by
+    /// it: the store still held its lease in flight, or (its lease having run out) another
+    /// attempt took the key over. The transaction rolled back after the completion — a
+    /// statement after it failed, and Postgres answers the `COMMIT` of a failed transaction
+    /// with a rollback that sqlx reports as success; a retry after a rollback returned `Ok`
+    /// without completing again — or it was never committed. Nothing it wrote took effect;
+    /// the executor stored nothing, and released the key if it still held it, so a
+    /// redelivery runs the operation again (or finds the other attempt's). The operation has
+    /// a bug: make the completion its transaction's last statement
+    /// (`PostgresStore::commit_claim` commits right after it), and return `Ok` only once one
+    /// committed.
     #[error(
         "the operation returned Ok, but the result it stored in its transaction did not commit; the key was released"
     )]
@@ -85,11 +89,11 @@ pub enum RunError<E> {
     /// **Whether the operation's transaction committed is not known**
     /// ([`Executor::run_with_claim`]): it returned `Ok` after the store accepted the result
     /// it stored in its own transaction, and the store could not be reached for a whole
-    /// lease to confirm that the transaction committed. The executor writes nothing more:
-    /// if it committed, the key replays its result; if it did not, the key is released (the
-    /// release goes on in the background, counted by [`Executor::drain`]) or its lease runs
-    /// out. Redeliver (leave the message pending): the redelivery replays the result, or
-    /// runs the operation again if nothing committed.
+    /// lease to confirm that the transaction committed. The executor stores nothing of its
+    /// own: if it committed, the key replays its result; if it did not, the key is released
+    /// (the release goes on in the background, counted by [`Executor::drain`]) or its lease
+    /// runs out. Redeliver (leave the message pending): the redelivery replays the result,
+    /// or runs the operation again if nothing committed.
     #[error("whether the operation's transaction committed is not known: {0}")]
     Unconfirmed(#[source] Error),
     /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
@@ -109,8 +113,9 @@ pub enum RunError<E> {
 /// ([`finish_in_any_case`](crate::finish_in_any_case)); a panic releases it. A crash leaves the lease to expire, after which a
 /// redelivery runs again: make the effect itself idempotent (a unique constraint on the
 /// record id), or store the result in the effect's own transaction
-/// ([`Executor::run_with_claim`] with `PostgresStore::complete_claim_in`), where that window
-/// matters.
+/// ([`Executor::run_with_claim`] with `PostgresStore::commit_claim`), where that window
+/// matters. (An operation that stored its own result is confirmed instead of stored:
+/// dropped then, its lease is released, which the store refuses once the result committed.)
 ///
 /// A renewal answered `LeaseLost` (another attempt took the key over, or an operator released
 /// it) stops the operation at its await: [`RunError::LeaseLost`]. A renewal that merely fails
@@ -255,8 +260,12 @@ impl<S: Store + ?Sized> Executor<S> {
     /// (a transaction that rolled back after it, or was never committed): nothing is stored,
     /// the key is free for a retry, and the run answers [`RunError::NotCommitted`]. A store
     /// that cannot be reached to confirm it answers [`RunError::Unconfirmed`] (redeliver).
-    /// Once confirmed, the executor stores the value too, which finds it stored already (a
-    /// completion is idempotent for its token).
+    /// To confirm a refused release, it completes with the claim's token, which the store
+    /// accepts only for a record this token completed (a completion is idempotent for its
+    /// token): it never stores the value on a record whose transaction rolled back. So once
+    /// the store accepted a completion, return `Ok` only for a transaction that committed
+    /// one: a transaction retried after a rollback that decides on another result (a
+    /// decline) completes with that result too.
     /// Once the store accepted the operation's completion ([`Claim::accepted`], which
     /// `complete_claim_in` calls), a renewal answered `LeaseLost` stops the operation only if
     /// the record is not completed (read with `Store::inspect`): most often that answer is the
@@ -396,7 +405,7 @@ impl<S: Store + ?Sized> Executor<S> {
                 // An operation that stored its result in its own transaction: confirm that
                 // the transaction committed before storing anything.
                 if completed_itself.load(Ordering::SeqCst) {
-                    guard.confirm_committed(self.policy.lease()).await?;
+                    return guard.confirm_committed(value, &self.policy).await;
                 }
                 // The operation ran: whatever happens now, the key must not run it again. A
                 // result that does not serialise is stored as a marker that replays as
@@ -588,8 +597,9 @@ impl<T: Serialize> Claim<T> {
     /// returned `Ok` (`PostgresStore::complete_claim_in` does), then commit or return; never
     /// before: until the store accepted, a `LeaseLost` is a takeover, and the operation must
     /// stop. The lease is still renewed meanwhile, so a transaction that rolls back can be
-    /// retried on it. An operation that returns `Ok` once this is set has its commit
-    /// confirmed before its value is stored ([`RunError::NotCommitted`]).
+    /// retried on it. It stays set: an operation that returns `Ok` afterwards has its commit
+    /// confirmed, and the executor stores no value of its own, so return `Ok` only once a
+    /// transaction with a completion committed ([`RunError::NotCommitted`] otherwise).
     pub fn accepted(&self) {
         self.accepted.store(true, Ordering::SeqCst);
     }
@@ -689,45 +699,80 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
     }
 
     /// For an operation that returned `Ok` after the store accepted the result it stored in
-    /// its own transaction ([`Claim::accepted`]): confirms that the transaction committed, by
-    /// giving the lease back. A store releases only a record still in flight under this
-    /// token, so a refusal (`LeaseLost`) means the record is completed — by that commit, or
-    /// by another attempt after it rolled back, which the write that follows tells apart —
-    /// and a release that goes through means the completion never committed: the key is
-    /// free for a retry, and nothing may be stored for it. An unreachable store is asked
-    /// again for a lease, then in the background ([`release_orphan`](crate::release_orphan),
-    /// counted by `drain`): whenever it lands, released or refused, it is right.
+    /// its own transaction ([`Claim::accepted`]): confirms that the transaction committed
+    /// before answering `Ok`, and stores nothing of its own.
+    ///
+    /// First it gives the lease back. A store releases only a record in flight under this
+    /// token, so a release that goes through means the completion never committed: the key
+    /// is free for a retry ([`RunError::NotCommitted`]). A refusal (`LeaseLost`) says only
+    /// that the record is not in flight under this token any more — completed, or taken
+    /// over, or deleted (by this run's own earlier release, if its answer was lost) — and
+    /// it never will be again. So then it completes with this token, which the store
+    /// accepts only for a record this token completed: `Ok` confirms the commit (and fills
+    /// a cache in front of the store), `LeaseLost` says the completion did not commit, and
+    /// nothing can store this value on a record whose transaction rolled back. The lease is
+    /// renewed between tries, so that no retry takes the key over while the store is
+    /// unreachable; one unreachable for a whole lease answers [`RunError::Unconfirmed`], its
+    /// release going on in the background ([`release_orphan`](crate::release_orphan),
+    /// counted by `drain`), right whenever it lands.
     ///
     /// Dropped meanwhile, the guard releases instead: the same fenced call.
-    async fn confirm_committed<E>(&mut self, lease: Duration) -> Result<(), RunError<E>> {
-        let give_up = Instant::now() + lease;
+    async fn confirm_committed<T, E>(
+        &mut self,
+        value: T,
+        policy: &Policy,
+    ) -> Result<Executed<T>, RunError<E>>
+    where
+        T: Serialize,
+    {
+        let (id, token) = (self.id, self.token);
+        let give_up = Instant::now() + policy.lease();
         let mut backoff = Duration::from_millis(50);
+        let not_committed = |id: &RecordId| {
+            tracing::error!(record = %id, "the operation returned Ok, but the result it stored in its transaction did not commit");
+            Err(RunError::NotCommitted)
+        };
         loop {
-            let released = AssertUnwindSafe(self.store.release(&self.id, self.token))
+            let released = AssertUnwindSafe(self.store.release(&id, token))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| Err(Error::unavailable("the store's release panicked")));
             match released {
                 Ok(()) => {
                     self.settled = true;
-                    tracing::error!(record = %self.id, "the operation returned Ok, but the result it stored in its transaction did not commit; released the key");
-                    return Err(RunError::NotCommitted);
+                    return not_committed(&id);
                 }
-                Err(Error::LeaseLost) => return Ok(()),
+                Err(Error::LeaseLost) => break,
                 Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
-                    tracing::warn!(%error, record = %self.id, "confirming the operation's commit failed; retrying");
+                    tracing::warn!(%error, record = %id, "confirming the operation's commit failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
+                    let _ = self.store.renew(&id, token, policy.lease()).await;
                 }
                 Err(error) => {
                     self.settled = true;
-                    let (store, id, token) = (self.store.clone(), self.id, self.token);
+                    let store = self.store.clone();
                     self.settling.spawn(async move {
                         crate::release_orphan(&*store, &id, token).await;
                     });
                     return Err(RunError::Unconfirmed(error));
                 }
             }
+        }
+        // Not in flight under this token: nothing left to release, whatever happens now.
+        self.settled = true;
+        let outcome = stored_form(&value).map_err(|e| {
+            RunError::NotStored(Error::Corrupt(format!(
+                "the result does not serialise: {e}"
+            )))
+        })?;
+        match complete_retrying(&*self.store, &id, token, &outcome, policy).await {
+            Ok(()) => Ok(Executed {
+                value,
+                replayed: false,
+            }),
+            Err(Error::LeaseLost) => not_committed(&id),
+            Err(error) => Err(RunError::Unconfirmed(error)),
         }
     }
 

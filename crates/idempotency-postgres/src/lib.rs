@@ -43,7 +43,7 @@ mod table;
 mod transitions;
 
 pub use batch::{GroupCommit, GroupCommitStats};
-pub use store::{PostgresStore, PostgresStoreBuilder, migrator};
+pub use store::{CommitClaimError, PostgresStore, PostgresStoreBuilder, migrator};
 pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};
 
 /// The `sqlx` crate this store is built on, so an application's own pool (for

@@ -329,6 +329,33 @@ fn db_error(error: sqlx::Error) -> Error {
     Error::unavailable(error)
 }
 
+/// Why [`PostgresStore::commit_claim`] did not commit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommitClaimError {
+    /// The completion failed, or was refused ([`Error::LeaseLost`]: another attempt took the
+    /// key over, or this claim's result committed already); the transaction rolled back.
+    #[error(transparent)]
+    Store(#[from] Error),
+    /// The `COMMIT` failed, with the database's error (its SQLSTATE tells a deferred
+    /// constraint, class 23, from a serialization failure, 40001). Lost with the connection,
+    /// its answer may hide a commit that landed: the executor's release, fenced to a record
+    /// in flight, then leaves the result to replay.
+    #[error("the transaction did not commit: {0}")]
+    Commit(#[source] sqlx::Error),
+}
+
+impl From<CommitClaimError> for Error {
+    /// The store's error as it is; a failed `COMMIT` as [`Error::Unavailable`] (the
+    /// transaction's writes did not take effect).
+    fn from(error: CommitClaimError) -> Self {
+        match error {
+            CommitClaimError::Store(error) => error,
+            CommitClaimError::Commit(error) => db_error(error),
+        }
+    }
+}
+
 /// A lease or retention in milliseconds, capped at [`FOR_GOOD`](idempotency_core::FOR_GOOD):
 /// past Postgres' range the arithmetic would fail the statement.
 pub(crate) fn millis(d: Duration) -> i64 {
@@ -824,11 +851,14 @@ impl PostgresStore {
     /// run between it and the `COMMIT`. The way to end an [`Executor::run_with_claim`]
     /// operation's transaction, unless something else must commit it.
     ///
-    /// Answers as `complete_claim_in` does (a refused completion rolls the transaction back),
-    /// or [`Error::Unavailable`] when the `COMMIT` failed (a deferred constraint, a
-    /// serialization failure, the connection lost with its answer): return the error, and
-    /// the executor releases the key, fenced to a record still in flight, so a commit that
-    /// landed all the same keeps its result and replays it.
+    /// Answers [`CommitClaimError::Store`] as `complete_claim_in` does (a refused completion
+    /// rolls the transaction back), or [`CommitClaimError::Commit`] with the database's error
+    /// when the `COMMIT` failed (a deferred constraint, a serialization failure, the
+    /// connection lost with its answer): return the error, and the executor releases the
+    /// key, fenced to a record still in flight, so a commit that landed all the same keeps
+    /// its result and replays it. Both convert into the store's [`Error`] (`?` into a
+    /// function that returns it; a failed `COMMIT` is then `Unavailable`), and into a boxed
+    /// error.
     ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
     ///
@@ -861,9 +891,9 @@ impl PostgresStore {
         mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
         claim: &idempotency_core::Claim<T>,
         value: &T,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), CommitClaimError> {
         self.complete_claim_in(&mut tx, claim, value).await?;
-        tx.commit().await.map_err(db_error)
+        tx.commit().await.map_err(CommitClaimError::Commit)
     }
 
     /// Completes and returns the record's fingerprint (one statement): what a cache in front

@@ -28,6 +28,8 @@ pub struct LateBegin<S> {
     drains: AtomicU64,
     /// How many of the next `release` calls fail (`Unavailable`, nothing released).
     failing_releases: AtomicU64,
+    /// How many of the next `release` calls release, then answer `Unavailable`.
+    lost_release_answers: AtomicU64,
     /// How many of the next `renew` calls fail (`Unavailable`, nothing renewed).
     failing_renewals: AtomicU64,
     /// Whether every other `renew` fails (see [`LateBegin::fail_every_other_renewal`]),
@@ -56,6 +58,7 @@ impl<S: Store> LateBegin<S> {
             purge_starts: std::sync::Mutex::default(),
             drains: AtomicU64::new(0),
             failing_releases: AtomicU64::new(0),
+            lost_release_answers: AtomicU64::new(0),
             failing_renewals: AtomicU64::new(0),
             alternating_renewals: std::sync::atomic::AtomicBool::new(false),
             renewals: AtomicU64::new(0),
@@ -82,6 +85,12 @@ impl<S: Store> LateBegin<S> {
     /// store blip).
     pub fn fail_releases(&self, n: u64) {
         self.failing_releases.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `release` calls release, then answer `Unavailable` (the answer
+    /// lost on its way back).
+    pub fn lose_release_answers(&self, n: u64) {
+        self.lost_release_answers.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `n` `renew` calls fail with `Unavailable`, renewing nothing (a store
@@ -232,7 +241,13 @@ impl<S: Store> Store for LateBegin<S> {
                 "a release failed (injected)",
             ));
         }
-        self.inner.release(id, token).await
+        let released = self.inner.release(id, token).await;
+        if released.is_ok() && take_one(&self.lost_release_answers) {
+            return Err(idempotency_core::Error::unavailable(
+                "a release's answer was lost (injected)",
+            ));
+        }
+        released
     }
 
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {

@@ -86,7 +86,8 @@ use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Durat
 
 use idempotency::{
     Begin, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState, RunError, Scope,
-    Store, postgres::PostgresStore,
+    Store,
+    postgres::{CommitClaimError, PostgresStore},
 };
 use redis::{
     AsyncCommands, Script,
@@ -122,6 +123,19 @@ pub enum EffectError {
     /// charge over, and its effect is the one that counts).
     #[error(transparent)]
     Store(#[from] idempotency::Error),
+}
+
+/// The completion's error as the store's, a failed `COMMIT` as the database's: a constraint
+/// checked at the commit is the message's fault as much as one checked at the insert.
+impl From<CommitClaimError> for EffectError {
+    fn from(error: CommitClaimError) -> Self {
+        match error {
+            CommitClaimError::Commit(error) => Self::Database(error),
+            CommitClaimError::Store(error) => Self::Store(error),
+            // `non_exhaustive`: whatever comes next is the store's.
+            other => Self::Store(other.into()),
+        }
+    }
 }
 
 /// Counts of one [`Consumer::poll`].
