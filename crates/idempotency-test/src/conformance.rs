@@ -473,6 +473,81 @@ pub async fn completed_record_is_final(store: &dyn Store) {
     );
 }
 
+/// What the executor's confirmation of a commit relies on (an operation of
+/// `Executor::run_with_claim` that completed its record in its own transaction and returned
+/// `Ok`): its `release`, then its `complete` with the same token, tell a completion that
+/// committed from one that did not.
+/// - committed: the release is refused (`LeaseLost`) and the completion accepted again,
+///   its first outcome kept;
+/// - rolled back: the release goes through (and the completion after it is refused);
+/// - rolled back, the release landed with its answer lost: the retried release and the
+///   completion are both refused, storing nothing;
+/// - rolled back, and another attempt took the key over: both refused, the takeover's lease
+///   untouched.
+pub async fn a_release_then_a_completion_tell_a_commit_from_a_rollback(store: &dyn Store) {
+    let committed = fresh_id();
+    let token = execute(store, &committed, &fp("a"), LONG).await;
+    store
+        .complete(&committed, token, &sample_outcome(), LONG)
+        .await
+        .expect("complete");
+    assert!(matches!(
+        store.release(&committed, token).await,
+        Err(Error::LeaseLost)
+    ));
+    store
+        .complete(&committed, token, &Outcome::new(500), LONG)
+        .await
+        .expect("the completing token's completion is accepted again");
+    assert_eq!(
+        store
+            .begin(&committed, &fp("a"), LONG)
+            .await
+            .expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+
+    for answer_lost in [false, true] {
+        let rolled_back = fresh_id();
+        let token = execute(store, &rolled_back, &fp("a"), LONG).await;
+        store.release(&rolled_back, token).await.expect("release");
+        if answer_lost {
+            assert!(matches!(
+                store.release(&rolled_back, token).await,
+                Err(Error::LeaseLost)
+            ));
+        }
+        assert!(matches!(
+            store
+                .complete(&rolled_back, token, &sample_outcome(), LONG)
+                .await,
+            Err(Error::LeaseLost)
+        ));
+        execute(store, &rolled_back, &fp("a"), LONG).await;
+    }
+
+    let taken = fresh_id();
+    let token = execute(store, &taken, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let takeover = take_over(store, &taken, &fp("a"), LONG).await;
+    assert!(matches!(
+        store.release(&taken, token).await,
+        Err(Error::LeaseLost)
+    ));
+    assert!(matches!(
+        store.complete(&taken, token, &sample_outcome(), LONG).await,
+        Err(Error::LeaseLost)
+    ));
+    assert!(matches!(
+        store.begin(&taken, &fp("a"), LONG).await.expect("begin"),
+        Begin::InFlight { .. }
+    ));
+    store
+        .complete(&taken, takeover, &sample_outcome(), LONG)
+        .await
+        .expect("the takeover completes");
+}
+
 /// `renew` extends a lease past its original expiry.
 pub async fn renew_extends_the_lease(store: &dyn Store) {
     let id = fresh_id();
@@ -915,6 +990,7 @@ macro_rules! conformance_tests {
             late_completion_is_accepted_when_nobody_took_over,
             takeover_versus_late_completion_in_both_orders,
             completed_record_is_final,
+            a_release_then_a_completion_tell_a_commit_from_a_rollback,
             renew_extends_the_lease,
             retention_expiry_makes_the_record_absent,
             purge_removes_only_expired_records,
