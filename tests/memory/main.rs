@@ -531,13 +531,7 @@ fn an_outcome_not_stored_within_the_lease_is_stored_later() {
         assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
         executor.drain().await; // the background write, until the store took it
         tokio::time::sleep(Duration::from_millis(1500)).await; // the lease is long over
-        let again = executor
-            .run(&scope, &key, &fp, || async {
-                Ok::<_, ()>("twice".to_owned())
-            })
-            .await
-            .expect("replay");
-        assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+        replays(&executor, &(scope, key, fp), "charged").await;
     });
 }
 
@@ -575,13 +569,7 @@ fn an_outcome_refused_for_less_than_a_lease_while_renewals_pass_is_stored_late()
         assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
         executor.drain().await;
         tokio::time::sleep(lease).await; // the lease is long over
-        let again = executor
-            .run(&scope, &key, &fp, || async {
-                Ok::<_, ()>("twice".to_owned())
-            })
-            .await
-            .expect("replay");
-        assert_eq!((again.value.as_str(), again.replayed), ("charged", true));
+        replays(&executor, &(scope, key, fp), "charged").await;
     });
 }
 
@@ -802,22 +790,16 @@ fn the_purge_removes_each_record_at_its_current_deadline() {
 fn a_commit_the_executor_cannot_confirm_is_left_to_the_store() {
     use std::time::Duration;
 
-    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
-    use idempotency_test::late::LateBegin;
+    use idempotency_core::RunError;
 
     idempotency_test::block_on(async {
         for committed in [true, false] {
-            let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
-            let executor = Executor::new(store.clone())
-                .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
-            let (scope, key, fp) = (
-                Scope::new("unconfirmed"),
-                IdempotencyKey::new("k").expect("key"),
-                Fingerprint::of(b"p"),
-            );
+            let (store, executor, (scope, key, fp)) = faulty(Duration::from_secs(1), "unconfirmed");
             // About five tries fit in a lease of a second; the background release lands on
-            // its third.
+            // its third. The renewals between the tries fail too (a renewal refused would
+            // tell a record no longer held).
             store.fail_releases(8);
+            store.fail_renewals(20);
             let inner = store.clone();
             let first = executor
                 .run_with_claim(&scope, &key, &fp, |claim| async move {
@@ -861,24 +843,18 @@ fn a_commit_the_executor_cannot_confirm_is_left_to_the_store() {
 /// back; the executor's release, which confirms that, went through but its answer was lost,
 /// and the retry is refused (the record is gone). A refusal is no confirmation of a commit:
 /// the executor's completion, which a record this token completed would accept, is refused
-/// too, so the run answers `NotCommitted` and the redelivery runs. Before, the refusal read
-/// as "committed", and the run answered `NotStored` ("it ran"), which a consumer
-/// acknowledges: a charge never applied was dropped.
+/// too, and with no record left (its own release, or a committed record forgotten?) the run
+/// answers `Unconfirmed`: redeliver. The redelivery runs. Before, the refusal read as
+/// "committed", and the run answered `NotStored` ("it ran"), which a consumer acknowledges:
+/// a charge never applied was dropped.
 #[test]
 fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
     use std::time::Duration;
 
-    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, RunError, Scope};
-    use idempotency_test::late::LateBegin;
+    use idempotency_core::RunError;
 
     idempotency_test::block_on(async {
-        let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
-        let executor = Executor::new(store.clone());
-        let (scope, key, fp) = (
-            Scope::new("lost-answer"),
-            IdempotencyKey::new("k").expect("key"),
-            Fingerprint::of(b"p"),
-        );
+        let (store, executor, (scope, key, fp)) = faulty(Duration::from_secs(30), "lost-answer");
         store.lose_release_answers(1);
         let first = executor
             .run_with_claim(&scope, &key, &fp, |claim| async move {
@@ -887,7 +863,7 @@ fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
                 Ok::<_, ()>("charged".to_owned())
             })
             .await;
-        assert!(matches!(first, Err(RunError::NotCommitted)), "{first:?}");
+        assert!(matches!(first, Err(RunError::Unconfirmed(_))), "{first:?}");
         let again = executor
             .run(&scope, &key, &fp, || async {
                 Ok::<_, ()>("charged on the redelivery".to_owned())
@@ -899,4 +875,70 @@ fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
             ("charged on the redelivery", false)
         );
     });
+}
+
+/// The confirmation of a commit whose releases fail while the store answers renewals: a
+/// renewal refused (`LeaseLost`) says, as a refused release would, that the record is no
+/// longer in flight under the token, so the confirmation goes on to the completion with that
+/// token, which the committed record accepts: `Ok`, at once, not `Unconfirmed` a lease later.
+#[test]
+fn a_renewal_refused_while_releases_fail_confirms_through_the_completion() {
+    use std::time::Duration;
+
+    idempotency_test::block_on(async {
+        let (store, executor, (scope, key, fp)) = faulty(Duration::from_secs(1), "renewal-tells");
+        store.fail_releases(100);
+        let inner = store.clone();
+        let done = executor
+            .run_with_claim(&scope, &key, &fp, |claim| async move {
+                let c = claim.completion(&"charged".to_owned()).expect("completion");
+                inner
+                    .complete(&c.id, c.token, &c.outcome, c.retention)
+                    .await
+                    .expect("complete");
+                claim.accepted(); // … and the transaction committed
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await
+            .expect("confirmed");
+        assert_eq!((done.value.as_str(), done.replayed), ("charged", false));
+        store.fail_releases(0);
+        replays(&executor, &(scope, key, fp), "charged").await;
+    });
+}
+
+/// A memory store behind injected faults.
+type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
+/// A key: its scope, the key, the request's fingerprint.
+type Key = (
+    idempotency_core::Scope,
+    idempotency_core::IdempotencyKey,
+    idempotency_core::Fingerprint,
+);
+
+/// A memory store behind injected faults, an executor on a lease of `lease` over it, and a
+/// key of its own in `scope`.
+fn faulty(
+    lease: std::time::Duration,
+    scope: &str,
+) -> (Arc<Faulty>, idempotency_core::Executor<Faulty>, Key) {
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, Scope};
+    let store = Arc::new(Faulty::new(MemoryStore::new(), std::time::Duration::ZERO));
+    let executor = Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+    let key = (
+        Scope::new(scope),
+        IdempotencyKey::new("k").expect("key"),
+        Fingerprint::of(b"p"),
+    );
+    (store, executor, key)
+}
+
+/// The key replays `value`: a run on it does not run.
+async fn replays(executor: &idempotency_core::Executor<Faulty>, key: &Key, value: &str) {
+    let (scope, key, fp) = key;
+    let again = executor
+        .run(scope, key, fp, || async { Ok::<_, ()>("twice".to_owned()) })
+        .await
+        .expect("replay");
+    assert_eq!((again.value.as_str(), again.replayed), (value, true));
 }

@@ -81,7 +81,9 @@ pub enum RunError<E> {
     /// redelivery runs the operation again (or finds the other attempt's). The operation has
     /// a bug: make the completion its transaction's last statement
     /// (`PostgresStore::commit_claim` commits right after it), and return `Ok` only once one
-    /// committed.
+    /// committed. (A retention shorter than the confirmation took, two leases at most, could
+    /// let a committed record be forgotten and the key claimed anew meanwhile, which reads
+    /// the same: keep the retention far longer than the lease.)
     #[error(
         "the operation returned Ok, but the result it stored in its transaction did not commit; the key was released"
     )]
@@ -89,8 +91,9 @@ pub enum RunError<E> {
     /// **Whether the operation's transaction committed is not known**
     /// ([`Executor::run_with_claim`]): it returned `Ok` after the store accepted the result
     /// it stored in its own transaction, and the store could not be reached for a whole
-    /// lease to confirm that the transaction committed. The executor stores nothing of its
-    /// own: if it committed, the key replays its result; if it did not, the key is released
+    /// lease to confirm that the transaction committed, or the record was gone (a release
+    /// of the executor's own that landed unseen, or a committed record forgotten). The
+    /// executor stores nothing of its own: if it committed, the key replays its result; if it did not, the key is released
     /// (the release goes on in the background, counted by [`Executor::drain`]) or its lease
     /// runs out. Redeliver (leave the message pending): the redelivery replays the result,
     /// or runs the operation again if nothing committed.
@@ -403,9 +406,33 @@ impl<S: Store + ?Sized> Executor<S> {
             }
             Ok(Ok(value)) => {
                 // An operation that stored its result in its own transaction: confirm that
-                // the transaction committed before storing anything.
+                // the transaction committed; store nothing of its own. The confirmation
+                // releases a lease it finds still held, so it too finishes in any case.
                 if completed_itself.load(Ordering::SeqCst) {
-                    return guard.confirm_committed(value, &self.policy).await;
+                    let outcome = stored_form(&value)
+                        .map_err(|e| Error::Corrupt(format!("the result does not serialise: {e}")));
+                    let (store, policy, tracker) = (
+                        self.store.clone(),
+                        self.policy.clone(),
+                        self.settling.clone(),
+                    );
+                    let settling = self.settling.token();
+                    let confirm = finish_in_any_case(async move {
+                        let _settling = settling;
+                        confirm_commit(store, &tracker, id, token, outcome, &policy).await
+                    });
+                    guard.settled = true;
+                    return match confirm.await {
+                        Confirmed::Committed => Ok(Executed {
+                            value,
+                            replayed: false,
+                        }),
+                        Confirmed::NotCommitted => {
+                            tracing::error!(record = %id, "the operation returned Ok, but the result it stored in its transaction did not commit");
+                            Err(RunError::NotCommitted)
+                        }
+                        Confirmed::Unknown(error) => Err(RunError::Unconfirmed(error)),
+                    };
                 }
                 // The operation ran: whatever happens now, the key must not run it again. A
                 // result that does not serialise is stored as a marker that replays as
@@ -698,84 +725,6 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         }
     }
 
-    /// For an operation that returned `Ok` after the store accepted the result it stored in
-    /// its own transaction ([`Claim::accepted`]): confirms that the transaction committed
-    /// before answering `Ok`, and stores nothing of its own.
-    ///
-    /// First it gives the lease back. A store releases only a record in flight under this
-    /// token, so a release that goes through means the completion never committed: the key
-    /// is free for a retry ([`RunError::NotCommitted`]). A refusal (`LeaseLost`) says only
-    /// that the record is not in flight under this token any more — completed, or taken
-    /// over, or deleted (by this run's own earlier release, if its answer was lost) — and
-    /// it never will be again. So then it completes with this token, which the store
-    /// accepts only for a record this token completed: `Ok` confirms the commit (and fills
-    /// a cache in front of the store), `LeaseLost` says the completion did not commit, and
-    /// nothing can store this value on a record whose transaction rolled back. The lease is
-    /// renewed between tries, so that no retry takes the key over while the store is
-    /// unreachable; one unreachable for a whole lease answers [`RunError::Unconfirmed`], its
-    /// release going on in the background ([`release_orphan`](crate::release_orphan),
-    /// counted by `drain`), right whenever it lands.
-    ///
-    /// Dropped meanwhile, the guard releases instead: the same fenced call.
-    async fn confirm_committed<T, E>(
-        &mut self,
-        value: T,
-        policy: &Policy,
-    ) -> Result<Executed<T>, RunError<E>>
-    where
-        T: Serialize,
-    {
-        let (id, token) = (self.id, self.token);
-        let give_up = Instant::now() + policy.lease();
-        let mut backoff = Duration::from_millis(50);
-        let not_committed = |id: &RecordId| {
-            tracing::error!(record = %id, "the operation returned Ok, but the result it stored in its transaction did not commit");
-            Err(RunError::NotCommitted)
-        };
-        loop {
-            let released = AssertUnwindSafe(self.store.release(&id, token))
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|_| Err(Error::unavailable("the store's release panicked")));
-            match released {
-                Ok(()) => {
-                    self.settled = true;
-                    return not_committed(&id);
-                }
-                Err(Error::LeaseLost) => break,
-                Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
-                    tracing::warn!(%error, record = %id, "confirming the operation's commit failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    let _ = self.store.renew(&id, token, policy.lease()).await;
-                }
-                Err(error) => {
-                    self.settled = true;
-                    let store = self.store.clone();
-                    self.settling.spawn(async move {
-                        crate::release_orphan(&*store, &id, token).await;
-                    });
-                    return Err(RunError::Unconfirmed(error));
-                }
-            }
-        }
-        // Not in flight under this token: nothing left to release, whatever happens now.
-        self.settled = true;
-        let outcome = stored_form(&value).map_err(|e| {
-            RunError::NotStored(Error::Corrupt(format!(
-                "the result does not serialise: {e}"
-            )))
-        })?;
-        match complete_retrying(&*self.store, &id, token, &outcome, policy).await {
-            Ok(()) => Ok(Executed {
-                value,
-                replayed: false,
-            }),
-            Err(Error::LeaseLost) => not_committed(&id),
-            Err(error) => Err(RunError::Unconfirmed(error)),
-        }
-    }
-
     /// Releases the lease; one that fails is retried in a task of its own (counted by
     /// `drain`): left to run out, it would hold the key for a lease and then come back as an
     /// attempt whose outcome is unknown.
@@ -820,6 +769,89 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
             },
             &runtime,
         );
+    }
+}
+
+/// What [`confirm_commit`] found.
+enum Confirmed {
+    /// The record is completed by the claim's token.
+    Committed,
+    /// The claim's completion did not commit: the lease was still held (now released), or
+    /// another attempt's record is there.
+    NotCommitted,
+    /// The store could not say: unreachable, or the record is gone.
+    Unknown(Error),
+}
+
+/// For an operation that returned `Ok` after the store accepted the result it stored in its
+/// own transaction ([`Claim::accepted`]): whether that transaction committed. It stores
+/// nothing of its own.
+///
+/// First it gives the lease back. A store releases only a record in flight under this
+/// token, so a release that goes through means the completion never committed, and the key
+/// is free for a retry. A refusal (`LeaseLost`) says only that the record is not in flight
+/// under this token any more — completed, taken over, or deleted (by this run's own earlier
+/// release whose answer was lost, or once past its retention) — and never will be again. So
+/// then it completes with this token, which a store accepts only for a record this token
+/// completed (`Ok`: committed): nothing can store this value on a record whose transaction
+/// rolled back. Refused again, the record read next tells: another attempt's record means
+/// this completion did not commit; no record at all cannot be told from a committed one
+/// forgotten, and is `Unknown`. The lease is renewed between tries, so that no retry takes
+/// the key over while the store is unreachable; one unreachable for a whole lease is
+/// `Unknown`, the release going on in the background ([`release_orphan`](crate::release_orphan),
+/// tracked by `tracker`), right whenever it lands.
+async fn confirm_commit<S: Store + ?Sized>(
+    store: Arc<S>,
+    tracker: &TaskTracker,
+    id: RecordId,
+    token: LeaseToken,
+    outcome: Result<Outcome, Error>,
+    policy: &Policy,
+) -> Confirmed {
+    let give_up = Instant::now() + policy.lease();
+    let mut backoff = Duration::from_millis(50);
+    let panicked = |call| Err(Error::unavailable(format!("the store's {call} panicked")));
+    loop {
+        let released = AssertUnwindSafe(store.release(&id, token))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| panicked("release"));
+        match released {
+            Ok(()) => return Confirmed::NotCommitted,
+            Err(Error::LeaseLost) => break,
+            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
+                tracing::warn!(%error, record = %id, "confirming the operation's commit failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                let renewed = AssertUnwindSafe(store.renew(&id, token, policy.lease()))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| panicked("renew"));
+                if matches!(renewed, Err(Error::LeaseLost)) {
+                    break; // not in flight under this token any more, as a refused release
+                }
+            }
+            Err(error) => {
+                let store = store.clone();
+                tracker.spawn(async move {
+                    crate::release_orphan(&*store, &id, token).await;
+                });
+                return Confirmed::Unknown(error);
+            }
+        }
+    }
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(error) => return Confirmed::Unknown(error),
+    };
+    match complete_retrying(&*store, &id, token, &outcome, policy).await {
+        Ok(()) => Confirmed::Committed,
+        Err(Error::LeaseLost) => match store.inspect(&id).await {
+            Ok(Some(_)) => Confirmed::NotCommitted,
+            Ok(None) => Confirmed::Unknown(Error::LeaseLost),
+            Err(error) => Confirmed::Unknown(error),
+        },
+        Err(error) => Confirmed::Unknown(error),
     }
 }
 
@@ -1301,7 +1333,8 @@ mod tests {
 
     /// An operation that stored its own result (as `complete_claim_in` does, in the effect's
     /// transaction) and then panicked or failed: the key keeps that result, and the
-    /// redelivery replays it; when it returns `Ok`, the executor's own write finds it stored.
+    /// redelivery replays it; when it returns `Ok`, the executor confirms the commit (its
+    /// release refused, its completion with the same token accepted).
     #[tokio::test]
     async fn a_result_the_operation_stored_itself_replays() {
         let store = Arc::new(MemoryStore::new());

@@ -346,8 +346,8 @@ pub enum CommitClaimError {
 }
 
 impl From<CommitClaimError> for Error {
-    /// The store's error as it is; a failed `COMMIT` as [`Error::Unavailable`] (the
-    /// transaction's writes did not take effect).
+    /// The store's error as it is; a failed `COMMIT` as [`Error::Unavailable`] (one whose
+    /// answer was lost may have landed all the same).
     fn from(error: CommitClaimError) -> Self {
         match error {
             CommitClaimError::Store(error) => error,
@@ -849,7 +849,9 @@ impl PostgresStore {
     /// [`complete_claim_in`](Self::complete_claim_in), then commits the transaction: the
     /// result is stored as the transaction's last statement, as it must be, and nothing can
     /// run between it and the `COMMIT`. The way to end an [`Executor::run_with_claim`]
-    /// operation's transaction, unless something else must commit it.
+    /// operation's transaction. (Commit before the operation returns in any case: the
+    /// executor confirms the commit once it returned, and a transaction still open then
+    /// holds the row its confirmation waits on.)
     ///
     /// Answers [`CommitClaimError::Store`] as `complete_claim_in` does (a refused completion
     /// rolls the transaction back), or [`CommitClaimError::Commit`] with the database's error

@@ -61,18 +61,19 @@
 //!
 //! # Outcomes that were not stored
 //!
-//! After the operation returns, the executor confirms that its transaction committed (it
-//! gives the lease back, which the store refuses for a completed record), then stores the
-//! result again (it finds it committed already). Should the store's database go down right
-//! after the commit, the confirmation fails for a whole lease of retries and the executor
-//! answers [`RunError::Unconfirmed`]: the message stays pending, counted in
-//! [`Polled::failed`], and its redelivery replays the committed charge once the database is
-//! back (a transaction that did not commit would run again instead). Should the database
-//! go down between the two calls, the second write fails and the executor answers
-//! [`RunError::NotStored`]: the charge **was applied**, and with its result, so a
-//! redelivery would replay; such a message is acknowledged all the same, counted in
-//! [`Polled::not_stored`], and logged at error level ("the outcome was not stored") for an
-//! operator. The lease is the executor's ([`Consumer::with_policy`], default 30 s).
+//! The charge's result commits with it, so the executor stores nothing after the operation
+//! returns: it confirms the commit (it gives the lease back, which the store refuses for a
+//! completed record, and completes with the same token, which only a record that token
+//! completed accepts). Should the store's database go down right after the commit, the
+//! confirmation fails for a whole lease of retries and the executor answers
+//! [`RunError::Unconfirmed`]: the message stays pending, counted in [`Polled::failed`] (not
+//! toward dead-lettering), and its redelivery replays the committed charge once the
+//! database is back (a transaction that did not commit would run again instead). The lease
+//! is the executor's ([`Consumer::with_policy`], default 30 s). [`RunError::NotStored`]
+//! ("it ran, its outcome was not stored") is what the executor answers an operation that
+//! stores no result of its own; should it ever reach this consumer, the charge was applied,
+//! and the message is acknowledged, counted in [`Polled::not_stored`] and logged at error
+//! level.
 //!
 //! # Shutting down
 //!
@@ -153,7 +154,8 @@ pub struct Polled {
     /// Messages this poll moved to the dead-letter stream (and acknowledged).
     pub dead_lettered: u64,
     /// Messages whose effect ran now but whose outcome the store did not take
-    /// ([`RunError::NotStored`]): acknowledged, not redelivered, and logged at error level.
+    /// ([`RunError::NotStored`]; not expected here, the charge's result committing with it):
+    /// acknowledged, not redelivered, and logged at error level.
     pub not_stored: u64,
     /// Messages this poll acknowledged first, dead letters included (`XACK` answers 0 for a
     /// message another consumer already acknowledged: at-least-once delivery can hand one
@@ -258,8 +260,8 @@ impl Consumer {
     }
 
     /// Replaces the executor's policy (default [`Policy::default`]): its lease is how long an
-    /// attempt holds a charge against other consumers, and how long storing an applied
-    /// charge's outcome is retried before it counts as [`Polled::not_stored`].
+    /// attempt holds a charge against other consumers, and how long confirming an applied
+    /// charge's commit is retried before the message is left for a redelivery.
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.executor = self.executor.with_policy(policy);
         self
