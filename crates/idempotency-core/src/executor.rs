@@ -264,7 +264,8 @@ impl<S: Store + ?Sized> Executor<S> {
     /// the key is free for a retry, and the run answers [`RunError::NotCommitted`]. A store
     /// that cannot be reached to confirm it answers [`RunError::Unconfirmed`] (redeliver).
     /// To confirm a refused release, it completes with the claim's token, which the store
-    /// accepts only for a record this token completed (a completion is idempotent for its
+    /// then accepts (the record no longer in flight under the token) only for a record this
+    /// token completed (a completion is idempotent for its
     /// token): it never stores the value on a record whose transaction rolled back. So once
     /// the store accepted a completion, return `Ok` only for a transaction that committed
     /// one: a transaction retried after a rollback that decides on another result (a
@@ -792,9 +793,9 @@ enum Confirmed {
 /// is free for a retry. A refusal (`LeaseLost`) says only that the record is not in flight
 /// under this token any more — completed, taken over, or deleted (by this run's own earlier
 /// release whose answer was lost, or once past its retention) — and never will be again. So
-/// then it completes with this token, which a store accepts only for a record this token
-/// completed (`Ok`: committed): nothing can store this value on a record whose transaction
-/// rolled back. Refused again, the record read next tells: another attempt's record means
+/// then it completes with this token, which a store accepts, the record being no longer in
+/// flight under it, only for a record this token completed (`Ok`: committed): nothing can
+/// store this value on a record whose transaction rolled back. Refused again, the record read next tells: another attempt's record means
 /// this completion did not commit; no record at all cannot be told from a committed one
 /// forgotten, and is `Unknown`. The lease is renewed between tries, so that no retry takes
 /// the key over while the store is unreachable; one unreachable for a whole lease is
@@ -810,12 +811,11 @@ async fn confirm_commit<S: Store + ?Sized>(
 ) -> Confirmed {
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
-    let panicked = |call| Err(Error::unavailable(format!("the store's {call} panicked")));
     loop {
         let released = AssertUnwindSafe(store.release(&id, token))
             .catch_unwind()
             .await
-            .unwrap_or_else(|_| panicked("release"));
+            .unwrap_or_else(|_| Err(Error::unavailable("the store's release panicked")));
         match released {
             Ok(()) => return Confirmed::NotCommitted,
             Err(Error::LeaseLost) => break,
@@ -823,13 +823,11 @@ async fn confirm_commit<S: Store + ?Sized>(
                 tracing::warn!(%error, record = %id, "confirming the operation's commit failed; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
-                let renewed = AssertUnwindSafe(store.renew(&id, token, policy.lease()))
+                // Keeps the key from a retry meanwhile. Only the release's answer decides:
+                // it is the call that acts on what it finds.
+                let _ = AssertUnwindSafe(store.renew(&id, token, policy.lease()))
                     .catch_unwind()
-                    .await
-                    .unwrap_or_else(|_| panicked("renew"));
-                if matches!(renewed, Err(Error::LeaseLost)) {
-                    break; // not in flight under this token any more, as a refused release
-                }
+                    .await;
             }
             Err(error) => {
                 let store = store.clone();

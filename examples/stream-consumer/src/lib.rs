@@ -63,8 +63,8 @@
 //!
 //! The charge's result commits with it, so the executor stores nothing after the operation
 //! returns: it confirms the commit (it gives the lease back, which the store refuses for a
-//! completed record, and completes with the same token, which only a record that token
-//! completed accepts). Should the store's database go down right after the commit, the
+//! record no longer in flight under the claim's token, then completes with that token,
+//! which such a record accepts only if that token completed it). Should the store's database go down right after the commit, the
 //! confirmation fails for a whole lease of retries and the executor answers
 //! [`RunError::Unconfirmed`]: the message stays pending, counted in [`Polled::failed`] (not
 //! toward dead-lettering), and its redelivery replays the committed charge once the
