@@ -8,7 +8,7 @@
 //! Workers may begin, run the effect, complete, release (before the effect: an error), renew,
 //! crash at any step, or stall for any number of clock ticks (time advances between any two
 //! steps), so they complete late, after their lease ran out. Leases, retention and the
-//! unknown-outcome retention expire. Four configurations, each explored whole:
+//! unknown-outcome retention expire. Five configurations, each explored whole:
 //! - three workers sending one request;
 //! - two sending it while a third sends another body under the same key;
 //! - two workers whose `begin` or `complete` may land with its answer lost (the worker tries
@@ -16,7 +16,11 @@
 //!   (`renew` for zero) before giving up, a purger that may run at any
 //!   moment, and an operator who may release an expired attempt or forget a completed
 //!   outcome (`force_release`, default scope or with completed records);
-//! - two workers and an operator who releases live leases too (`with_live`).
+//! - two workers and an operator who releases live leases too (`with_live`);
+//! - two workers of `Executor::run_with_claim` whose transactions commit the effect with its
+//!   completion or roll back (returning `Ok` all the same), and the executor's confirmation
+//!   of each: a release (its answer may be lost), then a completion with the same token, then
+//!   a read of the record.
 //!
 //! Properties (`docs/model.md` maps them to Postgres and Redis):
 //! - (a) `at most one effect per window`: a second effect in a retention window only where
@@ -40,7 +44,9 @@
 //! - (g) `the purge removes what is due, and only that`: a completed record past its
 //!   retention, an unfinished one past its lease and the unknown-outcome retention;
 //! - (h) `an operator's release answers what the record is` and deletes only within its
-//!   scope; the token it fenced off stays fenced (d).
+//!   scope; the token it fenced off stays fenced (d);
+//! - (i) `a confirmation tells a commit from a rollback`: a rollback is never confirmed (nor
+//!   its value stored), a commit still kept never reported as not committed.
 
 use std::time::Duration;
 
@@ -76,7 +82,24 @@ enum Worker {
     Crashed {
         ran: bool,
     },
+    /// An operation of `Executor::run_with_claim` returned `Ok`; the executor now confirms
+    /// its commit by a release (`Returned`) and then, if that was refused, a completion with
+    /// the same token (`Confirming`).
+    Returned(Transaction),
+    Confirming(Transaction),
     Finished,
+}
+
+/// What an operation of `Executor::run_with_claim` did in its transaction, which stored its
+/// completion: committed it with its effect, or rolled back (silently: `Ok` all the same).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Transaction {
+    token: LeaseToken,
+    /// What the completion stores (for a rollback, a value whose effect never ran).
+    label: u8,
+    committed: bool,
+    /// The end of a committed completion's retention.
+    kept_until: u8,
 }
 
 /// The store in a model state: a deep copy per state (`MemoryStore::snapshot`).
@@ -135,6 +158,14 @@ struct State {
     live_released: bool,
     /// A grant whose answer was lost: its lease is held by nobody.
     orphan: bool,
+    /// (i): a confirmation said `Committed` of a rollback, or `NotCommitted` of a commit
+    /// still kept.
+    misconfirmed: bool,
+    /// Witnesses of the confirmations' answers.
+    confirmed_commit: bool,
+    rollback_released: bool,
+    rollback_taken_over: bool,
+    confirmation_unknown: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -160,6 +191,17 @@ enum Action {
         live: bool,
         completed: bool,
     },
+    /// An operation of `run_with_claim`: its transaction runs the effect and stores its
+    /// completion (`complete_claim_in`), and commits; refused, it rolls back and fails.
+    Commit(usize),
+    /// Its transaction rolls back after the completion was accepted, and it returns `Ok`.
+    RollBack(usize),
+    /// The executor's confirmation: its release; `Lost`, the release lands, its answer lost
+    /// (tried again).
+    ConfirmRelease(usize),
+    ConfirmReleaseLost(usize),
+    /// The confirmation's completion with the claim's token, after a refused release.
+    ConfirmComplete(usize),
 }
 
 /// What `begin` must answer, from the ghost record alone.
@@ -181,6 +223,8 @@ struct Protocol {
     extras: bool,
     /// An operator who releases live leases too (with completed records or not).
     live_operator: bool,
+    /// Workers that store their result in their effect's transaction, and confirm it.
+    transactional: bool,
 }
 
 fn outcome(label: u8) -> Outcome {
@@ -273,7 +317,118 @@ impl Protocol {
             sends,
             extras,
             live_operator,
+            transactional: false,
         }
+    }
+
+    /// Workers of `Executor::run_with_claim` that commit or roll back, and confirm.
+    fn transactional(sends: [Option<usize>; WORKERS]) -> Self {
+        Self {
+            transactional: true,
+            ..Self::new(sends, false)
+        }
+    }
+
+    /// The transaction of worker `w`: its effect and its completion commit together, or
+    /// (the completion refused) neither does.
+    fn commit(&self, next: &mut State, w: usize) -> Option<()> {
+        let Worker::Holding {
+            token, ran: false, ..
+        } = next.workers[w]
+        else {
+            return None;
+        };
+        let (id, now, label) = (self.id, next.ticks, next.effects + 1);
+        let due = next.owns(token) && next.unfinished();
+        let committed = self
+            .fenced(next, due, due, |s| {
+                block_on(s.complete(&id, token, &outcome(label), RETENTION))
+            })
+            .is_ok();
+        if !committed {
+            next.workers[w] = Worker::Finished; // rolled back; its release is refused
+            return Some(());
+        }
+        if now >= next.lease_until {
+            next.late_completion_accepted = true;
+        }
+        next.effects = label;
+        next.completed = Some(label);
+        next.completed_until = now + ticks(RETENTION);
+        next.orphan = false;
+        next.workers[w] = Worker::Returned(Transaction {
+            token,
+            label,
+            committed: true,
+            kept_until: next.completed_until,
+        });
+        Some(())
+    }
+
+    /// The confirmation's release: through, the completion did not commit; refused, the
+    /// completion comes next. `lost`: it lands, and its answer does not come back.
+    fn confirm_release(&self, next: &mut State, w: usize, lost: bool) -> Option<()> {
+        let Worker::Returned(tx) = next.workers[w] else {
+            return None;
+        };
+        let (id, token) = (self.id, tx.token);
+        let may = next.owns(token) && next.unfinished();
+        let released = self
+            .fenced(next, may, may, |s| block_on(s.release(&id, token)))
+            .is_ok();
+        if released {
+            next.owner = None;
+            next.record_fp = None;
+        }
+        if lost {
+            // Tried again: only a release that landed differs from one seen.
+            return released.then_some(());
+        }
+        next.workers[w] = if released {
+            next.misconfirmed |= tx.committed;
+            next.rollback_released = true;
+            Worker::Finished
+        } else {
+            Worker::Confirming(tx)
+        };
+        Some(())
+    }
+
+    /// The confirmation's completion with the claim's token: accepted, committed; refused,
+    /// the record read tells (another attempt's: not committed; none: unknown).
+    fn confirm_complete(&self, next: &mut State, w: usize) -> Option<()> {
+        let Worker::Confirming(Transaction {
+            token,
+            label,
+            committed,
+            kept_until,
+        }) = next.workers[w]
+        else {
+            return None;
+        };
+        let id = self.id;
+        let may = next.owns(token);
+        let repeat = may && next.completed.is_some();
+        let before = next.store.clone();
+        let result = self.fenced(next, may, repeat, |s| {
+            block_on(s.complete(&id, token, &outcome(label), RETENTION))
+        });
+        if result.is_ok() {
+            // Only a repeat of a completion that committed, changing nothing.
+            next.misconfirmed |= !committed || !repeat || next.store != before;
+            next.confirmed_commit = true;
+        } else {
+            match block_on(next.store.0.inspect(&id)) {
+                Ok(Some(_)) => {
+                    next.misconfirmed |= committed && next.ticks < kept_until;
+                    next.rollback_taken_over |= !committed;
+                }
+                Ok(None) => next.confirmation_unknown = true,
+                Err(_) => next.errored = true,
+            }
+        }
+        next.workers[w] = Worker::Finished;
+        Some(())
     }
 
     /// A fenced write: if `may` says the token may not write (another token owns the
@@ -537,6 +692,11 @@ impl Model for Protocol {
             lease_ended: false,
             live_released: false,
             orphan: false,
+            misconfirmed: false,
+            confirmed_commit: false,
+            rollback_released: false,
+            rollback_taken_over: false,
+            confirmation_unknown: false,
         }]
     }
 
@@ -573,6 +733,21 @@ impl Model for Protocol {
                         actions.push(Action::BeginLost(w));
                     }
                 }
+                Worker::Holding { ran: false, .. } if self.transactional => {
+                    actions.extend([
+                        Action::Commit(w),
+                        Action::RollBack(w),
+                        Action::Release(w),
+                        Action::Renew(w),
+                        Action::Crash(w),
+                    ]);
+                }
+                Worker::Returned(_) => actions.extend([
+                    Action::ConfirmRelease(w),
+                    Action::ConfirmReleaseLost(w),
+                    Action::Crash(w),
+                ]),
+                Worker::Confirming(_) => actions.push(Action::ConfirmComplete(w)),
                 Worker::Holding { ran: false, .. } => {
                     actions.extend([
                         Action::Run(w),
@@ -658,11 +833,33 @@ impl Model for Protocol {
                 next.workers[w] = Worker::Finished;
             }
             Action::Crash(w) => {
-                let Worker::Holding { ran, .. } = next.workers[w] else {
-                    return None;
+                let ran = match next.workers[w] {
+                    Worker::Holding { ran, .. } => ran,
+                    Worker::Returned(tx) => tx.committed,
+                    _ => return None,
                 };
                 next.workers[w] = Worker::Crashed { ran };
             }
+            Action::Commit(w) => self.commit(&mut next, w)?,
+            Action::RollBack(w) => {
+                let Worker::Holding {
+                    token, ran: false, ..
+                } = next.workers[w]
+                else {
+                    return None;
+                };
+                // What the rolled-back completion held: a value whose effect never ran.
+                let label = 100 + w as u8;
+                next.workers[w] = Worker::Returned(Transaction {
+                    token,
+                    label,
+                    committed: false,
+                    kept_until: 0,
+                });
+            }
+            Action::ConfirmRelease(w) => self.confirm_release(&mut next, w, false)?,
+            Action::ConfirmReleaseLost(w) => self.confirm_release(&mut next, w, true)?,
+            Action::ConfirmComplete(w) => self.confirm_complete(&mut next, w)?,
             Action::Purge => self.purge(&mut next)?,
             Action::ForceRelease { live, completed } => {
                 self.force_release(&mut next, live, completed)?;
@@ -719,12 +916,17 @@ impl Model for Protocol {
             Property::sometimes("a completion after its lease ran out", |_, s: &State| {
                 s.late_completion_accepted
             }),
-            Property::sometimes("a crashed owner is taken over", |_, s: &State| {
-                s.crashed_owner_taken_over && s.effects == 2
-            }),
             Property::sometimes("a takeover reported", |_, s: &State| s.takeover_reported),
             Property::sometimes("a replay", |_, s: &State| s.replay_reported),
         ];
+        if !self.transactional {
+            // A transaction's effect commits with its completion: no owner that ran its
+            // effect is ever taken over.
+            properties.push(Property::sometimes(
+                "a crashed owner is taken over",
+                |_, s: &State| s.crashed_owner_taken_over && s.effects == 2,
+            ));
+        }
         if self.extras {
             properties.extend([
                 Property::sometimes(
@@ -737,6 +939,22 @@ impl Model for Protocol {
                 }),
                 Property::sometimes("an operator's release", |_, s: &State| s.operator_released),
                 Property::sometimes("a lease ended early", |_, s: &State| s.lease_ended),
+            ]);
+        }
+        if self.transactional {
+            properties.extend([
+                Property::always(
+                    "(i) a confirmation tells a commit from a rollback",
+                    |_, s: &State| !s.misconfirmed,
+                ),
+                Property::sometimes("a commit confirmed", |_, s: &State| s.confirmed_commit),
+                Property::sometimes("a rollback released", |_, s: &State| s.rollback_released),
+                Property::sometimes("a rollback found taken over", |_, s: &State| {
+                    s.rollback_taken_over
+                }),
+                Property::sometimes("a confirmation left unknown", |_, s: &State| {
+                    s.confirmation_unknown
+                }),
             ]);
         }
         if self.live_operator {
@@ -808,4 +1026,15 @@ fn an_operator_releasing_live_leases_holds_the_properties_exhaustively() {
 #[test]
 fn lost_answers_purges_and_operators_hold_the_properties_exhaustively() {
     check(Protocol::new([Some(0), Some(0), None], true));
+}
+
+/// Two clients of `Executor::run_with_claim`, whose transactions commit the effect with its
+/// completion or roll back (and return `Ok` all the same), and the executor's confirmation
+/// of each: its release, then its completion with the same token. A rollback is never
+/// confirmed as a commit (nor stored: a replay of a value whose effect never ran), and a
+/// commit still kept is never reported as a rollback, whatever the interleaving with the
+/// other client's takeover, the clock, and a release whose answer was lost.
+#[test]
+fn self_completing_runs_are_confirmed_exhaustively() {
+    check(Protocol::transactional([Some(0), Some(0), None]));
 }
