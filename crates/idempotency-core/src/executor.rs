@@ -85,7 +85,7 @@ pub enum RunError<E> {
     /// let a committed record be forgotten and the key claimed anew meanwhile, which reads
     /// the same: keep the retention far longer than the lease.)
     #[error(
-        "the operation returned Ok, but the result it stored in its transaction did not commit; the key was released"
+        "the operation returned Ok, but the result it stored in its transaction did not commit; nothing was stored"
     )]
     NotCommitted,
     /// **Whether the operation's transaction committed is not known**
@@ -93,10 +93,10 @@ pub enum RunError<E> {
     /// it stored in its own transaction, and the store could not be reached for a whole
     /// lease to confirm that the transaction committed, or the record was gone (a release
     /// of the executor's own that landed unseen, or a committed record forgotten). The
-    /// executor stores nothing of its own: if it committed, the key replays its result; if it did not, the key is released
-    /// (the release goes on in the background, counted by [`Executor::drain`]) or its lease
-    /// runs out. Redeliver (leave the message pending): the redelivery replays the result,
-    /// or runs the operation again if nothing committed.
+    /// executor stores nothing of its own: if it committed, the key replays its result; if
+    /// it did not, the key is released (the release goes on in the background, counted by
+    /// [`Executor::drain`]) or its lease runs out. Redeliver (leave the message pending):
+    /// the redelivery replays the result, or runs the operation again if nothing committed.
     #[error("whether the operation's transaction committed is not known: {0}")]
     Unconfirmed(#[source] Error),
     /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
@@ -265,8 +265,8 @@ impl<S: Store + ?Sized> Executor<S> {
     /// that cannot be reached to confirm it answers [`RunError::Unconfirmed`] (redeliver).
     /// To confirm a refused release, it completes with the claim's token, which the store
     /// then accepts (the record no longer in flight under the token) only for a record this
-    /// token completed (a completion is idempotent for its
-    /// token): it never stores the value on a record whose transaction rolled back. So once
+    /// token completed (a completion is idempotent for its token): it never stores the
+    /// value on a record whose transaction rolled back. So once
     /// the store accepted a completion, return `Ok` only for a transaction that committed
     /// one: a transaction retried after a rollback that decides on another result (a
     /// decline) completes with that result too.
@@ -795,12 +795,13 @@ enum Confirmed {
 /// release whose answer was lost, or once past its retention) — and never will be again. So
 /// then it completes with this token, which a store accepts, the record being no longer in
 /// flight under it, only for a record this token completed (`Ok`: committed): nothing can
-/// store this value on a record whose transaction rolled back. Refused again, the record read next tells: another attempt's record means
-/// this completion did not commit; no record at all cannot be told from a committed one
-/// forgotten, and is `Unknown`. The lease is renewed between tries, so that no retry takes
-/// the key over while the store is unreachable; one unreachable for a whole lease is
-/// `Unknown`, the release going on in the background ([`release_orphan`](crate::release_orphan),
-/// tracked by `tracker`), right whenever it lands.
+/// store this value on a record whose transaction rolled back. Refused again, the record
+/// read next tells: another attempt's record means this completion did not commit; no
+/// record at all cannot be told from a committed one forgotten, and is `Unknown`. The
+/// lease is renewed between tries, so that no retry takes the key over while the store is
+/// unreachable; one unreachable for a whole lease is `Unknown`, the release going on in the
+/// background ([`release_orphan`](crate::release_orphan), tracked by `tracker`), right
+/// whenever it lands.
 async fn confirm_commit<S: Store + ?Sized>(
     store: Arc<S>,
     tracker: &TaskTracker,
