@@ -369,7 +369,6 @@ impl<S: Store + ?Sized> Executor<S> {
             result: std::marker::PhantomData,
         };
         let accepted = claim.accepted.clone();
-        let completed_itself = claim.accepted.clone();
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         let operation = AssertUnwindSafe(op(claim)).catch_unwind();
@@ -377,8 +376,14 @@ impl<S: Store + ?Sized> Executor<S> {
         let result = match futures::poll!(&mut operation) {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
-                let (renewing, lost) =
-                    renew_in_a_task(self.store.clone(), id, token, &self.policy, asked, accepted);
+                let (renewing, lost) = renew_in_a_task(
+                    self.store.clone(),
+                    id,
+                    token,
+                    &self.policy,
+                    asked,
+                    accepted.clone(),
+                );
                 guard.renewing = Some(renewing);
                 // An operation that ends in the same poll as the loss is reported as run
                 // (its outcome's write then finds the key lost: `NotStored`).
@@ -409,7 +414,7 @@ impl<S: Store + ?Sized> Executor<S> {
                 // An operation that stored its result in its own transaction: confirm that
                 // the transaction committed; store nothing of its own. The confirmation
                 // releases a lease it finds still held, so it too finishes in any case.
-                if completed_itself.load(Ordering::SeqCst) {
+                if accepted.load(Ordering::SeqCst) {
                     let outcome = stored_form(&value)
                         .map_err(|e| Error::Corrupt(format!("the result does not serialise: {e}")));
                     let (store, policy, tracker) = (

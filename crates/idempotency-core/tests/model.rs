@@ -265,6 +265,16 @@ impl State {
         }
     }
 
+    /// The store accepted the completion of `label` now (late, if its lease ran out).
+    fn completed_now(&mut self, label: u8) {
+        if self.ticks >= self.lease_until {
+            self.late_completion_accepted = true;
+        }
+        self.completed = Some(label);
+        self.completed_until = self.ticks + ticks(RETENTION);
+        self.orphan = false;
+    }
+
     /// The record is gone (released, purged, deleted): the effect its owner ran or runs
     /// may run again, as after a takeover.
     fn forget(&mut self) {
@@ -339,7 +349,7 @@ impl Protocol {
         else {
             return None;
         };
-        let (id, now, label) = (self.id, next.ticks, next.effects + 1);
+        let (id, label) = (self.id, next.effects + 1);
         let due = next.owns(token) && next.unfinished();
         let committed = self
             .fenced(next, due, due, |s| {
@@ -350,13 +360,8 @@ impl Protocol {
             next.workers[w] = Worker::Finished; // rolled back; its release is refused
             return Some(());
         }
-        if now >= next.lease_until {
-            next.late_completion_accepted = true;
-        }
         next.effects = label;
-        next.completed = Some(label);
-        next.completed_until = now + ticks(RETENTION);
-        next.orphan = false;
+        next.completed_now(label);
         next.workers[w] = Worker::Returned(Transaction {
             token,
             label,
@@ -540,7 +545,7 @@ impl Protocol {
         else {
             return None;
         };
-        let (id, now) = (self.id, next.ticks);
+        let id = self.id;
         let repeat = next.owns(token) && next.completed.is_some();
         let due = next.owns(token) && (next.unfinished() || next.completed_live());
         let before = next.store.clone();
@@ -555,12 +560,7 @@ impl Protocol {
                 next.owner_refused = true;
             }
         } else if result.is_ok() {
-            if now >= next.lease_until {
-                next.late_completion_accepted = true;
-            }
-            next.completed = Some(label);
-            next.completed_until = now + ticks(RETENTION);
-            next.orphan = false;
+            next.completed_now(label);
         }
         if !lost {
             next.workers[w] = Worker::Finished;

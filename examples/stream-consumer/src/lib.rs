@@ -64,8 +64,9 @@
 //! The charge's result commits with it, so the executor stores nothing after the operation
 //! returns: it confirms the commit (it gives the lease back, which the store refuses for a
 //! record no longer in flight under the claim's token, then completes with that token,
-//! which such a record accepts only if that token completed it). Should the store's database go down right after the commit, the
-//! confirmation fails for a whole lease of retries and the executor answers
+//! which such a record accepts only if that token completed it). Should the store's
+//! database go down right after the commit, the confirmation fails for a whole lease of
+//! retries and the executor answers
 //! [`RunError::Unconfirmed`]: the message stays pending, counted in [`Polled::failed`] (not
 //! toward dead-lettering), and its redelivery replays the committed charge once the
 //! database is back (a transaction that did not commit would run again instead). The lease
