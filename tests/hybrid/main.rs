@@ -389,7 +389,7 @@ fn drain_waits_for_the_second_delete_of_an_operators_release() {
         // A replay's copy that was on its way lands after the first delete.
         store
             .redis()
-            .cache_completed(&id, &fp, &outcome, long)
+            .cache_completed(&id, &fp, &outcome, std::time::SystemTime::now() + long)
             .await
             .expect("late copy");
         store.drain().await;
@@ -1003,15 +1003,7 @@ fn a_late_mirror_write_never_answers_after_completion() {
             idempotency_test::conformance::fresh_id(),
         );
 
-        // Load the scripts first: a late EVALSHA of an unknown script would just fail.
-        let warm = idempotency_test::conformance::fresh_id();
-        let Begin::Execute(t) = store.begin(&warm, &fp, LEASE).await.expect("warm") else {
-            panic!("warm")
-        };
-        store
-            .complete(&warm, t, &Outcome::new(201), RETENTION)
-            .await
-            .expect("warm complete");
+        load_scripts(&store, &fp).await;
 
         redis.pause().await;
         // Peek and mirror of A time out (2 failures); the mirror command waits in Redis.
@@ -1061,6 +1053,67 @@ fn a_late_mirror_write_never_answers_after_completion() {
             );
         }
         assert_eq!(store.metrics().breaker_state, BreakerState::Closed);
+    });
+}
+
+/// Runs a key to its end, so that Redis knows the scripts before a test stalls it: a late
+/// `EVALSHA` of an unknown script would just fail.
+async fn load_scripts(store: &HybridStore, fp: &Fingerprint) {
+    let warm = fresh_id();
+    let Begin::Execute(t) = store.begin(&warm, fp, LEASE).await.expect("warm") else {
+        panic!("warm")
+    };
+    store
+        .complete(&warm, t, &Outcome::new(201), RETENTION)
+        .await
+        .expect("warm complete");
+}
+
+/// An outcome's copy that reaches Redis late (sent while Redis was stalled, run when it
+/// resumed) expires with its row, not a whole retention after it landed: past the row's
+/// expiry the key is free, so the same request runs again instead of replaying a record
+/// Postgres no longer holds (before, the copy replayed until its TTL, counted from landing).
+#[test]
+fn an_outcome_copy_that_lands_late_expires_with_its_row() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let (redis, store) = dedicated_hybrid().await;
+        let fp = Fingerprint::of(b"late copy");
+        load_scripts(&store, &fp).await;
+
+        let id = fresh_id();
+        let Begin::Execute(token) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("execute")
+        };
+        mirror_landed(&store, &id, &fp).await;
+        let retention = Duration::from_secs(2);
+        redis.pause().await;
+        let stalled = Instant::now();
+        // Postgres stores the outcome; its copy waits in the stalled Redis (one failure:
+        // the breaker stays closed).
+        store
+            .complete(&id, token, &Outcome::new(201).with_body("first"), retention)
+            .await
+            .expect("complete");
+        tokio::time::sleep_until((stalled + retention + Duration::from_millis(500)).into()).await;
+        redis.unpause().await;
+        // The store's connection runs the stalled copy before this read.
+        let copy = store.redis().peek(&id, &fp).await.expect("peek");
+        assert!(
+            matches!(copy, idempotency_redis::Peek::Absent),
+            "a copy outlived its row: {copy:?}"
+        );
+        assert!(
+            matches!(
+                store.begin(&id, &fp, LEASE).await.expect("begin again"),
+                Begin::Execute(_)
+            ),
+            "the key is free once its row expired: {:?}",
+            store.metrics()
+        );
     });
 }
 

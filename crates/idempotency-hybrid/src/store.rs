@@ -7,7 +7,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use async_trait::async_trait;
@@ -889,13 +889,20 @@ impl HybridStore {
             (Begin::Replay(outcome), Some(ttl))
                 if self.caching() && asked.elapsed() <= self.pg.call_timeout() =>
             {
-                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, ttl))
+                // The row's retention, counted from before Postgres read it: never later.
+                let expires_at = expiry(ttl.saturating_sub(asked.elapsed()));
+                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, expires_at))
                     .await;
             }
             _ => {}
         }
         Ok(answer)
     }
+}
+
+/// The instant `ttl` from now, by this host's clock (a retention kept for good is a century).
+fn expiry(ttl: Duration) -> SystemTime {
+    SystemTime::now() + ttl.min(idempotency_core::FOR_GOOD)
 }
 
 #[async_trait]
@@ -967,6 +974,9 @@ impl Store for HybridStore {
                 return Ok(());
             };
             let ttl = retention.saturating_sub(sent.elapsed());
+            // The instant the row expires, or a little before: the copy's end, however late
+            // it reaches Redis (see `RedisStore::cache_completed`).
+            let expires_at = expiry(ttl);
             if !self.may_be_mirrored(&token) {
                 if ttl.is_zero() || !self.caching() {
                     return Ok(());
@@ -976,7 +986,7 @@ impl Store for HybridStore {
                 // Noted with the record, so that an operator's release waits for it.
                 let (this, id, outcome) = (self.clone(), *id, outcome.clone());
                 self.write_after_answering(id, token, Written::Copy, async move {
-                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, ttl))
+                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires_at))
                         .await;
                 });
                 return Ok(());
@@ -988,7 +998,7 @@ impl Store for HybridStore {
             self.mirror_landed(&token).await;
             if !ttl.is_zero()
                 && self
-                    .try_redis(|| self.redis.cache_completed(id, &fp, outcome, ttl))
+                    .try_redis(|| self.redis.cache_completed(id, &fp, outcome, expires_at))
                     .await
                     .is_some()
             {

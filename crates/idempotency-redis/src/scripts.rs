@@ -10,7 +10,9 @@
 //! | 33..49 | lease token (16 bytes)                                                   |
 //! | 49..   | the encoded outcome (completed records); `t` (a lease that took an unfinished one over) |
 //!
-//! Lease and retention are key TTLs counted by Redis; no application clock is involved. A
+//! Lease and retention are key TTLs counted by Redis; no application clock is involved (but
+//! for the hybrid's copies of outcomes, bounded by the instant their row expires too: see
+//! [`cache_completed`]). A
 //! lease (`0`) lives `lease + LATE_COMPLETION_GRACE`: its lease is over once less than the
 //! grace is left (`PTTL <= grace`), and it is then taken over by the next `begin`, but until
 //! that happens its owner's late `complete` or `release` still finds its token and is
@@ -156,6 +158,22 @@ if legacy then
 else
   redis.call('SET', KEYS[1], '1' .. string.sub(v, 2, 49) .. ARGV[3], 'PX', ARGV[4])
 end
+return 1
+"
+    ))
+}
+
+/// `KEYS[1]` record; `ARGV` the completed record's value, its TTL ms, and the instant it
+/// must be gone by (Unix ms, the sender's clock). A copy of an outcome stored elsewhere
+/// (the hybrid's Postgres), replacing whatever is there; it lives its TTL, but no longer
+/// than that instant by Redis' clock, so a copy that waited in a stalled connection does
+/// not outlive its row by the stall. Returns 1 written, 0 already past (nothing written).
+pub(crate) fn cache_completed() -> Script {
+    Script::new(&format!(
+        r"{NOW_MS}
+local ttl = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - now)
+if ttl <= 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 return 1
 "
     ))

@@ -2,7 +2,12 @@
 //! operation (a claim that finds a live lease reads its TTL in a second one): plain commands
 //! where they suffice, Lua scripts where a write is fenced.
 
-use std::{future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use async_trait::async_trait;
 use futures::FutureExt;
@@ -69,6 +74,7 @@ struct Scripts {
     legacy_begin: Script,
     cancel: Script,
     complete: Script,
+    cache_completed: Script,
     release: Script,
     renew: Script,
     inspect: Script,
@@ -337,6 +343,7 @@ impl RedisStoreBuilder {
                 legacy_begin: scripts::legacy_begin(),
                 cancel: scripts::cancel(),
                 complete: scripts::complete(),
+                cache_completed: scripts::cache_completed(),
                 release: scripts::release(),
                 renew: scripts::renew(),
                 inspect: scripts::inspect(),
@@ -1238,29 +1245,55 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Caches an outcome stored elsewhere (Postgres) for `ttl`: a plain `SET PX`, replacing
-    /// whatever is there (a mirrored lease: the outcome is the truth).
+    /// Caches an outcome stored elsewhere (Postgres) until `expires_at`, the instant its
+    /// record expires there (by this host's clock), replacing whatever is there (a mirrored
+    /// lease: the outcome is the truth). Nothing is written once that instant has passed.
+    ///
+    /// The copy lives the time left until `expires_at` as this call counts it, and never
+    /// past `expires_at` by Redis' clock: a copy that waited in a stalled connection (Redis
+    /// paused, then resumed) expires with its record instead of a whole retention after it
+    /// landed, when the key may have been used again. A Redis clock behind this host's by
+    /// `d` can keep such a late copy up to `d` longer; one ahead ends copies `d` early,
+    /// which only sends their replays to Postgres.
+    ///
+    /// ```no_run
+    /// # use std::time::{Duration, SystemTime};
+    /// # use idempotency_core::{Fingerprint, Outcome, RecordId, Scope, IdempotencyKey};
+    /// # async fn run(redis: idempotency_redis::RedisStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1")?);
+    /// let outcome = Outcome::new(201).with_body("ch_1");
+    /// let expires_at = SystemTime::now() + Duration::from_secs(24 * 3600);
+    /// redis
+    ///     .cache_completed(&id, &Fingerprint::of(b"body"), &outcome, expires_at)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn cache_completed(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
         outcome: &Outcome,
-        ttl: Duration,
+        expires_at: SystemTime,
     ) -> Result<()> {
-        let mut conn = self.conn.clone();
-        let _: Option<String> = self
-            .timed(
-                redis::cmd("SET")
-                    .arg(self.key(id))
-                    .arg(scripts::value(
-                        b'1',
-                        fp.as_bytes(),
-                        &[0; 16],
-                        &outcome.encode(),
-                    ))
-                    .arg("PX")
-                    .arg(millis(ttl))
-                    .query_async(&mut conn),
+        let Ok(ttl) = expires_at.duration_since(SystemTime::now()) else {
+            return Ok(());
+        };
+        if ttl.as_millis() == 0 {
+            return Ok(());
+        }
+        let at = expires_at
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());
+        let _: i64 = self
+            .run(
+                &self.scripts.cache_completed,
+                id,
+                &[
+                    &value,
+                    millis(ttl).to_string().as_bytes(),
+                    at.to_string().as_bytes(),
+                ],
             )
             .await?;
         Ok(())
