@@ -10,7 +10,7 @@ use idempotency_redis::{EvictionCheck, RedisStore};
 use idempotency_test::{
     block_on,
     conformance::{LONG, execute, fp, fresh_id},
-    services::{self, RedisOptions},
+    services::{self, RedisOptions, Service},
 };
 use tokio::sync::OnceCell;
 
@@ -290,6 +290,90 @@ fn a_late_answer_within_the_call_budget_is_waited_for() {
     });
 }
 
+/// A Redis that refuses writes at its `maxmemory` (`noeviction`; fill it with [`fill`]),
+/// and a store on it.
+async fn noeviction_redis() -> (Service, RedisStore) {
+    let redis = services::start_redis(RedisOptions {
+        args: ["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]
+            .map(String::from)
+            .to_vec(),
+    })
+    .await;
+    let store = RedisStore::builder(redis.url())
+        .connect()
+        .await
+        .expect("store");
+    (redis, store)
+}
+
+/// Fills a [`noeviction_redis`] until it refuses a small write: a connection of its own and
+/// the filler keys, to free the memory again.
+async fn fill(url: &str) -> (redis::aio::MultiplexedConnection, Vec<String>) {
+    let client = redis::Client::open(url).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    // Large values, then small ones: a large command's own buffer counts, so its
+    // refusal alone does not mean a small write is refused too.
+    let mut fillers = Vec::new();
+    for size in [64 * 1024, 64] {
+        let filler = vec![b'x'; size];
+        loop {
+            let key = format!("filler:{}", fillers.len());
+            let set: redis::RedisResult<()> = redis::cmd("SET")
+                .arg(&key)
+                .arg(&filler)
+                .query_async(&mut conn)
+                .await;
+            match set {
+                Ok(()) => assert!(fillers.len() < 200_000, "Redis never filled up"),
+                Err(error) if error.code() == Some("OOM") => break,
+                Err(error) => panic!("filling Redis: {error}"),
+            }
+            fillers.push(key);
+        }
+    }
+    (conn, fillers)
+}
+
+/// A full Redis (`noeviction`, at `maxmemory`) still takes the outcome of an operation that
+/// ran: it replaces the lease the claim wrote while there was room. Before, the `complete`
+/// script's `SET` was refused (`OOM`) while renewals (`PEXPIRE`) went through, so the
+/// executor and the layer counted a store up and refusing the outcome, gave the lease up
+/// after three refusals, and a retry once memory was freed took the key over and ran the
+/// operation again.
+#[test]
+fn a_full_redis_still_takes_the_outcome_of_an_operation_that_ran() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (full, store) = noeviction_redis().await;
+        let id = fresh_id();
+        let token = execute(&store, &id, &fp("a"), LONG).await;
+        let (mut conn, fillers) = fill(full.url()).await;
+        // Full: a new claim is refused...
+        let refused = store.begin(&fresh_id(), &fp("b"), LONG).await;
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        // ...a lease that ran is renewed, and its outcome is taken.
+        store.renew(&id, token, LONG).await.expect("renew");
+        store
+            .complete(&id, token, &Outcome::new(201).with_body("ran"), LONG)
+            .await
+            .expect("a full Redis takes the outcome");
+        let _: i64 = redis::cmd("DEL")
+            .arg(&fillers)
+            .query_async(&mut conn)
+            .await
+            .expect("free the memory");
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(Outcome::new(201).with_body("ran"))
+        );
+    });
+}
+
 /// A full Redis (`noeviction`, at `maxmemory`) answers a claim `OOM`: the claim did not run,
 /// so nothing is left to cancel. Before, every refused claim started a cancel that wrote a
 /// marker and a tombstone (kept for an hour) into the Redis that was full, and ran it again
@@ -301,40 +385,8 @@ fn a_claim_refused_by_a_full_redis_leaves_nothing_running() {
         if services::skipping() {
             return;
         }
-        let full = services::start_redis(RedisOptions {
-            args: ["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]
-                .map(String::from)
-                .to_vec(),
-        })
-        .await;
-        let store = RedisStore::builder(full.url())
-            .connect()
-            .await
-            .expect("store");
-        let client = redis::Client::open(full.url()).expect("client");
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
-        // Large values, then small ones: a large command's own buffer counts, so its
-        // refusal alone does not mean a small write is refused too.
-        let mut i = 0;
-        for size in [64 * 1024, 64] {
-            let filler = vec![b'x'; size];
-            loop {
-                i += 1;
-                let set: redis::RedisResult<()> = redis::cmd("SET")
-                    .arg(format!("filler:{i}"))
-                    .arg(&filler)
-                    .query_async(&mut conn)
-                    .await;
-                match set {
-                    Ok(()) => assert!(i < 200_000, "Redis never filled up"),
-                    Err(error) if error.code() == Some("OOM") => break,
-                    Err(error) => panic!("filling Redis: {error}"),
-                }
-            }
-        }
+        let (full, store) = noeviction_redis().await;
+        let (mut conn, _) = fill(full.url()).await;
         let id = fresh_id();
         let refused = store.begin(&id, &fp("a"), LONG).await;
         assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");

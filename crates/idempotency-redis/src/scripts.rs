@@ -145,9 +145,16 @@ end
 /// `KEYS[1]` record; `ARGV` token, token text, outcome, retention ms. Returns 1, or 0 when
 /// the token does not own the record (the fence). The lease may have run out: nobody took
 /// over, or the token would differ. Completed by this token already: 1, and nothing changes.
+///
+/// `allow-oom`: a Redis full under `noeviction` still takes the outcome of an operation
+/// that ran (its lease was written while there was room; the outcome replaces it). Refused,
+/// it would be lost while renewals (`PEXPIRE`, which a full Redis allows) kept the lease
+/// alive, and a retry after the memory was freed would run the operation again. New claims
+/// are still refused, so a full Redis grows by the outcomes of the operations running.
 pub(crate) fn complete() -> Script {
     Script::new(&format!(
-        r"{READ_FENCED}
+        r"#!lua flags=allow-oom
+{READ_FENCED}
 if not mine then return 0 end
 if st == '1' then return 1 end
 if st ~= '0' and st ~= 'm' then return 0 end
