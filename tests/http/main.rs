@@ -1335,6 +1335,70 @@ fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
     });
 }
 
+/// A response whose body does the work as it streams (a batch per chunk), and whose lease is
+/// lost meanwhile (an operator releases the live lease of a holder thought stuck; so too a
+/// takeover after this attempt's renewals failed for a lease), is stopped at its next
+/// renewal, as a handler is: its client's stream is cut off, and the body is not polled
+/// again, since the attempt that holds the key now runs the operation. Before, a lost lease
+/// while streaming was logged and the body went on to its end: the rest of the operation
+/// ran twice.
+#[test]
+fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
+    use futures::StreamExt as _;
+    block_on(async {
+        let store = memory();
+        let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = batches.clone();
+        let router = axum::Router::new()
+            .route(
+                "/stream",
+                axum::routing::post(move || {
+                    let batches = counted.clone();
+                    async move {
+                        let stream = futures::stream::repeat(()).then(move |()| {
+                            let batches = batches.clone();
+                            async move {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                batches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"batch\n"))
+                            }
+                        });
+                        Body::from_stream(stream)
+                    }
+                }),
+            )
+            .layer(layer(store.clone()).policy(
+                idempotency_core::Policy::default().with_lease(Duration::from_millis(600)),
+            ));
+        let response = router
+            .oneshot(stream_request("k", &[]))
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        let first = body.frame().await.expect("a first batch").expect("a frame");
+        assert_eq!(first.into_data().expect("data"), "batch\n");
+        let released = store
+            .force_release(
+                &record_id("k"),
+                idempotency_core::ReleaseScope::default().with_live(),
+            )
+            .await;
+        assert!(released.is_ok(), "{released:?}");
+        let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
+            .await
+            .expect("the stream goes on after its lease was lost");
+        assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
+        let stopped_at = batches.load(std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            batches.load(std::sync::atomic::Ordering::SeqCst),
+            stopped_at,
+            "the body ran on after its lease was lost"
+        );
+    });
+}
+
 /// A response larger than the stored-body limit streams to the first client as it is
 /// produced (the head arrives while the handler still holds the rest back), instead of being
 /// buffered whole; it is stored without its body, and the retry replays that.

@@ -1017,11 +1017,19 @@ async fn stream<ResBody, E>(
     let mut drain_until: Option<Instant> = client
         .is_none()
         .then(|| Instant::now() + policy.lease() / 2);
-    let renew_lease = || async {
-        if let Err(error) = store.renew(&id, token, policy.lease()).await {
-            tracing::warn!(%error, "could not renew the idempotency lease");
+    // Whether the lease is lost: the key is another attempt's now (this one's renewals
+    // failed for a whole lease and a retry took over), or an operator released it.
+    let lease_lost = || async {
+        match store.renew(&id, token, policy.lease()).await {
+            Ok(()) => false,
+            Err(Error::LeaseLost) => true,
+            Err(error) => {
+                tracing::warn!(%error, "could not renew the idempotency lease");
+                false
+            }
         }
     };
+    let mut lost = false;
     tokio::pin!(body);
     let ended = loop {
         // The body's own error type need not be `Send`: convert it inside the future, before
@@ -1032,7 +1040,10 @@ async fn stream<ResBody, E>(
         let frame = tokio::select! {
             frame = next => frame,
             _ = renew.tick(), if !stored => {
-                renew_lease().await;
+                if lease_lost().await {
+                    lost = true;
+                    break false;
+                }
                 continue;
             }
             // A client that hangs up while the body is quiet (server-sent events between
@@ -1100,17 +1111,31 @@ async fn stream<ResBody, E>(
                 loop {
                     tokio::select! {
                         sent = &mut send => break sent.is_ok(),
-                        _ = renew.tick() => renew_lease().await,
+                        _ = renew.tick() => if lease_lost().await {
+                            lost = true;
+                            break false;
+                        },
                         _ = &mut stall => break false,
                     }
                 }
             }
         };
+        if lost {
+            break false;
+        }
         if !delivered {
             abandon(&mut client);
             drain_until = Some(Instant::now() + policy.lease() / 2);
         }
     };
+    if lost {
+        // As a handler is (`run_detached`): stopped at its await, before the work it has not
+        // reached, which the attempt that holds the key now runs; its client's stream is cut
+        // off. Nothing to store or give back: the token is fenced off.
+        tracing::warn!(record = %id, "the idempotency lease was lost while the response streamed; stopping it");
+        abandon(&mut client);
+        return;
+    }
     // A body shorter than its declared length ended early: not the whole response.
     let whole = ended && declared.is_none_or(|n| forwarded == n);
     if !stored {
