@@ -637,15 +637,19 @@ fn a_5xx_is_not_stored_and_the_retry_runs_again() {
 }
 
 /// A refusal that depends on headers the fingerprint leaves out is not stored, and nothing
-/// ran: credentials or permission (401, 403), `Accept` (406), a precondition (412, 428),
-/// `Content-Type` (415). Stored, the client that fixed its token (or its `If-Match`, its
-/// content type) and retried with the same key was replayed the refusal for the whole
-/// retention, and the payment never made.
+/// ran: credentials or permission (401, 403, 407), `Accept` (406), a precondition (412, 428),
+/// `Content-Type` (415), the request's framing or size of headers (411, 417, 431), the
+/// connection it came on (421); nor is a resource locked for now (423). Stored, the client
+/// that fixed its token (or its `If-Match`, its content type) and retried with the same key
+/// was replayed the refusal for the whole retention, and the payment never made (407, 411,
+/// 417, 421, 423 and 431 were stored until the review of 4 December).
 #[test]
 fn a_refusal_that_depends_on_headers_is_not_stored() {
     block_on(async {
         let (router, calls, _) = app(layer(memory()));
-        let refusals = ["401", "403", "406", "412", "415", "428"];
+        let refusals = [
+            "401", "403", "406", "407", "411", "412", "415", "417", "421", "423", "428", "431",
+        ];
         for status in refusals {
             let key = format!("refused-{status}");
             let refused = send(&router, "POST", Some(&key), &[("x-fail", status)], "{}").await;

@@ -4,12 +4,13 @@ use std::{fmt, sync::Arc, time::Duration};
 
 /// Lease length, retention and the cache rule, shared by the HTTP layer and the executor.
 ///
-/// The default caches 2xx, 3xx and 4xx outcomes except 401, 403, 406, 408, 409, 412, 415,
-/// 425, 428 and 429, and never 5xx: those statuses say "try again", so storing them would
-/// lock the key into a transient failure. 401, 403, 406, 412, 415 and 428 are refusals that
-/// depend on headers the fingerprint leaves out (credentials, `Accept`, preconditions,
-/// `Content-Type`): stored, a retry with a fixed header would be replayed the refusal. An
-/// uncacheable outcome releases the key and the retry runs again.
+/// The default caches 2xx, 3xx and 4xx outcomes except 401, 403, 406, 407, 408, 409, 411,
+/// 412, 415, 417, 421, 423, 425, 428, 429 and 431, and never 5xx: those statuses say "try
+/// again", so storing them would lock the key into a transient failure. 401, 403, 406, 407,
+/// 411, 412, 415, 417, 421, 428 and 431 are refusals that depend on headers or the connection,
+/// which the fingerprint leaves out (credentials, `Accept`, preconditions, `Content-Type`,
+/// framing, header size, the authority): stored, a retry with a fixed header would be
+/// replayed the refusal. An uncacheable outcome releases the key and the retry runs again.
 ///
 /// ```
 /// use std::time::Duration;
@@ -36,11 +37,15 @@ pub struct Policy {
 }
 
 /// Statuses in the cacheable ranges that still mean "not done, try again": a timeout, a
-/// conflict, too early, too many; and refusals that depend on headers, not on the request
-/// the fingerprint covers: credentials or permissions (401, 403), `Accept` (406), a
-/// precondition failed or missing (412, 428), `Content-Type` (415). Refused, nothing ran,
-/// so running the retry is safe.
-const RETRYABLE_4XX: [u16; 10] = [401, 403, 406, 408, 409, 412, 415, 425, 428, 429];
+/// conflict, a resource locked for now, too early, too many; and refusals that depend on
+/// headers or the connection, not on the request the fingerprint covers: credentials or
+/// permissions (401, 403, 407), `Accept` (406), a precondition failed or missing (412, 428),
+/// `Content-Type` (415), framing (411 a length required, 417 an `Expect` refused), headers
+/// too large (431), a request misdirected to this connection's authority (421). Refused,
+/// nothing ran, so running the retry is safe.
+const RETRYABLE_4XX: [u16; 16] = [
+    401, 403, 406, 407, 408, 409, 411, 412, 415, 417, 421, 423, 425, 428, 429, 431,
+];
 
 /// The default cache rule of `docs/design.md` ("What is cached").
 pub fn default_cacheable(status: u16) -> bool {

@@ -68,11 +68,11 @@
 //!   `Content-Encoding` to a retry that did not ask for it.
 //!
 //! # What is stored
-//! 2xx, 3xx and 4xx responses except 401, 403, 406, 408, 409, 412, 415, 425, 428, 429
-//! ([`Policy`](idempotency_core::Policy) decides; configure it with
+//! 2xx, 3xx and 4xx responses except 401, 403, 406, 407, 408, 409, 411, 412, 415, 417, 421,
+//! 423, 425, 428, 429 and 431 ([`Policy`](idempotency_core::Policy) decides; configure it with
 //! [`IdempotencyLayer::policy`]). A 5xx or one of those statuses releases the key, so the retry
-//! runs again: 401, 403, 406, 412, 415 and 428 depend on headers the fingerprint leaves out
-//! (credentials, `Accept`, `If-Match`, `Content-Type`). A failure that may have taken effect
+//! runs again: most of them depend on headers the fingerprint leaves out (credentials,
+//! `Accept`, `If-Match`, `Content-Type`, framing), the others say "not now". A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
 //! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
