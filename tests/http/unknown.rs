@@ -166,6 +166,55 @@ fn reconcile_replays_what_the_hook_found_and_runs_when_it_found_nothing() {
     });
 }
 
+/// The hook's answer is stored and replayed as a handler's response is: without hop-by-hop
+/// headers, those its `Connection` names, its `Content-Length` or `Date`. A hook that copied a
+/// processor's response headers stored and replayed them verbatim, and a stale
+/// `Content-Length` framed every replay wrongly.
+#[test]
+fn a_reconciled_answer_keeps_no_framing_or_hop_by_hop_headers() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let policy = OutcomeUnknown::reconcile(|_| async {
+            Ok(Some(
+                Outcome::new(201)
+                    .with_header("content-length", "999")
+                    .with_header("transfer-encoding", "chunked")
+                    .with_header("connection", "x-hop")
+                    .with_header("x-hop", "1")
+                    .with_header("date", "Tue, 01 Dec 2026 00:00:00 GMT")
+                    .with_header("x-kept", "yes")
+                    .with_body("x"),
+            ))
+        });
+        let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
+        let (key, _) = crashed_attempt(&*store).await;
+        for attempt in ["found", "replayed"] {
+            let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(answer.status, 201, "{attempt}: {}", answer.body);
+            assert_eq!(answer.body, "x");
+            assert_eq!(answer.headers["x-kept"], "yes", "{attempt}");
+            assert!(
+                answer
+                    .headers
+                    .get("content-length")
+                    .is_none_or(|length| length == "1"),
+                "{attempt}: the body's own length, not the stored one: {:?}",
+                answer.headers
+            );
+            for dropped in ["transfer-encoding", "connection", "x-hop", "date"] {
+                assert!(
+                    answer.headers.get(dropped).is_none(),
+                    "{attempt}: {dropped} kept: {:?}",
+                    answer.headers
+                );
+            }
+        }
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 /// The hook's answer is stored only if the policy stores its status: one it does not store
 /// (here a 502, a 409 or a 422 under a stricter rule) is answered and the key stays
 /// unresolved, so the next retry asks the hook again. It was stored whatever its status,

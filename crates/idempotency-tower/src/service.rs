@@ -457,6 +457,7 @@ where
                         }
                     }
                 };
+                let found = found.map(|r| r.map(|o| o.map(|o| hook_outcome(&config, o))));
                 let reconciled = match found {
                     // Stored only if the policy stores its status. One it does not (a 5xx, a
                     // 409, a refusal the policy leaves out) is answered, and the key stays
@@ -1355,36 +1356,62 @@ fn to_outcome(
     whole: BodyMark,
 ) -> Outcome {
     let mut outcome = Outcome::new(parts.status.as_u16());
-    // The headers `Connection` names are hop-by-hop for this response too (RFC 9110
-    // §7.6.1): meant for the next hop of the first answer, not for a retry's client. Split
-    // as bytes: a part that is not a header name (obs-text) names nothing, and the value's
-    // other parts still count.
-    let named_by_connection: Vec<String> = parts
-        .headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
-        .filter_map(|name| std::str::from_utf8(name.trim_ascii()).ok())
-        .map(str::to_ascii_lowercase)
-        .filter(|name| !name.is_empty())
-        .collect();
-    for (name, value) in &parts.headers {
-        let name = name.as_str();
-        if NOT_STORED.contains(&name)
-            || (name == "set-cookie" && !config.store_set_cookie)
-            || named_by_connection.iter().any(|named| named == name)
-        {
-            continue;
-        }
-        outcome
+    let named = named_by_connection(
+        parts
             .headers
-            .push((name.to_owned(), Bytes::copy_from_slice(value.as_bytes())));
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .map(|value| value.as_bytes()),
+    );
+    for (name, value) in &parts.headers {
+        if stored_header(config, name.as_str(), &named) {
+            outcome.headers.push((
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            ));
+        }
     }
     match body {
         Some(body) if body.len() <= config.max_stored_body => outcome.body = body.clone(),
         Some(_) => mark(&mut outcome, BodyMark::Omitted),
         None => mark(&mut outcome, whole),
     }
+    outcome
+}
+
+/// The headers the `Connection` values name, lowercase: hop-by-hop for this response too
+/// (RFC 9110 §7.6.1), meant for the next hop of the first answer, not for a retry's client.
+/// Split as bytes: a part that is not a header name (obs-text) names nothing, and the
+/// value's other parts still count.
+fn named_by_connection<'a>(values: impl Iterator<Item = &'a [u8]>) -> Vec<String> {
+    values
+        .flat_map(|value| value.split(|&byte| byte == b','))
+        .filter_map(|name| std::str::from_utf8(name.trim_ascii()).ok())
+        .map(str::to_ascii_lowercase)
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
+/// Whether a response header (its lowercase `name`) is stored with the outcome.
+fn stored_header(config: &Config, name: &str, named_by_connection: &[String]) -> bool {
+    !(NOT_STORED.contains(&name)
+        || (name == "set-cookie" && !config.store_set_cookie)
+        || named_by_connection.iter().any(|named| named == name))
+}
+
+/// A reconcile hook's answer with the headers a handler's response would have had dropped
+/// ([`to_outcome`]): a hook that copies a processor's response must not store its framing.
+fn hook_outcome(config: &Config, mut outcome: Outcome) -> Outcome {
+    let named = named_by_connection(
+        outcome
+            .headers
+            .iter()
+            .filter(|(name, _)| name.eq_ignore_ascii_case("connection"))
+            .map(|(_, value)| &value[..]),
+    );
+    outcome
+        .headers
+        .retain(|(name, _)| stored_header(config, &name.to_ascii_lowercase(), &named));
     outcome
 }
 
