@@ -1403,6 +1403,38 @@ fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
     });
 }
 
+/// A streamed response whose forwarding stops before its end for any reason (here the store
+/// panics while taking the outcome, mid-stream, because the body outgrew the stored limit)
+/// is cut off for its client: its end is clean only when the whole body was forwarded.
+/// Before, only the cases the forwarding task knew of were cut off; a panic in it (or the
+/// task dropped) ended the chunked body cleanly, and the client took a truncated body for a
+/// whole one.
+#[test]
+fn a_streamed_response_whose_forwarding_stopped_is_cut_off() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.panic_completes(1);
+        let (router, _, _) = streaming_app(layer(store).max_stored_body(100_000));
+        let response = router
+            .oneshot(stream_request("k", &[("x-chunks", "4")]))
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), 200);
+        let body = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect())
+            .await
+            .expect("the stream ends");
+        assert!(
+            body.is_err(),
+            "a truncated body ended cleanly: {} bytes of {}",
+            body.map(|b| b.to_bytes().len()).unwrap_or_default(),
+            4 * 64 * 1024
+        );
+    });
+}
+
 /// A response larger than the stored-body limit streams to the first client as it is
 /// produced (the head arrives while the handler still holds the rest back), instead of being
 /// buffered whole; it is stored without its body, and the retry replays that.

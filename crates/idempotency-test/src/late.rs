@@ -40,6 +40,8 @@ pub struct LateBegin<S> {
     lost_completes: AtomicU64,
     /// How many of the next `complete` calls fail (`Unavailable`, nothing stored).
     failing_completes: AtomicU64,
+    /// How many of the next `complete` calls panic (nothing stored).
+    panicking_completes: AtomicU64,
     /// A lease released on the inner store just before the `begin` calls count down to 0.
     release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
     /// The task the last `complete` wrote from.
@@ -64,6 +66,7 @@ impl<S: Store> LateBegin<S> {
             renewals: AtomicU64::new(0),
             lost_completes: AtomicU64::new(0),
             failing_completes: AtomicU64::new(0),
+            panicking_completes: AtomicU64::new(0),
             release_before: std::sync::Mutex::new(None),
             complete_task: std::sync::Mutex::new(None),
         };
@@ -116,6 +119,11 @@ impl<S: Store> LateBegin<S> {
     /// down for a while).
     pub fn fail_completes(&self, n: u64) {
         self.failing_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `complete` calls panic, storing nothing (a store with a bug).
+    pub fn panic_completes(&self, n: u64) {
+        self.panicking_completes.store(n, Ordering::SeqCst);
     }
 
     /// Releases `token`'s lease on `id`, on the inner store, just before the `n`-th `begin`
@@ -231,6 +239,10 @@ impl<S: Store> Store for LateBegin<S> {
                 "a complete failed (injected)",
             ));
         }
+        assert!(
+            !take_one(&self.panicking_completes),
+            "a complete panicked (injected)"
+        );
         self.inner.complete(id, token, outcome, retention).await
     }
 

@@ -999,18 +999,19 @@ async fn stream<ResBody, E>(
         .and_then(|v| v.to_str().ok()?.parse().ok());
     let mut forwarded = 0usize;
     let (frames, receiver) = tokio::sync::mpsc::channel(4);
-    let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let streamed = Streamed {
         frames: receiver,
-        cut: cut.clone(),
+        whole: whole.clone(),
     };
     let mut client = (reply
         .send(Ok(Response::from_parts(parts, streamed.boxed_unsync())))
         .is_ok())
     .then_some(frames);
-    // Gives up on the first client: its stream ends in an error, never a clean (truncated) end.
+    // Gives up on the first client: its stream ends in an error, never a clean (truncated)
+    // end, as it does when this function stops for any reason before its end (a panic, its
+    // task dropped): only the end below says the client had it all.
     let abandon = |client: &mut Option<Sender>| {
-        cut.store(true, std::sync::atomic::Ordering::SeqCst);
         client.take();
     };
     let mut kept = bytes::BytesMut::new();
@@ -1138,18 +1139,18 @@ async fn stream<ResBody, E>(
         return;
     }
     // A body shorter than its declared length ended early: not the whole response.
-    let whole = ended && declared.is_none_or(|n| forwarded == n);
+    let all = ended && declared.is_none_or(|n| forwarded == n);
     if !stored {
         let mut outcome = head;
-        if whole {
+        if all {
             outcome.body = kept.freeze();
         } else {
             mark(&mut outcome, BodyMark::Incomplete);
         }
         complete(config, id, token, &outcome).await;
     }
-    if !whole {
-        abandon(&mut client);
+    if all {
+        whole.store(true, std::sync::atomic::Ordering::SeqCst);
     }
     drop(client); // the client sees the end only now, after the outcome is stored
 }
@@ -1172,13 +1173,14 @@ async fn sleep_until_some(deadline: Option<Instant>) {
     }
 }
 
-/// The streamed response body: frames forwarded by the task that owns the lease. When that
-/// task gave up on the response (`cut`), the end of the frames is an error, so hyper aborts
-/// the response instead of ending it cleanly: a client never takes a truncated body for a
-/// whole one.
+/// The streamed response body: frames forwarded by the task that owns the lease. The end of
+/// the frames is clean only when that task said it forwarded the whole body (`whole`, set
+/// before its sender is dropped); any other end (it gave up on the response, panicked, or
+/// was dropped) is an error, so hyper aborts the response instead of ending it cleanly: a
+/// client never takes a truncated body for a whole one.
 struct Streamed {
     frames: tokio::sync::mpsc::Receiver<Result<http_body::Frame<Bytes>, BodyError>>,
-    cut: Arc<std::sync::atomic::AtomicBool>,
+    whole: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl HttpBody for Streamed {
@@ -1190,7 +1192,7 @@ impl HttpBody for Streamed {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BodyError>>> {
         match self.frames.poll_recv(cx) {
-            Poll::Ready(None) if self.cut.load(std::sync::atomic::Ordering::SeqCst) => {
+            Poll::Ready(None) if !self.whole.load(std::sync::atomic::Ordering::SeqCst) => {
                 Poll::Ready(Some(Err(BodyError::new(
                     "the response was cut off before its end",
                 ))))
