@@ -720,6 +720,30 @@ fn a_handler_whose_lease_was_lost_is_stopped() {
     });
 }
 
+/// A renewal that panics (a store with a bug) is a failed renewal, as in the executor: the
+/// handler it runs beside goes on to its end and its outcome is stored. Before, the panic
+/// unwound the task that drove the handler, which was dropped mid-effect, and the retry
+/// after its lease ran it again.
+#[test]
+fn a_renewal_that_panics_does_not_stop_the_handler() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        store.panic_renewals(1);
+        let lease = Duration::from_millis(600);
+        let (router, calls, _) =
+            app(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+        let first = send(&router, "POST", Some("k"), &[("x-delay-ms", "700")], "{}").await;
+        assert_eq!(first.status, 201, "{}", first.body);
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// A claim answered late (here 40 % of the lease after the store granted it: a slow store,
 /// a starved runtime) leaves the handler as many renewals before its lease runs out as a
 /// quick one, so one failed renewal does not lose it. The renewals were timed from the

@@ -42,6 +42,8 @@ pub struct LateBegin<S> {
     failing_completes: AtomicU64,
     /// How many of the next `complete` calls panic (nothing stored).
     panicking_completes: AtomicU64,
+    /// How many of the next `renew` calls panic (nothing renewed).
+    panicking_renewals: AtomicU64,
     /// A lease released on the inner store just before the `begin` calls count down to 0.
     release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
     /// The task the last `complete` wrote from.
@@ -67,6 +69,7 @@ impl<S: Store> LateBegin<S> {
             lost_completes: AtomicU64::new(0),
             failing_completes: AtomicU64::new(0),
             panicking_completes: AtomicU64::new(0),
+            panicking_renewals: AtomicU64::new(0),
             release_before: std::sync::Mutex::new(None),
             complete_task: std::sync::Mutex::new(None),
         };
@@ -119,6 +122,11 @@ impl<S: Store> LateBegin<S> {
     /// down for a while).
     pub fn fail_completes(&self, n: u64) {
         self.failing_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `renew` calls panic, renewing nothing (a store with a bug).
+    pub fn panic_renewals(&self, n: u64) {
+        self.panicking_renewals.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `n` `complete` calls panic, storing nothing (a store with a bug).
@@ -273,6 +281,10 @@ impl<S: Store> Store for LateBegin<S> {
                 "a renewal failed (injected)",
             ));
         }
+        assert!(
+            !take_one(&self.panicking_renewals),
+            "a renewal panicked (injected)"
+        );
         self.inner.renew(id, token, lease).await
     }
 

@@ -451,7 +451,7 @@ where
                     tokio::select! {
                         found = &mut check => break found,
                         _ = renew.tick() => {
-                            if let Err(error) = config.store.renew(&id, token, lease).await {
+                            if let Err(error) = renew_lease(&config, &id, token, lease).await {
                                 tracing::warn!(%error, "could not renew the idempotency lease");
                             }
                         }
@@ -476,7 +476,7 @@ where
                     Ok(Ok(None)) => {
                         // The lease the operation runs on counts from this ask (see below).
                         let renewing = Instant::now();
-                        match config.store.renew(&id, token, lease).await {
+                        match renew_lease(&config, &id, token, lease).await {
                             Ok(()) => Reconciled::Nothing(renewing),
                             Err(Error::LeaseLost) => Reconciled::Lost("lease lost".into()),
                             Err(error) => Reconciled::Unknown(error.to_string()),
@@ -830,7 +830,7 @@ async fn run_detached<ResBody, E>(
         tokio::select! {
             result = &mut produce => break result,
             _ = renew.tick() => {
-                match config.store.renew(&id, token, config.policy.lease()).await {
+                match renew_lease(&config, &id, token, config.policy.lease()).await {
                     Ok(()) => {}
                     // The key is another attempt's now (this one's renewals failed for a
                     // whole lease and a retry took over), or an operator released it: the
@@ -989,7 +989,7 @@ async fn stream<ResBody, E>(
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (store, policy, limit) = (&config.store, &config.policy, config.max_stored_body);
+    let (policy, limit) = (&config.policy, config.max_stored_body);
     let head = to_outcome(config, &parts, None, BodyMark::Whole);
     // With a declared length the client has the whole response once the last byte arrives,
     // before the stream's end: store before forwarding the frame that completes it.
@@ -1022,7 +1022,7 @@ async fn stream<ResBody, E>(
     // Whether the lease is lost: the key is another attempt's now (this one's renewals
     // failed for a whole lease and a retry took over), or an operator released it.
     let lease_lost = || async {
-        match store.renew(&id, token, policy.lease()).await {
+        match renew_lease(config, &id, token, policy.lease()).await {
             Ok(()) => false,
             Err(Error::LeaseLost) => true,
             Err(error) => {
@@ -1200,6 +1200,22 @@ impl HttpBody for Streamed {
             other => other,
         }
     }
+}
+
+/// Renews the lease; a store that panics is taken for a failed call (`Unavailable`), as the
+/// executor's renewals take it: unwound, the panic would stop the handler (or the response
+/// stream) the renewal runs beside, mid-effect, and the retry after the lease would run it
+/// again.
+async fn renew_lease(
+    config: &Config,
+    id: &RecordId,
+    token: LeaseToken,
+    lease: Duration,
+) -> Result<(), Error> {
+    AssertUnwindSafe(config.store.renew(id, token, lease))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(Error::unavailable("the store's renew panicked")))
 }
 
 /// Gives the lease back so that a retry runs again.
