@@ -1459,6 +1459,58 @@ fn a_streamed_response_whose_forwarding_stopped_is_cut_off() {
     });
 }
 
+/// A response body whose length differs from the exact size it declared (a hand-written body
+/// with a stale hint: hyper frames a response by that hint, and aborts it when the body ends
+/// early) is a broken body: stored marked incomplete, never replayed as whole, and nothing
+/// runs again. Before, the layer buffered the bytes there were and stored them as the whole
+/// body.
+#[test]
+fn a_body_shorter_than_its_declared_size_is_not_stored_whole() {
+    /// Five bytes, declared as ten.
+    struct Short(bool);
+    impl http_body::Body for Short {
+        type Data = bytes::Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+            let first = !std::mem::replace(&mut self.0, true);
+            std::task::Poll::Ready(
+                first.then(|| Ok(http_body::Frame::data(bytes::Bytes::from_static(b"hello")))),
+            )
+        }
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(10)
+        }
+    }
+    block_on(async {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let router = axum::Router::new()
+            .route(
+                "/short",
+                axum::routing::post(move || {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async { axum::response::Response::new(Body::new(Short(false))) }
+                }),
+            )
+            .layer(layer(memory()));
+        let request = || {
+            axum::http::Request::post("/short")
+                .header("idempotency-key", "k")
+                .body(Body::empty())
+                .expect("request")
+        };
+        let first = router.clone().oneshot(request()).await.expect("infallible");
+        assert_eq!(first.status(), 500);
+        let again = router.clone().oneshot(request()).await.expect("infallible");
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(again.headers()["idempotent-replay-body"], "incomplete");
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    });
+}
+
 /// A response larger than the stored-body limit streams to the first client as it is
 /// produced (the head arrives while the handler still holds the rest back), instead of being
 /// buffered whole; it is stored without its body, and the retry replays that.

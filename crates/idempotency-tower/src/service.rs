@@ -783,15 +783,30 @@ where
         AssertUnwindSafe(async move {
             let response = inner.call(request).await?;
             let (parts, body) = response.into_parts();
-            let small = body.size_hint().exact().is_some_and(|n| n <= limit as u64);
-            if small && policy.is_cacheable(parts.status.as_u16()) {
+            let exact = body.size_hint().exact().filter(|&n| n <= limit as u64);
+            if let Some(declared) = exact
+                && policy.is_cacheable(parts.status.as_u16())
+            {
                 // The handler has run: a panic while reading its body is a broken body
-                // (stored as incomplete), not a failed operation (released, so run again).
+                // (stored as incomplete), not a failed operation (released, so run again);
+                // so is a body of another length than it declared (hyper would have framed
+                // it by that length, and aborted the response).
                 let body = AssertUnwindSafe(Limited::new(body, limit).collect())
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|_| Err("the response body panicked".into()))
-                    .map(|c| c.to_bytes());
+                    .map(|c| c.to_bytes())
+                    .and_then(|bytes| {
+                        if bytes.len() as u64 == declared {
+                            Ok(bytes)
+                        } else {
+                            Err(format!(
+                                "the response body has {} bytes, its size hint said {declared}",
+                                bytes.len()
+                            )
+                            .into())
+                        }
+                    });
                 return Ok(Produced::Buffered(parts, body));
             }
             Ok(Produced::Streaming(parts, body))
