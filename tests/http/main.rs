@@ -1511,6 +1511,62 @@ fn a_body_shorter_than_its_declared_size_is_not_stored_whole() {
     });
 }
 
+/// A response's trailers (gRPC sends its status in one) reach the first client and are
+/// stored and replayed, whether the body was read whole (a known size) or streamed. Before,
+/// a body read whole lost its trailers even for the first client, and no replay had any:
+/// a gRPC client replayed a body without `grpc-status` saw a protocol error.
+#[test]
+fn trailers_reach_the_first_client_and_every_replay() {
+    use http_body_util::BodyExt as _;
+    block_on(async {
+        let trailers = || {
+            let mut map = axum::http::HeaderMap::new();
+            map.insert("grpc-status", "0".parse().expect("value"));
+            map.append("x-checksum", "abc".parse().expect("value"));
+            map
+        };
+        let router = axum::Router::new()
+            .route(
+                "/trailers",
+                axum::routing::post(move |headers: axum::http::HeaderMap| async move {
+                    let body = if headers.contains_key("x-stream") {
+                        // No size hint: streamed.
+                        let frames = futures::stream::iter([
+                            Ok::<_, std::convert::Infallible>(http_body::Frame::data(
+                                bytes::Bytes::from_static(b"ok"),
+                            )),
+                            Ok(http_body::Frame::trailers(trailers())),
+                        ]);
+                        Body::new(http_body_util::StreamBody::new(frames))
+                    } else {
+                        // A known size: read whole.
+                        Body::new(
+                            http_body_util::Full::new(bytes::Bytes::from_static(b"ok"))
+                                .with_trailers(std::future::ready(Some(Ok(trailers())))),
+                        )
+                    };
+                    axum::response::Response::new(body)
+                }),
+            )
+            .layer(layer(memory()));
+        for (key, extra) in [("whole", vec![]), ("streamed", vec![("x-stream", "1")])] {
+            for attempt in ["first", "replay"] {
+                let mut request =
+                    axum::http::Request::post("/trailers").header("idempotency-key", key);
+                for (name, value) in &extra {
+                    request = request.header(*name, *value);
+                }
+                let request = request.body(Body::empty()).expect("request");
+                let response = router.clone().oneshot(request).await.expect("infallible");
+                let collected = response.into_body().collect().await.expect("body");
+                let got = collected.trailers().cloned().unwrap_or_default();
+                assert_eq!(got, trailers(), "{key}, {attempt}");
+                assert_eq!(collected.to_bytes(), "ok", "{key}, {attempt}");
+            }
+        }
+    });
+}
+
 /// A response larger than the stored-body limit streams to the first client as it is
 /// produced (the head arrives while the handler still holds the rest back), instead of being
 /// buffered whole; it is stored without its body, and the retry replays that.

@@ -2,8 +2,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-/// The stored result of an operation: a status, headers in order (repeated names kept), and
-/// the body bytes.
+/// The stored result of an operation: a status, headers in order (repeated names kept), the
+/// body bytes, and trailers (fields sent after the body, as gRPC sends its status).
 ///
 /// Non-HTTP users put their own status convention and serialised result in it (the
 /// executor in this crate stores a serde value in the body).
@@ -27,6 +27,8 @@ pub struct Outcome {
     pub headers: Vec<(String, Bytes)>,
     /// The body.
     pub body: Bytes,
+    /// Trailer names and values in their original order (usually none).
+    pub trailers: Vec<(String, Bytes)>,
 }
 
 /// The encoded outcome could not be read back: a store returned bytes this version does not
@@ -38,6 +40,10 @@ pub struct DecodeError(&'static str);
 /// First byte of every encoding. A new layout takes a new number, and `decode` keeps reading
 /// the old ones, so records written by the previous release replay after an upgrade.
 const VERSION_1: u8 = 1;
+/// Version 1 followed by trailers; written only for an outcome that has some, so that a
+/// release that reads version 1 only still reads every other outcome (during a rolling
+/// upgrade, it answers one with trailers as corrupt: an error, never a second run).
+const VERSION_2: u8 = 2;
 
 impl Outcome {
     /// An outcome with a status and no headers or body.
@@ -60,26 +66,49 @@ impl Outcome {
         self
     }
 
-    /// Encodes as `version u8 | status u16 | n u32 | n × (name_len u16, name, value_len u32,
-    /// value) | body_len u32 | body`, all big-endian.
+    /// Appends a trailer.
+    ///
+    /// ```
+    /// use idempotency_core::Outcome;
+    ///
+    /// let outcome = Outcome::new(200).with_body("...").with_trailer("grpc-status", "0");
+    /// assert_eq!(Outcome::decode(&outcome.encode()).unwrap(), outcome);
+    /// ```
+    pub fn with_trailer(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.trailers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Encodes as `version u8 | status u16 | fields(headers) | body_len u32 | body`, then for
+    /// version 2 (an outcome with trailers) `fields(trailers)`, all big-endian, where
+    /// `fields` is `n u32 | n × (name_len u16, name, value_len u32, value)`.
     pub fn encode(&self) -> Bytes {
-        let headers_len: usize = self
-            .headers
-            .iter()
-            .map(|(n, v)| 6 + n.len() + v.len())
-            .sum();
-        let mut buf = BytesMut::with_capacity(1 + 2 + 4 + headers_len + 4 + self.body.len());
-        buf.put_u8(VERSION_1);
+        let fields_len = |fields: &[(String, Bytes)]| -> usize {
+            4 + fields
+                .iter()
+                .map(|(n, v)| 6 + n.len() + v.len())
+                .sum::<usize>()
+        };
+        let trailers = !self.trailers.is_empty();
+        let len = 1
+            + 2
+            + fields_len(&self.headers)
+            + 4
+            + self.body.len()
+            + if trailers {
+                fields_len(&self.trailers)
+            } else {
+                0
+            };
+        let mut buf = BytesMut::with_capacity(len);
+        buf.put_u8(if trailers { VERSION_2 } else { VERSION_1 });
         buf.put_u16(self.status);
-        buf.put_u32(self.headers.len() as u32);
-        for (name, value) in &self.headers {
-            buf.put_u16(name.len() as u16);
-            buf.put_slice(name.as_bytes());
-            buf.put_u32(value.len() as u32);
-            buf.put_slice(value);
-        }
+        put_fields(&mut buf, &self.headers);
         buf.put_u32(self.body.len() as u32);
         buf.put_slice(&self.body);
+        if trailers {
+            put_fields(&mut buf, &self.trailers);
+        }
         buf.freeze()
     }
 
@@ -100,33 +129,43 @@ impl Outcome {
                 Ok(())
             }
         }
+        fn fields(bytes: &mut &[u8]) -> Result<Vec<(String, Bytes)>, DecodeError> {
+            need(bytes, 4)?;
+            let count = bytes.get_u32() as usize;
+            // Each field takes at least 6 bytes: refuse counts the input cannot hold before
+            // allocating for them.
+            if count > bytes.len() / 6 {
+                return Err(DecodeError("field count exceeds input"));
+            }
+            let mut fields = Vec::with_capacity(count);
+            for _ in 0..count {
+                need(bytes, 2)?;
+                let name_len = bytes.get_u16() as usize;
+                let name = std::str::from_utf8(take(bytes, name_len)?)
+                    .map_err(|_| DecodeError("field name is not UTF-8"))?
+                    .to_owned();
+                need(bytes, 4)?;
+                let value_len = bytes.get_u32() as usize;
+                let value = Bytes::copy_from_slice(take(bytes, value_len)?);
+                fields.push((name, value));
+            }
+            Ok(fields)
+        }
         need(bytes, 1)?;
-        if bytes.get_u8() != VERSION_1 {
+        let version = bytes.get_u8();
+        if version != VERSION_1 && version != VERSION_2 {
             return Err(DecodeError("unknown encoding version"));
         }
-        need(bytes, 6)?;
+        need(bytes, 2)?;
         let status = bytes.get_u16();
-        let count = bytes.get_u32() as usize;
-        // Each header takes at least 6 bytes: refuse counts the input cannot hold before
-        // allocating for them.
-        if count > bytes.len() / 6 {
-            return Err(DecodeError("header count exceeds input"));
-        }
-        let mut headers = Vec::with_capacity(count);
-        for _ in 0..count {
-            need(bytes, 2)?;
-            let name_len = bytes.get_u16() as usize;
-            let name = std::str::from_utf8(take(&mut bytes, name_len)?)
-                .map_err(|_| DecodeError("header name is not UTF-8"))?
-                .to_owned();
-            need(bytes, 4)?;
-            let value_len = bytes.get_u32() as usize;
-            let value = Bytes::copy_from_slice(take(&mut bytes, value_len)?);
-            headers.push((name, value));
-        }
+        let headers = fields(&mut bytes)?;
         need(bytes, 4)?;
         let body_len = bytes.get_u32() as usize;
         let body = Bytes::copy_from_slice(take(&mut bytes, body_len)?);
+        let trailers = match version {
+            VERSION_2 => fields(&mut bytes)?,
+            _ => Vec::new(),
+        };
         if !bytes.is_empty() {
             return Err(DecodeError("trailing bytes"));
         }
@@ -134,7 +173,19 @@ impl Outcome {
             status,
             headers,
             body,
+            trailers,
         })
+    }
+}
+
+/// `n u32 | n × (name_len u16, name, value_len u32, value)`.
+fn put_fields(buf: &mut BytesMut, fields: &[(String, Bytes)]) {
+    buf.put_u32(fields.len() as u32);
+    for (name, value) in fields {
+        buf.put_u16(name.len() as u16);
+        buf.put_slice(name.as_bytes());
+        buf.put_u32(value.len() as u32);
+        buf.put_slice(value);
     }
 }
 
@@ -162,6 +213,28 @@ mod tests {
             assert!(Outcome::decode(&good[..cut]).is_err(), "cut at {cut}");
         }
         assert!(Outcome::decode(&[2, 0, 200]).is_err());
+        assert!(Outcome::decode(&[3, 0, 200, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
         assert!(Outcome::decode(&[1, 0, 200, 0xff, 0xff, 0xff, 0xff]).is_err());
+        let trailed = Outcome::new(200).with_trailer("t", "1").encode();
+        for cut in 0..trailed.len() {
+            assert!(Outcome::decode(&trailed[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    /// Without trailers the encoding is version 1, byte for byte what the releases before
+    /// trailers wrote and read; with them, version 2.
+    #[test]
+    fn trailers_take_version_2_and_nothing_else_does() {
+        let plain = Outcome::new(201).with_header("a", "b").with_body("c");
+        assert_eq!(
+            &plain.encode()[..],
+            &[
+                1, 0, 201, 0, 0, 0, 1, 0, 1, b'a', 0, 0, 0, 1, b'b', 0, 0, 0, 1, b'c'
+            ][..]
+        );
+        let trailed = plain.with_trailer("grpc-status", "0");
+        let bytes = trailed.encode();
+        assert_eq!(bytes[0], 2);
+        assert_eq!(Outcome::decode(&bytes).unwrap(), trailed);
     }
 }

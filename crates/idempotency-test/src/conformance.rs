@@ -91,14 +91,17 @@ pub async fn first_begin_executes(store: &dyn Store) {
     execute(store, &id, &fp("a"), LONG).await;
 }
 
-/// A replay returns the exact outcome: binary body, repeated headers in order, 1 MiB.
+/// A replay returns the exact outcome: binary body, repeated headers in order, 1 MiB,
+/// trailers.
 pub async fn replay_returns_the_exact_outcome(store: &dyn Store) {
     let body: Vec<u8> = (0..(1usize << 20)).map(|i| (i * 7 % 256) as u8).collect();
     let outcome = Outcome::new(201)
         .with_header("set-cookie", "a=1")
         .with_header("x-binary", Bytes::from_static(b"\x00\x01\xfe\xff"))
         .with_header("set-cookie", "b=2")
-        .with_body(body);
+        .with_body(body)
+        .with_trailer("grpc-status", "0")
+        .with_trailer("x-binary", Bytes::from_static(b"\x00\xff"));
     let id = fresh_id();
     let token = execute(store, &id, &fp("a"), LONG).await;
     store

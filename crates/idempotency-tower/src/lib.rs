@@ -76,7 +76,9 @@
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
 //! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
-//! default) `Set-Cookie` are not stored.
+//! default) `Set-Cookie` are not stored. Trailers (gRPC's status, a checksum) are stored and
+//! replayed, except for a streamed body stored before its end (at its declared length, or
+//! too large to keep), whose trailers had not come yet.
 //!
 //! # Disconnects, cancellation, panics, long operations
 //! The claim (`Store::begin`) and the handler run to their end whatever happens to the
@@ -189,6 +191,17 @@ pub(crate) fn full(bytes: Bytes) -> Body {
     Full::new(bytes)
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+/// [`full`], then `trailers` when there are any.
+pub(crate) fn full_with_trailers(bytes: Bytes, trailers: Option<http::HeaderMap>) -> Body {
+    match trailers {
+        None => full(bytes),
+        Some(trailers) => Full::new(bytes)
+            .with_trailers(std::future::ready(Some(Ok(trailers))))
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    }
 }
 
 /// What a handler learns about the key of the request it runs for (a request extension).

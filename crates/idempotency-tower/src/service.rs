@@ -9,7 +9,7 @@ use std::{
 
 use bytes::{Buf, Bytes};
 use futures::{FutureExt, future::BoxFuture};
-use http::{HeaderValue, Request, Response, StatusCode, header, request::Parts};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header, request::Parts};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
@@ -23,6 +23,7 @@ use tracing::Instrument;
 
 use crate::{
     Body, BodyError, IdempotencyContext, Metrics, OutcomeUnknown, ResponseFuture, full,
+    full_with_trailers,
     key::{self, KeyProblem},
     layer::Config,
     problem::Problem,
@@ -753,8 +754,11 @@ async fn head<E>(
 
 /// What the handler produced, before its body is streamed.
 enum Produced<ResBody> {
-    /// A body of known size within the stored-body limit, read whole.
-    Buffered(http::response::Parts, Result<Bytes, BoxError>),
+    /// A body of known size within the stored-body limit, read whole, and its trailers.
+    Buffered(
+        http::response::Parts,
+        Result<(Bytes, Option<HeaderMap>), BoxError>,
+    ),
     /// Any other body: streamed to the client, at most the limit kept for the store.
     Streaming(http::response::Parts, ResBody),
 }
@@ -795,10 +799,13 @@ where
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|_| Err("the response body panicked".into()))
-                    .map(|c| c.to_bytes())
-                    .and_then(|bytes| {
+                    .map(|c| {
+                        let trailers = c.trailers().cloned();
+                        (c.to_bytes(), trailers)
+                    })
+                    .and_then(|(bytes, trailers)| {
                         if bytes.len() as u64 == declared {
-                            Ok(bytes)
+                            Ok((bytes, trailers))
                         } else {
                             Err(format!(
                                 "the response body has {} bytes, its size hint said {declared}",
@@ -926,7 +933,7 @@ where
         }
     };
     let (mut parts, body) = match produced {
-        Produced::Buffered(parts, Ok(body)) => (parts, body),
+        Produced::Buffered(parts, Ok(read)) => (parts, read),
         Produced::Buffered(parts, Err(error)) => {
             // The handler ran and answered; its body broke off. Never a second execution:
             // store what is known, marked incomplete.
@@ -945,9 +952,11 @@ where
             return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
+    let (body, trailers) = body;
     if config.policy.is_cacheable(parts.status.as_u16()) {
         advertise_expiry(config, &mut parts);
-        let outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
+        let mut outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
+        outcome.trailers = trailers.as_ref().map(fields).unwrap_or_default();
         if !complete(config, id, token, &outcome).await {
             // Not stored: the date would promise a replay that a retry will not get.
             parts
@@ -957,7 +966,10 @@ where
     } else {
         not_stored(config, id, token, &parts).await;
     }
-    Settled::Answer(Ok(Response::from_parts(parts, full(body))))
+    Settled::Answer(Ok(Response::from_parts(
+        parts,
+        full_with_trailers(body, trailers),
+    )))
 }
 
 /// Settles the lease of a response the policy does not store: given back, so the retry runs
@@ -1030,6 +1042,7 @@ async fn stream<ResBody, E>(
         client.take();
     };
     let mut kept = bytes::BytesMut::new();
+    let mut trailers = Vec::new();
     let mut stored = false;
     let mut drain_until: Option<Instant> = client
         .is_none()
@@ -1097,6 +1110,11 @@ async fn stream<ResBody, E>(
                 break false;
             }
         }
+        // Trailers come after the last data frame: kept for an outcome stored at the end
+        // (one stored before, at a declared length or over the limit, has none).
+        if let Some(map) = frame.trailers_ref() {
+            trailers.extend(fields(map));
+        }
         if let (Some(data), false) = (frame.data_ref(), stored) {
             if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
@@ -1159,6 +1177,7 @@ async fn stream<ResBody, E>(
         let mut outcome = head;
         if all {
             outcome.body = kept.freeze();
+            outcome.trailers = trailers;
         } else {
             mark(&mut outcome, BodyMark::Incomplete);
         }
@@ -1448,8 +1467,32 @@ fn hook_outcome(config: &Config, mut outcome: Outcome) -> Outcome {
     outcome
 }
 
+/// Trailers (or any header map) as an outcome's fields, in order.
+fn fields(map: &HeaderMap) -> Vec<(String, Bytes)> {
+    map.iter()
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect()
+}
+
 fn replay(outcome: Outcome) -> Response<Body> {
-    let mut response = Response::new(full(outcome.body));
+    let trailers = (!outcome.trailers.is_empty()).then(|| {
+        let mut map = HeaderMap::new();
+        for (name, value) in outcome.trailers {
+            if let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_maybe_shared(value),
+            ) {
+                map.append(name, value);
+            }
+        }
+        map
+    });
+    let mut response = Response::new(full_with_trailers(outcome.body, trailers));
     *response.status_mut() =
         StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
