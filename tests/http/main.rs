@@ -2058,6 +2058,39 @@ fn a_stalled_reader_does_not_let_a_retry_run_again() {
     });
 }
 
+/// A client that stops reading a streamed response long enough to count as gone (a third of
+/// a lease), then reads on, gets the frames that were waiting for it and then an error, not
+/// a clean end: the frames forwarded after it was given up never reach it, so its body is
+/// not whole, even though the response's end was stored whole.
+#[test]
+fn a_reader_that_stalled_then_read_on_is_cut_off() {
+    block_on(async {
+        let layer = layer(memory())
+            .policy(idempotency_core::Policy::default().with_lease(Duration::from_millis(300)));
+        let (router, _, _) = streaming_app(layer.clone());
+        let response = router
+            .oneshot(stream_request("k", &[("x-chunks", "20")]))
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), 200);
+        // Not read until the forwarding task gave the reader up and stored the whole body.
+        layer.drain().await;
+        let mut body = response.into_body();
+        let mut read = 0;
+        let end = loop {
+            match body.frame().await {
+                Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len()),
+                other => break other,
+            }
+        };
+        assert!(read < 20 * 64 * 1024, "the reader got it all: {read}");
+        assert!(
+            matches!(end, Some(Err(_))),
+            "a body missing frames ended cleanly after {read} bytes"
+        );
+    });
+}
+
 /// A streamed response with a declared length is whole for its client at the last byte,
 /// before the stream ends: the outcome is stored before that byte is forwarded, so a client
 /// that read it all and retries at once gets the replay, not a 409.

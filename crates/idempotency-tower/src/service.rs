@@ -1183,7 +1183,9 @@ async fn stream<ResBody, E>(
         }
         complete(config, id, token, &outcome).await;
     }
-    if all {
+    // Whole for the client only if it was still being fed: one given up on (stalled, gone)
+    // missed the frames forwarded after that, and reading on it must see an error.
+    if all && client.is_some() {
         whole.store(true, std::sync::atomic::Ordering::SeqCst);
     }
     drop(client); // the client sees the end only now, after the outcome is stored
