@@ -389,7 +389,7 @@ fn drain_waits_for_the_second_delete_of_an_operators_release() {
         // A replay's copy that was on its way lands after the first delete.
         store
             .redis()
-            .cache_completed(&id, &fp, &outcome, std::time::SystemTime::now() + long)
+            .cache_completed(&id, &fp, &outcome, tokio::time::Instant::now() + long)
             .await
             .expect("late copy");
         store.drain().await;
@@ -1053,6 +1053,36 @@ fn a_late_mirror_write_never_answers_after_completion() {
             );
         }
         assert_eq!(store.metrics().breaker_state, BreakerState::Closed);
+    });
+}
+
+/// An outcome's copy sent when its row has expired (a short retention that ran out while
+/// the completion waited for the lease's mirror to land) writes nothing and deletes what the
+/// key holds: the lease's mirror would otherwise answer "in flight" for a record that is
+/// over. (The first version of the bounded copy wrote nothing and left the mirror, and the
+/// hybrid took the mirror for replaced.)
+#[test]
+fn a_copy_too_late_to_write_deletes_the_leases_mirror() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"too late"));
+        let Begin::Execute(_) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("execute")
+        };
+        mirror_landed(&store, &id, &fp).await;
+        let written = store
+            .redis()
+            .cache_completed(&id, &fp, &Outcome::new(201), tokio::time::Instant::now())
+            .await
+            .expect("the copy's call");
+        assert!(!written, "a copy past its row's expiry was written");
+        let left = store.redis().peek(&id, &fp).await.expect("peek");
+        assert!(
+            matches!(left, idempotency_redis::Peek::Absent),
+            "the lease's mirror outlived the record: {left:?}"
+        );
     });
 }
 

@@ -7,7 +7,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use async_trait::async_trait;
@@ -890,8 +890,8 @@ impl HybridStore {
                 if self.caching() && asked.elapsed() <= self.pg.call_timeout() =>
             {
                 // The row's retention, counted from before Postgres read it: never later.
-                let expires_at = expiry(ttl.saturating_sub(asked.elapsed()));
-                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, expires_at))
+                let expires = until(asked, ttl);
+                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, expires))
                     .await;
             }
             _ => {}
@@ -900,9 +900,10 @@ impl HybridStore {
     }
 }
 
-/// The instant `ttl` from now, by this host's clock (a retention kept for good is a century).
-fn expiry(ttl: Duration) -> SystemTime {
-    SystemTime::now() + ttl.min(idempotency_core::FOR_GOOD)
+/// `ttl` after `from` (a retention kept for good is a century): from before the row was read
+/// or written, never later than the row's expiry.
+fn until(from: Instant, ttl: Duration) -> Instant {
+    from + ttl.min(idempotency_core::FOR_GOOD)
 }
 
 #[async_trait]
@@ -976,7 +977,7 @@ impl Store for HybridStore {
             let ttl = retention.saturating_sub(sent.elapsed());
             // The instant the row expires, or a little before: the copy's end, however late
             // it reaches Redis (see `RedisStore::cache_completed`).
-            let expires_at = expiry(ttl);
+            let expires = until(sent, retention);
             if !self.may_be_mirrored(&token) {
                 if ttl.is_zero() || !self.caching() {
                     return Ok(());
@@ -986,21 +987,20 @@ impl Store for HybridStore {
                 // Noted with the record, so that an operator's release waits for it.
                 let (this, id, outcome) = (self.clone(), *id, outcome.clone());
                 self.write_after_answering(id, token, Written::Copy, async move {
-                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires_at))
+                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
                         .await;
                 });
                 return Ok(());
             }
-            // The lease's mirror answers "in flight" until the outcome replaces it: wait for that,
-            // after the mirror itself if it is still on its way (or it could land after a failed
-            // write's repair).
+            // The lease's mirror answers "in flight" until the outcome replaces it (or, past
+            // the row's expiry, the mirror is deleted): wait for that, after the mirror itself
+            // if it is still on its way (or it could land after a failed write's repair).
             let repair = self.repair_unless_done(id, token);
             self.mirror_landed(&token).await;
-            if !ttl.is_zero()
-                && self
-                    .try_redis(|| self.redis.cache_completed(id, &fp, outcome, expires_at))
-                    .await
-                    .is_some()
+            if self
+                .try_redis(|| self.redis.cache_completed(id, &fp, outcome, expires))
+                .await
+                .is_some()
             {
                 repair.done();
             }

@@ -174,12 +174,17 @@ return 1
 /// must be gone by (Unix ms, the sender's clock). A copy of an outcome stored elsewhere
 /// (the hybrid's Postgres), replacing whatever is there; it lives its TTL, but no longer
 /// than that instant by Redis' clock, so a copy that waited in a stalled connection does
-/// not outlive its row by the stall. Returns 1 written, 0 already past (nothing written).
+/// not outlive its row by the stall. Past that instant the key is deleted instead (a cache:
+/// a lease's mirror must not answer "in flight" for a record that is over, and anything
+/// newer only costs its readers a Postgres round trip). Returns 1 written, 0 deleted.
 pub(crate) fn cache_completed() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
 local ttl = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - now)
-if ttl <= 0 then return 0 end
+if ttl <= 0 then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 return 1
 "

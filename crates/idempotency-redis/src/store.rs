@@ -1245,27 +1245,32 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Caches an outcome stored elsewhere (Postgres) until `expires_at`, the instant its
-    /// record expires there (by this host's clock), replacing whatever is there (a mirrored
-    /// lease: the outcome is the truth). Nothing is written once that instant has passed.
+    /// Caches an outcome stored elsewhere (Postgres) until `expires`, the instant its record
+    /// expires there (or a little before), replacing whatever is there (a mirrored lease:
+    /// the outcome is the truth). Returns whether the copy was written: once `expires` has
+    /// passed, whatever the key holds is deleted instead (a mirror of the lease must not
+    /// answer "in flight" for a record that is over), and `false` is returned.
     ///
-    /// The copy lives the time left until `expires_at` as this call counts it, and never
-    /// past `expires_at` by Redis' clock: a copy that waited in a stalled connection (Redis
-    /// paused, then resumed) expires with its record instead of a whole retention after it
-    /// landed, when the key may have been used again. A Redis clock behind this host's by
-    /// `d` can keep such a late copy up to `d` longer; one ahead ends copies `d` early,
-    /// which only sends their replays to Postgres.
+    /// The copy lives the time left until `expires` as this call counts it (by the monotonic
+    /// clock, when it sends the command), and never past that instant by Redis' clock (this
+    /// host's wall clock at sending, plus the time left): a copy that waited in a stalled
+    /// connection (Redis paused, then resumed) expires with its record instead of a whole
+    /// retention after it landed, when the key may have been used again. A Redis clock
+    /// behind this host's by `d` can keep such a late copy up to `d` longer; one ahead ends
+    /// copies `d` early, which only sends their replays to Postgres.
     ///
     /// ```no_run
-    /// # use std::time::{Duration, SystemTime};
+    /// # use std::time::Duration;
+    /// # use tokio::time::Instant;
     /// # use idempotency_core::{Fingerprint, Outcome, RecordId, Scope, IdempotencyKey};
     /// # async fn run(redis: idempotency_redis::RedisStore) -> Result<(), Box<dyn std::error::Error>> {
     /// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1")?);
     /// let outcome = Outcome::new(201).with_body("ch_1");
-    /// let expires_at = SystemTime::now() + Duration::from_secs(24 * 3600);
-    /// redis
-    ///     .cache_completed(&id, &Fingerprint::of(b"body"), &outcome, expires_at)
+    /// let expires = Instant::now() + Duration::from_secs(24 * 3600);
+    /// let written = redis
+    ///     .cache_completed(&id, &Fingerprint::of(b"body"), &outcome, expires)
     ///     .await?;
+    /// assert!(written);
     /// # Ok(()) }
     /// ```
     pub async fn cache_completed(
@@ -1273,30 +1278,28 @@ impl RedisStore {
         id: &RecordId,
         fp: &Fingerprint,
         outcome: &Outcome,
-        expires_at: SystemTime,
-    ) -> Result<()> {
-        let Ok(ttl) = expires_at.duration_since(SystemTime::now()) else {
-            return Ok(());
-        };
-        if ttl.as_millis() == 0 {
-            return Ok(());
-        }
-        let at = expires_at
+        expires: tokio::time::Instant,
+    ) -> Result<bool> {
+        // Whole milliseconds left (none under one: too late, as Redis counts).
+        let left = expires.saturating_duration_since(tokio::time::Instant::now());
+        let ttl =
+            u64::try_from(left.min(idempotency_core::FOR_GOOD).as_millis()).unwrap_or(u64::MAX);
+        let at = (SystemTime::now() + left.min(idempotency_core::FOR_GOOD))
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());
-        let _: i64 = self
+        let written: i64 = self
             .run(
                 &self.scripts.cache_completed,
                 id,
                 &[
                     &value,
-                    millis(ttl).to_string().as_bytes(),
+                    ttl.to_string().as_bytes(),
                     at.to_string().as_bytes(),
                 ],
             )
             .await?;
-        Ok(())
+        Ok(written == 1)
     }
 
     /// The hard budget of one call (see [`RedisStoreBuilder::call_budget`]).

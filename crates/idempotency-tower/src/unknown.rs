@@ -92,7 +92,8 @@ pub enum OutcomeUnknown {
     /// answered as a replay (`Idempotent-Replayed: true`), and the operation does not run
     /// again (an outcome whose status the policy does not store is answered, not stored:
     /// the next retry asks again; its headers are kept as a handler's would be, without
-    /// hop-by-hop headers, `Content-Length` or `Date`). `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
+    /// hop-by-hop headers, `Content-Length`, `Date` or, unless the layer stores it,
+    /// `Set-Cookie`). `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
     /// within half a lease: nobody knows yet; the answer is `503` with `Retry-After` and the
     /// key stays unresolved (the next retry asks again once this attempt's lease ran out).
     /// The lease is renewed while the hook runs.
