@@ -877,6 +877,42 @@ fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
 }
 
 /// A memory store behind injected faults.
+/// A store whose `complete` panics once (a bug in it) after the operation ran: the executor
+/// takes that for a failed write and tries again, so the outcome is stored and the next run
+/// replays it. Before, the panic came out of the run with nothing stored and nothing
+/// released, and the run after the lease took the key over and ran the operation again.
+#[test]
+fn a_store_whose_completion_panics_once_still_stores_the_outcome() {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
+    use futures::FutureExt as _;
+
+    idempotency_test::block_on(async {
+        let (store, executor, (scope, key, fp)) = faulty(Duration::from_millis(500), "panics");
+        store.panic_completes(1);
+        let runs = AtomicUsize::new(0);
+        let op = || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, ()>("charged".to_owned())
+        };
+        let first = std::panic::AssertUnwindSafe(executor.run(&scope, &key, &fp, op))
+            .catch_unwind()
+            .await;
+        assert!(
+            matches!(&first, Ok(Ok(done)) if done.value == "charged"),
+            "the run ends as if the first write had failed: {:?}",
+            first.as_ref().map(|r| r.as_ref().map(|d| &d.value))
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await; // past the lease
+        let again = executor.run(&scope, &key, &fp, op).await.expect("again");
+        assert!(again.replayed, "the outcome was stored");
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    });
+}
+
 type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
 /// A key: its scope, the key, the request's fingerprint.
 type Key = (

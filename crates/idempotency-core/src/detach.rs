@@ -375,9 +375,10 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
     let mut backoff = std::time::Duration::from_millis(50);
     loop {
         let settled = if end {
-            store.renew(id, token, std::time::Duration::ZERO).await
+            let call = store.renew(id, token, std::time::Duration::ZERO);
+            crate::executor::caught(call, "the store's renew panicked").await
         } else {
-            store.release(id, token).await
+            crate::executor::caught(store.release(id, token), "the store's release panicked").await
         };
         match settled {
             Ok(()) => return true,

@@ -678,10 +678,8 @@ fn renew_in_a_task<S: Store + ?Sized>(
             // that unwound would renew nothing more, and the lease would lapse while the
             // operation still ran (the operation's own `select!` takes a dropped channel for
             // no news, not for a loss).
-            let renewed = AssertUnwindSafe(store.renew(&id, token, lease))
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|_| Err(Error::unavailable("the store's renew panicked")));
+            let renewed =
+                caught(store.renew(&id, token, lease), "the store's renew panicked").await;
             match renewed {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
@@ -743,7 +741,8 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         self.settled = true;
         finish_in_any_case(async move {
             let _settling = settling;
-            if let Err(error) = store.release(&id, token).await
+            if let Err(error) =
+                caught(store.release(&id, token), "the store's release panicked").await
                 && !matches!(error, Error::LeaseLost)
             {
                 tracing::warn!(%error, record = %id, "could not release the lease; retrying");
@@ -818,10 +817,7 @@ async fn confirm_commit<S: Store + ?Sized>(
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
     loop {
-        let released = AssertUnwindSafe(store.release(&id, token))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|_| Err(Error::unavailable("the store's release panicked")));
+        let released = caught(store.release(&id, token), "the store's release panicked").await;
         match released {
             Ok(()) => return Confirmed::NotCommitted,
             Err(Error::LeaseLost) => break,
@@ -831,9 +827,11 @@ async fn confirm_commit<S: Store + ?Sized>(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 // Keeps the key from a retry meanwhile. Only the release's answer decides:
                 // it is the call that acts on what it finds.
-                let _ = AssertUnwindSafe(store.renew(&id, token, policy.lease()))
-                    .catch_unwind()
-                    .await;
+                let _ = caught(
+                    store.renew(&id, token, policy.lease()),
+                    "the store's renew panicked",
+                )
+                .await;
             }
             Err(error) => {
                 let store = store.clone();
@@ -850,13 +848,28 @@ async fn confirm_commit<S: Store + ?Sized>(
     };
     match complete_retrying(&*store, &id, token, &outcome, policy).await {
         Ok(()) => Confirmed::Committed,
-        Err(Error::LeaseLost) => match store.inspect(&id).await {
-            Ok(Some(_)) => Confirmed::NotCommitted,
-            Ok(None) => Confirmed::Unknown(Error::LeaseLost),
-            Err(error) => Confirmed::Unknown(error),
-        },
+        Err(Error::LeaseLost) => {
+            match caught(store.inspect(&id), "the store's inspect panicked").await {
+                Ok(Some(_)) => Confirmed::NotCommitted,
+                Ok(None) => Confirmed::Unknown(Error::LeaseLost),
+                Err(error) => Confirmed::Unknown(error),
+            }
+        }
         Err(error) => Confirmed::Unknown(error),
     }
+}
+
+/// A store call whose panic is a failed call (`Unavailable`): a store with a bug must not
+/// unwind the code that settles an operation that ran (its outcome's write, the lease's
+/// renewal or release), which would leave the key to a retry that runs it again.
+pub(crate) async fn caught<T>(
+    call: impl Future<Output = Result<T, Error>>,
+    what: &'static str,
+) -> Result<T, Error> {
+    AssertUnwindSafe(call)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(Error::unavailable(what)))
 }
 
 /// Stores `outcome` for `token`, retrying an unavailable store with backoff (renewing the
@@ -889,7 +902,12 @@ pub async fn complete_retrying<S: Store + ?Sized>(
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
     loop {
-        match store.complete(id, token, outcome, policy.retention()).await {
+        match caught(
+            store.complete(id, token, outcome, policy.retention()),
+            "the store's complete panicked",
+        )
+        .await
+        {
             Ok(()) => return Ok(()),
             Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => {
                 tracing::warn!(%error, record = %id, "storing the outcome failed; retrying");
@@ -897,7 +915,11 @@ pub async fn complete_retrying<S: Store + ?Sized>(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 // Keeps the lease ours meanwhile; a late completion is accepted anyway as
                 // long as nobody took over, so a failed renewal is no reason to stop.
-                let _ = store.renew(id, token, policy.lease()).await;
+                let _ = caught(
+                    store.renew(id, token, policy.lease()),
+                    "the store's renew panicked",
+                )
+                .await;
             }
             Err(error) => return Err(error),
         }
@@ -986,7 +1008,12 @@ pub async fn complete_late<S: Store + ?Sized>(
     // Refusals while renewals went through, and since the first.
     let (mut refused, mut refused_since) = (0, Instant::now());
     loop {
-        let error = match store.complete(id, token, outcome, retention).await {
+        let error = match caught(
+            store.complete(id, token, outcome, retention),
+            "the store's complete panicked",
+        )
+        .await
+        {
             Ok(()) => {
                 tracing::info!(record = %id, "the outcome was stored late, once the store was back");
                 return true;
@@ -1002,7 +1029,10 @@ pub async fn complete_late<S: Store + ?Sized>(
             }
         };
         // Only a lease still ours is renewed (fenced on the token).
-        if store.renew(id, token, lease).await.is_ok() {
+        if caught(store.renew(id, token, lease), "the store's renew panicked")
+            .await
+            .is_ok()
+        {
             if refused == 0 {
                 refused_since = Instant::now();
             }
