@@ -913,6 +913,42 @@ fn a_store_whose_completion_panics_once_still_stores_the_outcome() {
     });
 }
 
+/// A run polled outside a Tokio runtime (here `futures`' executor) claims nothing and runs
+/// nothing: it could not renew its lease or store its outcome in a task. Before, the
+/// operation ran, the run panicked when it came to store the outcome, and the lease was left
+/// to run out: the next run took the key over and ran the operation again.
+#[test]
+fn a_run_outside_a_tokio_runtime_runs_nothing() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures::FutureExt as _;
+    use idempotency_core::{Error, RunError};
+
+    let (_, _, (scope, key, fp)) = faulty(std::time::Duration::from_millis(200), "runtime");
+    let executor = idempotency_core::Executor::new(Arc::new(MemoryStore::new())).with_policy(
+        idempotency_core::Policy::default().with_lease(std::time::Duration::from_millis(200)),
+    );
+    let runs = AtomicUsize::new(0);
+    let op = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, ()>("charged".to_owned())
+    };
+    let outside = futures::executor::block_on(
+        std::panic::AssertUnwindSafe(executor.run(&scope, &key, &fp, op)).catch_unwind(),
+    );
+    assert!(
+        matches!(outside, Ok(Err(RunError::Store(Error::Config(_))))),
+        "{:?}",
+        outside.as_ref().map(|r| r.as_ref().map(|d| &d.value))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the operation ran");
+    idempotency_test::block_on(async {
+        let inside = executor.run(&scope, &key, &fp, op).await.expect("a run");
+        assert!(!inside.replayed, "the key was left claimed");
+    });
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
 /// A key: its scope, the key, the request's fingerprint.
 type Key = (

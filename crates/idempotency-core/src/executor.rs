@@ -99,8 +99,9 @@ pub enum RunError<E> {
     /// the redelivery replays the result, or runs the operation again if nothing committed.
     #[error("whether the operation's transaction committed is not known: {0}")]
     Unconfirmed(#[source] Error),
-    /// The store failed before the operation ran (unavailable: **nothing ran**), or a stored
-    /// result does not decode.
+    /// The store failed before the operation ran (unavailable: **nothing ran**), a stored
+    /// result does not decode, or the run was polled outside a Tokio runtime
+    /// ([`Error::Config`]; nothing ran).
     #[error(transparent)]
     Store(Error),
 }
@@ -119,6 +120,10 @@ pub enum RunError<E> {
 /// ([`Executor::run_with_claim`] with `PostgresStore::commit_claim`), where that window
 /// matters. (An operation that stored its own result is confirmed instead of stored:
 /// dropped then, its lease is released, which the store refuses once the result committed.)
+///
+/// Runs need a Tokio runtime (renewals and writes that outlive the caller are its tasks):
+/// polled outside one, a run claims nothing and answers [`RunError::Store`] with
+/// [`Error::Config`].
 ///
 /// A renewal answered `LeaseLost` (another attempt took the key over, or an operator released
 /// it) stops the operation at its await: [`RunError::LeaseLost`]. A renewal that merely fails
@@ -311,6 +316,15 @@ impl<S: Store + ?Sized> Executor<S> {
         F: FnOnce(Claim<T>) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        // Renewals, the outcome's write and a give-back run in tasks when they must: without
+        // a runtime they could not, and an operation that ran would be left to a retry that
+        // runs it again. So nothing is claimed outside one.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(RunError::Store(Error::Config(
+                "the executor runs inside a Tokio runtime (its renewals and writes are tasks)"
+                    .into(),
+            )));
+        }
         let id = RecordId::new(scope, key);
         let lease = self.policy.lease();
         // The lease counts from the ask, not from the answer (see `within_lease`).
