@@ -949,6 +949,39 @@ fn a_run_outside_a_tokio_runtime_runs_nothing() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A lease given back while the store is down for minutes (a failover) is given back once
+/// the store is back, so the key is free for the retry. Before, the release gave up after a
+/// minute and the lease ran out: the key came back as an attempt whose outcome is unknown,
+/// which the layer's `Reject` answers 409 for a day, for a request that never ran.
+#[tokio::test(start_paused = true)]
+async fn a_release_refused_for_minutes_still_lands() {
+    use std::time::Duration;
+
+    use idempotency_core::{Begin, Fingerprint, RecordId, Store, release_orphan};
+
+    let store = Faulty::new(MemoryStore::new(), Duration::ZERO);
+    let (id, fp, lease) = (
+        RecordId::from_bytes([9; 32]),
+        Fingerprint::of(b"a charge"),
+        Duration::from_secs(10),
+    );
+    let Ok(Begin::Execute(token)) = store.begin(&id, &fp, lease).await else {
+        panic!("a fresh key executes");
+    };
+    let down_since = tokio::time::Instant::now();
+    store.fail_releases(40); // about three minutes of tries, 5 s apart at most
+    assert!(release_orphan(&store, &id, token).await);
+    assert!(
+        down_since.elapsed() > Duration::from_secs(120),
+        "{:?}",
+        down_since.elapsed()
+    );
+    assert!(
+        matches!(store.begin(&id, &fp, lease).await, Ok(Begin::Execute(_))),
+        "the lease was left to run out"
+    );
+}
+
 type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
 /// A key: its scope, the key, the request's fingerprint.
 type Key = (

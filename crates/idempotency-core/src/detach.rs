@@ -320,9 +320,15 @@ fn unwound<T>(
     })
 }
 
-/// Releases a lease whose claimer went away, retrying an unavailable store with backoff for up
-/// to a minute: orphans appear exactly when the store is slow, so one try is often not enough.
-/// The release is fenced on the token, so a retry after one that landed changes nothing.
+/// Releases a lease whose claimer went away, retrying an unavailable store with backoff (up to
+/// 5 s apart) for as long as a late write is accepted ([`LATE_COMPLETION_GRACE`], an hour, as
+/// an outcome is: [`complete_late`]): orphans appear exactly when the store is slow, and a
+/// lease left to run out comes back as an attempt whose outcome is unknown, which the layer's
+/// `Reject` answers 409 for a day. The release is fenced on the token, so a retry after one
+/// that landed changes nothing.
+///
+/// [`LATE_COMPLETION_GRACE`]: crate::LATE_COMPLETION_GRACE
+/// [`complete_late`]: crate::complete_late
 ///
 /// The release closure stores hand to [`detached_claim`] calls it.
 ///
@@ -371,7 +377,7 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
     token: LeaseToken,
     end: bool,
 ) -> bool {
-    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    let give_up = tokio::time::Instant::now() + crate::LATE_COMPLETION_GRACE;
     let mut backoff = std::time::Duration::from_millis(50);
     loop {
         let settled = if end {

@@ -199,8 +199,8 @@ impl<S: Store + ?Sized> Executor<S> {
     /// ([`Store::drain`]), including those other users of the same store left. Not waited
     /// for: runs still in progress (end or drop them first).
     ///
-    /// A store that is unavailable is retried (a release for a minute, an outcome until the
-    /// store takes it, up to an hour: [`complete_late`]), so bound the wait by your shutdown
+    /// A store that is unavailable is retried (a release, and an outcome until the store
+    /// takes it, for up to an hour: [`complete_late`]), so bound the wait by your shutdown
     /// deadline:
     ///
     /// ```
