@@ -182,10 +182,13 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 /// `Unavailable`, like a store that failed: a lease it may have taken is not known, so it
 /// expires by itself.
 ///
-/// Store implementations wrap the body of `begin` in it (see the Postgres and hybrid stores,
-/// and [`detached_begin`]; the Redis store cancels a claim it stopped waiting for instead); the in-memory store needs no wrapper because its `begin` never
-/// awaits. The claim itself should be bounded (a statement timeout, a call budget), since
-/// nothing waits for it once its caller is gone.
+/// Store implementations wrap the body of `begin` in [`detached_begin`], which is this with
+/// the store's own release, and which also ends (renews for zero) a `TakeOver` lease whose
+/// claimer went away; this lower-level form takes a release of its own and leaves such a
+/// lease to run out, holding the key "in flight" for a lease. (The Redis store cancels a
+/// claim it stopped waiting for instead; the in-memory store needs no wrapper because its
+/// `begin` never awaits.) The claim itself should be bounded (a statement timeout, a call
+/// budget), since nothing waits for it once its caller is gone.
 ///
 /// ```
 /// use idempotency_core::{detached_claim, Begin, LeaseToken};

@@ -198,7 +198,8 @@ impl Begin {
 /// timeout, a `select!`). Implementations guarantee:
 ///
 /// - **`begin`**: dropped, or answered `Unavailable`, it leaves no claim behind that nobody
-///   holds: a lease it granted meanwhile is released (see [`detached_claim`](crate::detached_claim)).
+///   holds: a lease it granted meanwhile is released, one it took over is ended (see
+///   [`detached_begin`](crate::detached_begin), which does both).
 /// - **`complete`**, **`release`**, **`renew`**: dropped or `Unavailable`, the write may or
 ///   may not have happened; the caller still holds the token and repeats the call
 ///   (`complete` is idempotent, a repeated `release` answers `LeaseLost` once it landed).
