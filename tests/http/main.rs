@@ -1427,34 +1427,39 @@ fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
     });
 }
 
-/// A streamed response whose forwarding stops before its end for any reason (here the store
-/// panics while taking the outcome, mid-stream, because the body outgrew the stored limit)
-/// is cut off for its client: its end is clean only when the whole body was forwarded.
-/// Before, only the cases the forwarding task knew of were cut off; a panic in it (or the
-/// task dropped) ended the chunked body cleanly, and the client took a truncated body for a
-/// whole one.
+/// A streamed response whose forwarding stops before its end for any reason (here its task
+/// is dropped mid-stream: the server's runtime shut down) is cut off for its client: its end
+/// is clean only when the whole body was forwarded. Before, only the cases the forwarding
+/// task knew of were cut off; a task dropped (or one that panicked) ended the chunked body
+/// cleanly, and the client took a truncated body for a whole one.
 #[test]
 fn a_streamed_response_whose_forwarding_stopped_is_cut_off() {
-    block_on(async {
-        let store = Arc::new(idempotency_test::late::LateBegin::new(
-            MemoryStore::new(),
-            Duration::ZERO,
-        ));
-        store.panic_completes(1);
-        let (router, _, _) = streaming_app(layer(store).max_stored_body(100_000));
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let (router, _, _) = streaming_app(layer(memory()));
+    // The first chunk is forwarded; the handler holds the rest back.
+    let (response, first) = server.block_on(async {
         let response = router
-            .oneshot(stream_request("k", &[("x-chunks", "4")]))
+            .oneshot(stream_request("k", &[("x-chunks", "4"), ("x-hold", "1")]))
             .await
             .expect("infallible");
-        assert_eq!(response.status(), 200);
-        let body = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect())
+        let mut body = response.into_body();
+        let first = body.frame().await.expect("a frame").expect("data");
+        (body, first)
+    });
+    assert_eq!(first.data_ref().map(|d| d.len()), Some(64 * 1024));
+    server.shutdown_background(); // the forwarding task is dropped
+    block_on(async {
+        let rest = tokio::time::timeout(Duration::from_secs(10), response.collect())
             .await
             .expect("the stream ends");
         assert!(
-            body.is_err(),
-            "a truncated body ended cleanly: {} bytes of {}",
-            body.map(|b| b.to_bytes().len()).unwrap_or_default(),
-            4 * 64 * 1024
+            rest.is_err(),
+            "a truncated body ended cleanly after {} more bytes",
+            rest.map(|b| b.to_bytes().len()).unwrap_or_default()
         );
     });
 }
