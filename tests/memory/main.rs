@@ -982,6 +982,53 @@ async fn a_release_refused_for_minutes_still_lands() {
     );
 }
 
+/// A short lease (tens of milliseconds, as tests and tight loops use) is renewed every third
+/// of it, like any other, so an operation that outlives it keeps its key. Renewals were never
+/// closer than 10 ms apart: a lease of 10 ms or less ran out before its first renewal, and a
+/// second run took the key over while the first still ran.
+#[tokio::test(start_paused = true)]
+async fn a_short_lease_is_renewed_every_third_of_it() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, RunError, Scope};
+
+    let executor = Arc::new(
+        Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_millis(6))),
+    );
+    let (scope, key, fp) = (
+        Scope::new("short"),
+        IdempotencyKey::new("k").expect("key"),
+        Fingerprint::of(b"p"),
+    );
+    let (done, wait) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let (executor, scope, key) = (executor.clone(), scope.clone(), key.clone());
+        tokio::spawn(async move {
+            executor
+                .run(&scope, &key, &fp, || async {
+                    let _ = wait.await;
+                    Ok::<_, ()>("first".to_owned())
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await; // three leases
+    let second = executor
+        .run(&scope, &key, &fp, || async {
+            Ok::<_, ()>("second".to_owned())
+        })
+        .await;
+    assert!(
+        matches!(second, Err(RunError::InFlight { .. })),
+        "{:?}",
+        second.map(|d| d.value)
+    );
+    let _ = done.send(());
+    let first = first.await.expect("the first run").expect("it ran");
+    assert_eq!(first.value, "first");
+}
+
 type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
 /// A key: its scope, the key, the request's fingerprint.
 type Key = (

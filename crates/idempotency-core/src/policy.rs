@@ -110,9 +110,10 @@ impl Policy {
     }
 
     /// How often a running operation renews its lease: a third of the lease, so two renewals
-    /// can fail before it is lost.
+    /// can fail before it is lost (every millisecond at most, the timer's resolution: a lease
+    /// under 3 ms cannot be kept that way; leases of seconds are what stores are built for).
     pub fn renew_every(&self) -> Duration {
-        (self.lease / 3).max(Duration::from_millis(10))
+        (self.lease / 3).max(Duration::from_millis(1))
     }
 
     /// Whether an outcome with this status is stored and replayed.
