@@ -1535,14 +1535,21 @@ fn trailers_reach_the_first_client_and_every_replay() {
                 "/trailers",
                 axum::routing::post(move |headers: axum::http::HeaderMap| async move {
                     let body = if headers.contains_key("x-stream") {
-                        // No size hint: streamed.
+                        // No size hint: streamed (chunked over HTTP/1.1, with its trailers
+                        // announced as HTTP/1.1 needs).
                         let frames = futures::stream::iter([
                             Ok::<_, std::convert::Infallible>(http_body::Frame::data(
                                 bytes::Bytes::from_static(b"ok"),
                             )),
                             Ok(http_body::Frame::trailers(trailers())),
                         ]);
-                        Body::new(http_body_util::StreamBody::new(frames))
+                        let mut response = axum::response::Response::new(Body::new(
+                            http_body_util::StreamBody::new(frames),
+                        ));
+                        response
+                            .headers_mut()
+                            .insert("trailer", "grpc-status, x-checksum".parse().expect("value"));
+                        return response;
                     } else {
                         // A known size: read whole.
                         Body::new(
@@ -1568,6 +1575,23 @@ fn trailers_reach_the_first_client_and_every_replay() {
                 assert_eq!(got, trailers(), "{key}, {attempt}");
                 assert_eq!(collected.to_bytes(), "ok", "{key}, {attempt}");
             }
+        }
+        // Over HTTP/1.1, trailers need a client that accepts them (`TE: trailers`), a chunked
+        // body and a `Trailer` header naming them: the replay announces what it stored.
+        let addr = serve(router).await;
+        let expected = vec![
+            ("grpc-status".to_owned(), "0".to_owned()),
+            ("x-checksum".to_owned(), "abc".to_owned()),
+        ];
+        for attempt in ["first", "replay"] {
+            let headers = [
+                ("idempotency-key", "over-http1"),
+                ("x-stream", "1"),
+                ("te", "trailers"),
+            ];
+            let reply = post(addr, "/trailers", &headers, "").await;
+            assert_eq!(reply.body, "ok", "{attempt}");
+            assert_eq!(reply.trailers, expected, "{attempt}: {:?}", reply.headers);
         }
     });
 }

@@ -18,6 +18,8 @@ pub struct Reply {
     pub headers: Vec<(String, String)>,
     /// The body, as text (lossy).
     pub body: String,
+    /// The trailers, names in lowercase, in the order received (none for most responses).
+    pub trailers: Vec<(String, String)>,
 }
 
 impl Reply {
@@ -82,11 +84,21 @@ pub async fn send(
                     (n.as_str().to_owned(), value)
                 })
                 .collect();
-            let body = response.into_body().collect().await?.to_bytes();
+            let collected = response.into_body().collect().await?;
+            let trailers = collected.trailers().map_or_else(Vec::new, |map| {
+                map.iter()
+                    .map(|(n, v)| {
+                        let value = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                        (n.as_str().to_owned(), value)
+                    })
+                    .collect()
+            });
+            let body = collected.to_bytes();
             Ok::<_, hyper::Error>(Reply {
                 status,
                 headers,
                 body: String::from_utf8_lossy(&body).into_owned(),
+                trailers,
             })
         };
         // The connection runs here, not in a task of its own: when this future is dropped,

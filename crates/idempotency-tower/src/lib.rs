@@ -193,14 +193,21 @@ pub(crate) fn full(bytes: Bytes) -> Body {
         .boxed_unsync()
 }
 
-/// [`full`], then `trailers` when there are any.
+/// [`full`], then `trailers` when there are any. With trailers the body declares no size, so
+/// that HTTP/1.1 sends it chunked, the only framing that carries trailers (hyper drops them
+/// from a body sent with a `Content-Length`).
 pub(crate) fn full_with_trailers(bytes: Bytes, trailers: Option<http::HeaderMap>) -> Body {
     match trailers {
         None => full(bytes),
-        Some(trailers) => Full::new(bytes)
-            .with_trailers(std::future::ready(Some(Ok(trailers))))
-            .map_err(|never| match never {})
-            .boxed_unsync(),
+        Some(trailers) => {
+            let frames = futures::stream::iter([
+                Ok::<_, std::convert::Infallible>(http_body::Frame::data(bytes)),
+                Ok(http_body::Frame::trailers(trailers)),
+            ]);
+            http_body_util::StreamBody::new(frames)
+                .map_err(|never| match never {})
+                .boxed_unsync()
+        }
     }
 }
 

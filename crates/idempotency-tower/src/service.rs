@@ -956,7 +956,10 @@ where
     if config.policy.is_cacheable(parts.status.as_u16()) {
         advertise_expiry(config, &mut parts);
         let mut outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
-        outcome.trailers = trailers.as_ref().map(fields).unwrap_or_default();
+        outcome.trailers = trailers
+            .as_ref()
+            .map(|map| stored_fields(config, map))
+            .unwrap_or_default();
         if !complete(config, id, token, &outcome).await {
             // Not stored: the date would promise a replay that a retry will not get.
             parts
@@ -1113,7 +1116,7 @@ async fn stream<ResBody, E>(
         // Trailers come after the last data frame: kept for an outcome stored at the end
         // (one stored before, at a declared length or over the limit, has none).
         if let Some(map) = frame.trailers_ref() {
-            trailers.extend(fields(map));
+            trailers.extend(stored_fields(config, map));
         }
         if let (Some(data), false) = (frame.data_ref(), stored) {
             if kept.len() + data.len() <= limit {
@@ -1469,9 +1472,12 @@ fn hook_outcome(config: &Config, mut outcome: Outcome) -> Outcome {
     outcome
 }
 
-/// Trailers (or any header map) as an outcome's fields, in order.
-fn fields(map: &HeaderMap) -> Vec<(String, Bytes)> {
+/// Trailers as an outcome's fields, in order, but those a header of that name would not be
+/// stored as ([`stored_header`]: hop-by-hop names, which HTTP/2 refuses in trailers too, and
+/// `Set-Cookie` unless the layer stores it).
+fn stored_fields(config: &Config, map: &HeaderMap) -> Vec<(String, Bytes)> {
     map.iter()
+        .filter(|(name, _)| stored_header(config, name.as_str(), &[]))
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -1494,7 +1500,16 @@ fn replay(outcome: Outcome) -> Response<Body> {
         }
         map
     });
+    // HTTP/1.1 sends only the trailers a `Trailer` header names (not stored: it names the
+    // stored trailers here, once each).
+    let announced = trailers.as_ref().and_then(|map| {
+        let names: Vec<&str> = map.keys().map(http::HeaderName::as_str).collect();
+        HeaderValue::from_str(&names.join(", ")).ok()
+    });
     let mut response = Response::new(full_with_trailers(outcome.body, trailers));
+    if let Some(announced) = announced {
+        response.headers_mut().insert(header::TRAILER, announced);
+    }
     *response.status_mut() =
         StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
