@@ -876,7 +876,6 @@ fn a_confirmation_whose_release_answer_was_lost_is_not_a_commit() {
     });
 }
 
-/// A memory store behind injected faults.
 /// A store whose `complete` panics once (a bug in it) after the operation ran: the executor
 /// takes that for a failed write and tries again, so the outcome is stored and the next run
 /// replays it. Before, the panic came out of the run with nothing stored and nothing
@@ -913,8 +912,9 @@ fn a_store_whose_completion_panics_once_still_stores_the_outcome() {
     });
 }
 
-/// A run polled outside a Tokio runtime (here `futures`' executor) claims nothing and runs
-/// nothing: it could not renew its lease or store its outcome in a task. Before, the
+/// A run polled outside a Tokio runtime (here `futures`' executor), or on one without its
+/// timer, claims nothing and runs nothing: it could not renew its lease or store its
+/// outcome in a task. Before, the
 /// operation ran, the run panicked when it came to store the outcome, and the lease was left
 /// to run out: the next run took the key over and ran the operation again.
 #[test]
@@ -940,6 +940,18 @@ fn a_run_outside_a_tokio_runtime_runs_nothing() {
         matches!(outside, Ok(Err(RunError::Store(Error::Config(_))))),
         "{:?}",
         outside.as_ref().map(|r| r.as_ref().map(|d| &d.value))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the operation ran");
+    // A runtime without its timer: no renewal could run either.
+    let timerless = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    let without_timer = timerless
+        .block_on(std::panic::AssertUnwindSafe(executor.run(&scope, &key, &fp, op)).catch_unwind());
+    assert!(
+        matches!(without_timer, Ok(Err(RunError::Store(Error::Config(_))))),
+        "{:?}",
+        without_timer.as_ref().map(|r| r.as_ref().map(|d| &d.value))
     );
     assert_eq!(runs.load(Ordering::SeqCst), 0, "the operation ran");
     idempotency_test::block_on(async {
@@ -1029,6 +1041,7 @@ async fn a_short_lease_is_renewed_every_third_of_it() {
     assert_eq!(first.value, "first");
 }
 
+/// A memory store behind injected faults.
 type Faulty = idempotency_test::late::LateBegin<MemoryStore>;
 /// A key: its scope, the key, the request's fingerprint.
 type Key = (

@@ -382,6 +382,9 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
 ) -> bool {
     let give_up = tokio::time::Instant::now() + crate::LATE_COMPLETION_GRACE;
     let mut backoff = std::time::Duration::from_millis(50);
+    // Past the first seconds, spread over a second by the token, so the releases of one
+    // outage do not all try in step (as `complete_late` spreads its tries).
+    let spread = std::time::Duration::from_millis(u64::from(token.as_uuid().as_bytes()[0]) * 4);
     loop {
         let settled = if end {
             let call = store.renew(id, token, std::time::Duration::ZERO);
@@ -392,9 +395,18 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
         match settled {
             Ok(()) => return true,
             Err(crate::Error::LeaseLost) => return false,
-            Err(error) if tokio::time::Instant::now() + backoff < give_up => {
+            // Only a store that may come back is waited for: another error (a corrupt
+            // record, a misconfiguration) would answer the same for the whole hour.
+            Err(crate::Error::Unavailable(error))
+                if tokio::time::Instant::now() + backoff < give_up =>
+            {
                 tracing::debug!(%error, record = %id, "giving back an orphaned lease; retrying");
-                tokio::time::sleep(backoff).await;
+                let pause = if backoff >= std::time::Duration::from_secs(5) {
+                    backoff + spread
+                } else {
+                    backoff
+                };
+                tokio::time::sleep(pause).await;
                 backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
             }
             Err(error) => {

@@ -121,8 +121,8 @@ pub enum RunError<E> {
 /// matters. (An operation that stored its own result is confirmed instead of stored:
 /// dropped then, its lease is released, which the store refuses once the result committed.)
 ///
-/// Runs need a Tokio runtime (renewals and writes that outlive the caller are its tasks):
-/// polled outside one, a run claims nothing and answers [`RunError::Store`] with
+/// Runs need a Tokio runtime with its timer (renewals and writes that outlive the caller are
+/// its tasks): polled outside one, a run claims nothing and answers [`RunError::Store`] with
 /// [`Error::Config`].
 ///
 /// A renewal answered `LeaseLost` (another attempt took the key over, or an operator released
@@ -316,12 +316,15 @@ impl<S: Store + ?Sized> Executor<S> {
         F: FnOnce(Claim<T>) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        // Renewals, the outcome's write and a give-back run in tasks when they must: without
-        // a runtime they could not, and an operation that ran would be left to a retry that
-        // runs it again. So nothing is claimed outside one.
-        if tokio::runtime::Handle::try_current().is_err() {
+        // Renewals, the outcome's write and a give-back run in tasks, on timers, when they
+        // must: without a runtime (or one without its timer) they could not, and an operation
+        // that ran would be left to a retry that runs it again. So nothing is claimed then.
+        // (Making a timer outside one panics: caught, that is the probe.)
+        let timers = || std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
+        if tokio::runtime::Handle::try_current().is_err() || timers().is_err() {
             return Err(RunError::Store(Error::Config(
-                "the executor runs inside a Tokio runtime (its renewals and writes are tasks)"
+                "the executor runs inside a Tokio runtime with its timer enabled (its renewals \
+                 and writes are tasks on timers)"
                     .into(),
             )));
         }
