@@ -76,9 +76,11 @@
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
 //! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
-//! default) `Set-Cookie` are not stored. Trailers (gRPC's status, a checksum) are stored and
-//! replayed, except for a streamed body stored before its end (at its declared length, or
-//! too large to keep), whose trailers had not come yet.
+//! default) `Set-Cookie` are not stored. Trailers (gRPC's status, a checksum) are stored under
+//! the same rules and replayed (chunked, with a `Trailer` header naming them, which HTTP/1.1
+//! needs; hyper sends them only to a client that sent `TE: trailers`), except for a streamed
+//! body stored before its end (at its declared length, or too large to keep), whose trailers
+//! had not come yet.
 //!
 //! # Disconnects, cancellation, panics, long operations
 //! The claim (`Store::begin`) and the handler run to their end whatever happens to the
