@@ -323,7 +323,8 @@ pub trait Store: Send + Sync + 'static {
     /// out). Calls in progress are not waited for, only what they left running
     /// ([`FinishOnDrop::tracked_by`](crate::FinishOnDrop::tracked_by)): call it once every
     /// user of the store has stopped. Bound it by your shutdown deadline: releases are
-    /// retried while the store is unavailable.
+    /// retried while the store is unavailable, for up to an hour
+    /// ([`LATE_COMPLETION_GRACE`](crate::LATE_COMPLETION_GRACE)).
     ///
     /// The default has nothing to wait for: a store whose calls all finish in their caller's
     /// future. A store that wraps another must forward it. Writes a store makes only to

@@ -1588,7 +1588,8 @@ impl Store for PostgresStore {
 
     /// Waits for the claims this store stopped waiting for (its call budget ran out) to
     /// settle, with the release of what they granted, and for the give-back of grants a
-    /// claim whose answer was lost may have made.
+    /// claim whose answer was lost may have made. A release is retried while Postgres is
+    /// unavailable, for up to an hour: bound the wait by your shutdown deadline.
     async fn drain(&self) {
         self.settling.close();
         self.settling.wait().await;
