@@ -35,9 +35,19 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "dockerd did not start:"; tail -50 /var/log/idempotency-dockerd.log; exit 1; }
 fi
 
-# Containers leaked by an earlier run killed with SIGKILL (the harness labels what it starts).
-leftovers=$(docker ps -aq --filter label=io.idempotency.test=1)
-[ -z "$leftovers" ] || docker rm -f $leftovers >/dev/null
+# Containers leaked by an earlier run killed with SIGKILL (the harness labels what it starts,
+# with its process id). Those of a process still running (another test run, a fault campaign)
+# are left alone: removed under it, they failed that run midway.
+remove_leftovers() {
+  local c pid
+  for c in $(docker ps -aq --filter label=io.idempotency.test=1); do
+    pid=$(docker inspect -f '{{ index .Config.Labels "io.idempotency.test.pid" }}' "$c" 2>/dev/null || true)
+    if ! [[ "$pid" =~ ^[0-9]+$ ]] || ! kill -0 "$pid" 2>/dev/null; then
+      docker rm -f -v "$c" >/dev/null 2>&1 || true
+    fi
+  done
+}
+remove_leftovers
 
 if ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
   echo "==> building $IMAGE with mmdebstrap (Debian bookworm, postgresql-15, redis)"

@@ -36,6 +36,9 @@ use crate::tls::TestCa;
 /// that was killed before it could clean up.
 pub const LABEL: &str = "io.idempotency.test";
 
+/// The label holding the id of the process that started the container.
+pub const PID_LABEL: &str = "io.idempotency.test.pid";
+
 /// Which server a [`Service`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -490,6 +493,8 @@ async fn run(
     let mut request: testcontainers::ContainerRequest<GenericImage> = image.into();
     request = request
         .with_label(LABEL, "1")
+        // Whose it is: `.ci/docker.sh` removes leftovers of processes that are gone only.
+        .with_label(PID_LABEL, std::process::id().to_string())
         .with_startup_timeout(Duration::from_secs(120));
     if host_network() || local_image().is_some() {
         request = request.with_network("host");
