@@ -22,6 +22,7 @@ struct Answer {
     status: u16,
     headers: axum::http::HeaderMap,
     body: String,
+    trailers: axum::http::HeaderMap,
 }
 
 impl Answer {
@@ -64,16 +65,14 @@ async fn send(
         .expect("infallible");
     let status = response.status().as_u16();
     let headers = response.headers().clone();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let collected = response.into_body().collect().await.expect("body");
+    let trailers = collected.trailers().cloned().unwrap_or_default();
+    let bytes = collected.to_bytes();
     Answer {
         status,
         headers,
         body: String::from_utf8_lossy(&bytes).into_owned(),
+        trailers,
     }
 }
 

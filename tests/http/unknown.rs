@@ -167,7 +167,9 @@ fn reconcile_replays_what_the_hook_found_and_runs_when_it_found_nothing() {
 }
 
 /// The hook's answer is stored and replayed as a handler's response is: without hop-by-hop
-/// headers, those its `Connection` names, its `Content-Length` or `Date`. A hook that copied a
+/// headers, those its `Connection` names, its `Content-Length` or `Date`, and without
+/// trailers that HTTP/2 refuses (`proxy-connection`: a reset stream on every replay) or that
+/// HTTP/1.1 drops (`content-type`). A hook that copied a
 /// processor's response headers stored and replayed them verbatim, and a stale
 /// `Content-Length` framed every replay wrongly.
 #[test]
@@ -185,7 +187,10 @@ fn a_reconciled_answer_keeps_no_framing_or_hop_by_hop_headers() {
                     .with_header("x-hop", "1")
                     .with_header("date", "Tue, 01 Dec 2026 00:00:00 GMT")
                     .with_header("x-kept", "yes")
-                    .with_body("x"),
+                    .with_body("x")
+                    .with_trailer("proxy-connection", "close")
+                    .with_trailer("content-type", "text/plain")
+                    .with_trailer("grpc-status", "0"),
             ))
         });
         let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
@@ -202,6 +207,16 @@ fn a_reconciled_answer_keeps_no_framing_or_hop_by_hop_headers() {
                     .is_none_or(|length| length == "1"),
                 "{attempt}: the body's own length, not the stored one: {:?}",
                 answer.headers
+            );
+            let trailers = answer
+                .trailers
+                .keys()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>();
+            assert_eq!(
+                trailers,
+                ["grpc-status"],
+                "{attempt}: trailers HTTP/2 refuses, or that HTTP/1.1 drops, kept"
             );
             for dropped in ["transfer-encoding", "connection", "x-hop", "date"] {
                 assert!(

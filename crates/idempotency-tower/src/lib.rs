@@ -77,7 +77,8 @@
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
 //! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
 //! default) `Set-Cookie` are not stored. Trailers (gRPC's status, a checksum) are stored under
-//! the same rules and replayed (chunked, with a `Trailer` header naming them, which HTTP/1.1
+//! the same rules, but for fields kept out of trailers (RFC 9110 §6.5.1: framing, content
+//! type, authentication, `Cache-Control`, …), and replayed (chunked, with a `Trailer` header naming them, which HTTP/1.1
 //! needs; hyper sends them only to a client that sent `TE: trailers`), except for a streamed
 //! body stored before its end (at its declared length, or too large to keep), whose trailers
 //! had not come yet.

@@ -1472,12 +1472,37 @@ fn hook_outcome(config: &Config, mut outcome: Outcome) -> Outcome {
     outcome
 }
 
+/// Whether a trailer (its lowercase name) may be sent: not a field RFC 9110 §6.5.1 keeps out
+/// of trailers (framing, routing, authentication, response control, how to read the
+/// content), which hyper drops over HTTP/1.1, nor a connection-specific one, for which h2
+/// resets the stream.
+fn replayable_trailer(name: &str) -> bool {
+    const NEVER: [&str; 13] = [
+        "authorization",
+        "cache-control",
+        "content-encoding",
+        "content-length",
+        "content-range",
+        "content-type",
+        "host",
+        "max-forwards",
+        "set-cookie",
+        "trailer",
+        "transfer-encoding",
+        "te",
+        "proxy-connection",
+    ];
+    !NEVER.contains(&name) && !NOT_STORED.contains(&name)
+}
+
 /// Trailers as an outcome's fields, in order, but those a header of that name would not be
 /// stored as ([`stored_header`]: hop-by-hop names, which HTTP/2 refuses in trailers too, and
 /// `Set-Cookie` unless the layer stores it).
 fn stored_fields(config: &Config, map: &HeaderMap) -> Vec<(String, Bytes)> {
     map.iter()
-        .filter(|(name, _)| stored_header(config, name.as_str(), &[]))
+        .filter(|(name, _)| {
+            stored_header(config, name.as_str(), &[]) && replayable_trailer(name.as_str())
+        })
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -1488,18 +1513,19 @@ fn stored_fields(config: &Config, map: &HeaderMap) -> Vec<(String, Bytes)> {
 }
 
 fn replay(outcome: Outcome) -> Response<Body> {
-    let trailers = (!outcome.trailers.is_empty()).then(|| {
-        let mut map = HeaderMap::new();
-        for (name, value) in outcome.trailers {
-            if let (Ok(name), Ok(value)) = (
-                http::HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_maybe_shared(value),
-            ) {
-                map.append(name, value);
-            }
+    // Filtered again: a reconcile hook's answer, or a record stored before the filter, may
+    // hold trailers that would reset an HTTP/2 stream on every replay.
+    let mut map = HeaderMap::new();
+    for (name, value) in outcome.trailers {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value),
+        ) && replayable_trailer(name.as_str())
+        {
+            map.append(name, value);
         }
-        map
-    });
+    }
+    let trailers = (!map.is_empty()).then_some(map);
     // HTTP/1.1 sends only the trailers a `Trailer` header names (not stored: it names the
     // stored trailers here, once each).
     let announced = trailers.as_ref().and_then(|map| {
