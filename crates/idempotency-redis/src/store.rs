@@ -135,6 +135,8 @@ pub enum EvictionCheck {
     /// Log a warning and start: the caller accepts that evicted records execute again.
     Warn,
     /// Do not check (the hybrid store, where Postgres decides and eviction costs latency only).
+    /// Nothing is asked of Redis at connect then, not even its version, which the other two
+    /// check too (the Redis store needs 7.0 or later).
     Skip,
 }
 
@@ -353,7 +355,10 @@ impl RedisStoreBuilder {
         };
         match self.eviction {
             EvictionCheck::Skip => {}
-            check => store.check_eviction_policy(check).await?,
+            check => {
+                store.check_eviction_policy(check).await?;
+                store.check_version().await?;
+            }
         }
         Ok(store)
     }
@@ -751,18 +756,39 @@ impl RedisStore {
     }
 
     async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
-        for (node, reply) in self.maxmemory_policies().await? {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        for (node, reply) in self.on_every_master(cmd).await? {
             Self::judge_eviction_policy(&node, &reply, check)?;
         }
         Ok(())
     }
 
-    /// Each node's answer to `CONFIG GET maxmemory-policy`, by node (`""` for a standalone
-    /// Redis). A cluster would route the command to one node of its choosing: every master
-    /// is asked, since one evicting master loses the records of its slots.
-    async fn maxmemory_policies(&self) -> Result<Vec<(String, redis::RedisResult<Value>)>> {
-        let mut cmd = redis::cmd("CONFIG");
-        cmd.arg("GET").arg("maxmemory-policy");
+    /// Refuses a Redis older than 7.0, whose every claim would fail (`SET … NX GET` is a
+    /// syntax error there, and the `complete` script's flags unknown): a clear error at
+    /// start instead of a 503 for every request. A server that does not say its version (an
+    /// `INFO` refused, a proxy) is let through.
+    async fn check_version(&self) -> Result<()> {
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("server");
+        for (node, reply) in self.on_every_master(cmd).await? {
+            let info = match reply {
+                Ok(Value::BulkString(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+                Ok(Value::VerbatimString { text, .. }) => text,
+                _ => continue,
+            };
+            judge_version(&node, &info)?;
+        }
+        Ok(())
+    }
+
+    /// Each node's answer to `cmd`, by node (`""` for a standalone Redis). A cluster would
+    /// route the command to one node of its choosing: every master is asked (one evicting
+    /// master loses the records of its slots; one old master fails the claims of its slots).
+    async fn on_every_master(
+        &self,
+        cmd: redis::Cmd,
+    ) -> Result<Vec<(String, redis::RedisResult<Value>)>> {
         #[cfg(feature = "cluster")]
         if let Conn::Cluster(conn) = &self.conn {
             use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
@@ -1325,6 +1351,30 @@ impl RedisStore {
     }
 }
 
+/// Refuses a node whose `INFO server` says a Redis (or a server compatible with one) older
+/// than 7.0; lets through one whose version it cannot read.
+fn judge_version(node: &str, info: &str) -> Result<()> {
+    let version = info
+        .lines()
+        .find_map(|line| line.strip_prefix("redis_version:"))
+        .map(str::trim);
+    let major = version.and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    match (version, major) {
+        (Some(version), Some(major)) if major < 7 => {
+            let node = if node.is_empty() {
+                String::new()
+            } else {
+                format!(" (node {node})")
+            };
+            Err(Error::Config(format!(
+                "Redis{node} is {version}: the Redis store needs Redis 7.0 or later (its claim \
+                 is `SET … NX GET`, its completion a script with flags)"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Decodes the reply of [`scripts::inspect`].
 /// 9999-01-01T00:00:00Z in Unix milliseconds: "never", for a record without a TTL.
 const NEVER_MS: i64 = 253_370_764_800_000;
@@ -1552,6 +1602,22 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `INFO server` says decides: 6.x is refused with the node named, 7.x and later
+    /// (Valkey says `redis_version:7.2.4` too) pass, and an answer without a version passes.
+    #[test]
+    fn a_redis_older_than_7_is_refused() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        let refused = judge_version("10.0.0.1:6379", &info("6.2.14"));
+        assert!(
+            matches!(&refused, Err(Error::Config(why)) if why.contains("6.2.14") && why.contains("10.0.0.1:6379")),
+            "{refused:?}"
+        );
+        for passes in ["7.0.0", "7.2.4", "8.2.3"] {
+            assert!(judge_version("", &info(passes)).is_ok(), "{passes}");
+        }
+        assert!(judge_version("", "# Server\r\nuptime_in_seconds:5\r\n").is_ok());
+    }
 
     /// The legacy layout compared the token's text with what `Display` wrote.
     #[test]
