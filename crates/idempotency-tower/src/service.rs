@@ -800,7 +800,8 @@ where
                     .await
                     .unwrap_or_else(|_| Err("the response body panicked".into()))
                     .map(|c| {
-                        let trailers = c.trailers().cloned();
+                        // An empty trailers frame is none: framed the same as its replay.
+                        let trailers = c.trailers().filter(|t| !t.is_empty()).cloned();
                         (c.to_bytes(), trailers)
                     })
                     .and_then(|(bytes, trailers)| {
