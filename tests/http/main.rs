@@ -1595,6 +1595,34 @@ fn trailers_reach_the_first_client_and_every_replay() {
     });
 }
 
+/// A body read whole whose trailers frame is empty keeps its exact size for the first client,
+/// as its replay does (framed by `Content-Length`, not chunked).
+#[test]
+fn an_empty_trailers_frame_keeps_the_body_framed_by_its_length() {
+    use http_body::Body as _;
+    use http_body_util::BodyExt as _;
+    block_on(async {
+        let router = axum::Router::new()
+            .route(
+                "/empty-trailers",
+                axum::routing::post(|| async {
+                    let body = http_body_util::Full::new(bytes::Bytes::from_static(b"ok"))
+                        .with_trailers(std::future::ready(Some(Ok(axum::http::HeaderMap::new()))));
+                    axum::response::Response::new(Body::new(body))
+                }),
+            )
+            .layer(layer(memory()));
+        for attempt in ["first", "replay"] {
+            let request = axum::http::Request::post("/empty-trailers")
+                .header("idempotency-key", "k")
+                .body(Body::empty())
+                .expect("request");
+            let response = router.clone().oneshot(request).await.expect("infallible");
+            assert_eq!(response.body().size_hint().exact(), Some(2), "{attempt}");
+        }
+    });
+}
+
 /// A response larger than the stored-body limit streams to the first client as it is
 /// produced (the head arrives while the handler still holds the rest back), instead of being
 /// buffered whole; it is stored without its body, and the retry replays that.
