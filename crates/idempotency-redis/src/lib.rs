@@ -4,7 +4,8 @@
 //! one round trip (two for a claim that finds a live lease): a claim is a plain `SET NX GET`; the writes fenced on the lease token are Lua
 //! scripts (`EVALSHA` with reload on `NOSCRIPT`). A record is one string at
 //! `{prefix}:{<record id hex>}` (state, fingerprint, token, outcome); the braces are a cluster
-//! hash tag. Lease and retention are TTLs kept by Redis, so no application clock is involved.
+//! hash tag. Lease and retention are TTLs kept by Redis, so no application clock is involved
+//! (but for the hybrid's outcome copies, also bounded by their row's expiry).
 //! Records of the earlier hash layout are still served until they expire.
 //!
 //! On its own, Redis is a best-effort guarantee: a record lost to eviction, `FLUSHALL`, a
@@ -12,6 +13,10 @@
 //! `maxmemory-policy` at start for that reason; for payments put Postgres behind it with the
 //! hybrid store, which also uses [`RedisStore::peek`], [`RedisStore::cache_in_flight`] and
 //! [`RedisStore::cache_completed`].
+//!
+//! It needs Redis 7.0 or later (or a server that speaks it, such as Valkey): the claim is
+//! `SET … NX GET`, and the completion a script with flags. An older server is refused at
+//! connect, unless [`EvictionCheck::Skip`] asks nothing of it.
 //!
 //! ## Features
 #![doc = document_features::document_features!()]
