@@ -311,16 +311,35 @@ where
 
 /// A claim whose panic answers `Unavailable`, like a store that failed: a lease it may have
 /// taken is not known, so it expires by itself.
-fn unwound<T>(
+fn unwound<T: Send + 'static>(
     claim: impl Future<Output = Result<T>> + Send + 'static,
 ) -> impl Future<Output = Result<T>> + Send + 'static {
-    AssertUnwindSafe(claim).catch_unwind().map(|answer| {
-        answer.unwrap_or_else(|_| {
-            Err(crate::Error::unavailable(
-                "the claim panicked; a lease it may have taken expires by itself",
-            ))
-        })
-    })
+    let why = "the claim panicked; a lease it may have taken expires by itself";
+    panic_as_unavailable(claim, why)
+}
+
+/// A store call whose panic is a failed call (`Unavailable`): a store with a bug must not
+/// unwind the code that settles an operation that ran (its outcome's write, the lease's
+/// renewal or release), which would leave the key to a retry that runs it again. The
+/// executor, the HTTP layer and the give-backs here call the store through it.
+///
+/// ```
+/// use idempotency_core::{panic_as_unavailable, Error};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let call = async { panic!("a store with a bug") };
+/// let answer: Result<(), Error> = panic_as_unavailable(call, "the store's renew panicked").await;
+/// assert!(matches!(answer, Err(Error::Unavailable(_))));
+/// # }
+/// ```
+pub async fn panic_as_unavailable<T>(
+    call: impl Future<Output = Result<T>>,
+    what: &'static str,
+) -> Result<T> {
+    AssertUnwindSafe(call)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(crate::Error::unavailable(what)))
 }
 
 /// Releases a lease whose claimer went away, retrying an unavailable store with backoff (up to
@@ -388,9 +407,9 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
     loop {
         let settled = if end {
             let call = store.renew(id, token, std::time::Duration::ZERO);
-            crate::executor::caught(call, "the store's renew panicked").await
+            panic_as_unavailable(call, "the store's renew panicked").await
         } else {
-            crate::executor::caught(store.release(id, token), "the store's release panicked").await
+            panic_as_unavailable(store.release(id, token), "the store's release panicked").await
         };
         match settled {
             Ok(()) => return true,

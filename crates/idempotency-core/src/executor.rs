@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
-    detached_begin, finish_in_any_case, give_back_orphan,
+    detached_begin, finish_in_any_case, give_back_orphan, panic_as_unavailable,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -696,7 +696,8 @@ fn renew_in_a_task<S: Store + ?Sized>(
             // operation still ran (the operation's own `select!` takes a dropped channel for
             // no news, not for a loss).
             let renewed =
-                caught(store.renew(&id, token, lease), "the store's renew panicked").await;
+                panic_as_unavailable(store.renew(&id, token, lease), "the store's renew panicked")
+                    .await;
             match renewed {
                 Ok(()) => {}
                 Err(Error::LeaseLost) => {
@@ -759,7 +760,8 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         finish_in_any_case(async move {
             let _settling = settling;
             if let Err(error) =
-                caught(store.release(&id, token), "the store's release panicked").await
+                panic_as_unavailable(store.release(&id, token), "the store's release panicked")
+                    .await
                 && !matches!(error, Error::LeaseLost)
             {
                 tracing::warn!(%error, record = %id, "could not release the lease; retrying");
@@ -834,7 +836,8 @@ async fn confirm_commit<S: Store + ?Sized>(
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
     loop {
-        let released = caught(store.release(&id, token), "the store's release panicked").await;
+        let released =
+            panic_as_unavailable(store.release(&id, token), "the store's release panicked").await;
         match released {
             Ok(()) => return Confirmed::NotCommitted,
             Err(Error::LeaseLost) => break,
@@ -844,7 +847,7 @@ async fn confirm_commit<S: Store + ?Sized>(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 // Keeps the key from a retry meanwhile. Only the release's answer decides:
                 // it is the call that acts on what it finds.
-                let _ = caught(
+                let _ = panic_as_unavailable(
                     store.renew(&id, token, policy.lease()),
                     "the store's renew panicked",
                 )
@@ -866,7 +869,7 @@ async fn confirm_commit<S: Store + ?Sized>(
     match complete_retrying(&*store, &id, token, &outcome, policy).await {
         Ok(()) => Confirmed::Committed,
         Err(Error::LeaseLost) => {
-            match caught(store.inspect(&id), "the store's inspect panicked").await {
+            match panic_as_unavailable(store.inspect(&id), "the store's inspect panicked").await {
                 Ok(Some(_)) => Confirmed::NotCommitted,
                 Ok(None) => Confirmed::Unknown(Error::LeaseLost),
                 Err(error) => Confirmed::Unknown(error),
@@ -874,19 +877,6 @@ async fn confirm_commit<S: Store + ?Sized>(
         }
         Err(error) => Confirmed::Unknown(error),
     }
-}
-
-/// A store call whose panic is a failed call (`Unavailable`): a store with a bug must not
-/// unwind the code that settles an operation that ran (its outcome's write, the lease's
-/// renewal or release), which would leave the key to a retry that runs it again.
-pub(crate) async fn caught<T>(
-    call: impl Future<Output = Result<T, Error>>,
-    what: &'static str,
-) -> Result<T, Error> {
-    AssertUnwindSafe(call)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Err(Error::unavailable(what)))
 }
 
 /// Stores `outcome` for `token`, retrying an unavailable store with backoff (renewing the
@@ -919,7 +909,7 @@ pub async fn complete_retrying<S: Store + ?Sized>(
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
     loop {
-        match caught(
+        match panic_as_unavailable(
             store.complete(id, token, outcome, policy.retention()),
             "the store's complete panicked",
         )
@@ -932,7 +922,7 @@ pub async fn complete_retrying<S: Store + ?Sized>(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 // Keeps the lease ours meanwhile; a late completion is accepted anyway as
                 // long as nobody took over, so a failed renewal is no reason to stop.
-                let _ = caught(
+                let _ = panic_as_unavailable(
                     store.renew(id, token, policy.lease()),
                     "the store's renew panicked",
                 )
@@ -1025,7 +1015,7 @@ pub async fn complete_late<S: Store + ?Sized>(
     // Refusals while renewals went through, and since the first.
     let (mut refused, mut refused_since) = (0, Instant::now());
     loop {
-        let error = match caught(
+        let error = match panic_as_unavailable(
             store.complete(id, token, outcome, retention),
             "the store's complete panicked",
         )
@@ -1046,7 +1036,7 @@ pub async fn complete_late<S: Store + ?Sized>(
             }
         };
         // Only a lease still ours is renewed (fenced on the token).
-        if caught(store.renew(id, token, lease), "the store's renew panicked")
+        if panic_as_unavailable(store.renew(id, token, lease), "the store's renew panicked")
             .await
             .is_ok()
         {

@@ -35,7 +35,7 @@ mod store;
 
 pub use detach::{
     FinishOnDrop, GrantsLease, detached_begin, detached_claim, end_orphan, finish_on_drop,
-    give_back_orphan, release_orphan, within_lease, within_lease_with,
+    give_back_orphan, panic_as_unavailable, release_orphan, within_lease, within_lease_with,
 };
 pub use executor::{
     Claim, Completion, Executed, Executor, RunError, complete_late, complete_or_keep_trying,

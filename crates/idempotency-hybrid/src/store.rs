@@ -974,12 +974,11 @@ impl Store for HybridStore {
                 }
                 return Ok(());
             };
-            let ttl = retention.saturating_sub(sent.elapsed());
             // The instant the row expires, or a little before: the copy's end, however late
             // it reaches Redis (see `RedisStore::cache_completed`).
             let expires = until(sent, retention);
             if !self.may_be_mirrored(&token) {
-                if ttl.is_zero() || !self.caching() {
+                if expires <= Instant::now() || !self.caching() {
                     return Ok(());
                 }
                 // No lease mirror to replace: until the outcome lands in Redis a retry finds

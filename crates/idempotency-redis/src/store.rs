@@ -1307,10 +1307,11 @@ impl RedisStore {
         expires: tokio::time::Instant,
     ) -> Result<bool> {
         // Whole milliseconds left (none under one: too late, as Redis counts).
-        let left = expires.saturating_duration_since(tokio::time::Instant::now());
-        let ttl =
-            u64::try_from(left.min(idempotency_core::FOR_GOOD).as_millis()).unwrap_or(u64::MAX);
-        let at = (SystemTime::now() + left.min(idempotency_core::FOR_GOOD))
+        let left = expires
+            .saturating_duration_since(tokio::time::Instant::now())
+            .min(idempotency_core::FOR_GOOD);
+        let ttl = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+        let at = (SystemTime::now() + left)
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());

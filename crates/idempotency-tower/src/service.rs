@@ -957,10 +957,7 @@ where
     if config.policy.is_cacheable(parts.status.as_u16()) {
         advertise_expiry(config, &mut parts);
         let mut outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
-        outcome.trailers = trailers
-            .as_ref()
-            .map(|map| stored_fields(config, map))
-            .unwrap_or_default();
+        outcome.trailers = trailers.as_ref().map(trailer_fields).unwrap_or_default();
         if !complete(config, id, token, &outcome).await {
             // Not stored: the date would promise a replay that a retry will not get.
             parts
@@ -1117,7 +1114,7 @@ async fn stream<ResBody, E>(
         // Trailers come after the last data frame: kept for an outcome stored at the end
         // (one stored before, at a declared length or over the limit, has none).
         if let Some(map) = frame.trailers_ref() {
-            trailers.extend(stored_fields(config, map));
+            trailers.extend(trailer_fields(map));
         }
         if let (Some(data), false) = (frame.data_ref(), stored) {
             if kept.len() + data.len() <= limit {
@@ -1252,10 +1249,8 @@ async fn renew_lease(
     token: LeaseToken,
     lease: Duration,
 ) -> Result<(), Error> {
-    AssertUnwindSafe(config.store.renew(id, token, lease))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Err(Error::unavailable("the store's renew panicked")))
+    let renew = config.store.renew(id, token, lease);
+    idempotency_core::panic_as_unavailable(renew, "the store's renew panicked").await
 }
 
 /// Gives the lease back so that a retry runs again.
@@ -1496,14 +1491,11 @@ fn replayable_trailer(name: &str) -> bool {
     !NEVER.contains(&name) && !NOT_STORED.contains(&name)
 }
 
-/// Trailers as an outcome's fields, in order, but those a header of that name would not be
-/// stored as ([`stored_header`]: hop-by-hop names, which HTTP/2 refuses in trailers too, and
-/// `Set-Cookie` unless the layer stores it).
-fn stored_fields(config: &Config, map: &HeaderMap) -> Vec<(String, Bytes)> {
+/// Trailers as an outcome's fields, in order, but those that may not be sent
+/// ([`replayable_trailer`]).
+fn trailer_fields(map: &HeaderMap) -> Vec<(String, Bytes)> {
     map.iter()
-        .filter(|(name, _)| {
-            stored_header(config, name.as_str(), &[]) && replayable_trailer(name.as_str())
-        })
+        .filter(|(name, _)| replayable_trailer(name.as_str()))
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -1513,20 +1505,27 @@ fn stored_fields(config: &Config, map: &HeaderMap) -> Vec<(String, Bytes)> {
         .collect()
 }
 
-fn replay(outcome: Outcome) -> Response<Body> {
-    // Filtered again: a reconcile hook's answer, or a record stored before the filter, may
-    // hold trailers that would reset an HTTP/2 stream on every replay.
+/// An outcome's fields as a header map, in order, but those `keep` leaves out or that are not
+/// a valid name and value.
+fn field_map(fields: Vec<(String, Bytes)>, keep: impl Fn(&str) -> bool) -> HeaderMap {
     let mut map = HeaderMap::new();
-    for (name, value) in outcome.trailers {
+    for (name, value) in fields {
         if let (Ok(name), Ok(value)) = (
             http::HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value),
-        ) && replayable_trailer(name.as_str())
+        ) && keep(name.as_str())
         {
             map.append(name, value);
         }
     }
-    let trailers = (!map.is_empty()).then_some(map);
+    map
+}
+
+fn replay(outcome: Outcome) -> Response<Body> {
+    // Filtered again: a reconcile hook's answer, or a record stored before the filter, may
+    // hold trailers that would reset an HTTP/2 stream on every replay.
+    let trailers = field_map(outcome.trailers, replayable_trailer);
+    let trailers = (!trailers.is_empty()).then_some(trailers);
     // HTTP/1.1 sends only the trailers a `Trailer` header names (not stored: it names the
     // stored trailers here, once each).
     let announced = trailers.as_ref().and_then(|map| {
@@ -1534,19 +1533,12 @@ fn replay(outcome: Outcome) -> Response<Body> {
         HeaderValue::from_str(&names.join(", ")).ok()
     });
     let mut response = Response::new(full_with_trailers(outcome.body, trailers));
-    if let Some(announced) = announced {
-        response.headers_mut().insert(header::TRAILER, announced);
-    }
     *response.status_mut() =
         StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
-    for (name, value) in outcome.headers {
-        if let (Ok(name), Ok(value)) = (
-            http::HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_maybe_shared(value),
-        ) {
-            headers.append(name, value);
-        }
+    headers.extend(field_map(outcome.headers, |_| true));
+    if let Some(announced) = announced {
+        headers.insert(header::TRAILER, announced);
     }
     headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
     response
