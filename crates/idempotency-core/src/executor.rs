@@ -388,7 +388,13 @@ impl<S: Store + ?Sized> Executor<S> {
         let accepted = claim.accepted.clone();
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
-        let operation = AssertUnwindSafe(op(claim)).catch_unwind();
+        // A closure that panics before it returns its future panics as its future would.
+        let operation = match std::panic::catch_unwind(AssertUnwindSafe(|| op(claim))) {
+            Ok(operation) => {
+                futures::future::Either::Left(AssertUnwindSafe(operation).catch_unwind())
+            }
+            Err(panic) => futures::future::Either::Right(std::future::ready(Err(panic))),
+        };
         tokio::pin!(operation);
         let result = match futures::poll!(&mut operation) {
             std::task::Poll::Ready(result) => result,
@@ -1333,6 +1339,33 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(done.value, 7);
+    }
+
+    /// A closure that panics before it returns its future is a panicking operation too: the
+    /// key is released and the run answers `Panicked`, it does not unwind into its caller.
+    #[tokio::test]
+    async fn a_closure_that_panics_before_its_future_releases_the_key() {
+        let executor = Executor::new(Arc::new(MemoryStore::new()));
+        let scope = Scope::new("t");
+        let fp = Fingerprint::of(b"p");
+        let k = key("k");
+        let run = executor.run(
+            &scope,
+            &k,
+            &fp,
+            || -> std::future::Ready<Result<u32, ()>> { panic!("boom before the future") },
+        );
+        let panicked = AssertUnwindSafe(run).catch_unwind().await;
+        assert!(
+            matches!(panicked, Ok(Err(RunError::Panicked))),
+            "the panic reached the caller"
+        );
+        executor.drain().await;
+        let done = executor
+            .run(&scope, &key("k"), &fp, || async { Ok::<u32, ()>(7) })
+            .await
+            .unwrap();
+        assert_eq!((done.value, done.replayed), (7, false));
     }
 
     /// A run is stopped when its key is taken, whether it only asked for its completion (the
