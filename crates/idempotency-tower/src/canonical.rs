@@ -153,19 +153,27 @@ impl<'a> Parser<'a> {
         // `{"Amount":100,"amount":1}` had one form. Such a body is left to its raw bytes.
         let mut keys: Vec<&String> = members.iter().map(|m| &m.0).collect();
         keys.dedup(); // sorted: duplicates are adjacent
-        // Folded as Go does (each character to one of its simple case folds: `ſ` is `s`,
-        // `ς` is `σ`, `K` (Kelvin) is `k`), which `to_lowercase` alone leaves apart.
-        let fold = |key: &str| -> String {
-            key.chars()
-                .flat_map(char::to_uppercase)
-                .flat_map(char::to_lowercase)
-                .collect()
-        };
-        let mut lowered: Vec<String> = keys.iter().map(|key| fold(key)).collect();
-        lowered.sort_unstable();
-        lowered.dedup();
-        if lowered.len() != keys.len() {
-            return None;
+        // Folded every way a parser may fold: Go maps each character to one of its simple
+        // case folds (`ſ` is `s`, `ς` is `σ`, `K` (Kelvin) is `k`, `ẞ` is `ß`), Jackson
+        // lowercases, and a full mapping turns `ß` into `ss`. Two keys that meet under any
+        // of these folds leave the body to its raw bytes (a pair that no parser joins costs
+        // only its canonical form).
+        let folds: [fn(char) -> String; 4] = [
+            |c| c.to_uppercase().flat_map(char::to_lowercase).collect(),
+            |c| c.to_lowercase().flat_map(char::to_uppercase).collect(),
+            |c| c.to_lowercase().collect(),
+            |c| c.to_uppercase().collect(),
+        ];
+        for fold in folds {
+            let mut folded: Vec<String> = keys
+                .iter()
+                .map(|key| key.chars().map(fold).collect())
+                .collect();
+            folded.sort_unstable();
+            folded.dedup();
+            if folded.len() != keys.len() {
+                return None;
+            }
         }
         Some(Node::Object(members))
     }

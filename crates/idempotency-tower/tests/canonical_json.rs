@@ -121,6 +121,13 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             r#"{"deſtination":"acct_B","destination":"acct_A"}"#,
             r#"{"destination":"acct_A","deſtination":"acct_B"}"#,
         ),
+        // Go (and Jackson, lowercasing) read `ß` and `ẞ` (U+1E9E) as one key; a full
+        // uppercase then lowercase folds them apart (`ss`, `ß`).
+        (
+            "sharp-s",
+            r#"{"straße":"Main 1","STRAẞE":"Evil 2"}"#,
+            r#"{"STRAẞE":"Evil 2","straße":"Main 1"}"#,
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -135,8 +142,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("exponent", 422),
             ("duplicate", 422),
             ("case", 422),
-            ("fold", 422)
+            ("fold", 422),
+            ("sharp-s", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 6);
+    assert_eq!(calls.load(Ordering::SeqCst), 7);
 }
