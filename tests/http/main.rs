@@ -600,6 +600,19 @@ fn wait_mode_returns_the_replay_instead_of_409() {
     });
 }
 
+/// "Wait as long as it takes" is a natural setting: it must not overflow the deadline.
+#[test]
+fn a_wait_for_ever_answers() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()).wait_for_in_flight(Duration::MAX));
+        let first = send(&router, "POST", Some("k"), &[], "{}").await;
+        let again = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!((first.status, again.status), (201, 201));
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 #[test]
 fn a_5xx_is_not_stored_and_the_retry_runs_again() {
     block_on(async {

@@ -320,9 +320,10 @@ impl IdempotencyLayer {
     }
 
     /// Instead of 409, wait up to `wait` for an in-flight attempt to finish and answer with
-    /// its replay.
+    /// its replay. A wait longer than [`FOR_GOOD`](idempotency_core::FOR_GOOD) (such as
+    /// `Duration::MAX`) is that: waiting for as long as it takes.
     pub fn wait_for_in_flight(self, wait: Duration) -> Self {
-        self.edit(|c| c.wait = Some(wait))
+        self.edit(|c| c.wait = Some(wait.min(idempotency_core::FOR_GOOD)))
     }
 
     /// Waits until every operation started through this layer has finished and stored its
