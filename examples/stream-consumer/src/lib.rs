@@ -26,8 +26,9 @@
 //! [`Consumer::claim_idle`], forever. Such messages go to a dead-letter stream instead
 //! ([`Consumer::dead_letter_stream`], default `<stream>:dead`) and are acknowledged:
 //!
-//! - at once when they are **malformed** (no `charge_id`, no integer `amount`, a charge id
-//!   that is not a valid key) or **mismatch** (a charge id applied already with another
+//! - at once when they are **malformed** (no `charge_id`, an `amount` that is not a positive
+//!   whole number written in digits alone, a charge id that is not a valid key, a field
+//!   given twice or whose name is not UTF-8) or **mismatch** (a charge id applied already with another
 //!   amount: no redelivery can change that answer; while the other amount is still in
 //!   flight, or its attempt's outcome unknown, the message is only deferred, as that attempt
 //!   may yet fail);
@@ -39,9 +40,13 @@
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
 //!   message no longer pending (acknowledged by another consumer meanwhile).
 //!
+//! A message trimmed from the stream while pending is dead-lettered with its id, all that
+//! is left of it.
+//!
 //! Charges are keyed by the effect they apply, the ledger ([`Consumer::scope`]), not by the
-//! group reading them: a consumer group created anew on the stream (renamed, or reset to
-//! its start) replays every charge the ledger holds instead of applying it again. Earlier
+//! group reading them, and their records are kept for good, as the ledger keeps its rows: a
+//! consumer group created anew on the stream (renamed, or reset to its start), however
+//! much later, replays every charge the ledger holds instead of applying it again. Earlier
 //! versions keyed charges by the group: [`Consumer::with_previous_scope`] carries an upgrade
 //! over without applying a charge twice.
 //!
@@ -87,17 +92,14 @@
 use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use idempotency::{
-    Begin, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState, RunError, Scope,
-    Store,
+    Begin, Executor, FOR_GOOD, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState,
+    RunError, Scope, Store,
     postgres::{CommitClaimError, PostgresStore},
 };
 use redis::{
-    AsyncCommands, Script,
+    AsyncCommands, Script, Value,
     aio::MultiplexedConnection,
-    streams::{
-        StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamPendingCountReply,
-        StreamReadOptions, StreamReadReply,
-    },
+    streams::{StreamAutoClaimOptions, StreamPendingCountReply, StreamReadOptions},
 };
 use sqlx::PgPool;
 
@@ -242,7 +244,8 @@ impl Consumer {
         Self {
             redis,
             pool: store.pool().clone(),
-            executor: Executor::new(store.clone()),
+            executor: Executor::new(store.clone())
+                .with_policy(Policy::default().with_retention(FOR_GOOD)),
             store,
             stream: stream.into(),
             group: group.into(),
@@ -260,9 +263,14 @@ impl Consumer {
         }
     }
 
-    /// Replaces the executor's policy (default [`Policy::default`]): its lease is how long an
-    /// attempt holds a charge against other consumers, and how long confirming an applied
-    /// charge's commit is retried before the message is left for a redelivery.
+    /// Replaces the executor's policy (default: [`Policy::default`] with a retention
+    /// [`FOR_GOOD`]): its lease is how long an attempt holds a charge against other
+    /// consumers, and how long confirming an applied charge's commit is retried before the
+    /// message is left for a redelivery. Its retention is how long a charge's record says it
+    /// was applied: keep it for as long as the stream may deliver the charge again (a group
+    /// created anew, or reset to the stream's start, reads every message the stream still
+    /// holds), as the ledger keeps its row. A charge delivered after its record is gone is
+    /// applied again.
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.executor = self.executor.with_policy(policy);
         self
@@ -351,7 +359,10 @@ impl Consumer {
     pub async fn poll(&mut self, count: usize) -> Result<Polled, ConsumeError> {
         let mut polled = Polled::default();
         let idle = u64::try_from(self.claim_idle.as_millis()).unwrap_or(u64::MAX);
-        let claimed: StreamAutoClaimReply = self
+        // Read as values, not as `StreamAutoClaimReply` or `StreamReadReply`: those take
+        // field names for strings, and one name that is not UTF-8 failed the whole reply, so
+        // every message read with it stayed pending and came back with it, for ever.
+        let claimed: Value = self
             .redis
             .xautoclaim_options(
                 &self.stream,
@@ -362,38 +373,37 @@ impl Consumer {
                 StreamAutoClaimOptions::default().count(count),
             )
             .await?;
+        let claimed = AutoClaimed::from_value(&claimed)?;
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)
             .count(count)
             .block(100);
-        let read: Option<StreamReadReply> = self
+        let read: Value = self
             .redis
             .xread_options(&[&self.stream], &[">"], &options)
             .await?;
-        let deliveries = self.deliveries(&claimed.claimed).await?;
-        for message in &claimed.claimed {
+        let fresh = read_entries(&read)?;
+        let deliveries = self.deliveries(&claimed.entries).await?;
+        for message in &claimed.entries {
             // Not pending any more (acknowledged meanwhile): whatever happens, its `XACK`
             // answers 0; count it as a first delivery so nothing is dead-lettered for it.
             let delivered = deliveries.get(&message.id).copied().unwrap_or(1);
             self.handle(message, delivered, &mut polled).await?;
         }
         // `>` hands out messages never delivered before: this is their first delivery.
-        let fresh = read.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids);
-        for message in fresh {
-            self.handle(&message, 1, &mut polled).await?;
+        for message in &fresh {
+            self.handle(message, 1, &mut polled).await?;
         }
         // Only once what it claimed was handled: a poll that fails before leaves the cursor
         // where it was, and the next one scans that stretch again.
-        if !claimed.deleted_ids.is_empty() {
-            // Trimmed from the stream while pending: gone from the pending list too, so
-            // their failure counts would never be dropped by an ack.
-            let _: u64 = self
-                .redis
-                .hdel(&self.failures, &claimed.deleted_ids)
-                .await?;
+        for id in &claimed.deleted {
+            // Trimmed from the stream while pending: `XAUTOCLAIM` took them off the pending
+            // list (and answers each to one consumer only). Their charges were never seen
+            // here, so they are dead-lettered with what is left of them, their id.
+            self.dead_letter_trimmed(id, &mut polled).await?;
         }
         // `0-0` once the scan has gone round the whole list.
-        self.claim_from = claimed.next_stream_id;
+        self.claim_from = claimed.next;
         Ok(polled)
     }
 
@@ -401,7 +411,7 @@ impl Consumer {
     /// group's pending list counts (one pipelined `XPENDING id id 1` per message).
     async fn deliveries(
         &mut self,
-        claimed: &[StreamId],
+        claimed: &[Entry],
     ) -> Result<HashMap<String, u64>, ConsumeError> {
         if claimed.is_empty() {
             return Ok(HashMap::new());
@@ -420,7 +430,7 @@ impl Consumer {
 
     async fn handle(
         &mut self,
-        message: &StreamId,
+        message: &Entry,
         delivered: u64,
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
@@ -553,7 +563,7 @@ impl Consumer {
     /// Acknowledges a message whose charge is applied (now, or before).
     async fn ack(
         &mut self,
-        message: &StreamId,
+        message: &Entry,
         charge_id: String,
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
@@ -624,7 +634,7 @@ impl Consumer {
     /// consumer whose `XACK` removes it from the pending list adds the copy.
     async fn dead_letter(
         &mut self,
-        message: &StreamId,
+        message: &Entry,
         delivered: u64,
         reason: &str,
         polled: &mut Polled,
@@ -649,16 +659,48 @@ impl Consumer {
             .arg(&self.group)
             .arg("consumer")
             .arg(&self.name);
-        // Sorted: the copy's field order does not depend on the map's.
-        let mut fields: Vec<&String> = message.map.keys().collect();
+        // Sorted: the copy's field order does not depend on the message's.
+        let mut fields: Vec<&(Vec<u8>, Vec<u8>)> = message.fields.iter().collect();
         fields.sort();
-        for field in fields {
-            let value: Vec<u8> = message.get(field).unwrap_or_default();
-            invocation.arg(format!("payload.{field}")).arg(value);
+        for (field, value) in fields {
+            invocation
+                .arg([&b"payload."[..], field].concat())
+                .arg(value);
         }
         let moved: u64 = invocation.invoke_async(&mut self.redis).await?;
         polled.dead_lettered += moved;
         polled.acked += moved;
+        Ok(())
+    }
+
+    /// Dead-letters a message trimmed from the stream while it was pending: its id is all
+    /// that is left of it. (`XAUTOCLAIM` took it off the pending list already, answering it
+    /// to this consumer alone.)
+    async fn dead_letter_trimmed(
+        &mut self,
+        id: &str,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
+        let reason = "trimmed from the stream before it was applied (its fields are gone)";
+        tracing::error!(id, reason, stream = %self.dead_letter_stream, "dead-lettering message");
+        let failures: Option<u64> = self.redis.hget(&self.failures, id).await?;
+        let _: Value = redis::pipe()
+            .xadd(
+                &self.dead_letter_stream,
+                "*",
+                &[
+                    ("id", id.to_owned()),
+                    ("reason", reason.to_owned()),
+                    ("failures", failures.unwrap_or(0).to_string()),
+                    ("group", self.group.clone()),
+                    ("consumer", self.name.clone()),
+                ],
+            )
+            .ignore()
+            .hdel(&self.failures, id)
+            .query_async(&mut self.redis)
+            .await?;
+        polled.dead_lettered += 1;
         Ok(())
     }
 }
@@ -719,14 +761,158 @@ return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
 });
 
 /// The charge a message names, or why it names none.
-fn parse(message: &StreamId) -> Result<(String, i64, IdempotencyKey), String> {
-    let charge_id: String = message.get("charge_id").ok_or("no charge_id field")?;
-    let amount: i64 = message
-        .get("amount")
-        .ok_or("no amount field, or it is not an integer")?;
+fn parse(message: &Entry) -> Result<(String, i64, IdempotencyKey), String> {
+    let mut names: Vec<&[u8]> = Vec::with_capacity(message.fields.len());
+    for (name, _) in &message.fields {
+        let name = std::str::from_utf8(name).map_err(|_| "a field name is not UTF-8")?;
+        if names.contains(&name.as_bytes()) {
+            return Err(format!("the field {name:?} is given twice"));
+        }
+        names.push(name.as_bytes());
+    }
+    let field = |name: &str| {
+        message
+            .fields
+            .iter()
+            .find(|(n, _)| n == name.as_bytes())
+            .map(|(_, value)| {
+                std::str::from_utf8(value).map_err(|_| format!("{name} is not UTF-8"))
+            })
+            .transpose()
+    };
+    let charge_id = field("charge_id")?.ok_or("no charge_id field")?.to_owned();
+    let amount = field("amount")?.ok_or("no amount field")?;
+    // Digits only: no sign, no spaces, no fraction; and not zero.
+    let amount = amount
+        .bytes()
+        .all(|b| b.is_ascii_digit())
+        .then(|| amount.parse::<i64>().ok())
+        .flatten()
+        .filter(|&amount| amount > 0)
+        .ok_or_else(|| format!("the amount is not a positive whole number: {amount:?}"))?;
     let key = IdempotencyKey::new(charge_id.clone())
         .map_err(|e| format!("charge_id is not a valid key: {e}"))?;
     Ok((charge_id, amount, key))
+}
+
+/// A stream entry with its fields as bytes.
+#[derive(Debug)]
+struct Entry {
+    id: String,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// What `XAUTOCLAIM` answered.
+struct AutoClaimed {
+    next: String,
+    entries: Vec<Entry>,
+    /// Pending messages no longer in the stream (trimmed), taken off the pending list.
+    deleted: Vec<String>,
+}
+
+impl AutoClaimed {
+    fn from_value(value: &Value) -> redis::RedisResult<Self> {
+        let items = array(value).ok_or_else(|| unexpected("XAUTOCLAIM", value))?;
+        let [next, entries, rest @ ..] = items else {
+            return Err(unexpected("XAUTOCLAIM", value));
+        };
+        let deleted = match rest.first() {
+            Some(ids) => array(ids)
+                .ok_or_else(|| unexpected("XAUTOCLAIM", value))?
+                .iter()
+                .map(|id| text(id).ok_or_else(|| unexpected("XAUTOCLAIM", value)))
+                .collect::<Result<_, _>>()?,
+            None => Vec::new(),
+        };
+        Ok(Self {
+            next: text(next).ok_or_else(|| unexpected("XAUTOCLAIM", value))?,
+            entries: entries_of(entries)?,
+            deleted,
+        })
+    }
+}
+
+/// The entries of an `XREADGROUP` reply on one stream (nil when none came).
+fn read_entries(value: &Value) -> redis::RedisResult<Vec<Entry>> {
+    let streams: Vec<&Value> = match value {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Map(pairs) => pairs.iter().map(|(_, entries)| entries).collect(),
+        Value::Array(streams) => streams
+            .iter()
+            .map(|stream| match array(stream) {
+                Some([_name, entries]) => Ok(entries),
+                _ => Err(unexpected("XREADGROUP", value)),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(unexpected("XREADGROUP", value)),
+    };
+    let mut all = Vec::new();
+    for entries in streams {
+        all.extend(entries_of(entries)?);
+    }
+    Ok(all)
+}
+
+/// `[[id, [field, value, …]], …]`; an entry Redis answers as nil (deleted, before Redis 7)
+/// is skipped.
+fn entries_of(value: &Value) -> redis::RedisResult<Vec<Entry>> {
+    let bad = || unexpected("stream entries", value);
+    let mut entries = Vec::new();
+    for entry in array(value).ok_or_else(bad)? {
+        if let Value::Nil = entry {
+            continue;
+        }
+        let Some([id, fields]) = array(entry) else {
+            return Err(bad());
+        };
+        let fields = match fields {
+            Value::Map(pairs) => pairs
+                .iter()
+                .map(|(name, value)| Some((bytes(name)?, bytes(value)?)))
+                .collect::<Option<_>>(),
+            fields => array(fields).and_then(|flat| {
+                flat.chunks(2)
+                    .map(|pair| match pair {
+                        [name, value] => Some((bytes(name)?, bytes(value)?)),
+                        _ => None,
+                    })
+                    .collect::<Option<_>>()
+            }),
+        }
+        .ok_or_else(bad)?;
+        entries.push(Entry {
+            id: text(id).ok_or_else(bad)?,
+            fields,
+        });
+    }
+    Ok(entries)
+}
+
+fn array(value: &Value) -> Option<&[Value]> {
+    match value {
+        Value::Array(items) | Value::Set(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn bytes(value: &Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes.clone()),
+        Value::SimpleString(text) => Some(text.clone().into_bytes()),
+        _ => None,
+    }
+}
+
+fn text(value: &Value) -> Option<String> {
+    String::from_utf8(bytes(value)?).ok()
+}
+
+fn unexpected(what: &'static str, value: &Value) -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected stream reply",
+        format!("{what}: {value:?}"),
+    ))
 }
 
 /// An error and its sources: `RunError::Failed` says only "failed"; the reason is below it.

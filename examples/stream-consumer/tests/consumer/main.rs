@@ -88,20 +88,22 @@ impl Rig {
             .collect()
     }
 
-    /// The entries of a dead-letter stream, each as its fields.
+    /// The entries of a dead-letter stream, each as its fields (names and values that are
+    /// not UTF-8 read lossily).
     async fn dead_letters(&mut self, stream: &str) -> Vec<HashMap<String, String>> {
-        let reply: redis::streams::StreamRangeReply =
+        let reply: Vec<(String, Vec<Vec<u8>>)> =
             redis::AsyncCommands::xrange_all(&mut self.redis, stream)
                 .await
                 .expect("xrange");
         reply
-            .ids
-            .iter()
-            .map(|entry| {
-                entry
-                    .map
-                    .keys()
-                    .map(|field| (field.clone(), entry.get(field).expect("a string")))
+            .into_iter()
+            .map(|(_, fields)| {
+                fields
+                    .chunks(2)
+                    .map(|pair| {
+                        let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+                        (lossy(&pair[0]), lossy(&pair[1]))
+                    })
                     .collect()
             })
             .collect()
@@ -365,6 +367,16 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
         let no_charge = rig
             .publish_raw(&[("amount", "5"), ("reason", "mine")])
             .await;
+        // An amount is a positive whole number, written plainly.
+        let negative = rig
+            .publish_raw(&[("charge_id", "ch_negative"), ("amount", "-500")])
+            .await;
+        let zero = rig
+            .publish_raw(&[("charge_id", "ch_zero"), ("amount", "0")])
+            .await;
+        let plus = rig
+            .publish_raw(&[("charge_id", "ch_plus"), ("amount", "+7")])
+            .await;
         let mismatch = publish(&mut rig.redis, &rig.stream, "ch_ok", 999)
             .await
             .expect("publish");
@@ -380,9 +392,9 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
                 replayed: 1,
                 deferred: 0,
                 failed: 0,
-                dead_lettered: 4,
+                dead_lettered: 7,
                 not_stored: 0,
-                acked: 6,
+                acked: 9,
             }
         );
 
@@ -403,16 +415,25 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
                 (no_amount.as_str(), "1", "ledger"),
                 (bad_amount.as_str(), "1", "ledger"),
                 (no_charge.as_str(), "1", "ledger"),
+                (negative.as_str(), "1", "ledger"),
+                (zero.as_str(), "1", "ledger"),
+                (plus.as_str(), "1", "ledger"),
                 (mismatch.as_str(), "1", "ledger"),
             ]
         );
+        for bad in &dead[3..6] {
+            assert!(
+                bad["reason"].starts_with("malformed: the amount is not a positive"),
+                "{bad:?}"
+            );
+        }
         assert!(
             dead[0]["reason"].starts_with("malformed: no amount"),
             "{:?}",
             dead[0]
         );
         assert!(
-            dead[1]["reason"].starts_with("malformed: no amount"),
+            dead[1]["reason"].starts_with("malformed: the amount is not a positive"),
             "{:?}",
             dead[1]
         );
@@ -422,15 +443,15 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
             dead[2]
         );
         assert!(
-            dead[3]["reason"].starts_with("mismatch: charge ch_ok"),
+            dead[6]["reason"].starts_with("mismatch: charge ch_ok"),
             "{:?}",
-            dead[3]
+            dead[6]
         );
         assert_eq!(dead[1]["payload.amount"], "ten");
         // The message's own `reason` field is kept apart from the dead letter's.
         assert_eq!(dead[2]["payload.reason"], "mine");
-        assert_eq!(dead[3]["payload.charge_id"], "ch_ok");
-        assert_eq!(dead[3]["payload.amount"], "999");
+        assert_eq!(dead[6]["payload.charge_id"], "ch_ok");
+        assert_eq!(dead[6]["payload.amount"], "999");
         assert_eq!(rig.pending().await, 0, "all acknowledged");
 
         // Past `claim_idle`, nothing comes back.
@@ -440,7 +461,7 @@ fn malformed_and_mismatched_messages_are_dead_lettered_at_once() {
             rig.dead_letters(&format!("{}:dead", rig.stream))
                 .await
                 .len(),
-            4
+            7
         );
         assert_eq!(
             rig.effects().await,
@@ -1020,5 +1041,138 @@ fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
         let polled = consumer.poll(10).await.expect("poll");
         assert_eq!(polled.dead_lettered, 1, "{polled:?}");
         assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// A charge's record lives as long as the ledger's row: a group created anew on the stream
+/// (reset to its start) a day or a year later replays the charge. Kept for the default
+/// retention of a day, its record expired and the charge was applied again.
+#[test]
+fn a_charges_record_is_kept_for_good() {
+    use idempotency::{IdempotencyKey, RecordId, Store};
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        publish(&mut rig.redis, &rig.stream, "ch_kept", 100)
+            .await
+            .expect("publish");
+        assert_eq!(consumer.poll(10).await.expect("poll").applied, 1);
+        let key = IdempotencyKey::new("ch_kept").expect("key");
+        let record = rig
+            .store
+            .inspect(&RecordId::new(&consumer.scope(), &key))
+            .await
+            .expect("inspect")
+            .expect("a record");
+        let kept = record
+            .expires_at
+            .duration_since(std::time::SystemTime::now())
+            .expect("in the future");
+        assert!(
+            kept > Duration::from_secs(50 * 365 * 86_400),
+            "kept for {kept:?} only"
+        );
+    });
+}
+
+/// A message whose field name is not UTF-8 is dead-lettered on its own; the messages read
+/// with it are applied. (Read as strings, the whole reply failed to parse: every message of
+/// the batch stayed pending and came back with it, for ever.)
+#[test]
+fn a_field_name_that_is_not_utf8_dead_letters_its_message_only() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        consumer.claim_idle = Duration::from_millis(50);
+        publish(&mut rig.redis, &rig.stream, "ch_before", 100)
+            .await
+            .expect("publish");
+        let bad: String = redis::cmd("XADD")
+            .arg(&rig.stream)
+            .arg("*")
+            .arg(&b"\xffname"[..])
+            .arg("1")
+            .arg("charge_id")
+            .arg("ch_bad")
+            .arg("amount")
+            .arg("5")
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xadd");
+        publish(&mut rig.redis, &rig.stream, "ch_after", 200)
+            .await
+            .expect("publish");
+        let mut applied = 0;
+        for _ in 0..5 {
+            if let Ok(polled) = consumer.poll(10).await {
+                applied += polled.applied;
+            }
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+        assert_eq!(applied, 2);
+        let effects = rig.effects().await;
+        assert_eq!(
+            (
+                effects.get("ch_before"),
+                effects.get("ch_after"),
+                effects.get("ch_bad")
+            ),
+            (Some(&1), Some(&1), None)
+        );
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0]["id"], bad);
+        assert!(
+            dead[0]["reason"].starts_with("malformed: a field name is not UTF-8"),
+            "{:?}",
+            dead[0]
+        );
+        assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// A message trimmed from the stream while pending (its fields are gone) is dead-lettered
+/// with its id, not dropped without a trace.
+#[test]
+fn a_message_trimmed_while_pending_is_dead_lettered() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        let id = publish(&mut rig.redis, &rig.stream, "ch_trimmed", 100)
+            .await
+            .expect("publish");
+        // Delivered to a consumer that dies before handling it.
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("ledger")
+            .arg("gone")
+            .arg("COUNT")
+            .arg(10)
+            .arg("STREAMS")
+            .arg(&rig.stream)
+            .arg(">")
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xreadgroup");
+        let _: u64 = redis::cmd("XTRIM")
+            .arg(&rig.stream)
+            .arg("MAXLEN")
+            .arg(0)
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xtrim");
+        first.claim_idle = Duration::from_millis(50);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let polled = first.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0]["id"], id);
+        assert!(dead[0]["reason"].starts_with("trimmed"), "{:?}", dead[0]);
+        assert_eq!(rig.pending().await, 0);
+        assert!(rig.effects().await.is_empty());
     });
 }
