@@ -174,6 +174,34 @@ fn stores_on_two_tables_from_one_pool_keep_apart() {
 
 /// A table name is written into statements, so only plain identifiers are accepted: anything
 /// else is refused at connect with a configuration error, before any SQL runs.
+/// A claim acknowledged by a commit Postgres had not flushed (`synchronous_commit = off`,
+/// a common tuning of the server or the role) is lost in a crash of the server, and the
+/// retry runs the operation again: the store's sessions commit durably whatever the server
+/// or the role says (keeping a setting that waits for more, such as `remote_apply`).
+#[test]
+fn the_stores_sessions_commit_durably() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        for (asked, expected) in [
+            ("off", "on"),
+            ("local", "on"),
+            ("remote_write", "on"),
+            ("remote_apply", "remote_apply"),
+        ] {
+            let url = format!("{}?options=-c%20synchronous_commit%3D{asked}", pg.url());
+            let store = PostgresStore::builder(&url).connect().await.expect("store");
+            store.migrate().await.expect("migrate");
+            let level: String = sqlx::query_scalar("SHOW synchronous_commit")
+                .fetch_one(store.pool())
+                .await
+                .expect("show");
+            assert_eq!(level, expected, "asked for {asked}");
+        }
+    });
+}
+
 #[test]
 fn an_invalid_table_name_is_a_configuration_error() {
     block_on(async {
