@@ -81,14 +81,31 @@ impl Default for BreakerConfig {
 
 #[derive(Debug)]
 enum Inner {
-    Closed { failures: u32 },
-    Open { until: Instant, backoff: Duration },
-    HalfOpen { backoff: Duration },
+    Closed {
+        failures: u32,
+    },
+    Open {
+        until: Instant,
+        backoff: Duration,
+    },
+    /// `probe`: the number of the probe out; `since`: when it went out.
+    HalfOpen {
+        backoff: Duration,
+        probe: u64,
+        since: Instant,
+    },
 }
 
 #[derive(Debug)]
 pub(crate) struct Breaker {
     config: BreakerConfig,
+    /// How long a probe may go unanswered before the next call probes instead: a probe's
+    /// call held without being polled (a `select!` branch, a buffered stream) neither
+    /// answers nor is dropped, and would keep the breaker half-open, Redis unused, for as
+    /// long as it is held.
+    probe_limit: Duration,
+    /// Probes sent, numbering each: only the latest one's answer counts.
+    probes: AtomicU64,
     /// Published: `Closed` with no failure counted (healthy). A call is then admitted, and
     /// its success recorded, without the lock.
     inner: Flagged<Inner>,
@@ -102,10 +119,12 @@ pub(crate) struct Breaker {
 }
 
 impl Breaker {
-    pub(crate) fn new(config: BreakerConfig) -> Self {
+    pub(crate) fn new(config: BreakerConfig, probe_limit: Duration) -> Self {
         publish(BreakerState::Closed);
         Self {
             config,
+            probe_limit,
+            probes: AtomicU64::new(0),
             inner: Flagged::new(Inner::Closed { failures: 0 }, |inner| {
                 matches!(inner, Inner::Closed { failures: 0 })
             }),
@@ -152,6 +171,9 @@ impl Breaker {
     /// timeout fired) says nothing about Redis. A dropped probe therefore hands the probe on:
     /// the breaker goes back to open with the same backoff, already over, so the next call
     /// probes. Without that, a cancelled probe would leave the breaker half-open for good.
+    /// A probe neither answered nor dropped within the probe limit (its call held without
+    /// being polled) hands it on too: the next call probes, and the stale probe's answer,
+    /// when it comes, counts for nothing.
     pub(crate) fn allow(&self) -> Option<Permit<'_>> {
         // Closed and nothing failed: the lock would find the same (a failure racing this
         // call is ordered after it, as it would be had this call taken the lock first).
@@ -159,22 +181,39 @@ impl Breaker {
             // Read after the flag (acquire): at least the period the flag was published in.
             return Some(Permit {
                 breaker: self,
-                probe: false,
+                probe: None,
                 period: self.period.load(Ordering::Acquire),
                 reported: false,
             });
         }
         let mut inner = self.lock();
-        let probe = match *inner {
-            Inner::Closed { .. } => false,
-            Inner::Open { until, backoff } if Instant::now() >= until => {
-                *inner = Inner::HalfOpen { backoff };
-                publish(BreakerState::HalfOpen);
-                tracing::info!("Redis breaker half-open: probing");
-                true
+        let now = Instant::now();
+        let backoff = match *inner {
+            Inner::Closed { .. } => None,
+            Inner::Open { until, backoff } if now >= until => Some(backoff),
+            Inner::HalfOpen { backoff, since, .. }
+                if since
+                    .checked_add(self.probe_limit)
+                    .is_some_and(|end| now >= end) =>
+            {
+                tracing::warn!(limit = ?self.probe_limit, "Redis breaker probe unanswered; probing again");
+                Some(backoff)
             }
             Inner::Open { .. } | Inner::HalfOpen { .. } => return None,
         };
+        let probe = backoff.map(|backoff| {
+            let probe = self.probes.fetch_add(1, Ordering::Relaxed) + 1;
+            if !matches!(*inner, Inner::HalfOpen { .. }) {
+                publish(BreakerState::HalfOpen);
+                tracing::info!("Redis breaker half-open: probing");
+            }
+            *inner = Inner::HalfOpen {
+                backoff,
+                probe,
+                since: now,
+            };
+            probe
+        });
         Some(Permit {
             breaker: self,
             probe,
@@ -183,9 +222,16 @@ impl Breaker {
         })
     }
 
-    fn abandon_probe(&self) {
+    /// Whether `probe` is the probe out now (a stale one's answer counts for nothing).
+    fn is_current(inner: &Inner, probe: u64) -> bool {
+        matches!(*inner, Inner::HalfOpen { probe: out, .. } if out == probe)
+    }
+
+    fn abandon_probe(&self, probe: u64) {
         let mut inner = self.lock();
-        if let Inner::HalfOpen { backoff } = *inner {
+        if let Inner::HalfOpen { backoff, .. } = *inner
+            && Self::is_current(&inner, probe)
+        {
             *inner = Inner::Open {
                 until: Instant::now(),
                 backoff,
@@ -198,12 +244,16 @@ impl Breaker {
     /// answer may close it: a call admitted while the breaker was still closed and answered
     /// after it opened says nothing of Redis now (one slow node of a cluster answering
     /// while the others fail would otherwise keep closing it, skipping every backoff).
-    fn success(&self, probe: bool) {
+    fn success(&self, probe: Option<u64>) {
         if self.inner.holds() {
             return; // closed with no failure counted: nothing to reset
         }
         let mut inner = self.lock();
-        if !probe && !matches!(*inner, Inner::Closed { .. }) {
+        let counts = match probe {
+            Some(probe) => Self::is_current(&inner, probe),
+            None => matches!(*inner, Inner::Closed { .. }),
+        };
+        if !counts {
             return;
         }
         if !matches!(*inner, Inner::Closed { failures: 0 }) {
@@ -223,13 +273,14 @@ impl Breaker {
     /// breaker was closed and failing late says nothing of Redis now, and would reopen it
     /// under the probe's feet and double the backoff. `period`: the closed period the call
     /// was admitted in; a failure from an earlier one is not counted.
-    fn failure_of(&self, probe: bool, period: u64) {
+    fn failure_of(&self, probe: Option<u64>, period: u64) {
         let mut inner = self.lock();
-        if !probe && matches!(*inner, Inner::HalfOpen { .. }) {
-            return;
-        }
-        if !probe && period != self.period.load(Ordering::Acquire) {
-            return;
+        match probe {
+            Some(probe) if !Self::is_current(&inner, probe) => return,
+            Some(_) => {}
+            None if matches!(*inner, Inner::HalfOpen { .. }) => return,
+            None if period != self.period.load(Ordering::Acquire) => return,
+            None => {}
         }
         let open_for = match *inner {
             Inner::Closed { failures } if failures + 1 < self.config.failure_threshold => {
@@ -241,7 +292,9 @@ impl Breaker {
             Inner::Closed { .. } => self.config.base_backoff,
             // Saturating: a backoff configured near `Duration::MAX` must not panic the call
             // that reports the failure.
-            Inner::HalfOpen { backoff } => backoff.saturating_mul(2).min(self.config.max_backoff),
+            Inner::HalfOpen { backoff, .. } => {
+                backoff.saturating_mul(2).min(self.config.max_backoff)
+            }
             // A call admitted before the breaker opened failed late: already open.
             Inner::Open { .. } => return,
         };
@@ -261,7 +314,8 @@ impl Breaker {
 #[derive(Debug)]
 pub(crate) struct Permit<'a> {
     breaker: &'a Breaker,
-    probe: bool,
+    /// The probe's number, when this call is the half-open breaker's probe.
+    probe: Option<u64>,
     /// The closed period the call was admitted in.
     period: u64,
     reported: bool,
@@ -281,9 +335,11 @@ impl Permit<'_> {
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        if self.probe && !self.reported {
+        if let Some(probe) = self.probe
+            && !self.reported
+        {
             tracing::debug!("Redis breaker probe cancelled; the next call probes");
-            self.breaker.abandon_probe();
+            self.breaker.abandon_probe(probe);
         }
     }
 }
@@ -314,13 +370,16 @@ fn publish(now: BreakerState) {
 mod tests {
     use super::*;
 
+    /// The probe limit of these tests.
+    const LIMIT: Duration = Duration::from_secs(2);
+
     #[tokio::test(start_paused = true)]
     async fn opens_probes_backs_off_and_closes() {
-        let breaker = Breaker::new(BreakerConfig::default());
-        breaker.failure_of(false, 0);
-        breaker.failure_of(false, 0);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        breaker.failure_of(None, 0);
+        breaker.failure_of(None, 0);
         assert_eq!(breaker.state(), BreakerState::Closed);
-        breaker.failure_of(false, 0);
+        breaker.failure_of(None, 0);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(breaker.allow().is_none());
 
@@ -345,10 +404,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_close_it() {
-        let breaker = Breaker::new(BreakerConfig::default());
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
-            breaker.failure_of(false, 0);
+            breaker.failure_of(None, 0);
         }
         early.success(); // answered late, after the breaker opened
         assert_eq!(breaker.state(), BreakerState::Open);
@@ -356,7 +415,7 @@ mod tests {
         let probe = breaker.allow().expect("probe");
         let late = Permit {
             breaker: &breaker,
-            probe: false,
+            probe: None,
             period: 0,
             reported: false,
         };
@@ -372,10 +431,10 @@ mod tests {
     /// breaker and doubled the backoff.
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_reopen_it_while_it_probes() {
-        let breaker = Breaker::new(BreakerConfig::default());
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
-            breaker.failure_of(false, 0);
+            breaker.failure_of(None, 0);
         }
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker.allow().expect("probe");
@@ -394,9 +453,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_cancelled_probe_hands_the_probe_on() {
-        let breaker = Breaker::new(BreakerConfig::default());
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
         for _ in 0..3 {
-            breaker.failure_of(false, 0);
+            breaker.failure_of(None, 0);
         }
         tokio::time::advance(Duration::from_millis(250)).await;
         let probe = breaker.allow().expect("probe");
@@ -414,12 +473,48 @@ mod tests {
         assert_eq!(breaker.state(), BreakerState::Closed);
     }
 
+    /// A probe whose call is held without being polled (a `select!` branch, a buffered
+    /// stream) neither answers nor is dropped: past its limit the next call probes instead,
+    /// and the stale probe's late answer, either way, decides nothing. It kept the breaker
+    /// half-open, and Redis unused, for as long as its future was held.
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_held_without_an_answer_hands_the_probe_on() {
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        for _ in 0..3 {
+            breaker.failure_of(None, 0);
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let held = breaker.allow().expect("probe");
+        assert!(breaker.allow().is_none(), "one probe at a time");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let probe = breaker.allow().expect("the held probe is past its limit");
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        held.failure(); // late: decides nothing
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        probe.success();
+        assert_eq!(breaker.state(), BreakerState::Closed);
+
+        // And a stale probe's late success does not close a breaker its successor reopened.
+        for _ in 0..3 {
+            breaker.failure_of(None, breaker.period.load(Ordering::Acquire));
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let held = breaker.allow().expect("probe");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        breaker.allow().expect("next probe").failure();
+        assert_eq!(breaker.state(), BreakerState::Open);
+        held.success();
+        assert_eq!(breaker.state(), BreakerState::Open);
+        drop(breaker.allow()); // still open (backoff doubled): no probe to drop
+        assert_eq!(breaker.state(), BreakerState::Open);
+    }
+
     /// A call admitted before the breaker opened and failing after it closed again says
     /// nothing of Redis now: it does not count toward opening it again. Two such stale
     /// failures and one fresh one reopened it.
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_count_after_it_closed() {
-        let breaker = Breaker::new(BreakerConfig::default());
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
         let stale = [
             breaker.allow().expect("closed"),
             breaker.allow().expect("closed"),
@@ -455,6 +550,7 @@ mod tests {
             BreakerConfig::default()
                 .failure_threshold(1)
                 .backoff(Duration::MAX, Duration::MAX),
+            Duration::MAX,
         );
         breaker.allow().expect("closed").failure();
         assert_eq!(breaker.state(), BreakerState::Open);
@@ -465,14 +561,17 @@ mod tests {
             BreakerConfig::default()
                 .failure_threshold(1)
                 .backoff(Duration::from_secs(1), Duration::MAX),
+            LIMIT,
         );
         doubling.allow().expect("closed").failure();
         *doubling.lock() = Inner::HalfOpen {
             backoff: Duration::MAX / 2 + Duration::from_secs(1),
+            probe: 1,
+            since: Instant::now(),
         };
         let probe = Permit {
             breaker: &doubling,
-            probe: true,
+            probe: Some(1),
             period: 0,
             reported: false,
         };

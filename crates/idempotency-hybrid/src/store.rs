@@ -254,12 +254,15 @@ impl HybridStore {
 
     /// Builds the store from connected parts.
     pub fn new(pg: PostgresStore, redis: RedisStore, breaker: BreakerConfig) -> Self {
+        let call_budget = redis.call_budget();
         Self {
             pg,
             redis,
             mirror_ttl: Duration::from_secs(2),
             inner: Arc::new(Shared {
-                breaker: Breaker::new(breaker),
+                // A probe unanswered for four call budgets (its repairs' and its own, twice
+                // over) is held without being polled: the next call probes instead.
+                breaker: Breaker::new(breaker, call_budget * 4),
                 repairs: Flagged::new(Repairs::default(), Repairs::is_empty),
                 repairing: tokio::sync::Mutex::new(()),
                 mirrors: std::sync::Mutex::default(),
