@@ -1064,12 +1064,7 @@ impl PostgresStore {
                 // server committed a grant. Left, that lease would run out unfinished and
                 // the retry would hear `TakeOver` (outcome unknown) for an operation that
                 // never ran.
-                let token = rounds
-                    .in_doubt
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .take();
-                if let Some(token) = token {
+                if let Some(token) = rounds.take_in_doubt() {
                     self.settle_orphans_later(*id, vec![token], &rounds.takeovers);
                 }
                 Err(error)
@@ -1239,7 +1234,30 @@ impl PostgresStore {
                 Ok(None) => note(None),
                 // Another transaction won the race; under READ COMMITTED this cannot happen,
                 // under a pool configured SERIALIZABLE it can: the next round reads the winner.
-                Err(error) if is_serialization_race(&error) => {}
+                // Raised after this round's grant committed (by a re-arm, a give-back), it
+                // leaves that grant to nobody, and the next round would read it as another
+                // attempt's: it is given back first (fenced on the token: a grant never
+                // written changes nothing). The server answered, so no statement of this
+                // round is still on its way; a give-back that fails is retried later.
+                Err(error) if is_serialization_race(&error) => {
+                    if let Some(token) = rounds.take_in_doubt() {
+                        let took = takeovers
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .contains(&token);
+                        let given = if took {
+                            self.renew(id, token, Duration::ZERO).await
+                        } else {
+                            self.release(id, token).await
+                        };
+                        if let Err(error) = given
+                            && !matches!(error, Error::LeaseLost)
+                        {
+                            tracing::debug!(%error, record = %id, "could not give back a grant after a race; looking again later");
+                            self.settle_orphans_later(*id, vec![token], takeovers);
+                        }
+                    }
+                }
                 Err(error) => return Err(error),
             }
         }
@@ -1433,6 +1451,16 @@ struct Rounds {
     /// How many rounds began: a claim cut off by its budget gives back only their tokens,
     /// not ones no statement ever carried.
     started: std::sync::atomic::AtomicUsize,
+}
+
+impl Rounds {
+    /// The token of the round whose grant may have been written, taken.
+    fn take_in_doubt(&self) -> Option<LeaseToken> {
+        self.in_doubt
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
 }
 
 /// When a grant not found by its first give-back is looked for again, in call budgets after
