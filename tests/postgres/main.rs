@@ -210,42 +210,78 @@ fn the_stores_sessions_commit_durably() {
 #[test]
 fn a_race_after_a_grant_gives_the_grant_back() {
     block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        let table = format!("race_{}", idempotency_test::unique("t").replace('-', "_"));
-        let store = PostgresStore::builder(pg.url())
-            .table(&table)
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
         // Every claim's lease is written short (as after a long lock wait), so it is re-armed;
         // the first re-arm fails as a serialization race would (a sequence is not rolled back
         // with the statement, so it fails once).
-        let ddl = format!(
-            "CREATE SEQUENCE {table}_races;
-             CREATE FUNCTION {table}_short() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-               IF TG_OP = 'INSERT' THEN
-                 NEW.expires_at := clock_timestamp() + interval '100 milliseconds';
-               ELSIF NEW.lease_token = OLD.lease_token AND NEW.state = 0 AND OLD.state = 0
-                     AND NEW.expires_at > OLD.expires_at
-                     AND nextval('{table}_races') = 1 THEN
-                 RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
-               END IF;
-               RETURN NEW;
-             END $$;
-             CREATE TRIGGER {table}_short BEFORE INSERT OR UPDATE ON {table}
-               FOR EACH ROW EXECUTE FUNCTION {table}_short();"
-        );
-        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
-            .execute(store.pool())
-            .await
-            .expect("triggers");
+        let Some(store) = store_with_trigger(
+            "IF TG_OP = 'INSERT' THEN
+               NEW.expires_at := clock_timestamp() + interval '100 milliseconds';
+             ELSIF NEW.lease_token = OLD.lease_token AND NEW.state = 0 AND OLD.state = 0
+                   AND NEW.expires_at > OLD.expires_at
+                   AND nextval(TG_TABLE_NAME || '_races') = 1 THEN
+               RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
+             END IF;",
+        )
+        .await
+        else {
+            return;
+        };
         let id = fresh_id();
         let answer = store.begin(&id, &fp("race"), LONG).await.expect("begin");
         assert!(matches!(answer, Begin::Execute(_)), "{answer:?}");
+    });
+}
+
+/// A store on a table of its own whose rows pass through a `BEFORE INSERT OR UPDATE`
+/// trigger running `body` (PL/pgSQL; a sequence `<table>_races` is there for it to count).
+/// `None` when service tests are opted out.
+async fn store_with_trigger(body: &str) -> Option<PostgresStore> {
+    let pg = services::postgres().await?;
+    let table = format!("trig_{}", idempotency_test::unique("t").replace('-', "_"));
+    let store = PostgresStore::builder(pg.url())
+        .table(&table)
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let ddl = format!(
+        "CREATE SEQUENCE {table}_races;
+         CREATE FUNCTION {table}_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN {body} RETURN NEW; END $$;
+         CREATE TRIGGER {table}_trigger BEFORE INSERT OR UPDATE ON {table}
+           FOR EACH ROW EXECUTE FUNCTION {table}_trigger();"
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+        .execute(store.pool())
+        .await
+        .expect("trigger");
+    Some(store)
+}
+
+/// `begin_with_ttl` says how long the record lives from now: for a grant, what is left of
+/// its lease (a claim that waited on a lock has less than it asked for), never the whole.
+#[test]
+fn a_grants_ttl_is_what_is_left_of_its_lease() {
+    block_on(async {
+        // Written with 6 s left of a 10 s lease, as after a 4 s lock wait: more than half,
+        // so granted without a re-arm.
+        let Some(store) = store_with_trigger(
+            "IF TG_OP = 'INSERT' THEN
+               NEW.expires_at := clock_timestamp() + interval '6 seconds';
+             END IF;",
+        )
+        .await
+        else {
+            return;
+        };
+        let (answer, ttl) = store
+            .begin_with_ttl(&fresh_id(), &fp("ttl"), Duration::from_secs(10))
+            .await
+            .expect("begin");
+        assert!(matches!(answer, Begin::Execute(_)), "{answer:?}");
+        let ttl = ttl.expect("a ttl");
+        assert!(ttl <= Duration::from_secs(6), "{ttl:?}");
+        assert!(ttl > Duration::from_secs(5), "{ttl:?}");
     });
 }
 

@@ -1019,9 +1019,9 @@ impl PostgresStore {
     }
 
     /// [`Store::begin`], plus how long the record lives from now on Postgres' clock: the
-    /// lease for `Execute`, the rest of the lease for `InFlight`, the rest of the retention for
-    /// `Replay` (`None` for `Mismatch`). A cache in front of Postgres uses it so its copy never
-    /// outlives the row.
+    /// lease left for `Execute` (less than asked after a lock wait), the rest of the lease
+    /// for `InFlight`, the rest of the retention for `Replay` (`None` for `Mismatch`). A
+    /// cache in front of Postgres uses it so its copy never outlives the row.
     pub async fn begin_with_ttl(
         &self,
         id: &RecordId,
@@ -1361,7 +1361,10 @@ impl PostgresStore {
             // granted as asked (the next `begin` takes it over, as after a renew for zero),
             // not re-armed and given back round after round until the claim gives up.
             if left_ms >= half || half == 0.0 {
-                return Ok(Some((Begin::Execute(token), Some(lease))));
+                // The TTL is what is left, on Postgres' clock: a cache in front must not
+                // outlive the row.
+                let left = Duration::from_millis(left_ms.max(0.0) as u64).min(lease);
+                return Ok(Some((Begin::Execute(token), Some(left))));
             }
             tracing::info!(record = %id, left_ms, "a claim waited on a lock: re-arming its lease");
             let rearmed: Option<(f64,)> = sqlx::query_as(self.sql.get(REARM_SQL))
