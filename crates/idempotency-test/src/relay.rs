@@ -188,12 +188,13 @@ async fn pass_until_frozen(
     }
 }
 
-/// A relay whose replies can be held back: see [`delaying_relay`].
+/// A relay whose replies, or requests, can be held back: see [`delaying_relay`].
 #[derive(Debug, Clone)]
 pub struct DelayingRelay {
     /// The relay's port on `127.0.0.1`.
     pub port: u16,
     delay_ms: Arc<AtomicU64>,
+    request_delay_ms: Arc<AtomicU64>,
 }
 
 impl DelayingRelay {
@@ -203,11 +204,20 @@ impl DelayingRelay {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.delay_ms.store(ms, Ordering::SeqCst);
     }
+
+    /// From now on, each chunk the client sends reaches the server `delay` after it was sent
+    /// (in order: a partition TCP retransmits across once it heals, a stalled host). Zero
+    /// passes later ones at once; chunks already held keep their due time.
+    pub fn delay_requests(&self, delay: std::time::Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.request_delay_ms.store(ms, Ordering::SeqCst);
+    }
 }
 
-/// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) that passes requests at once
-/// and replies after [`DelayingRelay::delay_replies`] (none at first): the server has done
-/// the work, and the client hears of it late.
+/// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) that passes requests and
+/// replies at once until [`DelayingRelay::delay_replies`] (the server has done the work, and
+/// the client hears of it late) or [`DelayingRelay::delay_requests`] (the server hears of
+/// the work late).
 ///
 /// ```no_run
 /// # async fn demo() {
@@ -220,50 +230,55 @@ pub async fn delaying_relay(upstream: String) -> DelayingRelay {
     let relay = DelayingRelay {
         port,
         delay_ms: Arc::new(AtomicU64::new(0)),
+        request_delay_ms: Arc::new(AtomicU64::new(0)),
     };
-    let delay_ms = relay.delay_ms.clone();
+    let (delay_ms, request_delay_ms) = (relay.delay_ms.clone(), relay.request_delay_ms.clone());
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                 continue;
             };
-            let (mut client_rx, mut client_tx) = client.into_split();
-            let (mut server_rx, mut server_tx) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
-            });
-            let delay_ms = delay_ms.clone();
-            tokio::spawn(async move {
-                // Each chunk is stamped when it arrives and handed on at its due time, by a
-                // queue: a late chunk does not hold back the reading of the next.
-                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-                let forward = tokio::spawn(async move {
-                    while let Some((due, chunk)) = rx.recv().await {
-                        tokio::time::sleep_until(due).await;
-                        let chunk: Vec<u8> = chunk;
-                        if client_tx.write_all(&chunk).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = match server_rx.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    };
-                    let delay = std::time::Duration::from_millis(delay_ms.load(Ordering::SeqCst));
-                    let due = tokio::time::Instant::now() + delay;
-                    if tx.send((due, buf[..n].to_vec())).is_err() {
-                        break;
-                    }
-                }
-                drop(tx);
-                let _ = forward.await;
-            });
+            let (client_rx, client_tx) = client.into_split();
+            let (server_rx, server_tx) = server.into_split();
+            tokio::spawn(delayed_copy(client_rx, server_tx, request_delay_ms.clone()));
+            tokio::spawn(delayed_copy(server_rx, client_tx, delay_ms.clone()));
         }
     });
     relay
+}
+
+/// Copies `from` to `to`, each chunk `delay_ms` (read when it arrives) after it arrived.
+async fn delayed_copy(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay_ms: Arc<AtomicU64>,
+) {
+    // Each chunk is stamped when it arrives and handed on at its due time, by a queue: a
+    // late chunk does not hold back the reading of the next.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let forward = tokio::spawn(async move {
+        while let Some((due, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(due).await;
+            let chunk: Vec<u8> = chunk;
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let delay = std::time::Duration::from_millis(delay_ms.load(Ordering::SeqCst));
+        let due = tokio::time::Instant::now() + delay;
+        if tx.send((due, buf[..n].to_vec())).is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    let _ = forward.await;
 }
 
 /// A listener on a free port of `127.0.0.1`, and that port.
