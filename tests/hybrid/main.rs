@@ -1592,6 +1592,60 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
     });
 }
 
+/// An outcome's copy held up on its way to Redis (a partition TCP retransmits across once
+/// it heals, a stalled host) past an operator's release and its second delete, from
+/// another process: it must not land. Every copy carries a deadline (four Redis call
+/// budgets after it was sent, by Redis' clock): past it, it writes nothing. Before, it
+/// landed and replayed the released record's outcome until the row's retention would have
+/// ended, in every process.
+#[test]
+fn a_copy_held_up_past_an_operators_release_does_not_land() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(redis.url())).await;
+        let prefix = idempotency_test::unique("h");
+        let gateway = hybrid_with_prefix(
+            pg_store(pg.url()).await,
+            &relay::through(redis.url(), relay.port),
+            &prefix,
+        )
+        .await;
+        let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"held up"));
+        load_scripts(&gateway, &fp).await;
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        mirror_landed(&gateway, &id, &fp).await;
+        // The gateway's copy leaves now and reaches Redis in 4 s: the call gives up first.
+        relay.delay_requests(Duration::from_secs(4));
+        let sent = Instant::now();
+        gateway
+            .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        let released = operator
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        operator.drain().await; // the release's second delete (2.2 s on)
+        relay.delay_requests(Duration::ZERO);
+        tokio::time::sleep_until((sent + Duration::from_millis(4_500)).into()).await;
+        let again = operator.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a released record replayed from a late copy: {again:?}"
+        );
+    });
+}
+
 /// An operator's `force_release` given up (dropped, as an admin request whose client hung
 /// up) after Postgres deleted the record: its copy in Redis must still be deleted. The old
 /// code scheduled both of its Redis deletes only once Postgres had answered, so the dropped

@@ -170,18 +170,21 @@ return 1
     ))
 }
 
-/// `KEYS[1]` record; `ARGV` the completed record's value, its TTL ms, and the instant it
-/// must be gone by (Unix ms, the sender's clock). A copy of an outcome stored elsewhere
-/// (the hybrid's Postgres), replacing whatever is there; it lives its TTL, but no longer
-/// than that instant by Redis' clock, so a copy that waited in a stalled connection does
-/// not outlive its row by the stall. Past that instant the key is deleted instead (a cache:
-/// a lease's mirror must not answer "in flight" for a record that is over, and anything
-/// newer only costs its readers a Postgres round trip). Returns 1 written, 0 deleted.
+/// `KEYS[1]` record; `ARGV` the completed record's value, its TTL ms, the instant it must
+/// be gone by, and the instant it must land by (Unix ms, the sender's clock). A copy of an
+/// outcome stored elsewhere (the hybrid's Postgres), replacing whatever is there; it lives
+/// its TTL, but no longer than that instant by Redis' clock, so a copy that waited in a
+/// stalled connection does not outlive its row by the stall. A copy that lands past its
+/// deadline, or past that instant, deletes the key instead: its record may have been
+/// released by an operator since (whose deletes allow for copies on their way for a while
+/// only), and a lease's mirror must not answer "in flight" for a record that is over;
+/// anything newer only costs its readers a Postgres round trip. Returns 1 written, 0
+/// deleted.
 pub(crate) fn cache_completed() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
 local ttl = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - now)
-if ttl <= 0 then
+if ttl <= 0 or now > tonumber(ARGV[4]) then
   redis.call('DEL', KEYS[1])
   return 0
 end

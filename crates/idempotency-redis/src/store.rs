@@ -81,6 +81,10 @@ struct Scripts {
     force_release: Script,
 }
 
+/// How many call budgets after its sending an outcome's copy may land (see
+/// [`RedisStore::cache_completed`]).
+const COPY_DEADLINE_BUDGETS: u32 = 4;
+
 /// A [`Store`] on Redis: the fast path.
 ///
 /// Every operation is atomic and, but for a claim that finds a live lease (which reads the
@@ -1285,6 +1289,14 @@ impl RedisStore {
     /// behind this host's by `d` can keep such a late copy up to `d` longer; one ahead ends
     /// copies `d` early, which only sends their replays to Postgres.
     ///
+    /// And a copy lands within four call budgets of its sending (by Redis' clock against
+    /// this host's) or not at all: held up longer (a partition TCP retransmits across once it
+    /// heals, a stalled host), it deletes the key instead of writing, and `false` is
+    /// returned. Its record may have been released by an operator meanwhile, from any
+    /// process: the hybrid's release deletes the key again once every copy still allowed
+    /// could have landed. (A Redis clock ahead of this host's by more than four budgets
+    /// turns every copy into a delete: replays then go to Postgres.)
+    ///
     /// ```no_run
     /// # use std::time::Duration;
     /// # use tokio::time::Instant;
@@ -1311,9 +1323,13 @@ impl RedisStore {
             .saturating_duration_since(tokio::time::Instant::now())
             .min(idempotency_core::FOR_GOOD);
         let ttl = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
-        let at = (SystemTime::now() + left)
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let unix_ms = |after: Duration| {
+            (SystemTime::now() + after)
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        };
+        let at = unix_ms(left);
+        let deadline = unix_ms(self.budget.saturating_mul(COPY_DEADLINE_BUDGETS));
         let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());
         let written: i64 = self
             .run(
@@ -1323,6 +1339,7 @@ impl RedisStore {
                     &value,
                     ttl.to_string().as_bytes(),
                     at.to_string().as_bytes(),
+                    deadline.to_string().as_bytes(),
                 ],
             )
             .await?;
