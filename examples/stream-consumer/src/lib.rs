@@ -38,7 +38,13 @@
 //!   consumer restarts, and only attempts that ran count: a delivery to a consumer that died
 //!   before handling it, or that found the charge in flight elsewhere, is not a failure of
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
-//!   message no longer pending (acknowledged by another consumer meanwhile).
+//!   message no longer pending (acknowledged by another consumer meanwhile). Such a dead
+//!   letter decides its charge: it is written as the charge's own operation (its key
+//!   claimed, the dead letter stored as its result), so a consumer still holding the message
+//!   and every later delivery of the charge replay the dead letter instead of applying it.
+//!   A charge is applied or dead-lettered, never both. To apply a dead-lettered charge once
+//!   its cause is fixed, release its key first (`force_release` with
+//!   `ReleaseScope::with_completed`, or the admin surface), then publish it again.
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it.
@@ -168,6 +174,18 @@ pub struct Polled {
 
 /// A test fault run inside the effect: see [`Consumer::after_effect`].
 pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// How the stored result of a dead-lettered charge begins (an applied one's is `applied `).
+const DEAD_LETTERED: &str = "dead-lettered ";
+
+/// Why dead-lettering a charge stored nothing: the key is given back.
+#[derive(Debug, thiserror::Error)]
+enum NotDeadLettered {
+    #[error("the message was acknowledged meanwhile")]
+    Acknowledged,
+    #[error(transparent)]
+    Failed(ConsumeError),
+}
 
 /// The dead letter's reason for a charge id applied already with another amount.
 fn applied_otherwise_reason(charge_id: &str) -> String {
@@ -437,9 +455,10 @@ impl Consumer {
         let (charge_id, amount, key) = match parse(message) {
             Ok(charge) => charge,
             Err(reason) => {
-                return self
-                    .dead_letter(message, delivered, &format!("malformed: {reason}"), polled)
-                    .await;
+                let reason = format!("malformed: {reason}");
+                self.dead_letter(message, delivered, &reason, polled)
+                    .await?;
+                return Ok(());
             }
         };
         let scope = self.scope();
@@ -456,7 +475,9 @@ impl Consumer {
             }
             Previously::OtherAmount => {
                 let reason = applied_otherwise_reason(&charge_id);
-                return self.dead_letter(message, delivered, &reason, polled).await;
+                self.dead_letter(message, delivered, &reason, polled)
+                    .await?;
+                return Ok(());
             }
             Previously::Unknown(error) => {
                 tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
@@ -513,7 +534,9 @@ impl Consumer {
                     return Ok(());
                 }
                 let reason = applied_otherwise_reason(&charge_id);
-                return self.dead_letter(message, delivered, &reason, polled).await;
+                self.dead_letter(message, delivered, &reason, polled)
+                    .await?;
+                return Ok(());
             }
             // The charge was applied, but its outcome's second write failed: a redelivery
             // replays what the transaction stored, so acknowledge it, and say so loudly.
@@ -550,7 +573,10 @@ impl Consumer {
                 }
                 if failures >= self.max_failures {
                     let reason = format!("failed {failures} times (delivery {delivered}): {error}");
-                    return self.dead_letter(message, delivered, &reason, polled).await;
+                    let charge = (charge_id.as_str(), &key, &fingerprint);
+                    return self
+                        .dead_letter_charge(message, charge, delivered, &reason, polled)
+                        .await;
                 }
                 tracing::warn!(%error, charge = %charge_id, delivered, failures, "attempt failed; will be redelivered");
                 polled.failed += 1;
@@ -638,7 +664,7 @@ impl Consumer {
         delivered: u64,
         reason: &str,
         polled: &mut Polled,
-    ) -> Result<(), ConsumeError> {
+    ) -> Result<u64, ConsumeError> {
         tracing::error!(id = %message.id, reason, delivered, stream = %self.dead_letter_stream, "dead-lettering message");
         let failures: Option<u64> = self.redis.hget(&self.failures, &message.id).await?;
         let mut invocation = DEAD_LETTER.key(&self.stream);
@@ -670,6 +696,68 @@ impl Consumer {
         let moved: u64 = invocation.invoke_async(&mut self.redis).await?;
         polled.dead_lettered += moved;
         polled.acked += moved;
+        Ok(moved)
+    }
+
+    /// Dead-letters a message whose charge failed for good, as the charge's own operation:
+    /// its key is claimed, and the dead letter is stored as its outcome. A consumer still
+    /// holding the message (claimed in a batch it works through), or the message published
+    /// again, then replays the dead letter instead of applying the charge: a charge is
+    /// applied or dead-lettered, never both. While another attempt holds the charge, the
+    /// message waits for it (it decides the charge); a charge decided meanwhile is
+    /// acknowledged as a replay.
+    async fn dead_letter_charge(
+        &mut self,
+        message: &Entry,
+        (charge_id, key, fingerprint): (&str, &IdempotencyKey, &Fingerprint),
+        delivered: u64,
+        reason: &str,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
+        let (executor, scope) = (self.executor.clone(), self.scope());
+        let dead = format!("{DEAD_LETTERED}{charge_id}: {reason}");
+        let decided = executor
+            .run(&scope, key, fingerprint, || async {
+                match self.dead_letter(message, delivered, reason, polled).await {
+                    Ok(0) => Err(NotDeadLettered::Acknowledged),
+                    Ok(_) => Ok(dead),
+                    Err(error) => Err(NotDeadLettered::Failed(error)),
+                }
+            })
+            .await;
+        match decided {
+            Ok(done) if !done.replayed => {}
+            // Decided meanwhile (applied, or dead-lettered by another consumer): this
+            // delivery is a repeat.
+            Ok(done) => {
+                tracing::warn!(charge = %charge_id, id = %message.id, decided = %done.value, "the charge was decided meanwhile; acknowledging");
+                polled.replayed += 1;
+                return self.ack(message, charge_id.to_owned(), polled).await;
+            }
+            // Acknowledged by another consumer meanwhile: it applied the charge.
+            Err(RunError::Failed(NotDeadLettered::Acknowledged)) => {}
+            Err(RunError::Failed(NotDeadLettered::Failed(error))) => return Err(error),
+            // The dead letter is written; its outcome could not be stored (the store went
+            // down): a redelivery, were there one, would find the charge undecided.
+            Err(error @ RunError::NotStored(_)) => {
+                let error = error_chain(&error);
+                tracing::error!(%error, charge = %charge_id, id = %message.id, "dead-lettered, but the charge's dead letter was not stored");
+            }
+            // Decided already, with a stored result that no longer decodes (the failure
+            // being dead-lettered): nothing to claim, the message goes.
+            Err(RunError::Store(idempotency::Error::Corrupt(_))) => {
+                self.dead_letter(message, delivered, reason, polled).await?;
+            }
+            // Another attempt holds the charge (or another amount does): it decides.
+            Err(RunError::InFlight { .. } | RunError::LeaseLost | RunError::Mismatch) => {
+                polled.deferred += 1;
+            }
+            Err(error) => {
+                let error = error_chain(&error);
+                tracing::warn!(%error, charge = %charge_id, "the idempotency store failed while dead-lettering; will be redelivered");
+                polled.failed += 1;
+            }
+        }
         Ok(())
     }
 

@@ -130,6 +130,23 @@ impl Rig {
             .expect("constraint");
     }
 
+    /// Delivers every new message to a consumer `gone` of the group `ledger` that never
+    /// handles them: they stay pending.
+    async fn deliver_to_a_consumer_that_dies(&mut self) {
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("ledger")
+            .arg("gone")
+            .arg("COUNT")
+            .arg(100)
+            .arg("STREAMS")
+            .arg(&self.stream)
+            .arg(">")
+            .query_async(&mut self.redis)
+            .await
+            .expect("xreadgroup");
+    }
+
     async fn pending(&mut self) -> u64 {
         let reply: redis::streams::StreamPendingReply =
             redis::AsyncCommands::xpending(&mut self.redis, &self.stream, "ledger")
@@ -1145,18 +1162,7 @@ fn a_message_trimmed_while_pending_is_dead_lettered() {
             .await
             .expect("publish");
         // Delivered to a consumer that dies before handling it.
-        let _: redis::Value = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg("ledger")
-            .arg("gone")
-            .arg("COUNT")
-            .arg(10)
-            .arg("STREAMS")
-            .arg(&rig.stream)
-            .arg(">")
-            .query_async(&mut rig.redis)
-            .await
-            .expect("xreadgroup");
+        rig.deliver_to_a_consumer_that_dies().await;
         let _: u64 = redis::cmd("XTRIM")
             .arg(&rig.stream)
             .arg("MAXLEN")
@@ -1174,5 +1180,93 @@ fn a_message_trimmed_while_pending_is_dead_lettered() {
         assert!(dead[0]["reason"].starts_with("trimmed"), "{:?}", dead[0]);
         assert_eq!(rig.pending().await, 0);
         assert!(rig.effects().await.is_empty());
+    });
+}
+
+/// A message dead-lettered for its failures while another consumer still holds it (claimed
+/// in a batch that consumer is working through) is not applied by that one afterwards, even
+/// once the cause is gone: dead-lettering decides the charge, and every later delivery of
+/// it replays the dead letter. It was dead-lettered and applied both.
+#[test]
+fn a_charge_dead_lettered_while_another_consumer_holds_it_is_not_applied() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        // The ledger refuses the charges listed in `<ledger>_blocked` (a constraint, as a
+        // missing foreign row would); deleting the row fixes the cause.
+        let ledger = rig.ledger.clone();
+        let ddl = format!(
+            "CREATE TABLE {ledger}_blocked (charge_id text);
+             INSERT INTO {ledger}_blocked VALUES ('ch_doomed');
+             CREATE FUNCTION {ledger}_check() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF EXISTS (SELECT 1 FROM {ledger}_blocked WHERE charge_id = NEW.charge_id) THEN
+                 RAISE EXCEPTION 'blocked' USING ERRCODE = '23514';
+               END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER {ledger}_check BEFORE INSERT ON {ledger}
+               FOR EACH ROW EXECUTE FUNCTION {ledger}_check();"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+            .execute(rig.store.pool())
+            .await
+            .expect("trigger");
+        publish(&mut rig.redis, &rig.stream, "ch_first", 10)
+            .await
+            .expect("publish");
+        let doomed = publish(&mut rig.redis, &rig.stream, "ch_doomed", 20)
+            .await
+            .expect("publish");
+        // Both delivered to a consumer that died: pending.
+        rig.deliver_to_a_consumer_that_dies().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+
+        // B claims both. While it applies the first, A takes the second over, fails on it
+        // and dead-letters it (its first failure is its last); then the cause goes.
+        let mut a = rig.consumer("a").await;
+        a.claim_idle = Duration::ZERO;
+        a.max_failures = 1;
+        let a = Arc::new(tokio::sync::Mutex::new(a));
+        let pool = rig.store.pool().clone();
+        let mut b = rig.consumer("b").await;
+        b.claim_idle = Duration::from_millis(50);
+        b.after_effect = Some(Arc::new(move |charge: &str| {
+            let (a, pool, ledger) = (a.clone(), pool.clone(), ledger.clone());
+            let first = charge == "ch_first";
+            Box::pin(async move {
+                if !first {
+                    return;
+                }
+                let polled = a.lock().await.poll(10).await.expect("a polls");
+                assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+                sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {ledger}_blocked")))
+                    .execute(&pool)
+                    .await
+                    .expect("the cause goes");
+            })
+        }));
+        b.poll(10).await.expect("b polls");
+
+        let effects = rig.effects().await;
+        assert_eq!(effects.get("ch_first"), Some(&1));
+        assert_eq!(
+            effects.get("ch_doomed"),
+            None,
+            "a dead-lettered charge was applied"
+        );
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0]["id"], doomed);
+        assert_eq!(rig.pending().await, 0);
+
+        // Published again, it replays the dead letter.
+        publish(&mut rig.redis, &rig.stream, "ch_doomed", 20)
+            .await
+            .expect("publish");
+        let mut c = rig.consumer("c").await;
+        let polled = c.poll(10).await.expect("poll");
+        assert_eq!((polled.applied, polled.replayed), (0, 1), "{polled:?}");
+        assert_eq!(rig.effects().await.get("ch_doomed"), None);
     });
 }
