@@ -81,7 +81,7 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .layer(axum::middleware::from_fn(account_readable))
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
-            crash_header_allowed,
+            demo_knobs_valid,
         ));
     Router::new()
         .route("/charges", get(list_charges))
@@ -92,13 +92,79 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .route("/metrics", get(metrics))
         .merge(keyed)
         .with_state(app)
+        .layer(axum::middleware::map_response(problems_only))
 }
 
-/// Refuses `X-Demo-Crash` (403) unless the demo was started with `DEMO_CRASH=1`: the header
-/// aborts the process, and anyone who can reach the demo could send it. Outside the
-/// idempotency layer, so the refusal is not stored as the key's outcome: the same key without
-/// the header charges.
-async fn crash_header_allowed(
+/// Answers the router's own refusals — an unknown route or method, a query or path it
+/// cannot read, a body past its limit — as problem+json, like every other error of the
+/// demo (axum answers them in plain text, or with no body). Their headers stay (`Allow`).
+async fn problems_only(response: Response) -> Response {
+    let status = response.status();
+    let problem_already = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+    if !(status.is_client_error() || status.is_server_error()) || problem_already {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024)
+        .await
+        .unwrap_or_default();
+    let title = status.canonical_reason().unwrap_or("Error");
+    let detail = match String::from_utf8_lossy(&text).trim() {
+        "" => title.to_owned(),
+        text => text.to_owned(),
+    };
+    let kind = title.to_ascii_lowercase().replace(' ', "-");
+    let problem = problem(status, &kind, title, &detail);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.extend(problem.headers().clone());
+    Response::from_parts(parts, problem.into_body())
+}
+
+/// The demo's knobs, headers outside the fingerprint: `X-Demo-Delay-Ms` (0 to 10000),
+/// `X-Demo-Fail: 503`, `X-Demo-Crash: after-charge`.
+#[derive(Debug, Default)]
+struct Knobs {
+    delay: Option<Duration>,
+    fail: bool,
+    crash: bool,
+}
+
+impl Knobs {
+    fn read(headers: &axum::http::HeaderMap) -> Result<Self, &'static str> {
+        let delay = headers
+            .get("x-demo-delay-ms")
+            .map(|delay| {
+                delay
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .filter(|ms| *ms <= 10_000)
+                    .map(Duration::from_millis)
+                    .ok_or("X-Demo-Delay-Ms must be an integer from 0 to 10000")
+            })
+            .transpose()?;
+        let fail = match headers.get("x-demo-fail").map(|v| v.as_bytes()) {
+            None => false,
+            Some(b"503") => true,
+            Some(_) => return Err("X-Demo-Fail supports only 503"),
+        };
+        let crash = match headers.get("x-demo-crash").map(|v| v.as_bytes()) {
+            None => false,
+            Some(b"after-charge") => true,
+            Some(_) => return Err("X-Demo-Crash supports only after-charge"),
+        };
+        Ok(Self { delay, fail, crash })
+    }
+}
+
+/// Refuses `X-Demo-Crash` (403) unless the demo was started with `DEMO_CRASH=1` (the header
+/// aborts the process, and anyone who can reach the demo could send it), and a knob it
+/// cannot read (400). Outside the idempotency layer, so the refusal is not stored as the
+/// key's outcome: the same key without the header charges.
+async fn demo_knobs_valid(
     State(app): State<Arc<App>>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
@@ -110,6 +176,9 @@ async fn crash_header_allowed(
             "Crash header disabled",
             "X-Demo-Crash aborts the process and is off: start the demo with DEMO_CRASH=1 to allow it",
         );
+    }
+    if let Err(detail) = Knobs::read(request.headers()) {
+        return invalid(detail);
     }
     next.run(request).await
 }
@@ -316,22 +385,12 @@ async fn create_charge(
         Err(response) => return *response,
     };
     // Demo knobs, outside the fingerprint: open the in-flight window, or fail like a
-    // flaky processor.
-    if let Some(delay) = headers.get("x-demo-delay-ms") {
-        match delay
-            .to_str()
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .filter(|ms| *ms <= 10_000)
-        {
-            Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-            None => return invalid("X-Demo-Delay-Ms must be an integer from 0 to 10000"),
-        }
+    // flaky processor. (Read before the key was claimed: see `demo_knobs_valid`.)
+    let knobs = Knobs::read(&headers).unwrap_or_default();
+    if let Some(delay) = knobs.delay {
+        tokio::time::sleep(delay).await;
     }
-    if let Some(fail) = headers.get("x-demo-fail") {
-        if fail.as_bytes() != b"503" {
-            return invalid("X-Demo-Fail supports only 503");
-        }
+    if knobs.fail {
         let mut response = problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "processor-unavailable",
@@ -343,11 +402,7 @@ async fn create_charge(
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return response;
     }
-    let crash = match headers.get("x-demo-crash").map(|v| v.as_bytes()) {
-        None => false,
-        Some(b"after-charge") => true,
-        Some(_) => return invalid("X-Demo-Crash supports only after-charge"),
-    };
+    let crash = knobs.crash;
     match app.charges.create(&ctx.record_id, &new).await {
         Ok(Created::New(_)) if crash => {
             // The charge row is committed; the outcome is not stored: the process dies as a

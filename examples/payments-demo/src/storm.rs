@@ -4,8 +4,9 @@
 //! sends at once (a double-click, a proxy's `proxy_next_upstream`), the rest one after the
 //! other. Every third charge asks the handler to take longer than the client waits
 //! (`X-Demo-Delay-Ms` > `--client-timeout-ms`), so the client hangs up and retries while the
-//! server is still charging. Then it counts the charges the demo recorded: exactly N, or the
-//! exit status says otherwise.
+//! server is still charging. Then it reads the charges the demo recorded: each charge's
+//! amount (`100 + i`, one per key) exactly once, or the exit status says otherwise (a
+//! charge made twice and one never made do not cancel out).
 //!
 //! The table counts each send in one column: *executed (fresh 201)* a 201 without
 //! `Idempotent-Replayed`; *replayed* an answer with it, either a 201 the layer replayed or
@@ -33,9 +34,10 @@ pub(crate) struct Args {
     /// The demo's base URL (plain HTTP/1.1), e.g. http://127.0.0.1:3000.
     #[arg(long, env = "STORM_URL")]
     url: String,
-    /// Logical charges (distinct idempotency keys).
+    /// Logical charges (distinct idempotency keys): at most 10,000, as many as the demo's
+    /// `GET /charges` lists.
     #[arg(long, env = "STORM_CHARGES", default_value_t = 100,
-          value_parser = clap::value_parser!(u64).range(1..))]
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
     charges: u64,
     /// Sends per charge, all with the charge's key (the first two at once).
     #[arg(long, env = "STORM_SENDS", default_value_t = 5,
@@ -104,7 +106,8 @@ pub(crate) async fn main(args: Args) -> ExitCode {
     }
     progress.finish_with_message(format!("in {:.1?}", started.elapsed()));
 
-    // Slow charges may still be running server-side: wait for the count to settle.
+    // Slow charges may still be running server-side: wait for them, then for the list to
+    // settle.
     let recorded = settle(&authority, &customer, args.charges, client_timeout).await;
     let t = |c: &AtomicU64| c.load(Ordering::Relaxed);
     println!();
@@ -120,23 +123,64 @@ pub(crate) async fn main(args: Args) -> ExitCode {
         t(&tally.conflicts),
         t(&tally.timed_out),
         t(&tally.errors),
-        recorded.map_or_else(|| "?".into(), |n| n.to_string())
+        recorded.map_or_else(|| "?".into(), |v| v.recorded.to_string())
     );
     println!();
-    let recorded = recorded.unwrap_or(u64::MAX);
-    println!(
-        "recorded={} expected={}",
-        if recorded == u64::MAX {
-            "?".into()
-        } else {
-            recorded.to_string()
-        },
-        args.charges
-    );
-    if recorded == args.charges {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
+    match recorded {
+        Some(v) => {
+            println!(
+                "recorded={} expected={} duplicated={} missing={}",
+                v.recorded, args.charges, v.duplicated, v.missing
+            );
+            if v.exact() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        None => {
+            println!("recorded=? expected={}", args.charges);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What the demo recorded against what the storm sent: charge `i` is the one charge of
+/// amount `100 + i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Verdict {
+    recorded: u64,
+    /// Charges recorded more than once (each extra record counts).
+    duplicated: u64,
+    /// Charges never recorded.
+    missing: u64,
+}
+
+impl Verdict {
+    fn of(amounts: &[i64], expected: u64) -> Self {
+        let mut seen = vec![0u64; usize::try_from(expected).unwrap_or(usize::MAX)];
+        let mut duplicated = 0;
+        for &amount in amounts {
+            let slot = usize::try_from(amount - 100)
+                .ok()
+                .and_then(|i| seen.get_mut(i));
+            match slot {
+                Some(count) => {
+                    duplicated += u64::from(*count > 0);
+                    *count += 1;
+                }
+                None => duplicated += 1, // an amount the storm never sent
+            }
+        }
+        Self {
+            recorded: amounts.len() as u64,
+            duplicated,
+            missing: seen.iter().filter(|&&n| n == 0).count() as u64,
+        }
+    }
+
+    fn exact(&self) -> bool {
+        self.duplicated == 0 && self.missing == 0
     }
 }
 
@@ -220,7 +264,16 @@ async fn logical_charge(
     }
 }
 
-async fn settle(authority: &str, customer: &str, expected: u64, timeout: Duration) -> Option<u64> {
+/// Reads the customer's charges until every one is there once, or until a deadline: first
+/// past the longest a handler may still run (a slow charge whose client hung up as the
+/// storm ended), so that a late duplicate is seen.
+async fn settle(
+    authority: &str,
+    customer: &str,
+    expected: u64,
+    timeout: Duration,
+) -> Option<Verdict> {
+    tokio::time::sleep(timeout + Duration::from_millis(500)).await;
     let deadline = Instant::now() + timeout + Duration::from_secs(5);
     let mut last = None;
     loop {
@@ -230,9 +283,16 @@ async fn settle(authority: &str, customer: &str, expected: u64, timeout: Duratio
         {
             last = serde_json::from_str::<serde_json::Value>(&reply.body)
                 .ok()
-                .and_then(|v| v["count"].as_u64());
+                .and_then(|v| {
+                    v["data"]
+                        .as_array()?
+                        .iter()
+                        .map(|charge| charge["amount"].as_i64())
+                        .collect::<Option<Vec<i64>>>()
+                })
+                .map(|amounts| Verdict::of(&amounts, expected));
         }
-        if last == Some(expected) || Instant::now() > deadline {
+        if last.is_some_and(|v| v.exact()) || Instant::now() > deadline {
             return last;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -241,7 +301,25 @@ async fn settle(authority: &str, customer: &str, expected: u64, timeout: Duratio
 
 #[cfg(test)]
 mod tests {
-    use super::{Answer, classify};
+    use super::{Answer, Verdict, classify};
+
+    /// A charge made twice and one never made leave the count right: the verdict is by
+    /// charge.
+    #[test]
+    fn a_duplicate_and_a_missing_charge_do_not_cancel_out() {
+        let v = Verdict::of(&[100, 101, 101], 3);
+        assert_eq!(
+            v,
+            Verdict {
+                recorded: 3,
+                duplicated: 1,
+                missing: 1
+            }
+        );
+        assert!(!v.exact());
+        assert!(Verdict::of(&[102, 100, 101], 3).exact());
+        assert!(!Verdict::of(&[100, 101, 102, 7], 3).exact(), "a stranger");
+    }
 
     #[test]
     fn a_replay_after_retention_counts_as_replayed() {

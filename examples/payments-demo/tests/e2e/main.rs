@@ -249,6 +249,33 @@ fn exercise(demo: &Demo, mode: &str) {
     assert_eq!(retried.status, 201);
     assert_eq!(retried.header("idempotent-replayed"), None);
 
+    // A demo knob the demo cannot read is refused before the key is claimed: its 400 is not
+    // the key's outcome, and the same key without it charges (once: the last of the four).
+    let knobbed = uuid::Uuid::new_v4().to_string();
+    let knobbed_body = body.replace("1000", "1001");
+    for (knob, value) in [
+        ("x-demo-delay-ms", "99999"),
+        ("x-demo-fail", "500"),
+        ("x-demo-crash", "before-charge"),
+    ] {
+        let refused = post(demo, Some(&knobbed), &[(knob, value)], &knobbed_body);
+        assert_problem(&refused, if knob == "x-demo-crash" { 403 } else { 400 });
+    }
+    let charged = post(demo, Some(&knobbed), &[], &knobbed_body);
+    assert_eq!(charged.status, 201, "{}", charged.body);
+    assert_eq!(charged.header("idempotent-replayed"), None);
+
+    // What the router itself refuses is a problem too: an unknown route or method, a query
+    // it cannot read.
+    for (method, path, body, status) in [
+        ("GET", "/nope", "", 404),
+        ("DELETE", "/charges", "", 405),
+        ("GET", "/charges?customer=a&customer=b", "", 400),
+    ] {
+        let refused = call(&demo.base, method, path, &[], body).expect("call");
+        assert_problem(&refused, status);
+    }
+
     // Reads.
     let got = call(&demo.base, "GET", &format!("/charges/{id}"), &[], "").expect("get");
     assert_eq!(got.status, 200);
@@ -258,9 +285,9 @@ fn exercise(demo: &Demo, mode: &str) {
         404,
     );
     let list = charges_of(&demo.base, &customer);
-    // created + other account + slow + flaky retried
-    assert_eq!(list["count"], 4, "{list}");
-    assert_eq!(list["data"].as_array().map(Vec::len), Some(4));
+    // created + other account + slow + flaky retried + knobbed
+    assert_eq!(list["count"], 5, "{list}");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(5));
 
     let metrics = call(&demo.base, "GET", "/metrics", &[], "").expect("metrics");
     assert_eq!(metrics.status, 200);
@@ -319,7 +346,11 @@ fn exercise(demo: &Demo, mode: &str) {
         "storm failed:\n{out}\n{}",
         String::from_utf8_lossy(&storm.stderr)
     );
-    assert_eq!(out.lines().last(), Some("recorded=40 expected=40"), "{out}");
+    assert_eq!(
+        out.lines().last(),
+        Some("recorded=40 expected=40 duplicated=0 missing=0"),
+        "{out}"
+    );
 }
 
 /// The orders contract of issue 9: create (idempotent), read with ETag, guarded transitions.
