@@ -600,6 +600,42 @@ fn wait_mode_returns_the_replay_instead_of_409() {
     });
 }
 
+/// A scope function that cannot find the principal refuses the request (fail closed)
+/// instead of falling back to a scope others share: nothing is claimed and the handler
+/// does not run.
+#[test]
+fn a_request_without_a_principal_is_refused_before_any_claim() {
+    use axum::http::request::Parts;
+    use idempotency_core::Scope;
+    use idempotency_tower::NoScope;
+    block_on(async {
+        let layer = layer(memory()).try_scope_fn(|parts: &Parts| {
+            match parts.headers.get("x-account-id").map(|v| v.to_str()) {
+                Some(Ok(account)) if !account.is_empty() => Ok(Scope::new(account)),
+                Some(_) => Err(NoScope::Invalid("X-Account-Id is not readable".into())),
+                None => Err(NoScope::Unauthenticated("send X-Account-Id".into())),
+            }
+        });
+        let (router, calls, _) = app(layer);
+        let refused = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(refused.status, 401, "{}", refused.body);
+        assert_eq!(refused.headers["content-type"], "application/problem+json");
+        assert!(
+            refused
+                .body
+                .contains("urn:idempotency:problem:unauthenticated")
+        );
+        let unreadable = send(&router, "POST", Some("k"), &[("x-account-id", "")], "{}").await;
+        assert_eq!(unreadable.status, 400, "{}", unreadable.body);
+        assert_eq!(calls.get(), 0);
+        let charged = send(&router, "POST", Some("k"), &[("x-account-id", "a")], "{}").await;
+        assert_eq!(charged.status, 201);
+        let again = send(&router, "POST", Some("k"), &[("x-account-id", "a")], "{}").await;
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// "Wait as long as it takes" is a natural setting: it must not overflow the deadline.
 #[test]
 fn a_wait_for_ever_answers() {

@@ -10,7 +10,7 @@ use tower_layer::Layer;
 
 use crate::{Idempotency, Metrics};
 
-type ScopeFn = dyn Fn(&Parts) -> Scope + Send + Sync;
+type ScopeFn = dyn Fn(&Parts) -> Result<Scope, NoScope> + Send + Sync;
 type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
 
 /// How the layer decides that two requests are "the same".
@@ -152,7 +152,7 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
                 header: http::HeaderName::from_static(crate::IDEMPOTENCY_KEY),
-                scope: Arc::new(|_| Scope::global()),
+                scope: Arc::new(|_| Ok(Scope::global())),
                 body_fingerprint: BodyFingerprint::Raw,
                 fingerprint_headers: Vec::new(),
                 max_request_body: 1 << 20,
@@ -213,7 +213,36 @@ impl IdempotencyLayer {
     /// **Set this in any multi-tenant API.** With the default single scope, two clients that
     /// send the same key share one record: the second gets the first one's response — a data
     /// leak, and an easy one, since many clients use predictable keys.
+    ///
+    /// A function that cannot always name the principal should refuse instead of falling
+    /// back to a shared scope: see [`try_scope_fn`](IdempotencyLayer::try_scope_fn).
     pub fn scope_fn(self, f: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+        self.edit(|c| c.scope = Arc::new(move |parts| Ok(f(parts))))
+    }
+
+    /// Who a key belongs to, or why the request names nobody: a [`NoScope`] is answered as
+    /// problem+json (401 or 400) before any key is claimed or the handler runs. Fail closed:
+    /// a fallback scope (`"anonymous"`) for requests without a principal is shared by every
+    /// such request, and by a client that sends that name.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use http::request::Parts;
+    /// use idempotency_core::{MemoryStore, Scope};
+    /// use idempotency_tower::{IdempotencyLayer, NoScope};
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new())).try_scope_fn(
+    ///     |parts: &Parts| match parts.headers.get("x-account-id").map(|v| v.to_str()) {
+    ///         Some(Ok(account)) if !account.is_empty() => Ok(Scope::new(account)),
+    ///         Some(_) => Err(NoScope::Invalid("X-Account-Id is not readable".into())),
+    ///         None => Err(NoScope::Unauthenticated("send X-Account-Id".into())),
+    ///     },
+    /// );
+    /// ```
+    pub fn try_scope_fn(
+        self,
+        f: impl Fn(&Parts) -> Result<Scope, NoScope> + Send + Sync + 'static,
+    ) -> Self {
         self.edit(|c| c.scope = Arc::new(f))
     }
 
@@ -359,4 +388,18 @@ impl<S> Layer<S> for IdempotencyLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::from_config(inner, self.config.clone())
     }
+}
+
+/// Why a request names no scope ([`IdempotencyLayer::try_scope_fn`]); the detail is the
+/// problem's `detail`, for the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NoScope {
+    /// 401 ([`Problem::Unauthenticated`](crate::Problem::Unauthenticated)): the request does
+    /// not say who sends it. (Put the authentication layer that answers with
+    /// `WWW-Authenticate` outside this one; this refusal is the guard behind it.)
+    Unauthenticated(String),
+    /// 400 ([`Problem::InvalidRequest`](crate::Problem::InvalidRequest)): what names the
+    /// principal cannot be read.
+    Invalid(String),
 }

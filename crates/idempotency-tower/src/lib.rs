@@ -9,7 +9,7 @@
 //! use std::sync::Arc;
 //! use axum::{Router, routing::post, http::request::Parts};
 //! use idempotency_core::{MemoryStore, Scope, Store};
-//! use idempotency_tower::{IdempotencyContext, IdempotencyLayer};
+//! use idempotency_tower::{IdempotencyContext, IdempotencyLayer, NoScope};
 //!
 //! async fn create_charge(ctx: axum::Extension<IdempotencyContext>) -> (axum::http::StatusCode, String) {
 //!     // Store ctx.record_id on the charge row under a unique constraint: exactly once even
@@ -20,10 +20,13 @@
 //! let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
 //! let layer = IdempotencyLayer::new(store)
 //!     .require_key(true)
-//!     .scope_fn(|parts: &Parts| {
-//!         // Who the key belongs to: in production, the authenticated principal.
-//!         let account = parts.headers.get("x-account-id").and_then(|v| v.to_str().ok());
-//!         Scope::new(account.unwrap_or("anonymous"))
+//!     .try_scope_fn(|parts: &Parts| {
+//!         // Who the key belongs to: in production, the authenticated principal. Nobody
+//!         // named is refused (401), never given a scope others share.
+//!         match parts.headers.get("x-account-id").and_then(|v| v.to_str().ok()) {
+//!             Some(account) if !account.is_empty() => Ok(Scope::new(account)),
+//!             _ => Err(NoScope::Unauthenticated("send X-Account-Id".into())),
+//!         }
 //!     });
 //! let app: Router = Router::new().route("/charges", post(create_charge)).layer(layer);
 //! ```
@@ -35,6 +38,7 @@
 //! | method not configured (default: anything but POST, PATCH) | passed through untouched |
 //! | no key, key optional (default) | passed through untouched |
 //! | no key, key required | 400 `urn:idempotency:problem:missing-key` |
+//! | no principal to scope the key to ([`IdempotencyLayer::try_scope_fn`]) | 401 `urn:idempotency:problem:unauthenticated` (or 400 when it cannot be read); nothing is claimed |
 //! | key empty, > 255 chars, not printable ASCII, a space first or last or in a bare (unquoted) key, a list, a parameterised or non-string item, or several header lines | 400 `urn:idempotency:problem:invalid-key` |
 //! | body over the limit (by `Content-Length`, or while reading a chunked body) | 413 `urn:idempotency:problem:payload-too-large` |
 //! | body that breaks off before its end (a reset, an outer read timeout) | 400 `urn:idempotency:problem:invalid-request`; nothing runs, resend |
@@ -56,7 +60,9 @@
 //! [`IdempotencyLayer::fingerprint_headers`]. So a header that changes what the body means
 //! belongs in the fingerprint or the [scope](IdempotencyLayer::scope_fn): an account header
 //! (`On-Behalf-Of`, a connected account) or an API version, or the same key and body on
-//! another account replay the first account's charge.
+//! another account replay the first account's charge. So does the host (`Host`,
+//! `:authority`), which the fingerprint leaves out: an application that picks its tenant by
+//! host scopes keys by it.
 //!
 //! Layers that change the request or the response belong **outside** this one (added after
 //! it, with axum's `.layer`), so that it sees what the handler sees and stores what every
@@ -155,7 +161,7 @@ pub use admin::{admin_router, record_view};
 pub use extract::MissingIdempotencyLayer;
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
-pub use layer::IdempotencyLayer;
+pub use layer::{IdempotencyLayer, NoScope};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use problem::Problem;
 pub use service::Idempotency;

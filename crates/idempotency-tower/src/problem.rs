@@ -37,6 +37,9 @@ pub enum Problem {
     /// 409: an earlier attempt with this key never stored its outcome; an operator must
     /// reconcile it ([`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject)).
     OutcomeUnknown,
+    /// 401: the request names no principal to scope its key to
+    /// ([`NoScope::Unauthenticated`](crate::NoScope::Unauthenticated)).
+    Unauthenticated,
 }
 
 impl Problem {
@@ -55,6 +58,7 @@ impl Problem {
             Self::LeaseLive => "urn:idempotency:problem:lease-live",
             Self::InvalidRequest => "urn:idempotency:problem:invalid-request",
             Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
+            Self::Unauthenticated => "urn:idempotency:problem:unauthenticated",
         }
     }
 
@@ -66,6 +70,7 @@ impl Problem {
                 StatusCode::CONFLICT
             }
             Self::RecordNotFound => StatusCode::NOT_FOUND,
+            Self::Unauthenticated => StatusCode::UNAUTHORIZED,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -88,6 +93,7 @@ impl Problem {
             Self::LeaseLive => "The record's lease is live",
             Self::InvalidRequest => "Invalid request",
             Self::OutcomeUnknown => "The outcome of an earlier attempt is unknown",
+            Self::Unauthenticated => "No principal to scope the Idempotency-Key to",
         }
     }
 

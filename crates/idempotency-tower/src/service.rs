@@ -22,7 +22,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
-    Body, BodyError, IdempotencyContext, Metrics, OutcomeUnknown, ResponseFuture, full,
+    Body, BodyError, IdempotencyContext, Metrics, NoScope, OutcomeUnknown, ResponseFuture, full,
     full_with_trailers,
     key::{self, KeyProblem},
     layer::Config,
@@ -156,6 +156,16 @@ where
         }
     };
     let (parts, body) = request.into_parts();
+    // Before the body is read: a request that names nobody is refused at once.
+    let scope = match (config.scope)(&parts) {
+        Ok(scope) => scope,
+        Err(NoScope::Unauthenticated(detail)) => {
+            return Ok(Problem::Unauthenticated.response(&detail, None));
+        }
+        Err(NoScope::Invalid(detail)) => {
+            return Ok(Problem::InvalidRequest.response(&detail, None));
+        }
+    };
     let body = match buffer_request(&config, &parts, body).await {
         Ok(body) => body,
         Err(Unread::TooLarge) => {
@@ -175,7 +185,6 @@ where
             return Ok(Problem::InvalidRequest.response(detail, None));
         }
     };
-    let scope = (config.scope)(&parts);
     let id = RecordId::new(&scope, &key);
     let fingerprint = config.fingerprint(&parts, &body);
     let span = tracing::info_span!("idempotency", record = %id, store = config.store.name(), decision = tracing::field::Empty);
