@@ -1513,6 +1513,40 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
     });
 }
 
+/// A record `store` completed on a fresh key, whose Redis copy (on the Redis at
+/// `redis_url`) is then deleted behind the store's back, as an eviction would.
+async fn completed_then_evicted(
+    redis_url: &str,
+    store: &HybridStore,
+    fp: &Fingerprint,
+) -> RecordId {
+    let id = fresh_id();
+    let Begin::Execute(token) = store
+        .begin(&id, fp, idempotency_test::conformance::LONG)
+        .await
+        .expect("begin")
+    else {
+        panic!("a fresh key")
+    };
+    store
+        .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
+        .await
+        .expect("complete");
+    store.drain().await;
+    let mut conn = redis::Client::open(redis_url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let evicted: i64 = redis::cmd("DEL")
+        .arg(store.redis().key(&id))
+        .query_async(&mut conn)
+        .await
+        .expect("del");
+    assert_eq!(evicted, 1, "no copy to evict");
+    id
+}
+
 /// A replay Postgres answered slowly (here its reply took 3 s on the network; so too a slow
 /// server), read before an operator's release of the record, is not copied into Redis after
 /// the release's second delete: it replayed there for the record's whole retention, and the
@@ -1541,33 +1575,9 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
             .expect("postgres store");
         let gateway = hybrid_with_prefix(slow_pg, redis.url(), &prefix).await;
         let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
-        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
-        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
-            panic!("a fresh key")
-        };
-        gateway
-            .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
-            .await
-            .expect("complete");
-        gateway.drain().await;
+        let fp = Fingerprint::of(b"charge");
         // Its copy is evicted: the next claim asks Postgres, whose reply comes late.
-        let keys = RedisStore::builder(redis.url())
-            .prefix(&prefix)
-            .eviction_check(idempotency_redis::EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("redis store");
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
-        let evicted: i64 = redis::cmd("DEL")
-            .arg(keys.key(&id))
-            .query_async(&mut conn)
-            .await
-            .expect("del");
-        assert_eq!(evicted, 1);
+        let id = completed_then_evicted(redis.url(), &gateway, &fp).await;
         relay.delay_replies(Duration::from_millis(3200));
         let slow = {
             let gateway = gateway.clone();
@@ -1638,6 +1648,85 @@ fn a_copy_held_up_past_an_operators_release_does_not_land() {
         operator.drain().await; // the release's second delete (2.2 s on)
         relay.delay_requests(Duration::ZERO);
         tokio::time::sleep_until((sent + Duration::from_millis(4_500)).into()).await;
+        let again = operator.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a released record replayed from a late copy: {again:?}"
+        );
+    });
+}
+
+/// The second delete of an operator's release counts from when its Postgres delete may
+/// have committed, not from when it was asked: a delete that waited on a row lock (here
+/// 3.3 s of a 4 s budget) left a gateway that read the row just before it time to hear
+/// back late (2.8 s, within its 3 s budget) and copy its replay after the second delete,
+/// and the released record replayed from Redis.
+#[test]
+fn a_release_whose_delete_committed_late_still_outlasts_the_copies() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let prefix = idempotency_test::unique("h");
+        // The gateway's replies come late, and its pool sends nothing before a call (no
+        // ping of an idle connection): the claim is its one round trip.
+        let gateway_pg = relay::delaying_relay(relay::upstream(pg.url())).await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .test_before_acquire(false)
+            .connect_lazy(&relay::through(pg.url(), gateway_pg.port))
+            .expect("pool");
+        let gateway_store = PostgresStore::from_pool(pool);
+        gateway_store.migrate().await.expect("migrate");
+        let gateway = hybrid_with_prefix(gateway_store, redis.url(), &prefix).await;
+        let budget = Duration::from_secs(4);
+        let operator_store = PostgresStore::builder(pg.url())
+            .statement_timeout(budget)
+            .call_timeout(budget)
+            .connect()
+            .await
+            .expect("postgres store");
+        let operator = hybrid_with_prefix(operator_store, redis.url(), &prefix).await;
+        let fp = Fingerprint::of(b"late delete");
+        // The copy is evicted: the gateway's next claim reads Postgres.
+        let id = completed_then_evicted(redis.url(), &gateway, &fp).await;
+
+        // The operator's delete waits on a lock another transaction holds on the row.
+        let direct = PgPool::connect(pg.url()).await.expect("pool");
+        let mut blocker = direct.begin().await.expect("tx");
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+            .bind(&id.as_bytes()[..])
+            .execute(&mut *blocker)
+            .await
+            .expect("lock");
+        let release = {
+            let operator = operator.clone();
+            tokio::spawn(async move {
+                operator
+                    .force_release(&id, ReleaseScope::default().with_completed())
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+        // Reads the row (a lock does not hide it from readers) just before the delete
+        // commits; hears back 2.8 s later.
+        gateway_pg.delay_replies(Duration::from_millis(2_800));
+        let replay = {
+            let gateway = gateway.clone();
+            tokio::spawn(async move { gateway.begin(&id, &fp, LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        blocker.commit().await.expect("unlock");
+        let replay = replay.await.expect("task").expect("begin");
+        assert!(matches!(replay, Begin::Replay(_)), "{replay:?}");
+        let released = release.await.expect("task").expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        operator.drain().await; // the second delete
+        gateway.drain().await;
+        gateway_pg.delay_replies(Duration::ZERO);
         let again = operator.begin(&id, &fp, LONG).await.expect("begin");
         assert!(
             matches!(again, Begin::Execute(_)),

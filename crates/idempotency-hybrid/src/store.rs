@@ -870,7 +870,7 @@ impl HybridStore {
         match (&answer, ttl) {
             // A lease under a millisecond is zero to Postgres, over at once: mirrored, it
             // would say "in flight" for 1 ms (Redis rounds a TTL up).
-            (Begin::Execute(token) | Begin::TakeOver(token), _)
+            (Begin::Execute(token) | Begin::TakeOver(token), left)
                 if caching && !self.mirror_ttl.is_zero() && lease.as_millis() > 0 =>
             {
                 // After answering: the operation need not wait for its lease's mirror. A
@@ -878,7 +878,14 @@ impl HybridStore {
                 // mirror, not before), a `complete` need not (the outcome replaces it, and a
                 // mirror that comes later finds the outcome and writes nothing).
                 let (this, id, fp, token) = (self.clone(), *id, *fp, *token);
-                let mirror = lease.min(self.mirror_ttl);
+                // No longer than what is left of the lease (less than asked after a lock
+                // wait): a mirror must not say "in flight" past the row's lease.
+                // (A millisecond at least: Redis refuses a TTL of zero.)
+                let mirror = left
+                    .unwrap_or(lease)
+                    .min(lease)
+                    .min(self.mirror_ttl)
+                    .max(Duration::from_millis(1));
                 self.note_mirror(token, mirror);
                 self.write_after_answering(id, token, Written::Mirror, async move {
                     this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
@@ -887,7 +894,7 @@ impl HybridStore {
             }
             // Not a replay answered later than one Postgres call budget (a slow server or
             // network): the row it read may have been deleted since by an operator's release,
-            // whose second delete allows for writes on their way by one budget only. Copied
+            // whose second delete allows for a read answered within one budget only. Copied
             // after it, the deleted record would replay from Redis for its whole retention.
             (Begin::Replay(outcome), Some(ttl))
                 if self.caching() && asked.elapsed() <= self.pg.call_timeout() =>
@@ -1082,8 +1089,9 @@ impl Store for HybridStore {
     /// cache miss), so a call dropped or failed after Postgres committed still leaves it
     /// queued. A copy already on its way to Redis — the outcome of a `complete`, or of a
     /// replay, that read Postgres before the delete — could land after it: the delete runs
-    /// again once every such write is over (a Postgres call timeout and eight Redis budgets
-    /// later). When Redis could not be told now, the answer is `Unavailable` (the record is
+    /// again once every such write is over (two Postgres call timeouts and ten Redis budgets
+    /// later: one for the delete to commit, one for a read just before it to be answered,
+    /// and the copy's deadline). When Redis could not be told now, the answer is `Unavailable` (the record is
     /// gone from Postgres; the delete stays queued in this process): call again, which
     /// answers `Absent` once Redis has it.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
@@ -1095,7 +1103,13 @@ impl Store for HybridStore {
             // answer that Postgres kept the record calls it off.
             let kept = Arc::new(AtomicBool::new(false));
             let (again, forget, called_off) = (self.clone(), *id, kept.clone());
-            let writes_over = self.pg.call_timeout() + self.redis.call_budget() * 8;
+            // Every copy that could still land is over by then: its Postgres delete commits
+            // within one call timeout of now, a read just before it is answered within
+            // another (a replay answered later is not copied), and a copy sent then lands
+            // within four budgets or deletes the key (`RedisStore::cache_completed`); the
+            // rest covers a completion's wait for its lease's mirror and the repairs a call
+            // runs first. Counted from the ask: a call given up never says when it committed.
+            let writes_over = self.pg.call_timeout() * 2 + self.redis.call_budget() * 10;
             // Tracked: a process that exits after an operator's release (the admin CLI)
             // waits for it with `drain`.
             self.inner.settling.spawn(async move {
@@ -1143,8 +1157,8 @@ impl Store for HybridStore {
     /// Redis after answering: a lost copy costs a Redis miss.
     ///
     /// An operator's release (`force_release` of a record that is then gone) deletes its
-    /// copy in Redis at once and again once every copy that was on its way has landed (a
-    /// Postgres call and eight Redis budgets later); cut short, a copy on its way would
+    /// copy in Redis at once and again once every copy that was on its way has landed (two
+    /// Postgres call timeouts and ten Redis budgets later); cut short, a copy on its way would
     /// replay an outcome Postgres no longer has until its TTL. A process that exits right
     /// after a release (an admin command) calls `drain` first.
     async fn drain(&self) {
