@@ -172,12 +172,10 @@ fn stores_on_two_tables_from_one_pool_keep_apart() {
     });
 }
 
-/// A table name is written into statements, so only plain identifiers are accepted: anything
-/// else is refused at connect with a configuration error, before any SQL runs.
 /// A claim acknowledged by a commit Postgres had not flushed (`synchronous_commit = off`,
 /// a common tuning of the server or the role) is lost in a crash of the server, and the
-/// retry runs the operation again: the store's sessions commit durably whatever the server
-/// or the role says (keeping a setting that waits for more, such as `remote_apply`).
+/// retry runs the operation again: the store's sessions flush their commits whatever the
+/// server or the role says (`local`), and keep any setting that waits for standbys.
 #[test]
 fn the_stores_sessions_commit_durably() {
     block_on(async {
@@ -185,9 +183,10 @@ fn the_stores_sessions_commit_durably() {
             return;
         };
         for (asked, expected) in [
-            ("off", "on"),
-            ("local", "on"),
-            ("remote_write", "on"),
+            ("off", "local"),
+            ("local", "local"),
+            ("on", "on"),
+            ("remote_write", "remote_write"),
             ("remote_apply", "remote_apply"),
         ] {
             let url = format!("{}?options=-c%20synchronous_commit%3D{asked}", pg.url());
@@ -285,6 +284,8 @@ fn a_grants_ttl_is_what_is_left_of_its_lease() {
     });
 }
 
+/// A table name is written into statements, so only plain identifiers are accepted: anything
+/// else is refused at connect with a configuration error, before any SQL runs.
 #[test]
 fn an_invalid_table_name_is_a_configuration_error() {
     block_on(async {

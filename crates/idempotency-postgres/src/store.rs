@@ -110,19 +110,19 @@ fn pool_options() -> PgPoolOptions {
     let used = last_use.clone();
     PgPoolOptions::new()
         .test_before_acquire(false)
-        // A claim or an outcome acknowledged by a commit the server has not flushed (or, with
-        // synchronous standbys, that they have not flushed) is lost in a crash or a failover,
-        // and the retry runs the operation again: a server or role tuned for speed
-        // (`synchronous_commit = off`) must not weaken the guarantee. Only the stronger
-        // `remote_apply` is kept. (An asynchronous standby promoted loses recent commits
-        // whatever this says: see the design notes.)
+        // A claim or an outcome acknowledged by a commit the server has not flushed is lost
+        // in a crash of the server, and the retry runs the operation again: a server or
+        // role tuned for speed (`synchronous_commit = off`) must not weaken the guarantee.
+        // Raised to `local` (flushed on this server), not further: whether commits wait for
+        // standbys (`on`, `remote_write`, `remote_apply`) is the operator's choice, which
+        // also decides whether a failover can lose them (see the design notes).
         .after_connect(|conn, _| {
             Box::pin(async move {
                 let level: String = sqlx::query_scalar("SHOW synchronous_commit")
                     .fetch_one(&mut *conn)
                     .await?;
-                if !matches!(level.as_str(), "on" | "remote_apply") {
-                    sqlx::query("SET synchronous_commit = on")
+                if level == "off" {
+                    sqlx::query("SET synchronous_commit = local")
                         .execute(&mut *conn)
                         .await?;
                 }
@@ -584,9 +584,9 @@ impl PostgresStore {
     /// a `statement_timeout` on the pool's connections (the builder's is 2 s): a call that
     /// runs out of its budget closes its connection, and without one the server keeps the
     /// backend waiting on its lock while the pool opens another. And commit durably
-    /// (`synchronous_commit` `on`, the server's default): the builder's connections raise a
-    /// lower setting, the application's keep theirs, and a commit acknowledged but lost in a
-    /// crash runs its operation again on the retry.
+    /// (`synchronous_commit` not `off`): the builder's connections raise `off` to `local`,
+    /// the application's keep theirs, and a commit acknowledged but lost in a crash runs its
+    /// operation again on the retry.
     pub fn from_pool(pool: PgPool) -> Self {
         let batches = Arc::new(Batches::new(pool.clone(), GroupCommit::default()));
         Self {
