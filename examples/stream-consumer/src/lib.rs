@@ -47,7 +47,8 @@
 //!   `ReleaseScope::with_completed`, or the admin surface), then publish it again.
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
-//! is left of it.
+//! is left of it (it may have been applied: the consumer holding it may have been applying
+//! it; its charge is in the ledger then).
 //!
 //! Charges are keyed by the effect they apply, the ledger ([`Consumer::scope`]), not by the
 //! group reading them, and their records are kept for good, as the ledger keeps its rows: a
@@ -288,7 +289,8 @@ impl Consumer {
     /// was applied: keep it for as long as the stream may deliver the charge again (a group
     /// created anew, or reset to the stream's start, reads every message the stream still
     /// holds), as the ledger keeps its row. A charge delivered after its record is gone is
-    /// applied again.
+    /// applied again. (`Policy::default()` keeps records a day: set the retention again,
+    /// `.with_retention(FOR_GOOD)`, when changing the lease.)
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.executor = self.executor.with_policy(policy);
         self
@@ -392,6 +394,12 @@ impl Consumer {
             )
             .await?;
         let claimed = AutoClaimed::from_value(&claimed)?;
+        // Trimmed from the stream while pending: `XAUTOCLAIM` took them off the pending list
+        // and answers them to this consumer alone, once: dead-lettered first, before
+        // anything in this poll can fail, or they would be lost.
+        for id in &claimed.deleted {
+            self.dead_letter_trimmed(id, &mut polled).await?;
+        }
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)
             .count(count)
@@ -414,12 +422,6 @@ impl Consumer {
         }
         // Only once what it claimed was handled: a poll that fails before leaves the cursor
         // where it was, and the next one scans that stretch again.
-        for id in &claimed.deleted {
-            // Trimmed from the stream while pending: `XAUTOCLAIM` took them off the pending
-            // list (and answers each to one consumer only). Their charges were never seen
-            // here, so they are dead-lettered with what is left of them, their id.
-            self.dead_letter_trimmed(id, &mut polled).await?;
-        }
         // `0-0` once the scan has gone round the whole list.
         self.claim_from = claimed.next;
         Ok(polled)
@@ -763,13 +765,17 @@ impl Consumer {
 
     /// Dead-letters a message trimmed from the stream while it was pending: its id is all
     /// that is left of it. (`XAUTOCLAIM` took it off the pending list already, answering it
-    /// to this consumer alone.)
+    /// to this consumer alone, however briefly it had been pending: the consumer it was
+    /// delivered to may be applying it right now, or have applied it and died before its
+    /// `XACK`. Its charge cannot be looked up without its fields, so the reason says so.)
     async fn dead_letter_trimmed(
         &mut self,
         id: &str,
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
-        let reason = "trimmed from the stream before it was applied (its fields are gone)";
+        let reason = "trimmed from the stream while pending (its fields are gone): it may have \
+                      been applied by the consumer it was delivered to; look for its charge in \
+                      the ledger before publishing it again";
         tracing::error!(id, reason, stream = %self.dead_letter_stream, "dead-lettering message");
         let failures: Option<u64> = self.redis.hget(&self.failures, id).await?;
         let _: Value = redis::pipe()

@@ -1270,3 +1270,39 @@ fn a_charge_dead_lettered_while_another_consumer_holds_it_is_not_applied() {
         assert_eq!(rig.effects().await.get("ch_doomed"), None);
     });
 }
+
+/// A message trimmed while pending is dead-lettered even when the poll that learns of it
+/// fails later on (here a crash after another message's effect): `XAUTOCLAIM` reports a
+/// trimmed id once, and it was handled last, so it was lost.
+#[test]
+fn a_trimmed_message_is_dead_lettered_before_the_poll_can_fail() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        let trimmed = publish(&mut rig.redis, &rig.stream, "ch_trimmed", 100)
+            .await
+            .expect("publish");
+        let kept = publish(&mut rig.redis, &rig.stream, "ch_crash", 200)
+            .await
+            .expect("publish");
+        rig.deliver_to_a_consumer_that_dies().await;
+        let _: u64 = redis::cmd("XTRIM")
+            .arg(&rig.stream)
+            .arg("MINID")
+            .arg(&kept)
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xtrim");
+        first.claim_idle = Duration::from_millis(50);
+        first.crash_before_ack = Some("ch_crash".into());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(matches!(
+            first.poll(10).await,
+            Err(ConsumeError::Crashed(_))
+        ));
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0]["id"], trimmed);
+    });
+}
