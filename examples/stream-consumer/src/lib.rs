@@ -39,12 +39,14 @@
 //!   before handling it, or that found the charge in flight elsewhere, is not a failure of
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
 //!   message no longer pending (acknowledged by another consumer meanwhile). Such a dead
-//!   letter decides its charge: it is written as the charge's own operation (its key
-//!   claimed, the dead letter stored as its result), so a consumer still holding the message
-//!   and every later delivery of the charge replay the dead letter instead of applying it.
-//!   A charge is applied or dead-lettered, never both. To apply a dead-lettered charge once
-//!   its cause is fixed, release its key first (`force_release` with
-//!   `ReleaseScope::with_completed`, or the admin surface), then publish it again.
+//!   letter decides its charge first: the charge's key is claimed and the dead letter stored
+//!   as its result, then the message is moved, so a consumer still holding the message and
+//!   every later delivery of the charge replay the dead letter, and dead-letter their
+//!   message too, instead of applying it. A charge is applied or dead-lettered, never both.
+//!   To apply a dead-lettered charge once its cause is fixed, release its key first
+//!   (`force_release` with `ReleaseScope::with_completed`, or the admin surface; a record
+//!   whose result begins with `dead-lettered `, never one that says `applied`), then
+//!   publish it again.
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it (it may have been applied: the consumer holding it may have been applying
@@ -179,18 +181,12 @@ pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Sen
 /// How the stored result of a dead-lettered charge begins (an applied one's is `applied `).
 const DEAD_LETTERED: &str = "dead-lettered ";
 
-/// Why dead-lettering a charge stored nothing: the key is given back.
-#[derive(Debug, thiserror::Error)]
-enum NotDeadLettered {
-    #[error("the message was acknowledged meanwhile")]
-    Acknowledged,
-    #[error(transparent)]
-    Failed(ConsumeError),
-}
-
-/// The dead letter's reason for a charge id applied already with another amount.
+/// The dead letter's reason for a charge id decided already with another amount.
 fn applied_otherwise_reason(charge_id: &str) -> String {
-    format!("mismatch: charge {charge_id} was already applied with another amount")
+    format!(
+        "mismatch: charge {charge_id} was already decided with another amount (applied, or \
+         dead-lettered: see the ledger and the dead letters)"
+    )
 }
 
 /// What the record a charge had under the previous scope says.
@@ -514,6 +510,12 @@ impl Consumer {
             .await;
         let id = RecordId::new(&scope, &key);
         match result {
+            // The charge was dead-lettered (by another delivery of it): so is this message.
+            Ok(done) if done.replayed && done.value.starts_with(DEAD_LETTERED) => {
+                self.dead_letter(message, delivered, &done.value, polled)
+                    .await?;
+                return Ok(());
+            }
             Ok(done) if done.replayed => polled.replayed += 1,
             Ok(_) => polled.applied += 1,
             // Someone else is applying this charge right now (or took it over from this
@@ -701,13 +703,14 @@ impl Consumer {
         Ok(moved)
     }
 
-    /// Dead-letters a message whose charge failed for good, as the charge's own operation:
-    /// its key is claimed, and the dead letter is stored as its outcome. A consumer still
-    /// holding the message (claimed in a batch it works through), or the message published
-    /// again, then replays the dead letter instead of applying the charge: a charge is
-    /// applied or dead-lettered, never both. While another attempt holds the charge, the
-    /// message waits for it (it decides the charge); a charge decided meanwhile is
-    /// acknowledged as a replay.
+    /// Dead-letters a message whose charge failed for good, deciding the charge so first: its
+    /// key is claimed and the dead letter stored as its result, then the message is moved.
+    /// A consumer still holding the message (claimed in a batch it works through), or the
+    /// charge published again, then replays the dead letter, and dead-letters its message
+    /// too, instead of applying the charge: a charge is applied or dead-lettered, never both.
+    /// (Moved first, a lost reply or a dropped poll between the two would leave the message
+    /// dead-lettered and its charge free.) While another attempt holds the charge, the
+    /// message waits for it; a charge applied meanwhile is acknowledged as a replay.
     async fn dead_letter_charge(
         &mut self,
         message: &Entry,
@@ -720,30 +723,20 @@ impl Consumer {
         let dead = format!("{DEAD_LETTERED}{charge_id}: {reason}");
         let decided = executor
             .run(&scope, key, fingerprint, || async {
-                match self.dead_letter(message, delivered, reason, polled).await {
-                    Ok(0) => Err(NotDeadLettered::Acknowledged),
-                    Ok(_) => Ok(dead),
-                    Err(error) => Err(NotDeadLettered::Failed(error)),
-                }
+                Ok::<_, std::convert::Infallible>(dead)
             })
             .await;
         match decided {
-            Ok(done) if !done.replayed => {}
-            // Decided meanwhile (applied, or dead-lettered by another consumer): this
-            // delivery is a repeat.
+            // Decided dead-lettered, now or before: the message goes (once, whoever moves it).
+            Ok(done) if done.value.starts_with(DEAD_LETTERED) => {
+                let why = if done.replayed { &done.value } else { reason };
+                self.dead_letter(message, delivered, why, polled).await?;
+            }
+            // Applied meanwhile (another consumer held the message, or a duplicate of it).
             Ok(done) => {
-                tracing::warn!(charge = %charge_id, id = %message.id, decided = %done.value, "the charge was decided meanwhile; acknowledging");
+                tracing::warn!(charge = %charge_id, id = %message.id, decided = %done.value, "the charge was applied meanwhile; acknowledging");
                 polled.replayed += 1;
                 return self.ack(message, charge_id.to_owned(), polled).await;
-            }
-            // Acknowledged by another consumer meanwhile: it applied the charge.
-            Err(RunError::Failed(NotDeadLettered::Acknowledged)) => {}
-            Err(RunError::Failed(NotDeadLettered::Failed(error))) => return Err(error),
-            // The dead letter is written; its outcome could not be stored (the store went
-            // down): a redelivery, were there one, would find the charge undecided.
-            Err(error @ RunError::NotStored(_)) => {
-                let error = error_chain(&error);
-                tracing::error!(%error, charge = %charge_id, id = %message.id, "dead-lettered, but the charge's dead letter was not stored");
             }
             // Decided already, with a stored result that no longer decodes (the failure
             // being dead-lettered): nothing to claim, the message goes.
@@ -754,6 +747,8 @@ impl Consumer {
             Err(RunError::InFlight { .. } | RunError::LeaseLost | RunError::Mismatch) => {
                 polled.deferred += 1;
             }
+            // The dead letter was not stored (the store failed; it may yet land): the message
+            // stays pending, and its next delivery finds the charge decided or free.
             Err(error) => {
                 let error = error_chain(&error);
                 tracing::warn!(%error, charge = %charge_id, "the idempotency store failed while dead-lettering; will be redelivered");

@@ -1260,14 +1260,20 @@ fn a_charge_dead_lettered_while_another_consumer_holds_it_is_not_applied() {
         assert_eq!(dead[0]["id"], doomed);
         assert_eq!(rig.pending().await, 0);
 
-        // Published again, it replays the dead letter.
+        // Published again, it replays the dead letter: dead-lettered too, not applied.
         publish(&mut rig.redis, &rig.stream, "ch_doomed", 20)
             .await
             .expect("publish");
         let mut c = rig.consumer("c").await;
         let polled = c.poll(10).await.expect("poll");
-        assert_eq!((polled.applied, polled.replayed), (0, 1), "{polled:?}");
+        assert_eq!((polled.applied, polled.dead_lettered), (0, 1), "{polled:?}");
         assert_eq!(rig.effects().await.get("ch_doomed"), None);
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert!(
+            dead[1]["reason"].starts_with("dead-lettered ch_doomed: failed 1 times"),
+            "{:?}",
+            dead[1]
+        );
     });
 }
 
@@ -1304,5 +1310,43 @@ fn a_trimmed_message_is_dead_lettered_before_the_poll_can_fail() {
         let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
         assert_eq!(dead.len(), 1, "{dead:?}");
         assert_eq!(dead[0]["id"], trimmed);
+    });
+}
+
+/// A charge decided dead-lettered whose message was not moved yet (the consumer died, or its
+/// poll was dropped, between the two: the decision is stored first) is dead-lettered on its
+/// next delivery, not applied and not acknowledged as done.
+#[test]
+fn a_charge_decided_dead_lettered_dead_letters_its_pending_message() {
+    use idempotency::{Executor, Fingerprint, IdempotencyKey};
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        let id = publish(&mut rig.redis, &rig.stream, "ch_decided", 30)
+            .await
+            .expect("publish");
+        // What the dead-lettering consumer stored before it died.
+        let key = IdempotencyKey::new("ch_decided").expect("key");
+        let fp = Fingerprint::of(&30_i64.to_be_bytes());
+        Executor::new(rig.store.clone())
+            .run(&consumer.scope(), &key, &fp, || async {
+                Ok::<_, std::convert::Infallible>(
+                    "dead-lettered ch_decided: failed 5 times".to_owned(),
+                )
+            })
+            .await
+            .expect("decided");
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.applied, polled.replayed, polled.dead_lettered),
+            (0, 0, 1),
+            "{polled:?}"
+        );
+        assert_eq!(rig.effects().await.get("ch_decided"), None);
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0]["id"], id);
+        assert_eq!(rig.pending().await, 0);
     });
 }
