@@ -72,14 +72,17 @@ async fn account_readable(
     next.run(request).await
 }
 
-pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
-    // Only the routes that create things carry the idempotency layer (key required).
+/// The demo's routes, with the operator's (`admin`) when it has them.
+pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer, admin: Option<Router>) -> Router {
+    // Only the routes that create things carry the idempotency layer (key required): as a
+    // route layer, so a request to no route (`POST /nope` with a key) claims nothing, and
+    // its 404 is not stored as the key's outcome.
     let keyed = Router::new()
         .route("/charges", post(create_charge))
         .route("/orders", post(create_order))
-        .layer(layer)
-        .layer(axum::middleware::from_fn(account_readable))
-        .layer(axum::middleware::from_fn_with_state(
+        .route_layer(layer)
+        .route_layer(axum::middleware::from_fn(account_readable))
+        .route_layer(axum::middleware::from_fn_with_state(
             app.clone(),
             demo_knobs_valid,
         ));
@@ -92,6 +95,8 @@ pub(crate) fn router(app: Arc<App>, layer: IdempotencyLayer) -> Router {
         .route("/metrics", get(metrics))
         .merge(keyed)
         .with_state(app)
+        .merge(admin.unwrap_or_default())
+        // Last: over every route, the operator's included, and the fallback.
         .layer(axum::middleware::map_response(problems_only))
 }
 

@@ -221,10 +221,11 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         .scope_fn(app::scope)
         .policy(policy)
         .on_outcome_unknown(app::reconcile(app.clone()));
-    let mut router = app::router(app, layer.clone());
-    if let Some(token) = config.admin_token.clone() {
-        router = router.merge(app::admin(store, token));
-    }
+    let admin = config
+        .admin_token
+        .clone()
+        .map(|token| app::admin(store, token));
+    let router = app::router(app, layer.clone(), admin);
     let listener = tokio::net::TcpListener::bind(&config.bind).await?;
     let addr = listener.local_addr()?;
     println!(

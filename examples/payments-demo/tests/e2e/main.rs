@@ -265,6 +265,25 @@ fn exercise(demo: &Demo, mode: &str) {
     assert_eq!(charged.status, 201, "{}", charged.body);
     assert_eq!(charged.header("idempotent-replayed"), None);
 
+    // A key sent to no route claims nothing: the 404 is not the key's outcome.
+    let astray = uuid::Uuid::new_v4().to_string();
+    let nowhere = call(
+        &demo.base,
+        "POST",
+        "/nope",
+        &[("idempotency-key", &astray)],
+        &body,
+    )
+    .expect("call");
+    assert_problem(&nowhere, 404);
+    let charged = post(
+        demo,
+        Some(&astray),
+        &[],
+        &knobbed_body.replace("1001", "1002"),
+    );
+    assert_eq!(charged.status, 201, "{}", charged.body);
+
     // What the router itself refuses is a problem too: an unknown route or method, a query
     // it cannot read.
     for (method, path, body, status) in [
@@ -285,9 +304,9 @@ fn exercise(demo: &Demo, mode: &str) {
         404,
     );
     let list = charges_of(&demo.base, &customer);
-    // created + other account + slow + flaky retried + knobbed
-    assert_eq!(list["count"], 5, "{list}");
-    assert_eq!(list["data"].as_array().map(Vec::len), Some(5));
+    // created + other account + slow + flaky retried + knobbed + astray
+    assert_eq!(list["count"], 6, "{list}");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(6));
 
     let metrics = call(&demo.base, "GET", "/metrics", &[], "").expect("metrics");
     assert_eq!(metrics.status, 200);
@@ -850,6 +869,8 @@ fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     assert_eq!(deleted.status.code(), Some(0), "{deleted:?}");
     assert_eq!(cli(&["inspect"]).status.code(), Some(1));
     assert_problem(&admin("GET", &path, Some("s3cret-operator-token")), 404);
+    // With the operator's routes, a route that does not exist is still a problem.
+    assert_problem(&admin("GET", "/nope", None), 404);
     assert_eq!(demo.stop(), 0, "graceful shutdown");
 
     // Without ADMIN_TOKEN the routes do not exist.
