@@ -225,6 +225,11 @@ impl IdempotencyLayer {
     /// a fallback scope (`"anonymous"`) for requests without a principal is shared by every
     /// such request, and by a client that sends that name.
     ///
+    /// It guards the keyed path only: a request the layer passes through (a method it does
+    /// not cover, no key while keys are optional) is not asked, and a malformed key is
+    /// answered first. It is not authentication: the 401 carries no `WWW-Authenticate`
+    /// challenge (the authentication layer in front of this one sends that).
+    ///
     /// ```
     /// use std::sync::Arc;
     /// use http::request::Parts;
