@@ -69,9 +69,10 @@
 //! message whose charge another consumer is applying right now (`InFlight`) is deferred
 //! likewise. Each dead letter holds the original id (`id`), the
 //! `reason`, the `deliveries` and `failures` so far, the `group` and `consumer`, and the
-//! message's own fields prefixed with `payload.`, so no field of the message can overwrite
-//! the others. The copy and the `XACK` are one Lua script: a message is dead-lettered once
-//! even when two consumers hold it.
+//! message's own fields prefixed with `payload.` (the first thousand, by name; how many more
+//! there were in `payload_omitted`), so no field of the message can overwrite the others.
+//! The copy and the `XACK` are one Lua script, the copy first: a message is dead-lettered
+//! once even when two consumers hold it, and never acknowledged without its copy.
 //!
 //! # Outcomes that were not stored
 //!
@@ -660,8 +661,8 @@ impl Consumer {
         )
     }
 
-    /// Copies `message` to the dead-letter stream and acknowledges it, atomically; only the
-    /// consumer whose `XACK` removes it from the pending list adds the copy.
+    /// Copies `message` to the dead-letter stream and acknowledges it, atomically, if it is
+    /// still pending (so only one consumer copies it); answers whether it did.
     async fn dead_letter(
         &mut self,
         message: &Entry,
@@ -692,10 +693,14 @@ impl Consumer {
         // Sorted: the copy's field order does not depend on the message's.
         let mut fields: Vec<&(Vec<u8>, Vec<u8>)> = message.fields.iter().collect();
         fields.sort();
-        for (field, value) in fields {
+        let omitted = fields.len().saturating_sub(MAX_PAYLOAD_FIELDS);
+        for (field, value) in fields.into_iter().take(MAX_PAYLOAD_FIELDS) {
             invocation
                 .arg([&b"payload."[..], field].concat())
                 .arg(value);
+        }
+        if omitted > 0 {
+            invocation.arg("payload_omitted").arg(omitted);
         }
         let moved: u64 = invocation.invoke_async(&mut self.redis).await?;
         polled.dead_lettered += moved;
@@ -818,21 +823,28 @@ fn fault_of_the_message(error: &RunError<EffectError>) -> bool {
     }
 }
 
-/// `XACK` and, if that removed the message from the pending list, `XADD` the dead letter;
-/// the message's failure count goes either way. KEYS: stream, dead-letter stream, failure
-/// counts. ARGV: group, message id, then the dead letter's fields.
+/// If the message is still pending: `XADD` the dead letter, then `XACK` it; the message's
+/// failure count goes either way. Copied first, so a copy that fails (a stream key of
+/// another type) leaves the message pending, not acknowledged with no dead letter. KEYS:
+/// stream, dead-letter stream, failure counts. ARGV: group, message id, then the dead
+/// letter's fields (few enough for `unpack`: see `MAX_PAYLOAD_FIELDS`).
 static DEAD_LETTER: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(
         r"
 redis.call('HDEL', KEYS[3], ARGV[2])
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-    return 1
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then
+    return 0
 end
-return 0
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return 1
 ",
     )
 });
+
+/// The most fields of a message a dead letter copies (Redis' Lua `unpack` takes about 8,000
+/// values, two a field); the count of those left out is in `payload_omitted`.
+const MAX_PAYLOAD_FIELDS: usize = 1_000;
 
 /// Counts a failed attempt of a message, if it is still pending; answers the count (0 if it
 /// is not: another consumer acknowledged it, after this attempt failed, and dropped its

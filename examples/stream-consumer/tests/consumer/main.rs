@@ -1350,3 +1350,34 @@ fn a_charge_decided_dead_lettered_dead_letters_its_pending_message() {
         assert_eq!(rig.pending().await, 0);
     });
 }
+
+/// A message with more fields than a Lua script can unpack (about 8,000 values) is still
+/// dead-lettered, its payload cut to what fits and marked so. The script acknowledged it
+/// first and then failed on the copy: the message was gone, and no dead letter said so.
+#[test]
+fn a_message_with_thousands_of_fields_is_dead_lettered_not_lost() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&rig.stream).arg("*");
+        for i in 0..4_500 {
+            xadd.arg(format!("f{i:05}")).arg("v");
+        }
+        let id: String = xadd.query_async(&mut rig.redis).await.expect("xadd");
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0]["id"], id);
+        assert!(
+            dead[0]["reason"].starts_with("malformed"),
+            "{:?}",
+            dead[0]["reason"]
+        );
+        assert_eq!(dead[0]["payload.f00000"], "v");
+        assert!(dead[0].contains_key("payload_omitted"), "the cut is marked");
+        assert_eq!(rig.pending().await, 0);
+    });
+}
