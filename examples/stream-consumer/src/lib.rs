@@ -233,6 +233,9 @@ pub struct Consumer {
     previous_scope: Option<Scope>,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
+    /// Test fault: crash after this charge was decided dead-lettered, before its message
+    /// is moved.
+    pub crash_before_dead_letter: Option<String>,
     /// Test fault: awaited inside the effect of every charge (given its id), after the
     /// ledger write and before its transaction stores the outcome and commits.
     pub after_effect: Option<AfterEffect>,
@@ -274,6 +277,7 @@ impl Consumer {
             claim_from: "0-0".into(),
             previous_scope: None,
             crash_before_ack: None,
+            crash_before_dead_letter: None,
             after_effect: None,
             after_commit: None,
         }
@@ -734,6 +738,9 @@ impl Consumer {
         match decided {
             // Decided dead-lettered, now or before: the message goes (once, whoever moves it).
             Ok(done) if done.value.starts_with(DEAD_LETTERED) => {
+                if self.crash_before_dead_letter.as_deref() == Some(charge_id) {
+                    return Err(ConsumeError::Crashed(charge_id.to_owned()));
+                }
                 let why = if done.replayed { &done.value } else { reason };
                 self.dead_letter(message, delivered, why, polled).await?;
             }

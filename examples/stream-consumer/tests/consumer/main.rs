@@ -1381,3 +1381,42 @@ fn a_message_with_thousands_of_fields_is_dead_lettered_not_lost() {
         assert_eq!(rig.pending().await, 0);
     });
 }
+
+/// A consumer that dies once it decided a charge dead-lettered, before it moved the message:
+/// the message stays pending, and its next delivery, the cause since gone, dead-letters it
+/// instead of applying the charge. (Moved first, a death there left the charge free.)
+#[test]
+fn a_consumer_dying_between_the_decision_and_the_dead_letter_applies_nothing() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.capped_ledger().await;
+        publish(&mut rig.redis, &rig.stream, "ch_capped", 5_000_000)
+            .await
+            .expect("publish");
+        let mut first = rig.consumer("c1").await;
+        first.max_failures = 1;
+        first.crash_before_dead_letter = Some("ch_capped".into());
+        assert!(matches!(
+            first.poll(10).await,
+            Err(ConsumeError::Crashed(_))
+        ));
+        drop(first);
+        assert_eq!(rig.pending().await, 1, "still pending");
+        // The cause goes; the next delivery finds the charge decided.
+        let uncap = format!("ALTER TABLE {} DROP CONSTRAINT amount_cap", rig.ledger);
+        sqlx::query(sqlx::AssertSqlSafe(uncap))
+            .execute(rig.store.pool())
+            .await
+            .expect("uncap");
+        let mut second = rig.consumer("c2").await;
+        second.claim_idle = Duration::from_millis(50);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let polled = second.poll(10).await.expect("poll");
+        assert_eq!((polled.applied, polled.dead_lettered), (0, 1), "{polled:?}");
+        assert!(
+            rig.effects().await.is_empty(),
+            "a dead-lettered charge was applied"
+        );
+        assert_eq!(rig.pending().await, 0);
+    });
+}
