@@ -429,14 +429,20 @@ pub async fn takeover_races_late_completion(store: Arc<dyn Store>) {
         keys.push((id, execute(&*store, &id, &fp("a"), SHORT).await));
     }
     tokio::time::sleep(PAST_SHORT).await;
-    let races = keys.into_iter().map(|(id, stale)| {
+    // Every other key sends the `begin` first: polled in one order only, one side would
+    // nearly always win on a store that answers in the order it was asked.
+    let races = keys.into_iter().enumerate().map(|(i, (id, stale))| {
         let (store, late) = (store.clone(), late.clone());
         async move {
             let fingerprint = fp("a");
-            let (completed, begun) = tokio::join!(
-                store.complete(&id, stale, &late, LONG),
-                store.begin(&id, &fingerprint, LONG)
-            );
+            let complete = store.complete(&id, stale, &late, LONG);
+            let begin = store.begin(&id, &fingerprint, LONG);
+            let (completed, begun) = if i % 2 == 0 {
+                tokio::join!(complete, begin)
+            } else {
+                let (begun, completed) = tokio::join!(begin, complete);
+                (completed, begun)
+            };
             match (completed, begun.expect("begin")) {
                 (Ok(()), Begin::Replay(outcome)) => assert_eq!(outcome, late),
                 (Ok(()), other) => panic!("completion accepted, yet begin answered {other:?}"),
