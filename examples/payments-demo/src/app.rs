@@ -13,7 +13,7 @@ use bytes::Bytes;
 use idempotency::{
     Outcome, Scope, Store,
     hybrid::HybridStore,
-    tower::{IdempotencyContext, IdempotencyLayer, OutcomeUnknown, Problem},
+    tower::{IdempotencyContext, IdempotencyLayer, MaybeApplied, OutcomeUnknown, Problem},
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -333,6 +333,34 @@ fn storage_down(error: &sqlx::Error) -> Response {
     response
 }
 
+/// A charge's or order's insert that failed. A statement the database refused wrote
+/// nothing; one whose answer was lost (the connection broke, the server went down) may have
+/// committed: that 503 is marked [`MaybeApplied`], so the layer keeps the key for the
+/// reconcile hook (which finds the row, or runs again) instead of giving it back to a retry
+/// that runs the handler a second time.
+fn write_failed(error: &sqlx::Error) -> Response {
+    let unsent = matches!(
+        error,
+        sqlx::Error::Database(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed
+    );
+    if unsent {
+        return storage_down(error);
+    }
+    tracing::warn!(%error, "charges storage failed; the write may have committed");
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "storage-unavailable",
+        "Charges storage unavailable",
+        "the write may have been made: retry with the same Idempotency-Key, which finds it \
+         or makes it",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response.extensions_mut().insert(MaybeApplied);
+    response
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ChargeRequest {
@@ -448,7 +476,7 @@ async fn create_charge(
                  (amount, currency or customer differ); use a new key for a new charge",
             )
         }
-        Err(error) => storage_down(&error),
+        Err(error) => write_failed(&error),
     }
 }
 
@@ -574,7 +602,7 @@ async fn create_order(
                  (customer or amount differ); use a new key for a new order",
             )
         }
-        Err(error) => storage_down(&error),
+        Err(error) => write_failed(&error),
     }
 }
 
