@@ -130,8 +130,11 @@ impl Charges {
                 if let Some(row) = inserted {
                     return Ok(Created::New(from_row(row)));
                 }
+                // Counted: a second run for one record id is what the idempotency layer
+                // exists to stop (see the migration `charge_runs`).
                 let existing: Row = sqlx::query_as(
-                    "SELECT id, amount, currency, customer, status, created_at FROM charges WHERE record_id = $1",
+                    "UPDATE charges SET runs = runs + 1 WHERE record_id = $1
+                     RETURNING id, amount, currency, customer, status, created_at",
                 )
                 .bind(&record.as_bytes()[..])
                 .fetch_one(pool)
