@@ -24,9 +24,10 @@ enum Fault {
     GatewayKill(usize),
 }
 
-/// When a fault held, and whether it can take an operation's outcome down with it (a gateway
-/// killed mid-operation, Postgres down for long enough): the documented case in which an
-/// owner loses its lease without completing and the next attempt runs again.
+/// When a fault held, and whether it can take an operation's outcome down with it (Postgres
+/// down while a charge committed: its answer lost, the demo answers a 503 whose retry may
+/// run the handler again). A gateway killed mid-operation cannot: the retry takes the key
+/// over, and the demo's reconcile hook finds the charge.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Window {
     pub(crate) start: Instant,

@@ -9,9 +9,10 @@
 //! `FLUSHALL` and `CLIENT PAUSE`; Postgres stop and start; a gateway SIGKILLed and restarted.
 //!
 //! It records every attempt (key, attempt, status, charge id) and checks the history against
-//! the charges table: **duplicates** (two charges for one key), **lost** (a 2xx whose charge
-//! is not in the table), **wrong** (a 2xx carrying another key's charge), **stuck** (a key
-//! still answering 409 more than one lease after the last fault). The last line is
+//! the charges table: **duplicates** (two charges for one key, or the charge handler run
+//! twice for one key, as the demo counts it in `charges.runs`), **lost** (a 2xx whose charge
+//! is not in the table), **wrong** (a 2xx carrying another key's charge, or a 422), **stuck**
+//! (a key still answering 409 more than one lease after the last fault). The last line is
 //!
 //! ```text
 //! chaos: seed=<s> duration=<d>s requests=<n> faults=<f> duplicates=<d> lost=<l> wrong=<w> stuck=<k>
