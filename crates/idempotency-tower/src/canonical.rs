@@ -157,12 +157,11 @@ impl<'a> Parser<'a> {
         // case folds (`ſ` is `s`, `ς` is `σ`, `K` (Kelvin) is `k`, `ẞ` is `ß`), Jackson
         // lowercases, and a full mapping turns `ß` into `ss`. Two keys that meet under any
         // of these folds leave the body to its raw bytes (a pair that no parser joins costs
-        // only its canonical form).
-        let folds: [fn(char) -> String; 4] = [
+        // only its canonical form). Two folds cover the four: keys equal once lowercased are
+        // equal once lowercased then uppercased, and likewise for uppercasing.
+        let folds: [fn(char) -> String; 2] = [
             |c| c.to_uppercase().flat_map(char::to_lowercase).collect(),
             |c| c.to_lowercase().flat_map(char::to_uppercase).collect(),
-            |c| c.to_lowercase().collect(),
-            |c| c.to_uppercase().collect(),
         ];
         for fold in folds {
             let mut folded: Vec<String> = keys
