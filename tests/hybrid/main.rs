@@ -1656,6 +1656,106 @@ fn a_copy_held_up_past_an_operators_release_does_not_land() {
     });
 }
 
+/// A replay Postgres answered does not wait for its copy into Redis. Awaited, the copy's
+/// budget came on top of a slow Postgres read, and a slow Redis (here its requests arrive
+/// 1 s late, inside the 3 s budget) held the answer up by that much, or past the claim's
+/// deadline into a 503 for a retry whose answer Postgres had given. The copy lands after.
+#[test]
+fn a_replay_postgres_answered_does_not_wait_for_its_copy() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let pg_relay = relay::delaying_relay(relay::upstream(pg.url())).await;
+        let redis_relay = relay::delaying_relay(relay::upstream(redis.url())).await;
+        let slow_pg = PostgresStore::builder(relay::through(pg.url(), pg_relay.port))
+            .per_request()
+            .call_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("postgres store");
+        slow_pg.migrate().await.expect("migrate");
+        let slow_redis = RedisStore::builder(relay::through(redis.url(), redis_relay.port))
+            .prefix(idempotency_test::unique("h"))
+            .response_timeout(Duration::from_secs(3))
+            .call_budget(Duration::from_secs(3))
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let gateway = HybridStore::new(slow_pg, slow_redis, BreakerConfig::default());
+        let fp = Fingerprint::of(b"slow copy");
+        // Its copy is evicted: the next claim asks Postgres, which replays.
+        let id = completed_then_evicted(redis.url(), &gateway, &fp).await;
+        let mut direct = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let key = gateway.redis().key(&id);
+
+        // Postgres answers 2 s late; once the peek has missed, Redis hears of requests 1 s
+        // late: only the copy is slow.
+        pg_relay.delay_replies(Duration::from_secs(2));
+        let misses = gateway.metrics().redis_misses;
+        let replay = {
+            let gateway = gateway.clone();
+            tokio::spawn(async move { gateway.begin(&id, &fp, LONG).await })
+        };
+        let mut peeked = false;
+        for _ in 0..500 {
+            if gateway.metrics().redis_misses > misses {
+                peeked = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            peeked,
+            "the claim never asked Redis: {:?}",
+            gateway.metrics()
+        );
+        redis_relay.delay_requests(Duration::from_secs(1));
+        let answer = replay.await.expect("task").expect("begin");
+        assert!(matches!(answer, Begin::Replay(_)), "{answer:?}");
+        async fn copied(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+            redis::cmd("EXISTS")
+                .arg(key)
+                .query_async(conn)
+                .await
+                .expect("exists")
+        }
+        assert!(
+            !copied(&mut direct, &key).await,
+            "the replay was answered only once Redis had its copy"
+        );
+        let mut landed = false;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            landed = copied(&mut direct, &key).await;
+            if landed {
+                break;
+            }
+        }
+        assert!(landed, "the copy never landed: {:?}", gateway.metrics());
+        redis_relay.delay_requests(Duration::ZERO);
+        pg_relay.delay_replies(Duration::ZERO);
+        assert!(matches!(
+            gateway.begin(&id, &fp, LONG).await.expect("begin"),
+            Begin::Replay(_)
+        ));
+        assert!(
+            gateway.metrics().redis_hits > 0,
+            "the retry after the copy landed was not answered by Redis: {:?}",
+            gateway.metrics()
+        );
+    });
+}
+
 /// The second delete of an operator's release counts from when its Postgres delete may
 /// have committed, not from when it was asked: a delete that waited on a row lock (here
 /// 3.3 s of a 4 s budget) left a gateway that read the row just before it time to hear

@@ -111,8 +111,8 @@ struct Shared {
     repairs: Flagged<Repairs>,
     repairing: tokio::sync::Mutex<()>,
     /// What this process writes to Redis after answering — a lease's mirror (after
-    /// `begin`), an outcome's copy (after `complete`) — by token, with the record, until it
-    /// lands.
+    /// `begin`), an outcome's copy (after `complete`, or after a replay Postgres answered,
+    /// under a token of its own) — by token, with the record, until it lands.
     mirrors: std::sync::Mutex<Mirrors>,
     redis_hits: AtomicU64,
     redis_misses: AtomicU64,
@@ -140,7 +140,7 @@ type Mirrors = std::collections::HashMap<(LeaseToken, Written), Pending>;
 enum Written {
     /// A live lease's mirror, after `begin`.
     Mirror,
-    /// A completed outcome's copy, after `complete`.
+    /// A completed outcome's copy, after `complete` or a replay Postgres answered.
     Copy,
 }
 
@@ -901,8 +901,17 @@ impl HybridStore {
             {
                 // The row's retention, counted from before Postgres read it: never later.
                 let expires = until(asked, ttl);
-                self.try_redis(|| self.redis.cache_completed(id, fp, outcome, expires))
-                    .await;
+                // After answering: the retry has its answer from Postgres, and a slow Redis
+                // must not hold it up (awaited here, the copy's budget came on top of a slow
+                // Postgres read and could turn the replay into `Unavailable`). Until the copy
+                // lands a duplicate asks Postgres again, which replays. Noted with the
+                // record under a token of its own, so that an operator's release waits for
+                // it (a copy is fenced by its deadline, not by a lease).
+                let (this, id, fp, outcome) = (self.clone(), *id, *fp, outcome.clone());
+                self.write_after_answering(id, LeaseToken::generate(), Written::Copy, async move {
+                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
+                        .await;
+                });
             }
             _ => {}
         }
