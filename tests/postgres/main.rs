@@ -201,6 +201,17 @@ fn the_stores_sessions_commit_durably() {
     });
 }
 
+/// The start of a trigger body (its `IF` left open): every claim's lease is written short
+/// (as after a long lock wait), so it is re-armed; the first re-arm fails as a
+/// serialization race would (a sequence is not rolled back with the statement, so it fails
+/// once).
+const RACE_ON_FIRST_REARM: &str = "IF TG_OP = 'INSERT' THEN
+       NEW.expires_at := clock_timestamp() + interval '100 milliseconds';
+     ELSIF TG_OP = 'UPDATE' AND NEW.lease_token = OLD.lease_token
+           AND NEW.state = 0 AND OLD.state = 0 AND NEW.expires_at > OLD.expires_at
+           AND nextval(TG_TABLE_NAME || '_races') = 1 THEN
+       RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';";
+
 /// A serialization failure (a pool run SERIALIZABLE, whose false positives are ordinary)
 /// raised after a round's grant committed — here by the re-arm of a lease that a lock wait
 /// left short — leaves that grant to nobody: the claim gives it back before it looks again.
@@ -209,19 +220,7 @@ fn the_stores_sessions_commit_durably() {
 #[test]
 fn a_race_after_a_grant_gives_the_grant_back() {
     block_on(async {
-        // Every claim's lease is written short (as after a long lock wait), so it is re-armed;
-        // the first re-arm fails as a serialization race would (a sequence is not rolled back
-        // with the statement, so it fails once).
-        let Some(store) = store_with_trigger(
-            "IF TG_OP = 'INSERT' THEN
-               NEW.expires_at := clock_timestamp() + interval '100 milliseconds';
-             ELSIF NEW.lease_token = OLD.lease_token AND NEW.state = 0 AND OLD.state = 0
-                   AND NEW.expires_at > OLD.expires_at
-                   AND nextval(TG_TABLE_NAME || '_races') = 1 THEN
-               RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
-             END IF;",
-        )
-        .await
+        let Some(store) = store_with_trigger(&format!("{RACE_ON_FIRST_REARM} END IF;")).await
         else {
             return;
         };
@@ -231,9 +230,37 @@ fn a_race_after_a_grant_gives_the_grant_back() {
     });
 }
 
-/// A store on a table of its own whose rows pass through a `BEFORE INSERT OR UPDATE`
-/// trigger running `body` (PL/pgSQL; a sequence `<table>_races` is there for it to count).
-/// `None` when service tests are opted out.
+/// The same race, and the give-back fails too (the connection breaks): the claim answers
+/// `Unavailable` and the grant is given back later. It went on to the next round, which
+/// read the grant as another attempt's: `InFlight` to the request that made it, or, once
+/// the (here short) lease ran out, `TakeOver`, an outcome unknown for an operation never
+/// run.
+#[test]
+fn a_race_after_a_grant_whose_give_back_fails_answers_unavailable() {
+    block_on(async {
+        // The give-back (a delete) is the sequence's second use.
+        let Some(store) = store_with_trigger(&format!(
+            "{RACE_ON_FIRST_REARM}
+             ELSIF TG_OP = 'DELETE' AND nextval(TG_TABLE_NAME || '_races') = 2 THEN
+               RAISE EXCEPTION 'the connection broke' USING ERRCODE = '08006';
+             END IF;"
+        ))
+        .await
+        else {
+            return;
+        };
+        let id = fresh_id();
+        let answer = store.begin(&id, &fp("race"), LONG).await;
+        assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+        store.drain().await; // the grant given back
+        let again = store.begin(&id, &fp("race"), LONG).await.expect("begin");
+        assert!(matches!(again, Begin::Execute(_)), "{again:?}");
+    });
+}
+
+/// A store on a table of its own whose rows pass through a `BEFORE INSERT OR UPDATE OR
+/// DELETE` trigger running `body` (PL/pgSQL; `NEW` is null on a delete; a sequence
+/// `<table>_races` is there for it to count). `None` when service tests are opted out.
 async fn store_with_trigger(body: &str) -> Option<PostgresStore> {
     let pg = services::postgres().await?;
     let table = format!("trig_{}", idempotency_test::unique("t").replace('-', "_"));
@@ -246,8 +273,8 @@ async fn store_with_trigger(body: &str) -> Option<PostgresStore> {
     let ddl = format!(
         "CREATE SEQUENCE {table}_races;
          CREATE FUNCTION {table}_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN {body} RETURN NEW; END $$;
-         CREATE TRIGGER {table}_trigger BEFORE INSERT OR UPDATE ON {table}
+         BEGIN {body} RETURN COALESCE(NEW, OLD); END $$;
+         CREATE TRIGGER {table}_trigger BEFORE INSERT OR UPDATE OR DELETE ON {table}
            FOR EACH ROW EXECUTE FUNCTION {table}_trigger();"
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))

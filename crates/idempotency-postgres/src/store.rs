@@ -1238,7 +1238,9 @@ impl PostgresStore {
                 // leaves that grant to nobody, and the next round would read it as another
                 // attempt's: it is given back first (fenced on the token: a grant never
                 // written changes nothing). The server answered, so no statement of this
-                // round is still on its way; a give-back that fails is retried later.
+                // round is still on its way. A give-back that fails is retried later, and
+                // the claim ends `Unavailable` ("nothing changed", true once that lands):
+                // the next round would read the grant as another attempt's.
                 Err(error) if is_serialization_race(&error) => {
                     if let Some(token) = rounds.take_in_doubt() {
                         let took = takeovers
@@ -1250,11 +1252,15 @@ impl PostgresStore {
                         } else {
                             self.release(id, token).await
                         };
-                        if let Err(error) = given
-                            && !matches!(error, Error::LeaseLost)
+                        if let Err(given_back) = given
+                            && !matches!(given_back, Error::LeaseLost)
                         {
-                            tracing::debug!(%error, record = %id, "could not give back a grant after a race; looking again later");
+                            tracing::debug!(error = %given_back, record = %id, "could not give back a grant after a race; looking again later");
                             self.settle_orphans_later(*id, vec![token], takeovers);
+                            return Err(Error::unavailable(format!(
+                                "a race ({error}), then the grant could not be given back \
+                                 ({given_back}); it is given back later"
+                            )));
                         }
                     }
                 }
