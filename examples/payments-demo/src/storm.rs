@@ -5,14 +5,17 @@
 //! other. Every third charge asks the handler to take longer than the client waits
 //! (`X-Demo-Delay-Ms` > `--client-timeout-ms`), so the client hangs up and retries while the
 //! server is still charging. Then it reads the charges the demo recorded: each charge's
-//! amount (`100 + i`, one per key) exactly once, or the exit status says otherwise (a
-//! charge made twice and one never made do not cancel out).
+//! amount (`100 + i`, one per key) exactly once, and no wrong answer, or the exit status
+//! says otherwise (a charge made twice and one never made do not cancel out).
 //!
 //! The table counts each send in one column: *executed (fresh 201)* a 201 without
 //! `Idempotent-Replayed`; *replayed* an answer with it, either a 201 the layer replayed or
 //! the 200 the demo answers for a key whose record's retention had ended
 //! (`IDEMPOTENCY_RETENTION_MS`); *409 in flight* a send while another with the key ran;
-//! *timed out* the client hung up; *errors* any other answer, or a failed connection.
+//! *timed out* the client hung up; *errors* any other answer, or a failed connection. Of the
+//! errors, a 502, 503 or 504 (a server or its proxy unavailable: a client retries it) or a
+//! failed connection is not wrong; any other answer is (`wrong=` on the last line: a 422
+//! for the one body the key was sent with, a 500, a 200 that does not say it replays).
 
 use std::{
     process::ExitCode,
@@ -28,7 +31,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::client::{self, Failure};
 
 /// Fires N logical charges at a running demo, each sent M times with one key, then checks
-/// that the demo recorded exactly N charges (exit status 0), or says how many it did.
+/// that the demo recorded each charge once and answered nothing wrong (exit status 0), or
+/// says what it found.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// The demo's base URL (plain HTTP/1.1), e.g. http://127.0.0.1:3000.
@@ -62,6 +66,8 @@ struct Tally {
     conflicts: AtomicU64,
     timed_out: AtomicU64,
     errors: AtomicU64,
+    /// Of the errors, the answers no retry of this storm should get (see [`Answer::Wrong`]).
+    wrong: AtomicU64,
 }
 
 pub(crate) async fn main(args: Args) -> ExitCode {
@@ -128,18 +134,23 @@ pub(crate) async fn main(args: Args) -> ExitCode {
     println!();
     match recorded {
         Some(v) => {
+            let wrong = t(&tally.wrong);
             println!(
-                "recorded={} expected={} duplicated={} missing={}",
+                "recorded={} expected={} duplicated={} missing={} wrong={wrong}",
                 v.recorded, args.charges, v.duplicated, v.missing
             );
-            if v.exact() {
+            if v.exact() && wrong == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
             }
         }
         None => {
-            println!("recorded=? expected={}", args.charges);
+            println!(
+                "recorded=? expected={} wrong={}",
+                args.charges,
+                t(&tally.wrong)
+            );
             ExitCode::FAILURE
         }
     }
@@ -194,8 +205,13 @@ enum Answer {
     Replayed,
     /// 409: another send with the key is running.
     InFlight,
-    /// Anything else, a 200 without `Idempotent-Replayed` included.
-    Unexpected,
+    /// 502, 503, 504: the server, or a proxy in front of it, could not answer now; a client
+    /// retries with the same key.
+    Unavailable,
+    /// Anything else, a 200 without `Idempotent-Replayed` included: every send of a charge
+    /// carries the same body and headers, so a 422 (another request under the key), a 400 or
+    /// a 500 says the server got something wrong.
+    Wrong,
 }
 
 /// Classifies one answer by its status and whether it carried `Idempotent-Replayed`.
@@ -204,7 +220,8 @@ fn classify(status: u16, replayed: bool) -> Answer {
         (201 | 200, true) => Answer::Replayed,
         (201, false) => Answer::Executed,
         (409, _) => Answer::InFlight,
-        _ => Answer::Unexpected,
+        (502..=504, _) => Answer::Unavailable,
+        _ => Answer::Wrong,
     }
 }
 
@@ -242,8 +259,13 @@ async fn logical_charge(
                     Answer::Executed => &tally.executed,
                     Answer::Replayed => &tally.replayed,
                     Answer::InFlight => &tally.conflicts,
-                    Answer::Unexpected => {
-                        tracing::warn!(status = reply.status, body = %reply.body, "unexpected answer");
+                    Answer::Unavailable => {
+                        tracing::warn!(status = reply.status, body = %reply.body, "unavailable");
+                        &tally.errors
+                    }
+                    Answer::Wrong => {
+                        tracing::warn!(status = reply.status, body = %reply.body, "wrong answer");
+                        tally.wrong.fetch_add(1, Ordering::Relaxed);
                         &tally.errors
                     }
                 }
@@ -333,10 +355,13 @@ mod tests {
         assert_eq!(classify(409, false), Answer::InFlight);
         assert_eq!(classify(409, true), Answer::InFlight);
         // A 200 that does not say it replays is not a charge the storm can account for.
-        for (status, replayed) in [(200, false), (422, false), (503, false), (500, true)] {
+        for status in [502, 503, 504] {
+            assert_eq!(classify(status, false), Answer::Unavailable, "{status}");
+        }
+        for (status, replayed) in [(200, false), (422, false), (400, false), (500, true)] {
             assert_eq!(
                 classify(status, replayed),
-                Answer::Unexpected,
+                Answer::Wrong,
                 "{status} {replayed}"
             );
         }

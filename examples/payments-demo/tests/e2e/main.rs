@@ -367,7 +367,7 @@ fn exercise(demo: &Demo, mode: &str) {
     );
     assert_eq!(
         out.lines().last(),
-        Some("recorded=40 expected=40 duplicated=0 missing=0"),
+        Some("recorded=40 expected=40 duplicated=0 missing=0 wrong=0"),
         "{out}"
     );
 }
