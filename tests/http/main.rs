@@ -616,7 +616,7 @@ fn a_request_without_a_principal_is_refused_before_any_claim() {
                 None => Err(NoScope::Unauthenticated("send X-Account-Id".into())),
             }
         });
-        let (router, calls, _) = app(layer);
+        let (router, calls, metrics) = app(layer);
         let refused = send(&router, "POST", Some("k"), &[], "{}").await;
         assert_eq!(refused.status, 401, "{}", refused.body);
         assert_eq!(refused.headers["content-type"], "application/problem+json");
@@ -628,6 +628,7 @@ fn a_request_without_a_principal_is_refused_before_any_claim() {
         let unreadable = send(&router, "POST", Some("k"), &[("x-account-id", "")], "{}").await;
         assert_eq!(unreadable.status, 400, "{}", unreadable.body);
         assert_eq!(calls.get(), 0);
+        assert_eq!(metrics.snapshot().unscoped, 2, "refusals are counted");
         let charged = send(&router, "POST", Some("k"), &[("x-account-id", "a")], "{}").await;
         assert_eq!(charged.status, 201);
         let again = send(&router, "POST", Some("k"), &[("x-account-id", "a")], "{}").await;

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub(crate) mismatches: AtomicU64,
     pub(crate) too_large: AtomicU64,
     pub(crate) bad_keys: AtomicU64,
+    pub(crate) unscoped: AtomicU64,
     pub(crate) unavailable: AtomicU64,
     pub(crate) panics: AtomicU64,
     pub(crate) lease_lost: AtomicU64,
@@ -51,6 +52,9 @@ pub struct MetricsSnapshot {
     pub too_large: u64,
     /// 400: missing or invalid key.
     pub bad_keys: u64,
+    /// 401 or 400: the request named no principal, or one that could not be read (a
+    /// [`NoScope`](crate::NoScope) from the scope function): refused before any claim.
+    pub unscoped: u64,
     /// 503: store unavailable.
     pub unavailable: u64,
     /// Handlers that panicked (their lease was released).
@@ -78,6 +82,7 @@ impl Metrics {
             mismatches: get(&self.mismatches),
             too_large: get(&self.too_large),
             bad_keys: get(&self.bad_keys),
+            unscoped: get(&self.unscoped),
             unavailable: get(&self.unavailable),
             panics: get(&self.panics),
             lease_lost: get(&self.lease_lost),
@@ -111,6 +116,10 @@ impl Metrics {
         metrics::describe_counter!(
             "idempotency_bad_keys_total",
             "Requests refused with 400 (key missing or invalid)."
+        );
+        metrics::describe_counter!(
+            "idempotency_unscoped_total",
+            "Requests refused with 401 or 400 (no principal to scope the key to)."
         );
         metrics::describe_counter!(
             "idempotency_unavailable_total",

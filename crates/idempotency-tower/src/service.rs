@@ -160,9 +160,11 @@ where
     let scope = match (config.scope)(&parts) {
         Ok(scope) => scope,
         Err(NoScope::Unauthenticated(detail)) => {
+            Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
             return Ok(Problem::Unauthenticated.response(&detail, None));
         }
         Err(NoScope::Invalid(detail)) => {
+            Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
             return Ok(Problem::InvalidRequest.response(&detail, None));
         }
     };
