@@ -1513,6 +1513,15 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
     });
 }
 
+/// Whether Redis holds `key` (read on a connection of the test's own, not the store's).
+async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("exists")
+}
+
 /// A record `store` completed on a fresh key, whose Redis copy (on the Redis at
 /// `redis_url`) is then deleted behind the store's back, as an eviction would.
 async fn completed_then_evicted(
@@ -1722,21 +1731,14 @@ fn a_replay_postgres_answered_does_not_wait_for_its_copy() {
         redis_relay.delay_requests(Duration::from_secs(1));
         let answer = replay.await.expect("task").expect("begin");
         assert!(matches!(answer, Begin::Replay(_)), "{answer:?}");
-        async fn copied(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
-            redis::cmd("EXISTS")
-                .arg(key)
-                .query_async(conn)
-                .await
-                .expect("exists")
-        }
         assert!(
-            !copied(&mut direct, &key).await,
+            !exists(&mut direct, &key).await,
             "the replay was answered only once Redis had its copy"
         );
         let mut landed = false;
         for _ in 0..100 {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            landed = copied(&mut direct, &key).await;
+            landed = exists(&mut direct, &key).await;
             if landed {
                 break;
             }
@@ -1752,6 +1754,71 @@ fn a_replay_postgres_answered_does_not_wait_for_its_copy() {
             gateway.metrics().redis_hits > 0,
             "the retry after the copy landed was not answered by Redis: {:?}",
             gateway.metrics()
+        );
+    });
+}
+
+/// A copy whose task starts late (a starved runtime: here a thread that blocks for
+/// longer than a Postgres call budget before the task first runs) is not sent: an
+/// operator's release of the record and its second delete, which allow for copies on their
+/// way by one Postgres call budget after the read, may be over by then, and the copy would
+/// replay the deleted record from Redis for its whole retention. The bound was checked only
+/// when the task was spawned.
+#[test]
+fn a_copy_whose_task_starts_late_is_not_sent() {
+    use idempotency_test::conformance::LONG;
+
+    let Some((pg_url, redis_url)) = block_on(async {
+        if services::skipping() {
+            return None;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        Some((pg.url().to_owned(), redis.url().to_owned()))
+    }) else {
+        return;
+    };
+    // One thread: a task spawned there runs only when the test's own future yields.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let gateway = hybrid(pg_store(&pg_url).await, &redis_url).await;
+        let fp = Fingerprint::of(b"late task");
+        let id = completed_then_evicted(&redis_url, &gateway, &fp).await;
+        let answer = gateway.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(matches!(answer, Begin::Replay(_)), "{answer:?}");
+        // The runtime is starved past the Postgres call budget (1 s) before the copy runs.
+        std::thread::sleep(gateway.postgres().call_timeout() + Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut direct = redis::Client::open(redis_url.as_str())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        assert!(
+            !exists(&mut direct, &gateway.redis().key(&id)).await,
+            "a replay's copy sent past its bound landed"
+        );
+
+        // So too an outcome's copy after `complete`, when no lease mirror waits for it.
+        let gateway = hybrid(pg_store(&pg_url).await, &redis_url)
+            .await
+            .with_in_flight_mirror_ttl(Duration::ZERO);
+        let id = fresh_id();
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        gateway
+            .complete(&id, token, &Outcome::new(201), RETENTION)
+            .await
+            .expect("complete");
+        std::thread::sleep(gateway.postgres().call_timeout() + Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !exists(&mut direct, &gateway.redis().key(&id)).await,
+            "an outcome's copy sent past its bound landed"
         );
     });
 }

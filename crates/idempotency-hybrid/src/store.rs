@@ -909,8 +909,12 @@ impl HybridStore {
                 // it (a copy is fenced by its deadline, not by a lease).
                 let (this, id, fp, outcome) = (self.clone(), *id, *fp, outcome.clone());
                 self.write_after_answering(id, LeaseToken::generate(), Written::Copy, async move {
-                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
-                        .await;
+                    // Checked again as the task starts: on a starved runtime it may start
+                    // late, past the bound an operator's second delete allows for.
+                    if asked.elapsed() <= this.pg.call_timeout() {
+                        this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
+                            .await;
+                    }
                 });
             }
             _ => {}
@@ -1005,8 +1009,14 @@ impl Store for HybridStore {
                 // Noted with the record, so that an operator's release waits for it.
                 let (this, id, outcome) = (self.clone(), *id, outcome.clone());
                 self.write_after_answering(id, token, Written::Copy, async move {
-                    this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
-                        .await;
+                    // Not sent from a task that started later than a Postgres call budget
+                    // after the statement (a starved runtime): an operator's release of the
+                    // record and its second delete, which allows for writes on their way by
+                    // that much, may be over, and the copy would replay a deleted record.
+                    if sent.elapsed() <= this.pg.call_timeout() {
+                        this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
+                            .await;
+                    }
                 });
                 return Ok(());
             }
