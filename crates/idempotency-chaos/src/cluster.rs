@@ -34,13 +34,18 @@ pub(crate) struct Cluster {
 
 /// SIGKILLs a child's whole process group: `faketime` runs the gateway as its own child, and
 /// nginx's workers outlive a killed master. Every child here leads a group of its own.
+fn kill_group(child: &Child) {
+    signal_group(child, "KILL");
+}
+
+/// Sends `signal` (`KILL`, `STOP`, `CONT`) to a child's whole process group.
 ///
 /// The form matters: `kill -s KILL -- -PGID`. procps' `kill` does not read `kill -KILL -PGID`
 /// as a group; in a rehearsal that form killed every process on the machine.
-fn kill_group(child: &Child) {
+fn signal_group(child: &Child, signal: &str) {
     if let Some(pid) = child.id().filter(|pid| *pid > 1) {
         let _ = std::process::Command::new("kill")
-            .args(["-s", "KILL", "--", &format!("-{pid}")])
+            .args(["-s", signal, "--", &format!("-{pid}")])
             .stderr(Stdio::null())
             .status();
     }
@@ -249,6 +254,23 @@ http {{
     }
 
     /// SIGKILL, like a crash: no graceful shutdown, no drain.
+    /// Freezes gateway `i` (`SIGSTOP`, its whole group) or thaws it (`SIGCONT`): a process
+    /// that stalls with its work half done — a long GC-like pause, a VM migrated, a host
+    /// swapping — and then goes on as if nothing happened.
+    pub(crate) fn freeze_gateway(&self, i: usize, frozen: bool) -> Result<(), String> {
+        let child = self.gateways[i]
+            .child
+            .as_ref()
+            .ok_or_else(|| format!("gateway {} is not running", i + 1))?;
+        signal_group(child, if frozen { "STOP" } else { "CONT" });
+        Ok(())
+    }
+
+    /// The gateways' idempotency lease.
+    pub(crate) fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+
     pub(crate) async fn kill_gateway(&mut self, i: usize) {
         if let Some(mut child) = self.gateways[i].child.take() {
             kill_group(&child);

@@ -251,8 +251,9 @@ pub(crate) struct Report {
 ///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
 ///   never reached a client), or seen by a client as the 200 the handler answers a second
 ///   run with (the unique record id turns the second charge into a read) — unless a
-///   Postgres outage overlapped that key's attempts (a write whose answer was lost). A gateway
-///   killed after its charge committed excuses nothing (the retry takes the key over and the
+///   Postgres outage (a write whose answer was lost) or a gateway paused past the lease (an
+///   owner still stalled when taken over) overlapped that key's attempts. A gateway killed
+///   after its charge committed excuses nothing (the retry takes the key over and the
 ///   demo's reconcile hook finds the charge), nor do Redis faults.
 /// - **lost**: a 2xx whose charge id is not in the table.
 /// - **wrong**: a 2xx carrying another key's charge, or no charge id at all; or a 422 (every
@@ -316,7 +317,7 @@ pub(crate) async fn check(
         );
         let explained = windows
             .iter()
-            .any(|w| w.loses_outcomes && w.start <= second && first <= w.end + lease);
+            .any(|w| w.excuses_second_run && w.start <= second && first <= w.end + lease);
         if explained {
             excused += 1;
         } else {

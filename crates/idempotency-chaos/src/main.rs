@@ -6,7 +6,8 @@
 //! short upstream timeout, so nginx itself retries a slow charge on the other gateway. Clients
 //! send charges through nginx, each with one key and retries on it; some hang up mid-request.
 //! On a schedule drawn from the seed it injects: Redis SIGSTOP/SIGCONT, kill and restart,
-//! `FLUSHALL` and `CLIENT PAUSE`; Postgres stop and start; a gateway SIGKILLed and restarted.
+//! `FLUSHALL` and `CLIENT PAUSE`; Postgres stop and start; a gateway SIGKILLed and restarted;
+//! a gateway SIGSTOPped past the lease and resumed, a zombie whose charges were taken over.
 //!
 //! It records every attempt (key, attempt, status, charge id) and checks the history against
 //! the charges table: **duplicates** (two charges for one key, or the charge handler run
