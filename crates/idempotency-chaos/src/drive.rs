@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::{
     Args,
+    faults::Excuse,
     http::{self, NoReply},
 };
 
@@ -299,7 +300,7 @@ pub(crate) async fn check(
         .map(|(_, customer, _)| customer.as_str())
         .collect();
     let all: Vec<&Attempt> = history.attempts.iter().chain(probes).collect();
-    let (mut excused, mut reexecuted) = (0, 0);
+    let (mut lost_answer, mut stalled_owner, mut reexecuted) = (0, 0, 0);
     for (i, charge) in history.charges.iter().enumerate() {
         let mine: Vec<&&Attempt> = all.iter().filter(|a| a.charge == i).collect();
         let seen = mine.iter().find(|a| a.answer == Ok(200));
@@ -315,11 +316,16 @@ pub(crate) async fn check(
             || mine.iter().map(|a| a.answered).max().unwrap_or(first),
             |a| a.answered,
         );
-        let explained = windows
-            .iter()
-            .any(|w| w.excuses_second_run && w.start <= second && first <= w.end + lease);
-        if explained {
-            excused += 1;
+        // A Postgres outage first: it is the excuse when both windows overlap.
+        let overlapping = |excuse| {
+            windows
+                .iter()
+                .any(|w| w.excuse == Some(excuse) && w.start <= second && first <= w.end + lease)
+        };
+        if overlapping(Excuse::LostAnswer) {
+            lost_answer += 1;
+        } else if overlapping(Excuse::StalledOwner) {
+            stalled_owner += 1;
         } else {
             reexecuted += 1;
         }
@@ -380,7 +386,7 @@ pub(crate) async fn check(
         })
         .count();
     let details = format!(
-        "chaos: charges={} charged={} re-executions-after-a-crash-or-outage={excused} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} attempts-max={}",
+        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} attempts-max={}",
         history.charges.len(),
         rows.len(),
         history

@@ -40,7 +40,16 @@ enum Fault {
 pub(crate) struct Window {
     pub(crate) start: Instant,
     pub(crate) end: Instant,
-    pub(crate) excuses_second_run: bool,
+    pub(crate) excuse: Option<Excuse>,
+}
+
+/// Why a fault's window excuses a second run (the report counts each apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Excuse {
+    /// Postgres down: a write may have committed with its answer lost.
+    LostAnswer,
+    /// A gateway paused past the lease: an owner still stalled when taken over.
+    StalledOwner,
 }
 
 /// Runs `driver` while injecting faults for `duration`; returns the driver's output, the
@@ -79,7 +88,11 @@ pub(crate) async fn run<T>(
             windows.push(Window {
                 start,
                 end: Instant::now(),
-                excuses_second_run: matches!(fault, Fault::PostgresStop | Fault::GatewayPause(_)),
+                excuse: match fault {
+                    Fault::PostgresStop => Some(Excuse::LostAnswer),
+                    Fault::GatewayPause(_) => Some(Excuse::StalledOwner),
+                    _ => None,
+                },
             });
         }
         Ok::<_, String>(windows)
