@@ -35,20 +35,28 @@ pub(crate) struct Cluster {
 /// SIGKILLs a child's whole process group: `faketime` runs the gateway as its own child, and
 /// nginx's workers outlive a killed master. Every child here leads a group of its own.
 fn kill_group(child: &Child) {
-    signal_group(child, "KILL");
+    // Best effort: a group already gone has nothing left to kill.
+    let _ = signal_group(child, "KILL");
 }
 
 /// Sends `signal` (`KILL`, `STOP`, `CONT`) to a child's whole process group.
 ///
 /// The form matters: `kill -s KILL -- -PGID`. procps' `kill` does not read `kill -KILL -PGID`
 /// as a group; in a rehearsal that form killed every process on the machine.
-fn signal_group(child: &Child, signal: &str) {
-    if let Some(pid) = child.id().filter(|pid| *pid > 1) {
-        let _ = std::process::Command::new("kill")
-            .args(["-s", signal, "--", &format!("-{pid}")])
-            .stderr(Stdio::null())
-            .status();
-    }
+fn signal_group(child: &Child, signal: &str) -> Result<(), String> {
+    let pid = child
+        .id()
+        .filter(|pid| *pid > 1)
+        .ok_or("the process has exited")?;
+    let status = std::process::Command::new("kill")
+        .args(["-s", signal, "--", &format!("-{pid}")])
+        .stderr(Stdio::null())
+        .status()
+        .map_err(|e| format!("kill: {e}"))?;
+    status
+        .success()
+        .then_some(())
+        .ok_or_else(|| format!("kill -s {signal} -- -{pid} failed"))
 }
 
 fn free_port() -> u16 {
@@ -253,17 +261,18 @@ http {{
         wait_healthy(&addr, "/healthz", Duration::from_secs(60)).await
     }
 
-    /// SIGKILL, like a crash: no graceful shutdown, no drain.
     /// Freezes gateway `i` (`SIGSTOP`, its whole group) or thaws it (`SIGCONT`): a process
     /// that stalls with its work half done — a long GC-like pause, a VM migrated, a host
-    /// swapping — and then goes on as if nothing happened.
+    /// swapping — and then goes on as if nothing happened. A signal not delivered is an
+    /// error: a pause that never happened must not excuse anything, and a gateway left
+    /// frozen must not go unnoticed.
     pub(crate) fn freeze_gateway(&self, i: usize, frozen: bool) -> Result<(), String> {
         let child = self.gateways[i]
             .child
             .as_ref()
             .ok_or_else(|| format!("gateway {} is not running", i + 1))?;
-        signal_group(child, if frozen { "STOP" } else { "CONT" });
-        Ok(())
+        signal_group(child, if frozen { "STOP" } else { "CONT" })
+            .map_err(|e| format!("gateway {}: {e}", i + 1))
     }
 
     /// The gateways' idempotency lease.
@@ -271,6 +280,7 @@ http {{
         Duration::from_millis(self.lease_ms)
     }
 
+    /// SIGKILL, like a crash: no graceful shutdown, no drain.
     pub(crate) async fn kill_gateway(&mut self, i: usize) {
         if let Some(mut child) = self.gateways[i].child.take() {
             kill_group(&child);

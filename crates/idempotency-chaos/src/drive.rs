@@ -246,29 +246,11 @@ pub(crate) struct Report {
     pub(crate) details: String,
 }
 
-/// Checks the history against the charges table.
-///
-/// - **duplicates**: a key with two charge rows; or a key whose charge handler ran twice —
-///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
-///   never reached a client), or seen by a client as the 200 the handler answers a second
-///   run with (the unique record id turns the second charge into a read) — unless a
-///   Postgres outage (a write whose answer was lost) or a gateway paused past the lease (an
-///   owner still stalled when taken over) overlapped that key's attempts. A gateway killed
-///   after its charge committed excuses nothing (the retry takes the key over and the
-///   demo's reconcile hook finds the charge), nor do Redis faults.
-/// - **lost**: a 2xx whose charge id is not in the table.
-/// - **wrong**: a 2xx carrying another key's charge, or no charge id at all; or a 422 (every
-///   client sends one body per key: "key reused for a different request" is a wrong answer,
-///   and refuses a charged client for good).
-/// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
-///   anything but 2xx (or 422, counted as wrong).
-pub(crate) async fn check(
+/// The campaign's charges as the demo recorded them: id, customer, runs of the handler.
+async fn charge_rows(
     history: &History,
-    probes: &[Attempt],
-    windows: &[crate::faults::Window],
-    lease: Duration,
     postgres_url: &str,
-) -> Result<Report, String> {
+) -> Result<Vec<(String, String, i32)>, String> {
     let pool = sqlx::PgPool::connect(postgres_url)
         .await
         .map_err(|e| format!("connecting to Postgres for the check: {e}"))?;
@@ -283,12 +265,56 @@ pub(crate) async fn check(
                 .to_owned()
         })
         .unwrap_or_default();
-    let rows: Vec<(String, String, i32)> =
+    let rows =
         sqlx::query_as("SELECT id, customer, runs FROM charges WHERE customer LIKE $1 || '-%'")
             .bind(&prefix)
             .fetch_all(&pool)
             .await
-            .map_err(|e| format!("reading charges: {e}"))?;
+            .map_err(|e| format!("reading charges: {e}"));
+    pool.close().await;
+    rows
+}
+
+/// How many times the handler ran for each charge, read before the final probes: a probe
+/// that runs it again shows as a count that grew.
+pub(crate) async fn runs_before_probes(
+    history: &History,
+    postgres_url: &str,
+) -> Result<HashMap<String, i32>, String> {
+    Ok(charge_rows(history, postgres_url)
+        .await?
+        .into_iter()
+        .map(|(_, customer, runs)| (customer, runs))
+        .collect())
+}
+
+/// Checks the history against the charges table.
+///
+/// - **duplicates**: a key with two charge rows; or a key whose charge handler ran twice —
+///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
+///   never reached a client), or seen by a client as the 200 the handler answers a second
+///   run with (the unique record id turns the second charge into a read) — unless a
+///   Postgres outage (a write whose answer was lost) overlapped that key's attempts, or a
+///   gateway was paused past the lease just after one of them was sent (an owner still
+///   stalled when taken over). Never a run a final probe saw (every fault was long cleared
+///   by then), and the final probes do not time a run. A gateway killed
+///   after its charge committed excuses nothing (the retry takes the key over and the
+///   demo's reconcile hook finds the charge), nor do Redis faults.
+/// - **lost**: a 2xx whose charge id is not in the table.
+/// - **wrong**: a 2xx carrying another key's charge, or no charge id at all; or a 422 (every
+///   client sends one body per key: "key reused for a different request" is a wrong answer,
+///   and refuses a charged client for good).
+/// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
+///   anything but 2xx (or 422, counted as wrong).
+pub(crate) async fn check(
+    history: &History,
+    probes: &[Attempt],
+    before_probes: &HashMap<String, i32>,
+    windows: &[crate::faults::Window],
+    lease: Duration,
+    postgres_url: &str,
+) -> Result<Report, String> {
+    let rows = charge_rows(history, postgres_url).await?;
     let mut per_customer: HashMap<&str, usize> = HashMap::new();
     for (_, customer, _) in &rows {
         *per_customer.entry(customer).or_default() += 1;
@@ -299,32 +325,55 @@ pub(crate) async fn check(
         .filter(|(_, _, runs)| *runs > 1)
         .map(|(_, customer, _)| customer.as_str())
         .collect();
-    let all: Vec<&Attempt> = history.attempts.iter().chain(probes).collect();
     let (mut lost_answer, mut stalled_owner, mut reexecuted) = (0, 0, 0);
     for (i, charge) in history.charges.iter().enumerate() {
-        let mine: Vec<&&Attempt> = all.iter().filter(|a| a.charge == i).collect();
+        // The campaign's attempts only: the final probes come after every fault, and timed
+        // by them any second run would overlap some window.
+        let mine: Vec<&Attempt> = history.attempts.iter().filter(|a| a.charge == i).collect();
+        // A probe that ran the handler again (a 200 not replayed) did so with every fault
+        // long cleared: nothing excuses it.
+        // (Its 200 carries `Idempotent-Replayed` as a stored one does: the runs counted
+        // before the probes tell them apart.)
+        let probe_ran = rows.iter().any(|(_, customer, runs)| {
+            *customer == charge.customer
+                && before_probes
+                    .get(customer)
+                    .map_or(*runs > 1, |before| runs > before)
+        });
         let seen = mine.iter().find(|a| a.answer == Ok(200));
-        if seen.is_none() && !ran_twice.contains(charge.customer.as_str()) {
+        let probe_saw = probes.iter().any(|p| p.charge == i && p.answer == Ok(200));
+        if seen.is_none() && !probe_saw && !ran_twice.contains(charge.customer.as_str()) {
             continue;
         }
         let Some(first) = mine.iter().map(|a| a.sent).min() else {
             continue;
         };
-        // When the second run was answered; counted by the demo alone, it was answered by
-        // the end of the key's last attempt at the latest.
+        // When the second run was answered; seen by nobody in the campaign (counted by the
+        // demo, or replayed to a probe), it was answered by the end of the key's last
+        // attempt (a zombie's run, after its pause, is bounded by the pause instead).
         let second = seen.map_or_else(
             || mine.iter().map(|a| a.answered).max().unwrap_or(first),
             |a| a.answered,
         );
-        // A Postgres outage first: it is the excuse when both windows overlap.
-        let overlapping = |excuse| {
-            windows
-                .iter()
-                .any(|w| w.excuse == Some(excuse) && w.start <= second && first <= w.end + lease)
-        };
-        if overlapping(Excuse::LostAnswer) {
+        // A write whose answer was lost: the outage overlapped the key's attempts.
+        let lost = windows.iter().any(|w| {
+            w.excuse == Some(Excuse::LostAnswer) && w.start <= second && first <= w.end + lease
+        });
+        // A stalled owner: an attempt claimed the key shortly before the pause froze it
+        // (sent within a lease before it), and the run that took it over came after. A
+        // request sent during the pause claims afresh once the gateway wakes: no excuse.
+        let stalled = windows.iter().any(|w| {
+            w.excuse == Some(Excuse::StalledOwner)
+                && w.start <= second
+                && mine
+                    .iter()
+                    .any(|a| a.sent < w.start && w.start <= a.sent + lease)
+        });
+        if probe_ran {
+            reexecuted += 1;
+        } else if lost {
             lost_answer += 1;
-        } else if overlapping(Excuse::StalledOwner) {
+        } else if stalled {
             stalled_owner += 1;
         } else {
             reexecuted += 1;

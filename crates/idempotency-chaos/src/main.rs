@@ -98,8 +98,17 @@ async fn run(args: Args) -> Result<bool, String> {
     let (history, windows, faults) = faults?;
     // Every fault is cleared; wait one lease past the last one, then ask every key again.
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
+    let before_probes = drive::runs_before_probes(&history, cluster.postgres_url()).await?;
     let probes = drive.probe_all(&history).await;
-    let report = drive::check(&history, &probes, &windows, lease, cluster.postgres_url()).await?;
+    let report = drive::check(
+        &history,
+        &probes,
+        &before_probes,
+        &windows,
+        lease,
+        cluster.postgres_url(),
+    )
+    .await?;
     cluster.stop().await;
     println!("{}", report.details);
     let clean =
