@@ -728,6 +728,43 @@ fn a_flushed_script_cache_fails_no_call() {
     });
 }
 
+/// `cache_completed_within` writes the copy while its deadline is ahead, and past it deletes
+/// the key, whatever is there: a copy sent after its bound (counted from the Postgres read it
+/// copies, however late its task ran) must not land after an operator's release.
+#[test]
+fn a_copy_past_its_deadline_deletes_instead_of_writing() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (id, fp) = (fresh_id(), fp("a"));
+        let outcome = Outcome::new(201).with_body("ch_1");
+        let now = tokio::time::Instant::now();
+        assert!(
+            store
+                .cache_completed_within(&id, &fp, &outcome, now + LONG, now + LONG)
+                .await
+                .expect("copy")
+        );
+        assert_eq!(
+            store.begin(&id, &fp, LONG).await.expect("begin"),
+            Begin::Replay(outcome.clone())
+        );
+        let late = tokio::time::Instant::now();
+        assert!(
+            !store
+                .cache_completed_within(&id, &fp, &outcome, late + LONG, late)
+                .await
+                .expect("late copy")
+        );
+        let mut conn = shared_connection().await;
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(store.key(&id))
+            .query_async(&mut conn)
+            .await
+            .expect("exists");
+        assert!(!exists, "a copy past its deadline left the key");
+    });
+}
+
 /// A record whose TTL was removed from outside (`PERSIST`, a restore without TTLs) never
 /// expires: `begin` and `force_release` read its lease as live, and `inspect` says the same
 /// (a lease that never ends, a record kept for good). It said the lease had ended, so an

@@ -634,6 +634,17 @@ impl HybridStore {
         );
     }
 
+    /// The latest a copy made after answering may land, counted from `from`, the moment
+    /// Postgres was asked for what it copies: one Postgres call budget for the answer, one
+    /// Redis budget for the repairs run first, four for the copy itself (what a copy sent at
+    /// once is allowed anyway). A copy can only harm a release whose delete committed after
+    /// `from`, so within one Postgres budget of the release's ask; the release deletes the
+    /// key again two Postgres budgets and ten Redis budgets after its ask. A copy landing by
+    /// this deadline lands before that, however late its task started or its repairs ran.
+    fn copy_deadline(&self, from: Instant) -> Instant {
+        from + self.pg.call_timeout() + self.redis.call_budget() * 5
+    }
+
     /// Waits for every write to `id`'s record this process makes after answering (a lease's
     /// mirror, an outcome's copy), as [`mirror_landed`](Self::mirror_landed) does for one.
     ///
@@ -912,8 +923,12 @@ impl HybridStore {
                     // Checked again as the task starts: on a starved runtime it may start
                     // late, past the bound an operator's second delete allows for.
                     if asked.elapsed() <= this.pg.call_timeout() {
-                        this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
-                            .await;
+                        let by = this.copy_deadline(asked);
+                        this.try_redis(|| {
+                            this.redis
+                                .cache_completed_within(&id, &fp, &outcome, expires, by)
+                        })
+                        .await;
                     }
                 });
             }
@@ -1014,8 +1029,12 @@ impl Store for HybridStore {
                     // record and its second delete, which allows for writes on their way by
                     // that much, may be over, and the copy would replay a deleted record.
                     if sent.elapsed() <= this.pg.call_timeout() {
-                        this.try_redis(|| this.redis.cache_completed(&id, &fp, &outcome, expires))
-                            .await;
+                        let by = this.copy_deadline(sent);
+                        this.try_redis(|| {
+                            this.redis
+                                .cache_completed_within(&id, &fp, &outcome, expires, by)
+                        })
+                        .await;
                     }
                 });
                 return Ok(());

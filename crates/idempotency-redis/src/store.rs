@@ -1318,6 +1318,45 @@ impl RedisStore {
         outcome: &Outcome,
         expires: tokio::time::Instant,
     ) -> Result<bool> {
+        let far = tokio::time::Instant::now() + self.budget.saturating_mul(COPY_DEADLINE_BUDGETS);
+        self.cache_completed_within(id, fp, outcome, expires, far)
+            .await
+    }
+
+    /// [`cache_completed`](Self::cache_completed) whose copy lands by `deadline` at the
+    /// latest (and within four call budgets of its sending, as always), or deletes the key:
+    /// for a copy made after answering, whose bound counts from the Postgres read or write
+    /// it copies, however late the task that sends it started (see the hybrid store's
+    /// operator release). A `deadline` already past deletes the key.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tokio::time::Instant;
+    /// # use idempotency_core::{Fingerprint, Outcome, RecordId, Scope, IdempotencyKey};
+    /// # async fn run(redis: idempotency_redis::RedisStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1")?);
+    /// let read = Instant::now(); // when Postgres was asked
+    /// let expires = read + Duration::from_secs(24 * 3600);
+    /// let written = redis
+    ///     .cache_completed_within(
+    ///         &id,
+    ///         &Fingerprint::of(b"body"),
+    ///         &Outcome::new(201),
+    ///         expires,
+    ///         read + Duration::from_secs(5),
+    ///     )
+    ///     .await?;
+    /// assert!(written);
+    /// # Ok(()) }
+    /// ```
+    pub async fn cache_completed_within(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        outcome: &Outcome,
+        expires: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<bool> {
         // Whole milliseconds left (none under one: too late, as Redis counts).
         let left = expires
             .saturating_duration_since(tokio::time::Instant::now())
@@ -1329,7 +1368,17 @@ impl RedisStore {
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         };
         let at = unix_ms(left);
-        let deadline = unix_ms(self.budget.saturating_mul(COPY_DEADLINE_BUDGETS));
+        let now = tokio::time::Instant::now();
+        // A deadline already past is 0: before any clock's now, the script deletes.
+        let deadline = if deadline <= now {
+            0
+        } else {
+            unix_ms(
+                self.budget
+                    .saturating_mul(COPY_DEADLINE_BUDGETS)
+                    .min(deadline - now),
+            )
+        };
         let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());
         let written: i64 = self
             .run(
