@@ -1,6 +1,7 @@
 //! The system under test: Postgres, Redis, the gateways and nginx, as real processes.
 
 use std::{
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     process::Stdio,
     time::Duration,
@@ -57,6 +58,28 @@ fn signal_group(child: &Child, signal: &str) -> Result<(), String> {
         .success()
         .then_some(())
         .ok_or_else(|| format!("kill -s {signal} -- -{pid} failed"))
+}
+
+/// Reads nginx's `keys` log (`<Idempotency-Key> <upstream_addr>` a line): each key, with the
+/// gateways (indices into `ports`) it reached. A request nginx retried names both (`a, b`;
+/// `a : b` across upstream groups); one that reached none (`-`) names nothing.
+fn keys_reached(log: &str, ports: &[u16]) -> HashMap<String, HashSet<usize>> {
+    let index: HashMap<String, usize> = (ports.iter().enumerate())
+        .map(|(i, port)| (format!("127.0.0.1:{port}"), i))
+        .collect();
+    let mut reached: HashMap<String, HashSet<usize>> = HashMap::new();
+    for line in log.lines() {
+        let Some((key, upstreams)) = line.split_once(' ') else {
+            continue;
+        };
+        reached.entry(key.to_owned()).or_default().extend(
+            upstreams
+                .replace(" : ", ", ")
+                .split(',')
+                .filter_map(|addr| index.get(addr.trim()).copied()),
+        );
+    }
+    reached
 }
 
 fn free_port() -> u16 {
@@ -187,7 +210,10 @@ pid {d}/nginx.pid;
 error_log {d}/nginx-error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    # Which gateways each key reached (a retried request lists both): a paused gateway
+    # excuses a second run only of a key it had.
+    log_format keys '$http_idempotency_key $upstream_addr';
+    access_log {d}/nginx-keys.log keys;
     client_body_temp_path {d}/nginx-body;
     proxy_temp_path {d}/nginx-proxy;
     fastcgi_temp_path {d}/nginx-fastcgi;
@@ -275,6 +301,14 @@ http {{
             .map_err(|e| format!("gateway {}: {e}", i + 1))
     }
 
+    /// Every key nginx passed on, with the gateways (by index) it reached.
+    pub(crate) fn keys_reached(&self) -> Result<HashMap<String, HashSet<usize>>, String> {
+        let ports: Vec<u16> = self.gateways.iter().map(|g| g.port).collect();
+        let path = self.dir.join("nginx-keys.log");
+        let log = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(keys_reached(&log, &ports))
+    }
+
     /// The gateways' idempotency lease.
     pub(crate) fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms)
@@ -336,4 +370,24 @@ impl Drop for Cluster {
 
 fn gateways_ports(gateways: &[Gateway]) -> Vec<u16> {
     gateways.iter().map(|g| g.port).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keys_log_names_every_gateway_a_key_reached() {
+        let log = "k1 127.0.0.1:4001\n\
+                   k2 127.0.0.1:4001, 127.0.0.1:4002\n\
+                   k3 -\n\
+                   k1 127.0.0.1:4002 : 127.0.0.1:4001\n\
+                   k4 127.0.0.1:9999\n";
+        let reached = keys_reached(log, &[4001, 4002]);
+        assert_eq!(reached["k1"], HashSet::from([0, 1]));
+        assert_eq!(reached["k2"], HashSet::from([0, 1]));
+        assert!(reached["k3"].is_empty());
+        assert!(reached["k4"].is_empty(), "not a gateway of the cluster");
+        assert!(!reached.contains_key("k5"));
+    }
 }

@@ -2,7 +2,7 @@
 //! table.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     time::Duration,
 };
 
@@ -295,8 +295,8 @@ pub(crate) async fn runs_before_probes(
 ///   never reached a client), or seen by a client as the 200 the handler answers a second
 ///   run with (the unique record id turns the second charge into a read) — unless a
 ///   Postgres outage (a write whose answer was lost) overlapped that key's attempts, or a
-///   gateway was paused past the lease just after one of them was sent (an owner still
-///   stalled when taken over). Never a run a final probe saw (every fault was long cleared
+///   gateway that had the key (nginx's log) was paused past the lease just after one of
+///   them was sent (an owner still stalled when taken over). Never a run a final probe saw (every fault was long cleared
 ///   by then), and the final probes do not time a run. A gateway killed
 ///   after its charge committed excuses nothing (the retry takes the key over and the
 ///   demo's reconcile hook finds the charge), nor do Redis faults.
@@ -310,6 +310,7 @@ pub(crate) async fn check(
     history: &History,
     probes: &[Attempt],
     before_probes: &HashMap<String, i32>,
+    reached: &HashMap<String, HashSet<usize>>,
     windows: &[crate::faults::Window],
     lease: Duration,
     postgres_url: &str,
@@ -320,7 +321,7 @@ pub(crate) async fn check(
         *per_customer.entry(customer).or_default() += 1;
     }
     let two_rows = per_customer.values().filter(|n| **n > 1).count();
-    let ran_twice: std::collections::HashSet<&str> = rows
+    let ran_twice: HashSet<&str> = rows
         .iter()
         .filter(|(_, _, runs)| *runs > 1)
         .map(|(_, customer, _)| customer.as_str())
@@ -359,15 +360,21 @@ pub(crate) async fn check(
         let lost = windows.iter().any(|w| {
             w.excuse == Some(Excuse::LostAnswer) && w.start <= second && first <= w.end + lease
         });
-        // A stalled owner: an attempt claimed the key shortly before the pause froze it
-        // (sent within a lease before it), and the run that took it over came after. A
-        // request sent during the pause claims afresh once the gateway wakes: no excuse.
-        let stalled = windows.iter().any(|w| {
-            w.excuse == Some(Excuse::StalledOwner)
-                && w.start <= second
-                && mine
-                    .iter()
-                    .any(|a| a.sent < w.start && w.start <= a.sent + lease)
+        // A stalled owner: the paused gateway had the key (nginx's log), an attempt claimed
+        // it shortly before the pause froze it (sent within a lease before it), and the run
+        // that took it over came after. A request sent during the pause claims afresh once
+        // the gateway wakes: no excuse.
+        let stalled = windows.iter().any(|w| match w.excuse {
+            Some(Excuse::StalledOwner(gateway)) => {
+                reached
+                    .get(&charge.key)
+                    .is_some_and(|gateways| gateways.contains(&gateway))
+                    && w.start <= second
+                    && mine
+                        .iter()
+                        .any(|a| a.sent < w.start && w.start <= a.sent + lease)
+            }
+            _ => false,
         });
         if probe_ran {
             reexecuted += 1;

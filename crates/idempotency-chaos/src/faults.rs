@@ -48,8 +48,8 @@ pub(crate) struct Window {
 pub(crate) enum Excuse {
     /// Postgres down: a write may have committed with its answer lost.
     LostAnswer,
-    /// A gateway paused past the lease: an owner still stalled when taken over.
-    StalledOwner,
+    /// Gateway `.0` paused past the lease: an owner still stalled when taken over.
+    StalledOwner(usize),
 }
 
 /// Runs `driver` while injecting faults for `duration`; returns the driver's output, the
@@ -90,7 +90,7 @@ pub(crate) async fn run<T>(
                 end: Instant::now(),
                 excuse: match fault {
                     Fault::PostgresStop => Some(Excuse::LostAnswer),
-                    Fault::GatewayPause(_) => Some(Excuse::StalledOwner),
+                    Fault::GatewayPause(i) => Some(Excuse::StalledOwner(i)),
                     _ => None,
                 },
             });

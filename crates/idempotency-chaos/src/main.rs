@@ -100,10 +100,12 @@ async fn run(args: Args) -> Result<bool, String> {
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
     let before_probes = drive::runs_before_probes(&history, cluster.postgres_url()).await?;
     let probes = drive.probe_all(&history).await;
+    let reached = cluster.keys_reached()?;
     let report = drive::check(
         &history,
         &probes,
         &before_probes,
+        &reached,
         &windows,
         lease,
         cluster.postgres_url(),
