@@ -246,6 +246,49 @@ pub(crate) struct Report {
     pub(crate) details: String,
 }
 
+/// How long "in flight" may last, in leases, with no fault near it: a live owner renews its
+/// lease only while its handler runs (about a second here), and a dead one's runs out
+/// within a lease.
+const STUCK_AFTER_LEASES: u32 = 3;
+
+/// Keys stuck for a while during the campaign, even if freed later (the final probe sees
+/// only the end): runs of 409 answers over more than [`STUCK_AFTER_LEASES`] leases, from the
+/// first one's sending to the last one's answer, with no fault window within a lease of
+/// them. Returns how many, and the longest such run (stuck or not).
+fn in_flight_streaks(
+    by_charge: &[Vec<&Attempt>],
+    windows: &[crate::faults::Window],
+    lease: Duration,
+) -> (usize, Duration) {
+    let (mut stuck, mut longest) = (0, Duration::ZERO);
+    for attempts in by_charge {
+        let mut streaks = Vec::new();
+        let mut streak: Option<(Instant, Instant)> = None;
+        for attempt in attempts {
+            if attempt.answer == Ok(409) {
+                let start = streak.map_or(attempt.sent, |(start, _)| start);
+                streak = Some((start, attempt.answered));
+            } else if let Some(done) = streak.take() {
+                streaks.push(done);
+            }
+        }
+        streaks.extend(streak);
+        for (start, end) in streaks {
+            let near_a_fault = windows
+                .iter()
+                .any(|w| w.start <= end + lease && start <= w.end + lease);
+            if near_a_fault {
+                continue;
+            }
+            longest = longest.max(end - start);
+            if end - start > lease * STUCK_AFTER_LEASES {
+                stuck += 1;
+            }
+        }
+    }
+    (stuck, longest)
+}
+
 /// The campaign's charges as the demo recorded them: id, customer, runs of the handler.
 async fn charge_rows(
     history: &History,
@@ -305,7 +348,8 @@ pub(crate) async fn runs_before_probes(
 ///   client sends one body per key: "key reused for a different request" is a wrong answer,
 ///   and refuses a charged client for good).
 /// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
-///   anything but 2xx (or 422, counted as wrong).
+///   anything but 2xx (or 422, counted as wrong); or a key told 409 for more than three
+///   leases on end during the campaign with no fault near (see [`in_flight_streaks`]).
 pub(crate) async fn check(
     history: &History,
     probes: &[Attempt],
@@ -326,11 +370,16 @@ pub(crate) async fn check(
         .filter(|(_, _, runs)| *runs > 1)
         .map(|(_, customer, _)| customer.as_str())
         .collect();
+    // Each charge's attempts, in the order its client made them.
+    let mut by_charge: Vec<Vec<&Attempt>> = vec![Vec::new(); history.charges.len()];
+    for attempt in &history.attempts {
+        by_charge[attempt.charge].push(attempt);
+    }
     let (mut lost_answer, mut stalled_owner, mut reexecuted) = (0, 0, 0);
     for (i, charge) in history.charges.iter().enumerate() {
         // The campaign's attempts only: the final probes come after every fault, and timed
         // by them any second run would overlap some window.
-        let mine: Vec<&Attempt> = history.attempts.iter().filter(|a| a.charge == i).collect();
+        let mine = &by_charge[i];
         // A probe that ran the handler again (a 200 not replayed) did so with every fault
         // long cleared: nothing excuses it.
         // (Its 200 carries `Idempotent-Replayed` as a stored one does: the runs counted
@@ -409,12 +458,14 @@ pub(crate) async fn check(
             Some(_) => {}
         }
     }
-    let stuck = probes
+    let stuck_at_the_end = probes
         .iter()
         .filter(
             |p| !matches!(p.answer, Ok(status) if (200..300).contains(&status) || status == 422),
         )
         .count();
+    let (stuck_in_run, longest_quiet_409s) = in_flight_streaks(&by_charge, windows, lease);
+    let stuck = stuck_at_the_end + stuck_in_run;
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
     for attempt in &history.attempts {
         let label = match attempt.answer {
@@ -442,7 +493,7 @@ pub(crate) async fn check(
         })
         .count();
     let details = format!(
-        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} attempts-max={}",
+        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-away-from-faults={longest_quiet_409s:.1?} attempts-max={}",
         history.charges.len(),
         rows.len(),
         history
@@ -460,4 +511,60 @@ pub(crate) async fn check(
         stuck,
         details,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::faults::Window;
+
+    fn answered(charge: usize, sent_ms: u64, took_ms: u64, status: u16, at: Instant) -> Attempt {
+        let sent = at + Duration::from_millis(sent_ms);
+        Attempt {
+            charge,
+            attempt: 1,
+            sent,
+            answered: sent + Duration::from_millis(took_ms),
+            answer: Ok(status),
+            replayed: false,
+            charge_id: None,
+        }
+    }
+
+    /// 409s over more than three leases with no fault near are stuck, even when the key
+    /// answered in the end; near a fault, or shorter, or broken by another answer, they
+    /// are not.
+    #[test]
+    fn long_runs_of_409_away_from_faults_are_stuck() {
+        let at = Instant::now();
+        let lease = Duration::from_secs(1);
+        let long: Vec<Attempt> = (0..8)
+            .map(|i| answered(0, i * 500, 10, 409, at))
+            .chain([answered(0, 4_000, 10, 201, at)])
+            .collect();
+        let short: Vec<Attempt> = (0..4)
+            .map(|i| answered(1, i * 500, 10, 409, at))
+            .chain([answered(1, 2_000, 10, 201, at)])
+            .collect();
+        let broken: Vec<Attempt> = [409, 409, 409, 503, 409, 409, 409]
+            .iter()
+            .enumerate()
+            .map(|(i, status)| answered(2, i as u64 * 600, 10, *status, at))
+            .collect();
+        let by_charge: Vec<Vec<&Attempt>> = [&long, &short, &broken]
+            .iter()
+            .map(|attempts| attempts.iter().collect())
+            .collect();
+        let (stuck, longest) = in_flight_streaks(&by_charge, &[], lease);
+        assert_eq!(stuck, 1);
+        assert_eq!(longest, Duration::from_millis(3_510));
+        // A fault starting within a lease of the run's end explains it; one later does not.
+        let fault = |from_ms| Window {
+            start: at + Duration::from_millis(from_ms),
+            end: at + Duration::from_millis(from_ms + 500),
+            excuse: None,
+        };
+        assert_eq!(in_flight_streaks(&by_charge, &[fault(4_400)], lease).0, 0);
+        assert_eq!(in_flight_streaks(&by_charge, &[fault(4_600)], lease).0, 1);
+    }
 }
