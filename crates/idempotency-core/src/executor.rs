@@ -383,9 +383,10 @@ impl<S: Store + ?Sized> Executor<S> {
             token,
             retention: self.policy.retention(),
             accepted: Arc::new(AtomicBool::new(false)),
+            completing: Arc::new(AtomicBool::new(false)),
             result: std::marker::PhantomData,
         };
-        let accepted = claim.accepted.clone();
+        let (accepted, completing) = (claim.accepted.clone(), claim.completing.clone());
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         // A closure that panics before it returns its future panics as its future would.
@@ -396,10 +397,17 @@ impl<S: Store + ?Sized> Executor<S> {
             Err(panic) => futures::future::Either::Right(std::future::ready(Err(panic))),
         };
         tokio::pin!(operation);
-        let result = match futures::poll!(&mut operation) {
+        // Not even its first step once the lease may have run out (the process was frozen
+        // since the claim): it waits for a renewal, below.
+        let first = if Instant::now() < asked + self.policy.surely_held() {
+            futures::poll!(&mut operation)
+        } else {
+            std::task::Poll::Pending
+        };
+        let result = match first {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
-                let (renewing, lost) = renew_in_a_task(
+                let (renewing, mut lease) = renew_in_a_task(
                     self.store.clone(),
                     id,
                     token,
@@ -408,17 +416,42 @@ impl<S: Store + ?Sized> Executor<S> {
                     accepted.clone(),
                 );
                 guard.renewing = Some(renewing);
-                // An operation that ends in the same poll as the loss is reported as run
-                // (its outcome's write then finds the key lost: `NotStored`).
-                tokio::select! {
-                    biased;
-                    result = &mut operation => result,
-                    Ok(()) = lost => {
-                        guard.stop_renewing();
-                        // The token is fenced off already: nothing to release.
-                        guard.settled = true;
-                        tracing::warn!(record = %id, "the lease was lost while the operation ran; stopping it");
-                        return Err(RunError::LeaseLost);
+                let mut ended = false;
+                loop {
+                    let held = *lease.borrow_and_update();
+                    let alive_until = match held {
+                        Held::Lost => {
+                            guard.stop_renewing();
+                            // The token is fenced off already: nothing to release.
+                            guard.settled = true;
+                            tracing::warn!(record = %id, "the lease was lost while the operation ran; stopping it");
+                            return Err(RunError::LeaseLost);
+                        }
+                        // Not once the operation writes its own completion: that write is
+                        // fenced on the token in the effect's transaction (a takeover makes
+                        // it fail, and the transaction roll back), and once written it holds
+                        // the record's row lock, on which the renewals wait: held there, the
+                        // operation would never commit, nor the lock go.
+                        Held::Until(until) if !ended && !completing.load(Ordering::SeqCst) => {
+                            Some(until)
+                        }
+                        // No renewals left to say (the record is this run's, completed; or
+                        // the task ended unexpectedly): the operation goes on.
+                        Held::Until(_) | Held::Settled => None,
+                    };
+                    if alive_until.is_some_and(|until| Instant::now() >= until) {
+                        // Past it another attempt may hold the key: the operation is not
+                        // polled until the renewals' task (its tick is due by then) says.
+                        ended = lease.changed().await.is_err();
+                        continue;
+                    }
+                    // An operation that ends in the same poll as the loss is reported as run
+                    // (its outcome's write then finds the key lost: `NotStored`).
+                    tokio::select! {
+                        biased;
+                        result = gated(alive_until, &mut operation) => break result,
+                        changed = lease.changed(), if !ended => ended = changed.is_err(),
+                        () = sleep_until_some(alive_until) => {}
                     }
                 }
             }
@@ -550,6 +583,9 @@ pub struct Claim<T> {
     retention: Duration,
     /// Set once the store accepted the operation's own completion ([`Claim::accepted`]).
     accepted: Arc<AtomicBool>,
+    /// Set once the operation asked for its completion ([`Claim::completion`]): it writes
+    /// it in its own transaction, fenced on the token.
+    completing: Arc<AtomicBool>,
     result: std::marker::PhantomData<fn() -> T>,
 }
 
@@ -560,6 +596,7 @@ impl<T> Clone for Claim<T> {
             token: self.token,
             retention: self.retention,
             accepted: self.accepted.clone(),
+            completing: self.completing.clone(),
             result: std::marker::PhantomData,
         }
     }
@@ -635,6 +672,7 @@ impl<T: Serialize> Claim<T> {
     /// # }
     /// ```
     pub fn completion(&self, value: &T) -> crate::Result<Completion> {
+        self.completing.store(true, Ordering::SeqCst);
         let outcome = stored_form(value)
             .map_err(|e| Error::Corrupt(format!("the result does not serialise: {e}")))?;
         Ok(Completion {
@@ -687,9 +725,9 @@ fn renew_in_a_task<S: Store + ?Sized>(
     policy: &Policy,
     asked: Instant,
     accepted: Arc<AtomicBool>,
-) -> (tokio::task::AbortHandle, tokio::sync::oneshot::Receiver<()>) {
-    let (lease, every) = (policy.lease(), policy.renew_every());
-    let (lost, on_lost) = tokio::sync::oneshot::channel();
+) -> (tokio::task::AbortHandle, tokio::sync::watch::Receiver<Held>) {
+    let (lease, every, sure) = (policy.lease(), policy.renew_every(), policy.surely_held());
+    let (held, on_held) = tokio::sync::watch::channel(Held::Until(asked + sure));
     let task = tokio::spawn(async move {
         // On the schedule the store counts the lease by, from the ask: after a slow claim
         // (up to half a lease, see `within_lease`) as many renewals are left before the lease
@@ -701,11 +739,15 @@ fn renew_in_a_task<S: Store + ?Sized>(
             // that unwound would renew nothing more, and the lease would lapse while the
             // operation still ran (the operation's own `select!` takes a dropped channel for
             // no news, not for a loss).
+            let renewing = Instant::now();
             let renewed =
                 panic_as_unavailable(store.renew(&id, token, lease), "the store's renew panicked")
                     .await;
             match renewed {
-                Ok(()) => {}
+                // The store counts the renewed lease from later than it was asked.
+                Ok(()) => {
+                    held.send_replace(Held::Until(renewing + sure));
+                }
                 Err(Error::LeaseLost) => {
                     let completed = || async {
                         matches!(
@@ -716,16 +758,71 @@ fn renew_in_a_task<S: Store + ?Sized>(
                             })))
                         )
                     };
-                    if !(accepted.load(Ordering::SeqCst) && completed().await) {
-                        let _ = lost.send(());
-                    }
+                    held.send_replace(if accepted.load(Ordering::SeqCst) && completed().await {
+                        Held::Settled
+                    } else {
+                        Held::Lost
+                    });
                     return;
                 }
                 Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
             }
         }
     });
-    (task.abort_handle(), on_lost)
+    (task.abort_handle(), on_held)
+}
+
+/// What the renewals of a running operation say of its lease.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    /// This run's, surely until then ([`Policy::surely_held`] after the lease or its last
+    /// renewal was asked for). Past it another attempt may hold the
+    /// key, so the operation is not polled again until a renewal says: a process frozen past
+    /// its lease (SIGSTOP, a paused VM, a starved host) wakes with its operation and its
+    /// overdue renewal both ready, and the operation must not go first.
+    Until(Instant),
+    /// Another attempt's now (or an operator released it): the operation stops.
+    Lost,
+    /// The record is completed by this run's own transaction (`complete_claim_in`): nothing
+    /// left to renew, and the operation finishes.
+    Settled,
+}
+
+/// `work`, not polled from `alive_until` on (`None`: always polled): the caller selects on a
+/// timer for that instant beside it. (A named future: a `poll_fn` closure over the
+/// operation trips the compiler's `Send` inference for the spawned tasks that run it.)
+fn gated<F: Future + Unpin>(alive_until: Option<Instant>, work: &mut F) -> Gated<'_, F> {
+    Gated { alive_until, work }
+}
+
+struct Gated<'a, F> {
+    alive_until: Option<Instant>,
+    work: &'a mut F,
+}
+
+impl<F: Future + Unpin> Future for Gated<'_, F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        if self
+            .alive_until
+            .is_some_and(|until| Instant::now() >= until)
+        {
+            return std::task::Poll::Pending;
+        }
+        std::pin::Pin::new(&mut *self.work).poll(cx)
+    }
+}
+
+/// Sleeps until `until`, or for ever.
+async fn sleep_until_some(until: Option<Instant>) {
+    match until {
+        Some(until) => tokio::time::sleep_until(until).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The lease an [`Executor::run`] holds, settled on drop if the future was dropped first.
@@ -1403,6 +1500,53 @@ mod tests {
                 "accepted: {accepted}: {stopped:?}"
             );
         }
+    }
+
+    /// An operation stalled past its lease with the whole process (SIGSTOP, a paused VM; here
+    /// the runtime's one thread blocks) while a redelivery takes the key over does not go on
+    /// with its effect when it wakes: it is not polled until a renewal says the lease is still
+    /// this run's, and that renewal says it is lost. Before, the operation was polled first
+    /// (the `select!` is biased to it) and ran its effect beside the attempt that took over.
+    #[test]
+    fn an_operation_stalled_past_its_lease_does_not_resume_after_a_takeover() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = Arc::new(MemoryStore::new());
+            let lease = Duration::from_millis(600);
+            let executor = Arc::new(
+                Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease)),
+            );
+            let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+            let effects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let run = {
+                let (executor, scope, k, effects) =
+                    (executor.clone(), scope.clone(), k.clone(), effects.clone());
+                tokio::spawn(async move {
+                    executor
+                        .run(&scope, &k, &fp, || async move {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            effects.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, ()>(1u32)
+                        })
+                        .await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(50)).await; // asleep before its effect
+            std::thread::sleep(lease + Duration::from_millis(300)); // frozen past the lease
+            let id = RecordId::new(&scope, &k);
+            let taken = store.begin(&id, &fp, lease).now_or_never().unwrap();
+            assert!(matches!(taken, Ok(Begin::TakeOver(_))), "{taken:?}");
+            let stopped = run.await.unwrap();
+            assert!(matches!(stopped, Err(RunError::LeaseLost)), "{stopped:?}");
+            assert_eq!(
+                effects.load(Ordering::SeqCst),
+                0,
+                "the operation ran its effect after the key was taken over"
+            );
+        });
     }
 
     /// An operation that stored its own result (as `complete_claim_in` does, in the effect's

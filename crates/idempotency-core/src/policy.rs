@@ -109,6 +109,24 @@ impl Policy {
         self.retention
     }
 
+    /// How long after it asked for a lease (or a renewal) its holder can count on it by its
+    /// own clock: the lease, less a margin (a thousandth of it and 5 ms) for the store's
+    /// millisecond rounding and the two clocks' rates. The store counts the lease from when
+    /// it ran the call, which is later. Past this the work under the lease is not polled
+    /// again until a renewal says the key is still its holder's (see the layer and
+    /// [`Executor`](crate::Executor)): a process frozen past its lease wakes with its work
+    /// and its overdue renewal both ready, and the work must not go first.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let policy = idempotency_core::Policy::default().with_lease(Duration::from_secs(30));
+    /// assert_eq!(policy.surely_held(), Duration::from_millis(29_965));
+    /// ```
+    pub fn surely_held(&self) -> Duration {
+        self.lease
+            .saturating_sub(self.lease / 1000 + Duration::from_millis(5))
+    }
+
     /// How often a running operation renews its lease: a third of the lease, so two renewals
     /// can fail before it is lost (every millisecond at most, the timer's resolution: a lease
     /// under 3 ms cannot be kept that way; leases of seconds are what stores are built for).
