@@ -769,6 +769,79 @@ fn a_handler_whose_lease_was_lost_is_stopped() {
     });
 }
 
+/// Runs `test` on a runtime of one thread, which a test can freeze whole (a blocking
+/// sleep): no task runs meanwhile, as in a process stopped by `SIGSTOP`.
+fn on_one_thread<F: std::future::Future>(test: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(test)
+}
+
+/// Takes `key`'s expired lease over on the memory store `store` (as another gateway would),
+/// without yielding: the runtime's thread stays frozen meanwhile.
+fn take_over_while_frozen(store: &dyn Store, key: &str, lease: Duration) {
+    use futures::FutureExt as _;
+    let id = record_id(key);
+    let fp = store
+        .inspect(&id)
+        .now_or_never()
+        .expect("a memory call")
+        .expect("inspect")
+        .expect("the record")
+        .fingerprint;
+    let taken = store
+        .begin(&id, &fp, lease)
+        .now_or_never()
+        .expect("a memory call");
+    assert!(
+        matches!(taken, Ok(idempotency_core::Begin::TakeOver(_))),
+        "{taken:?}"
+    );
+}
+
+/// A handler stalled past its lease (the whole process frozen: SIGSTOP, a VM paused, a
+/// starved host; here the runtime's one thread blocks) while another attempt takes the key
+/// over does not go on with its effect when it wakes: the layer does not poll a handler
+/// whose lease may have run out before a renewal says it still holds it. Before, the handler
+/// and the overdue renewal woke together, and the handler went first about half the time
+/// (and the lost renewal's check polled it once more): its effect ran a second time, beside
+/// the attempt that took over.
+#[test]
+fn a_handler_stalled_past_its_lease_does_not_resume_after_a_takeover() {
+    on_one_thread(async {
+        let store = memory();
+        let lease = Duration::from_millis(600);
+        let (router, calls, _) =
+            app(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+        // The select between a handler and its overdue renewal is random: eight keys.
+        for n in 0..8 {
+            let key = format!("stalled-{n}");
+            let request = {
+                let (router, key) = (router.clone(), key.clone());
+                tokio::spawn(async move {
+                    send(&router, "POST", Some(&key), &[("x-delay-ms", "200")], "{}").await
+                })
+            };
+            // The handler is asleep before its effect, its task waiting.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // Frozen past the lease: no task runs, the handler's sleep and the renewals come due.
+            std::thread::sleep(lease + Duration::from_millis(300));
+            // Meanwhile (another gateway, on the same store) the key is taken over.
+            take_over_while_frozen(&*store, &key, lease);
+            let stopped = request.await.expect("task");
+            assert_eq!(stopped.status, 503, "{}", stopped.body);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            calls.get(),
+            0,
+            "a handler stalled past its lease ran its effect after the key was taken over"
+        );
+    });
+}
+
 /// A renewal that panics (a store with a bug) is a failed renewal, as in the executor: the
 /// handler it runs beside goes on to its end and its outcome is stored. Before, the panic
 /// unwound the task that drove the handler, which was dropped mid-effect, and the retry
@@ -1412,6 +1485,37 @@ fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
     });
 }
 
+/// `POST /stream` under the layer on `store` (a lease of `lease`): a body that does the work
+/// as it streams, a batch per chunk every 20 ms, for ever, counted in the second value.
+fn batching(
+    store: &Arc<dyn Store>,
+    lease: Duration,
+) -> (axum::Router, Arc<std::sync::atomic::AtomicUsize>) {
+    use futures::StreamExt as _;
+    let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = batches.clone();
+    let router = axum::Router::new()
+        .route(
+            "/stream",
+            axum::routing::post(move || {
+                let batches = counted.clone();
+                async move {
+                    let stream = futures::stream::repeat(()).then(move |()| {
+                        let batches = batches.clone();
+                        async move {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            batches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"batch\n"))
+                        }
+                    });
+                    Body::from_stream(stream)
+                }
+            }),
+        )
+        .layer(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+    (router, batches)
+}
+
 /// A response whose body does the work as it streams (a batch per chunk), and whose lease is
 /// lost meanwhile (an operator releases the live lease of a holder thought stuck; so too a
 /// takeover after this attempt's renewals failed for a lease), is stopped at its next
@@ -1421,32 +1525,9 @@ fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
 /// ran twice.
 #[test]
 fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
-    use futures::StreamExt as _;
     block_on(async {
         let store = memory();
-        let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = batches.clone();
-        let router = axum::Router::new()
-            .route(
-                "/stream",
-                axum::routing::post(move || {
-                    let batches = counted.clone();
-                    async move {
-                        let stream = futures::stream::repeat(()).then(move |()| {
-                            let batches = batches.clone();
-                            async move {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                                batches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                                Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"batch\n"))
-                            }
-                        });
-                        Body::from_stream(stream)
-                    }
-                }),
-            )
-            .layer(layer(store.clone()).policy(
-                idempotency_core::Policy::default().with_lease(Duration::from_millis(600)),
-            ));
+        let (router, batches) = batching(&store, Duration::from_millis(600));
         let response = router
             .oneshot(stream_request("k", &[]))
             .await
@@ -1473,6 +1554,46 @@ fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
             stopped_at,
             "the body ran on after its lease was lost"
         );
+    });
+}
+
+/// A body that does its work as it streams, frozen past its lease with the whole process
+/// (here the runtime's one thread blocks) while another attempt takes the key over, does not
+/// produce another batch when it wakes: it is not polled until a renewal says the lease is
+/// still this attempt's, and that renewal says it is lost. Before, the body and the overdue
+/// renewal woke together, and the body often went first: batches of the operation ran
+/// beside the attempt that took over.
+#[test]
+fn a_streaming_body_stalled_past_its_lease_does_not_resume_after_a_takeover() {
+    on_one_thread(async {
+        let store = memory();
+        let lease = Duration::from_millis(600);
+        let (router, batches) = batching(&store, lease);
+        // The select between the body and its overdue renewal is random: eight keys.
+        for n in 0..8 {
+            let key = format!("streaming-{n}");
+            let response = router
+                .clone()
+                .oneshot(stream_request(&key, &[]))
+                .await
+                .expect("infallible");
+            assert_eq!(response.status(), 200);
+            let mut body = response.into_body();
+            body.frame().await.expect("a first batch").expect("a frame");
+            // Frozen past the lease: no task runs; the next batch and the renewals come due.
+            std::thread::sleep(lease + Duration::from_millis(300));
+            take_over_while_frozen(&*store, &key, lease);
+            let frozen_at = batches.load(std::sync::atomic::Ordering::SeqCst);
+            let rest = tokio::time::timeout(Duration::from_secs(5), body.collect())
+                .await
+                .expect("the stream goes on after its lease was lost");
+            assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
+            assert_eq!(
+                batches.load(std::sync::atomic::Ordering::SeqCst),
+                frozen_at,
+                "a body stalled past its lease ran a batch after the key was taken over"
+            );
+        }
     });
 }
 

@@ -2,6 +2,7 @@
 
 use std::{
     panic::AssertUnwindSafe,
+    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
     time::Duration,
@@ -462,7 +463,7 @@ where
                 let found = loop {
                     tokio::select! {
                         found = &mut check => break found,
-                        _ = renew.tick() => {
+                        _ = renew.every.tick() => {
                             if let Err(error) = renew_lease(&config, &id, token, lease).await {
                                 tracing::warn!(%error, "could not renew the idempotency lease");
                             }
@@ -708,8 +709,16 @@ where
     let started = Instant::now();
     let mut produce = produce(inner, request, &config);
     // `poll!` polls once and never yields itself: the handler has made its first step (or
-    // found the task's cooperative budget spent) before this future can be dropped.
-    let result = match futures::poll!(&mut produce) {
+    // found the task's cooperative budget spent) before this future can be dropped. Unless
+    // the lease may already have run out (the process was frozen since it was asked for):
+    // then the handler waits for a renewal in its task, as in `run_detached`.
+    let fresh = Instant::now() < leased + config.policy.surely_held();
+    let first = if fresh {
+        futures::poll!(&mut produce)
+    } else {
+        Poll::Pending
+    };
+    let result = match first {
         Poll::Ready(result) => result,
         Poll::Pending => {
             let (reply, answer) = tokio::sync::oneshot::channel();
@@ -838,9 +847,98 @@ where
 /// renewed): the store counts the lease from then, so a slow claim or a slow reconcile hook
 /// leaves the handler as many renewals before the lease runs out as a quick one. One already
 /// due fires at once.
-fn renewals(config: &Config, leased: Instant) -> tokio::time::Interval {
+fn renewals(config: &Config, leased: Instant) -> Renewals {
     let every = config.policy.renew_every();
-    tokio::time::interval_at(leased + every, every)
+    Renewals {
+        every: tokio::time::interval_at(leased + every, every),
+        alive_until: leased + config.policy.surely_held(),
+        lease: config.policy.lease(),
+        sure: config.policy.surely_held(),
+    }
+}
+
+/// A lease's renewals, and until when the lease surely lives ([`Policy::surely_held`](idempotency_core::Policy::surely_held) after
+/// it or its last renewal was asked for).
+///
+/// Past `alive_until` another attempt may hold the key, so the work under the
+/// lease (a handler, a body that streams its work) is not polled again until a renewal says
+/// this attempt still holds it. A process frozen past its lease (SIGSTOP, a paused VM, a
+/// starved host) wakes with its work and its overdue renewal both ready: the work must not
+/// go first.
+struct Renewals {
+    every: tokio::time::Interval,
+    alive_until: Instant,
+    lease: Duration,
+    sure: Duration,
+}
+
+/// What a renewal said.
+enum Renewed {
+    /// The lease is this attempt's, for another lease from when it was asked.
+    Kept,
+    /// The key is another attempt's now (this one's renewals failed for a whole lease and a
+    /// retry took over), or an operator released it.
+    Lost,
+    /// No answer (the store down, a blip): the lease is what it was.
+    Unanswered,
+}
+
+impl Renewals {
+    /// Whether the lease may have run out.
+    fn may_be_over(&self) -> bool {
+        Instant::now() >= self.alive_until
+    }
+
+    /// Renews the lease now.
+    async fn renew(&mut self, config: &Config, id: &RecordId, token: LeaseToken) -> Renewed {
+        let asked = Instant::now();
+        match renew_lease(config, id, token, self.lease).await {
+            Ok(()) => {
+                self.alive_until = asked + self.sure;
+                Renewed::Kept
+            }
+            Err(Error::LeaseLost) => Renewed::Lost,
+            Err(error) => {
+                tracing::warn!(%error, record = %id, "could not renew the idempotency lease");
+                Renewed::Unanswered
+            }
+        }
+    }
+
+    /// Once the lease may have run out: renews it, and while the store does not answer,
+    /// waits and asks again — the work stays unpolled (a store down longer than a lease
+    /// holds the work that outlived its lease, rather than let it run beside a takeover).
+    /// `true` when the lease is this attempt's.
+    async fn confirm(&mut self, config: &Config, id: &RecordId, token: LeaseToken) -> bool {
+        loop {
+            match self.renew(config, id, token).await {
+                Renewed::Kept if !self.may_be_over() => return true,
+                Renewed::Lost => return false,
+                // Kept, but answered so late that the renewed lease may be over already (a
+                // store slower than a lease, a starved runtime): asked again after a pause,
+                // as when unanswered, not at once in a loop.
+                Renewed::Kept | Renewed::Unanswered => {
+                    let pause = config.policy.renew_every().min(Duration::from_secs(1));
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    }
+}
+
+/// `work`, not polled from `alive_until` on ([`Renewals`]; `None`: always polled): the
+/// caller selects on a timer for that instant beside it, which wakes it to renew first.
+fn gated<F: Future + Unpin>(
+    alive_until: impl Into<Option<Instant>>,
+    work: &mut F,
+) -> impl Future<Output = F::Output> + '_ {
+    let alive_until = alive_until.into();
+    std::future::poll_fn(move |cx| {
+        if alive_until.is_some_and(|until| Instant::now() >= until) {
+            return Poll::Pending;
+        }
+        Pin::new(&mut *work).poll(cx)
+    })
 }
 
 /// The operation, in a task of its own once its handler had to wait: renews the lease
@@ -861,34 +959,33 @@ async fn run_detached<ResBody, E>(
     // renewals (see `a_handler_that_spends_its_budget_still_has_its_lease_renewed`).
     let mut renew = renewals(&config, leased);
     let result = loop {
-        tokio::select! {
-            result = &mut produce => break result,
-            _ = renew.tick() => {
-                match renew_lease(&config, &id, token, config.policy.lease()).await {
-                    Ok(()) => {}
-                    // The key is another attempt's now (this one's renewals failed for a
-                    // whole lease and a retry took over), or an operator released it: the
-                    // handler is stopped at its await, before effects it has not reached,
-                    // which the other attempt runs. Nothing to give back: the token is
-                    // fenced off.
-                    Err(Error::LeaseLost) => {
-                        // Unless it finished meanwhile (ready in the same poll as the
-                        // tick): then it ran, and is settled like any other (its outcome's
-                        // write will find the key lost).
-                        if let Some(result) = (&mut produce).now_or_never() {
-                            break result;
-                        }
-                        tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
-                        let detail = "this attempt lost its idempotency lease to another \
-                                      attempt and was stopped; retry later with the same key";
-                        let stopped = Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)));
-                        let _ = reply.send(Ok(stopped));
-                        return;
-                    }
-                    Err(error) => tracing::warn!(%error, "could not renew the idempotency lease"),
-                }
-            }
+        let alive_until = renew.alive_until;
+        let kept = tokio::select! {
+            result = gated(alive_until, &mut produce) => break result,
+            _ = renew.every.tick() => !matches!(renew.renew(&config, &id, token).await, Renewed::Lost),
+            // Past it the handler is not polled: asked now whether it may go on.
+            () = tokio::time::sleep_until(alive_until) => renew.confirm(&config, &id, token).await,
+        };
+        if kept {
+            continue;
         }
+        // The key is another attempt's now, or an operator released it: the handler is
+        // stopped at its await, before effects it has not reached, which the other attempt
+        // runs. Nothing to give back: the token is fenced off. Unless it finished meanwhile
+        // (ready in the same poll as the tick): then it ran, and is settled like any other
+        // (its outcome's write will find the key lost). Not polled to see once its lease may
+        // have run out: that poll would run it on beside the attempt that took over.
+        if !renew.may_be_over()
+            && let Some(result) = (&mut produce).now_or_never()
+        {
+            break result;
+        }
+        tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
+        let detail = "this attempt lost its idempotency lease to another \
+                      attempt and was stopped; retry later with the same key";
+        let stopped = Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)));
+        let _ = reply.send(Ok(stopped));
+        return;
     };
     match settle(&config, id, token, started, result).await {
         Settled::Answer(answer) => {
@@ -1023,7 +1120,7 @@ async fn stream<ResBody, E>(
     parts: http::response::Parts,
     body: ResBody,
     reply: Reply<E>,
-    renew: &mut tokio::time::Interval,
+    renew: &mut Renewals,
 ) where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -1059,30 +1156,30 @@ async fn stream<ResBody, E>(
     let mut drain_until: Option<Instant> = client
         .is_none()
         .then(|| Instant::now() + policy.lease() / 2);
-    // Whether the lease is lost: the key is another attempt's now (this one's renewals
-    // failed for a whole lease and a retry took over), or an operator released it.
-    let lease_lost = || async {
-        match renew_lease(config, &id, token, policy.lease()).await {
-            Ok(()) => false,
-            Err(Error::LeaseLost) => true,
-            Err(error) => {
-                tracing::warn!(%error, "could not renew the idempotency lease");
-                false
-            }
-        }
-    };
     let mut lost = false;
     tokio::pin!(body);
     let ended = loop {
         // The body's own error type need not be `Send`: convert it inside the future, before
         // the result is held across any await.
-        let next = AssertUnwindSafe(body.frame())
-            .catch_unwind()
-            .map(|f| f.map(|o| o.map(|r| r.map_err(BodyError::new))));
+        let next = async {
+            let frame = AssertUnwindSafe(body.frame()).catch_unwind().await;
+            frame.map(|o| o.map(|r| r.map_err(BodyError::new)))
+        };
+        tokio::pin!(next);
+        // A body that streams its work is held, as a handler is, once its lease may have run
+        // out (see `Renewals`); once stored, the lease protects nothing.
+        let alive_until = (!stored).then_some(renew.alive_until);
         let frame = tokio::select! {
-            frame = next => frame,
-            _ = renew.tick(), if !stored => {
-                if lease_lost().await {
+            frame = gated(alive_until, &mut next) => frame,
+            _ = renew.every.tick(), if !stored => {
+                if matches!(renew.renew(config, &id, token).await, Renewed::Lost) {
+                    lost = true;
+                    break false;
+                }
+                continue;
+            }
+            () = sleep_until_some(alive_until) => {
+                if !renew.confirm(config, &id, token).await {
                     lost = true;
                     break false;
                 }
@@ -1158,10 +1255,12 @@ async fn stream<ResBody, E>(
                 loop {
                     tokio::select! {
                         sent = &mut send => break sent.is_ok(),
-                        _ = renew.tick() => if lease_lost().await {
-                            lost = true;
-                            break false;
-                        },
+                        _ = renew.every.tick() => {
+                            if matches!(renew.renew(config, &id, token).await, Renewed::Lost) {
+                                lost = true;
+                                break false;
+                            }
+                        }
                         _ = &mut stall => break false,
                     }
                 }
