@@ -246,15 +246,17 @@ pub(crate) struct Report {
     pub(crate) details: String,
 }
 
-/// How long "in flight" may last, in leases, with no fault near it: a live owner renews its
-/// lease only while its handler runs (about a second here), and a dead one's runs out
+/// How long "in flight" may last, in leases, once no fault explains it: a live owner renews
+/// its lease only while its handler runs (about a second here), and a dead one's runs out
 /// within a lease.
-const STUCK_AFTER_LEASES: u32 = 3;
+const STUCK_AFTER_LEASES: u32 = 2;
 
 /// Keys stuck for a while during the campaign, even if freed later (the final probe sees
-/// only the end): runs of 409 answers over more than [`STUCK_AFTER_LEASES`] leases, from the
-/// first one's sending to the last one's answer, with no fault window within a lease of
-/// them. Returns how many, and the longest such run (stuck or not).
+/// only the end): runs of 409 answers (from the first one's sending to the last one's
+/// answer) that went on for more than [`STUCK_AFTER_LEASES`] leases after every fault that
+/// could explain them was over — a lease after its window ended (a killed or frozen owner's
+/// lease runs out by then). Faults come every few seconds, so this is the part of a run
+/// that no fault covers. Returns how many, and the longest such part (stuck or not).
 fn in_flight_streaks(
     by_charge: &[Vec<&Attempt>],
     windows: &[crate::faults::Window],
@@ -274,14 +276,15 @@ fn in_flight_streaks(
         }
         streaks.extend(streak);
         for (start, end) in streaks {
-            let near_a_fault = windows
+            // From when no fault that began before the run's end explains it any more.
+            let explained_until = windows
                 .iter()
-                .any(|w| w.start <= end + lease && start <= w.end + lease);
-            if near_a_fault {
-                continue;
-            }
-            longest = longest.max(end - start);
-            if end - start > lease * STUCK_AFTER_LEASES {
+                .filter(|w| w.start <= end)
+                .map(|w| w.end + lease)
+                .fold(start, Instant::max);
+            let unexplained = end.saturating_duration_since(explained_until);
+            longest = longest.max(unexplained);
+            if unexplained > lease * STUCK_AFTER_LEASES {
                 stuck += 1;
             }
         }
@@ -348,8 +351,8 @@ pub(crate) async fn runs_before_probes(
 ///   client sends one body per key: "key reused for a different request" is a wrong answer,
 ///   and refuses a charged client for good).
 /// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
-///   anything but 2xx (or 422, counted as wrong); or a key told 409 for more than three
-///   leases on end during the campaign with no fault near (see [`in_flight_streaks`]).
+///   anything but 2xx (or 422, counted as wrong); or a key told 409 on end during the
+///   campaign for more than two leases that no fault explains (see [`in_flight_streaks`]).
 pub(crate) async fn check(
     history: &History,
     probes: &[Attempt],
@@ -464,7 +467,7 @@ pub(crate) async fn check(
             |p| !matches!(p.answer, Ok(status) if (200..300).contains(&status) || status == 422),
         )
         .count();
-    let (stuck_in_run, longest_quiet_409s) = in_flight_streaks(&by_charge, windows, lease);
+    let (stuck_in_run, longest_unexplained_409s) = in_flight_streaks(&by_charge, windows, lease);
     let stuck = stuck_at_the_end + stuck_in_run;
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
     for attempt in &history.attempts {
@@ -493,7 +496,7 @@ pub(crate) async fn check(
         })
         .count();
     let details = format!(
-        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-away-from-faults={longest_quiet_409s:.1?} attempts-max={}",
+        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-no-fault-explains={longest_unexplained_409s:.1?} attempts-max={}",
         history.charges.len(),
         rows.len(),
         history
@@ -531,11 +534,10 @@ mod tests {
         }
     }
 
-    /// 409s over more than three leases with no fault near are stuck, even when the key
-    /// answered in the end; near a fault, or shorter, or broken by another answer, they
-    /// are not.
+    /// 409s for more than two leases that no fault explains are stuck, even when the key
+    /// answered in the end; shorter, explained, or broken by another answer, they are not.
     #[test]
-    fn long_runs_of_409_away_from_faults_are_stuck() {
+    fn long_runs_of_409_no_fault_explains_are_stuck() {
         let at = Instant::now();
         let lease = Duration::from_secs(1);
         let long: Vec<Attempt> = (0..8)
@@ -558,13 +560,19 @@ mod tests {
         let (stuck, longest) = in_flight_streaks(&by_charge, &[], lease);
         assert_eq!(stuck, 1);
         assert_eq!(longest, Duration::from_millis(3_510));
-        // A fault starting within a lease of the run's end explains it; one later does not.
+        // A fault explains a run until a lease after it ended; one that began after the run
+        // explains nothing.
         let fault = |from_ms| Window {
             start: at + Duration::from_millis(from_ms),
             end: at + Duration::from_millis(from_ms + 500),
             excuse: None,
         };
-        assert_eq!(in_flight_streaks(&by_charge, &[fault(4_400)], lease).0, 0);
-        assert_eq!(in_flight_streaks(&by_charge, &[fault(4_600)], lease).0, 1);
+        assert_eq!(in_flight_streaks(&by_charge, &[fault(1_000)], lease).0, 0);
+        assert_eq!(
+            in_flight_streaks(&by_charge, &[fault(0)], lease).0,
+            1,
+            "2.01 s left"
+        );
+        assert_eq!(in_flight_streaks(&by_charge, &[fault(3_600)], lease).0, 1);
     }
 }

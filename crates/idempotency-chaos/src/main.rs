@@ -14,7 +14,7 @@
 //! twice for one key, as the demo counts it in `charges.runs`), **lost** (a 2xx whose charge
 //! is not in the table), **wrong** (a 2xx carrying another key's charge, or a 422), **stuck**
 //! (a key whose final probe, one lease after the last fault, gets no 2xx; or one answered 409
-//! on end for more than three leases away from any fault). The last line is
+//! on end for more than two leases that no fault explains). The last line is
 //!
 //! ```text
 //! chaos: seed=<s> duration=<d>s requests=<n> faults=<f> duplicates=<d> lost=<l> wrong=<w> stuck=<k>
