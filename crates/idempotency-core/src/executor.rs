@@ -649,6 +649,13 @@ impl<T: Serialize> Claim<T> {
     /// store accepted it, call [`Claim::accepted`]). `PostgresStore::complete_claim_in` does
     /// both.
     ///
+    /// Ask for it right before that store call, and make the call with it (not with the
+    /// claim's id and token on their own): from here the operation is no longer held when
+    /// its lease may have run out (see [`Policy::surely_held`](crate::Policy::surely_held)),
+    /// because the write is fenced on the token in the effect's transaction, and, once
+    /// made, holds the record's row lock, on which the renewals wait. Effects outside that
+    /// transaction made after this call are not held either.
+    ///
     /// # Errors
     ///
     /// [`Error::Corrupt`] when `value` does not serialise: return before committing, and the
@@ -1547,6 +1554,22 @@ mod tests {
                 "the operation ran its effect after the key was taken over"
             );
         });
+    }
+
+    /// A lease of a few milliseconds (tests use them) still runs its operation: the margin
+    /// its holder counts on is at most half the lease. With the full margin (5 ms) nothing
+    /// was left: the operation was never polled, and the run never returned.
+    #[tokio::test]
+    async fn an_operation_on_a_tiny_lease_runs() {
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_millis(4)));
+        let (scope, k, fp) = (Scope::new("t"), key("tiny"), Fingerprint::of(b"p"));
+        let run = executor.run(&scope, &k, &fp, || async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok::<_, ()>(1u32)
+        });
+        let done = tokio::time::timeout(Duration::from_secs(5), run).await;
+        assert!(matches!(done, Ok(Ok(_))), "{done:?}");
     }
 
     /// An operation that stored its own result (as `complete_claim_in` does, in the effect's

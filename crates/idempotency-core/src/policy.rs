@@ -110,8 +110,10 @@ impl Policy {
     }
 
     /// How long after it asked for a lease (or a renewal) its holder can count on it by its
-    /// own clock: the lease, less a margin (a thousandth of it and 5 ms) for the store's
-    /// millisecond rounding and the two clocks' rates. The store counts the lease from when
+    /// own clock: the lease, less a margin (a thousandth of it and 5 ms, at most half the
+    /// lease) for the store's millisecond rounding and the two clocks' rates. (Half at most:
+    /// a grant answered within half its lease is run, see `within_lease`, and a tiny test
+    /// lease still leaves its holder time.) The store counts the lease from when
     /// it ran the call, which is later. Past this the work under the lease is not polled
     /// again until a renewal says the key is still its holder's (see the layer and
     /// [`Executor`](crate::Executor)): a process frozen past its lease wakes with its work
@@ -121,10 +123,12 @@ impl Policy {
     /// use std::time::Duration;
     /// let policy = idempotency_core::Policy::default().with_lease(Duration::from_secs(30));
     /// assert_eq!(policy.surely_held(), Duration::from_millis(29_965));
+    /// let tiny = policy.with_lease(Duration::from_millis(4));
+    /// assert_eq!(tiny.surely_held(), Duration::from_millis(2));
     /// ```
     pub fn surely_held(&self) -> Duration {
-        self.lease
-            .saturating_sub(self.lease / 1000 + Duration::from_millis(5))
+        let margin = (self.lease / 1000 + Duration::from_millis(5)).min(self.lease / 2);
+        self.lease - margin
     }
 
     /// How often a running operation renews its lease: a third of the lease, so two renewals
