@@ -1485,11 +1485,10 @@ fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
     });
 }
 
-/// `POST /stream` under the layer on `store` (a lease of `lease`): a body that does the work
-/// as it streams, a batch per chunk every 20 ms, for ever, counted in the second value.
+/// `POST /stream` under `layer`: a body that does the work as it streams, a batch per chunk
+/// (6 bytes) every 20 ms, for ever, counted in the second value.
 fn batching(
-    store: &Arc<dyn Store>,
-    lease: Duration,
+    layer: idempotency_tower::IdempotencyLayer,
 ) -> (axum::Router, Arc<std::sync::atomic::AtomicUsize>) {
     use futures::StreamExt as _;
     let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -1512,7 +1511,7 @@ fn batching(
                 }
             }),
         )
-        .layer(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+        .layer(layer);
     (router, batches)
 }
 
@@ -1527,7 +1526,10 @@ fn batching(
 fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
     block_on(async {
         let store = memory();
-        let (router, batches) = batching(&store, Duration::from_millis(600));
+        let lease = Duration::from_millis(600);
+        let (router, batches) = batching(
+            layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)),
+        );
         let response = router
             .oneshot(stream_request("k", &[]))
             .await
@@ -1568,7 +1570,9 @@ fn a_streaming_body_stalled_past_its_lease_does_not_resume_after_a_takeover() {
     on_one_thread(async {
         let store = memory();
         let lease = Duration::from_millis(600);
-        let (router, batches) = batching(&store, lease);
+        let (router, batches) = batching(
+            layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)),
+        );
         // The select between the body and its overdue renewal is random: eight keys.
         for n in 0..8 {
             let key = format!("streaming-{n}");
@@ -1594,6 +1598,50 @@ fn a_streaming_body_stalled_past_its_lease_does_not_resume_after_a_takeover() {
                 "a body stalled past its lease ran a batch after the key was taken over"
             );
         }
+    });
+}
+
+/// A body over the stored-body limit has its head stored when it crosses the limit; a write
+/// refused there (the lease was lost: here an operator released the live lease just before)
+/// stops the body, as a lost renewal does. Before, the body was marked stored whatever the
+/// write said, its renewals and its lease gate stopped, and its batches ran on, for ever,
+/// beside the attempt that now held the key.
+#[test]
+fn a_body_whose_head_could_not_be_stored_at_the_limit_is_stopped() {
+    block_on(async {
+        let store = memory();
+        let lease = Duration::from_millis(600);
+        let (router, batches) = batching(
+            layer(store.clone())
+                .policy(idempotency_core::Policy::default().with_lease(lease))
+                .max_stored_body(16),
+        );
+        let response = router
+            .oneshot(stream_request("over", &[]))
+            .await
+            .expect("infallible");
+        let mut body = response.into_body();
+        body.frame().await.expect("a first batch").expect("a frame");
+        // Released before the third batch takes the body over the limit (and before the
+        // first renewal, a third of a lease in).
+        let released = store
+            .force_release(
+                &record_id("over"),
+                idempotency_core::ReleaseScope::default().with_live(),
+            )
+            .await;
+        assert!(released.is_ok(), "{released:?}");
+        let rest = tokio::time::timeout(Duration::from_secs(5), body.collect())
+            .await
+            .expect("the stream goes on after its head could not be stored");
+        assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
+        let stopped_at = batches.load(std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            batches.load(std::sync::atomic::Ordering::SeqCst),
+            stopped_at,
+            "the body ran on after its head could not be stored"
+        );
     });
 }
 

@@ -1157,6 +1157,9 @@ async fn stream<ResBody, E>(
         .is_none()
         .then(|| Instant::now() + policy.lease() / 2);
     let mut lost = false;
+    // Whether the outcome written mid-body (at its declared length, or its head once over
+    // the limit) was stored.
+    let mut written = true;
     tokio::pin!(body);
     let ended = loop {
         // The body's own error type need not be `Send`: convert it inside the future, before
@@ -1231,7 +1234,7 @@ async fn stream<ResBody, E>(
                     stored = true;
                     let mut outcome = head.clone();
                     outcome.body = std::mem::take(&mut kept).freeze();
-                    complete(config, id, token, &outcome).await;
+                    written = complete(config, id, token, &outcome).await;
                 }
             } else {
                 // Too large to replay: store the head now, before the client can have it all.
@@ -1239,7 +1242,14 @@ async fn stream<ResBody, E>(
                 kept = bytes::BytesMut::new();
                 let mut outcome = head.clone();
                 mark(&mut outcome, BodyMark::Omitted);
-                complete(config, id, token, &outcome).await;
+                written = complete(config, id, token, &outcome).await;
+            }
+            // Not written (the lease lost, or the store down for a lease): the body is not
+            // polled on unguarded, beside an attempt that may hold the key now; it is
+            // stopped as after a lost renewal (a write still being retried may land).
+            if !written {
+                lost = true;
+                break false;
             }
         }
         let delivered = match &client {
