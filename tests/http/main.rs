@@ -1515,6 +1515,33 @@ fn batching(
     (router, batches)
 }
 
+/// An operator releases `key`'s live lease (a holder thought stuck).
+async fn release_live(store: &dyn Store, key: &str) {
+    let released = store
+        .force_release(
+            &record_id(key),
+            idempotency_core::ReleaseScope::default().with_live(),
+        )
+        .await;
+    assert!(released.is_ok(), "{released:?}");
+}
+
+/// The rest of `body` ends in an error (cut off, not ended cleanly), and no batch of its
+/// work runs after that.
+async fn cut_off_and_stopped(body: Body, batches: &std::sync::atomic::AtomicUsize) {
+    let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("the stream goes on");
+    assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
+    let stopped_at = batches.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        batches.load(std::sync::atomic::Ordering::SeqCst),
+        stopped_at,
+        "the body ran on"
+    );
+}
+
 /// A response whose body does the work as it streams (a batch per chunk), and whose lease is
 /// lost meanwhile (an operator releases the live lease of a holder thought stuck; so too a
 /// takeover after this attempt's renewals failed for a lease), is stopped at its next
@@ -1538,24 +1565,8 @@ fn a_response_streaming_when_its_lease_is_lost_is_stopped() {
         let mut body = response.into_body();
         let first = body.frame().await.expect("a first batch").expect("a frame");
         assert_eq!(first.into_data().expect("data"), "batch\n");
-        let released = store
-            .force_release(
-                &record_id("k"),
-                idempotency_core::ReleaseScope::default().with_live(),
-            )
-            .await;
-        assert!(released.is_ok(), "{released:?}");
-        let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
-            .await
-            .expect("the stream goes on after its lease was lost");
-        assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
-        let stopped_at = batches.load(std::sync::atomic::Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(
-            batches.load(std::sync::atomic::Ordering::SeqCst),
-            stopped_at,
-            "the body ran on after its lease was lost"
-        );
+        release_live(&*store, "k").await;
+        cut_off_and_stopped(body, &batches).await;
     });
 }
 
@@ -1624,24 +1635,8 @@ fn a_body_whose_head_could_not_be_stored_at_the_limit_is_stopped() {
         body.frame().await.expect("a first batch").expect("a frame");
         // Released before the third batch takes the body over the limit (and before the
         // first renewal, a third of a lease in).
-        let released = store
-            .force_release(
-                &record_id("over"),
-                idempotency_core::ReleaseScope::default().with_live(),
-            )
-            .await;
-        assert!(released.is_ok(), "{released:?}");
-        let rest = tokio::time::timeout(Duration::from_secs(5), body.collect())
-            .await
-            .expect("the stream goes on after its head could not be stored");
-        assert!(rest.is_err(), "the stream must be cut off, not end cleanly");
-        let stopped_at = batches.load(std::sync::atomic::Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(
-            batches.load(std::sync::atomic::Ordering::SeqCst),
-            stopped_at,
-            "the body ran on after its head could not be stored"
-        );
+        release_live(&*store, "over").await;
+        cut_off_and_stopped(body, &batches).await;
     });
 }
 
