@@ -634,6 +634,36 @@ impl HybridStore {
         );
     }
 
+    /// Copies a completed outcome into Redis after answering ([`write_after_answering`]
+    /// under `token`), for a record Postgres was asked about at `asked`. Not sent from a task
+    /// that started more than a Postgres call budget after that (a starved runtime): an
+    /// operator's release of the record and its second delete, which allow for writes on
+    /// their way by that much, may be over, and the copy would replay a deleted record; and
+    /// it lands by [`copy_deadline`](Self::copy_deadline) or deletes the key.
+    ///
+    /// [`write_after_answering`]: Self::write_after_answering
+    fn copy_after_answering(
+        &self,
+        id: RecordId,
+        token: LeaseToken,
+        fp: Fingerprint,
+        outcome: &Outcome,
+        expires: Instant,
+        asked: Instant,
+    ) {
+        let (this, outcome) = (self.clone(), outcome.clone());
+        self.write_after_answering(id, token, Written::Copy, async move {
+            if asked.elapsed() <= this.pg.call_timeout() {
+                let by = this.copy_deadline(asked);
+                this.try_redis(|| {
+                    this.redis
+                        .cache_completed_within(&id, &fp, &outcome, expires, by)
+                })
+                .await;
+            }
+        });
+    }
+
     /// The latest a copy made after answering may land, counted from `from`, the moment
     /// Postgres was asked for what it copies: one Postgres call budget for the answer, one
     /// Redis budget for the repairs run first, four for the copy itself (what a copy sent at
@@ -918,19 +948,14 @@ impl HybridStore {
                 // lands a duplicate asks Postgres again, which replays. Noted with the
                 // record under a token of its own, so that an operator's release waits for
                 // it (a copy is fenced by its deadline, not by a lease).
-                let (this, id, fp, outcome) = (self.clone(), *id, *fp, outcome.clone());
-                self.write_after_answering(id, LeaseToken::generate(), Written::Copy, async move {
-                    // Checked again as the task starts: on a starved runtime it may start
-                    // late, past the bound an operator's second delete allows for.
-                    if asked.elapsed() <= this.pg.call_timeout() {
-                        let by = this.copy_deadline(asked);
-                        this.try_redis(|| {
-                            this.redis
-                                .cache_completed_within(&id, &fp, &outcome, expires, by)
-                        })
-                        .await;
-                    }
-                });
+                self.copy_after_answering(
+                    *id,
+                    LeaseToken::generate(),
+                    *fp,
+                    outcome,
+                    expires,
+                    asked,
+                );
             }
             _ => {}
         }
@@ -1022,21 +1047,7 @@ impl Store for HybridStore {
                 // No lease mirror to replace: until the outcome lands in Redis a retry finds
                 // nothing there and asks Postgres, which replays. So the answer need not wait.
                 // Noted with the record, so that an operator's release waits for it.
-                let (this, id, outcome) = (self.clone(), *id, outcome.clone());
-                self.write_after_answering(id, token, Written::Copy, async move {
-                    // Not sent from a task that started later than a Postgres call budget
-                    // after the statement (a starved runtime): an operator's release of the
-                    // record and its second delete, which allows for writes on their way by
-                    // that much, may be over, and the copy would replay a deleted record.
-                    if sent.elapsed() <= this.pg.call_timeout() {
-                        let by = this.copy_deadline(sent);
-                        this.try_redis(|| {
-                            this.redis
-                                .cache_completed_within(&id, &fp, &outcome, expires, by)
-                        })
-                        .await;
-                    }
-                });
+                self.copy_after_answering(*id, token, fp, outcome, expires, sent);
                 return Ok(());
             }
             // The lease's mirror answers "in flight" until the outcome replaces it (or, past
