@@ -8,7 +8,7 @@
 //! Workers may begin, run the effect, complete, release (before the effect: an error), renew,
 //! crash at any step, or stall for any number of clock ticks (time advances between any two
 //! steps), so they complete late, after their lease ran out. Leases, retention and the
-//! unknown-outcome retention expire. Six configurations, each explored whole:
+//! unknown-outcome retention expire. Seven configurations, each explored whole:
 //! - three workers sending one request;
 //! - two sending it while a third sends another body under the same key;
 //! - two workers whose `begin` or `complete` may land with its answer lost (the worker tries
@@ -21,7 +21,10 @@
 //! - two workers of `Executor::run_with_claim` whose transactions commit the effect with its
 //!   completion or roll back (returning `Ok` all the same), and the executor's confirmation
 //!   of each: a release (its answer may be lost), then a completion with the same token, then
-//!   a read of the record.
+//!   a read of the record;
+//! - two workers behind the lease gate (`Policy::surely_held`): each runs its effect only
+//!   until a lease's length after its `begin` or its last renewal answered `Ok` was asked
+//!   for, and renews in three steps (asked, landed, answered or its answer lost).
 //!
 //! Properties (`docs/model.md` maps them to Postgres and Redis):
 //! - (a) `at most one effect per window`: a second effect in a retention window only where
@@ -47,7 +50,9 @@
 //! - (h) `an operator's release answers what the record is` and deletes only within its
 //!   scope; the token it fenced off stays fenced (d);
 //! - (i) `a confirmation tells a commit from a rollback`: a rollback is never confirmed (nor
-//!   its value stored), a commit still kept never reported as not committed.
+//!   its value stored), a commit still kept never reported as not committed;
+//! - (j) `a gated holder's effect runs only while its lease lives`: its token owns the
+//!   record and the store's lease for it has not run out.
 
 use std::time::Duration;
 
@@ -103,6 +108,31 @@ struct Transaction {
     kept_until: u8,
 }
 
+/// A gated holder's view of its lease: the lease gate of `Executor::run` and of the layer
+/// (`Policy::surely_held`). It counts on its lease until `sure_until`, the lease's length
+/// after its `begin` or its last renewal answered `Ok` was *asked* for (the store counts the
+/// lease from when the call lands, no earlier); past that, its operation is not polled
+/// until a renewal answers. (The real gate keeps a margin for clock rates and rounding; the
+/// model's clock is the store's, so it needs none.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct Gate {
+    sure_until: u8,
+    renewal: Renewal,
+    /// A renewal's `Ok` moved `sure_until` (a witness).
+    renewed: bool,
+}
+
+/// A gated holder's renewal, in three steps with the clock running between them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+enum Renewal {
+    #[default]
+    Idle,
+    /// Asked at this tick, not landed yet.
+    Asked(u8),
+    /// Landed (`kept`: the store renewed the lease), its answer on the way.
+    Landed { asked: u8, kept: bool },
+}
+
 /// The store in a model state: a deep copy per state (`MemoryStore::snapshot`).
 #[derive(Debug, PartialEq, Eq, Hash)]
 struct Snap(MemoryStore);
@@ -118,6 +148,8 @@ struct State {
     store: Snap,
     ticks: u8,
     workers: [Worker; WORKERS],
+    /// Each worker's lease gate (default, and unused, unless the protocol gates).
+    gates: [Gate; WORKERS],
     // Ghost variables: what the properties are stated over, derived from the store's answers.
     /// Effects run so far.
     effects: u8,
@@ -167,6 +199,13 @@ struct State {
     rollback_released: bool,
     rollback_taken_over: bool,
     confirmation_unknown: bool,
+    /// (j): a gated holder's effect ran while its token did not hold a live lease.
+    gate_passed: bool,
+    /// Witnesses of the gate: a holder ran after a renewal moved its window, one was
+    /// stopped by a renewal answered `LeaseLost`, one was taken over while it waited.
+    gated_ran_on_renewal: bool,
+    gated_stopped: bool,
+    gated_taken_over_waiting: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -203,6 +242,12 @@ enum Action {
     ConfirmReleaseLost(usize),
     /// The confirmation's completion with the claim's token, after a refused release.
     ConfirmComplete(usize),
+    /// A gated holder's renewal: asked, landed, answered (or its answer lost: `Unavailable`,
+    /// and the holder asks again later).
+    RenewAsk(usize),
+    RenewLand(usize),
+    RenewAnswer(usize),
+    RenewAnswerLost(usize),
 }
 
 /// What `begin` must answer, from the ghost record alone.
@@ -226,6 +271,8 @@ struct Protocol {
     live_operator: bool,
     /// Workers that store their result in their effect's transaction, and confirm it.
     transactional: bool,
+    /// Workers whose effect runs only while they surely hold their lease (the lease gate).
+    gated: bool,
 }
 
 fn outcome(label: u8) -> Outcome {
@@ -329,6 +376,16 @@ impl Protocol {
             extras,
             live_operator,
             transactional: false,
+            gated: false,
+        }
+    }
+
+    /// Workers whose effect runs only while their lease surely lives, and that renew it in
+    /// three steps (asked, landed, answered) with the clock running between them.
+    fn gated(sends: [Option<usize>; WORKERS]) -> Self {
+        Self {
+            gated: true,
+            ..Self::new(sends, false)
         }
     }
 
@@ -504,6 +561,19 @@ impl Protocol {
                 } else {
                     next.allow_again_after_owner();
                 }
+                if let Some((previous, _)) = next.owner
+                    && matches!(next.workers[previous], Worker::Holding { ran: false, .. })
+                    && self.gated
+                    && next.ticks >= next.gates[previous].sure_until
+                {
+                    next.gated_taken_over_waiting = true;
+                }
+                if self.gated && !lost {
+                    next.gates[w] = Gate {
+                        sure_until: next.ticks + ticks(LEASE),
+                        ..Gate::default()
+                    };
+                }
                 next.owner = Some((w, token));
                 next.record_fp = Some(fp);
                 next.lease_until = next.ticks + ticks(LEASE);
@@ -666,6 +736,7 @@ impl Model for Protocol {
                 Some(_) => Worker::Ready { attempts: ATTEMPTS },
                 None => Worker::Finished,
             }),
+            gates: [Gate::default(); WORKERS],
             effects: 0,
             allowed: 1,
             owner: None,
@@ -698,6 +769,10 @@ impl Model for Protocol {
             rollback_released: false,
             rollback_taken_over: false,
             confirmation_unknown: false,
+            gate_passed: false,
+            gated_ran_on_renewal: false,
+            gated_stopped: false,
+            gated_taken_over_waiting: false,
         }]
     }
 
@@ -733,6 +808,20 @@ impl Model for Protocol {
                     if self.extras {
                         actions.push(Action::BeginLost(w));
                     }
+                }
+                Worker::Holding { ran: false, .. } if self.gated => {
+                    let gate = state.gates[w];
+                    if state.ticks < gate.sure_until {
+                        actions.push(Action::Run(w));
+                    }
+                    match gate.renewal {
+                        Renewal::Idle => actions.push(Action::RenewAsk(w)),
+                        Renewal::Asked(_) => actions.push(Action::RenewLand(w)),
+                        Renewal::Landed { .. } => {
+                            actions.extend([Action::RenewAnswer(w), Action::RenewAnswerLost(w)]);
+                        }
+                    }
+                    actions.extend([Action::Release(w), Action::Crash(w)]);
                 }
                 Worker::Holding { ran: false, .. } if self.transactional => {
                     actions.extend([
@@ -791,6 +880,10 @@ impl Model for Protocol {
                 if !next.owns(token) {
                     next.allowed += 1; // a stalled owner that lost its lease runs anyway
                 }
+                if self.gated {
+                    next.gate_passed |= !next.owns(token) || next.ticks >= next.lease_until;
+                    next.gated_ran_on_renewal |= next.gates[w].renewed;
+                }
                 next.workers[w] = Worker::Holding {
                     token,
                     ran: true,
@@ -840,6 +933,38 @@ impl Model for Protocol {
                     _ => return None,
                 };
                 next.workers[w] = Worker::Crashed { ran };
+                next.gates[w] = Gate::default();
+            }
+            Action::RenewAsk(w) => {
+                next.gates[w].renewal = Renewal::Asked(next.ticks);
+            }
+            Action::RenewLand(w) => {
+                let Renewal::Asked(asked) = next.gates[w].renewal else {
+                    return None;
+                };
+                let kept = self.renew(&mut next, w, LEASE)?;
+                next.gates[w].renewal = Renewal::Landed { asked, kept };
+            }
+            Action::RenewAnswer(w) => {
+                let Renewal::Landed { asked, kept } = next.gates[w].renewal else {
+                    return None;
+                };
+                if kept {
+                    // Counted from the ask: the store counted it from the landing, later.
+                    next.gates[w] = Gate {
+                        sure_until: asked + ticks(LEASE),
+                        renewal: Renewal::Idle,
+                        renewed: true,
+                    };
+                } else {
+                    // `LeaseLost`: the operation is stopped where it stands.
+                    next.gated_stopped = true;
+                    next.workers[w] = Worker::Finished;
+                    next.gates[w] = Gate::default();
+                }
+            }
+            Action::RenewAnswerLost(w) => {
+                next.gates[w].renewal = Renewal::Idle;
             }
             Action::Commit(w) => self.commit(&mut next, w)?,
             Action::RollBack(w) => {
@@ -864,6 +989,12 @@ impl Model for Protocol {
             Action::Purge => self.purge(&mut next)?,
             Action::ForceRelease { live, completed } => {
                 self.force_release(&mut next, live, completed)?;
+            }
+        }
+        // A gate matters only until the effect ran: forgotten then, states merge.
+        for (worker, gate) in next.workers.iter().zip(&mut next.gates) {
+            if !matches!(worker, Worker::Holding { ran: false, .. }) {
+                *gate = Gate::default();
             }
         }
         Some(next)
@@ -963,6 +1094,24 @@ impl Model for Protocol {
                 }),
             ]);
         }
+        if self.gated {
+            properties.extend([
+                Property::always(
+                    "(j) a gated holder's effect runs only while its lease lives",
+                    |_, s: &State| !s.gate_passed,
+                ),
+                Property::sometimes("a gated holder ran on a renewal", |_, s: &State| {
+                    s.gated_ran_on_renewal
+                }),
+                Property::sometimes("a gated holder stopped by a lost lease", |_, s: &State| {
+                    s.gated_stopped
+                }),
+                Property::sometimes(
+                    "a gated holder taken over while it waited",
+                    |_, s: &State| s.gated_taken_over_waiting,
+                ),
+            ]);
+        }
         if self.live_operator {
             properties.push(Property::sometimes(
                 "a live lease released by an operator",
@@ -1043,6 +1192,17 @@ fn lost_answers_purges_and_operators_hold_the_properties_exhaustively() {
 #[test]
 fn self_completing_runs_are_confirmed_exhaustively() {
     check(Protocol::transactional([Some(0), Some(0), None]));
+}
+
+/// Two clients whose effect runs only while their lease surely lives (the lease gate of
+/// `Executor::run` and of the layer): counted from when the `begin` or the last renewal
+/// that answered `Ok` was asked for, renewals asked, landing and answered (or their answer
+/// lost) with the clock running between the steps. A holder stalled past its lease never
+/// runs its effect beside the attempt that took the key over: it waits for a renewal, and
+/// one answered `LeaseLost` stops it.
+#[test]
+fn gated_holders_never_run_beside_a_takeover_exhaustively() {
+    check(Protocol::gated([Some(0), Some(0), None]));
 }
 
 /// Two clients sending different bodies under one key, with answers lost on the way back,
