@@ -8,8 +8,8 @@
 use std::{sync::Arc, time::Duration};
 
 use idempotency_core::{
-    Claim, Executed, Executor, Fingerprint, IdempotencyKey, Policy, RecordId, ReleaseScope,
-    RunError, Scope, Store,
+    Claim, Executed, Executor, Fingerprint, IdempotencyKey, Outcome, Policy, RecordId,
+    ReleaseScope, RunError, Scope, Store,
 };
 use idempotency_postgres::{CommitClaimError, PostgresStore};
 use idempotency_test::block_on;
@@ -87,17 +87,28 @@ async fn write_and_complete(
     claim: &Claim<String>,
     entry: &str,
 ) -> Result<String, idempotency_core::Error> {
+    let tx = entry_written(store, table, claim.id(), entry).await?;
+    let value = entry.to_owned();
+    store.commit_claim(tx, claim, &value).await?;
+    Ok(value)
+}
+
+/// A transaction that wrote one ledger entry for `id`, left open.
+async fn entry_written<'s>(
+    store: &'s PostgresStore,
+    table: &str,
+    id: &RecordId,
+    entry: &str,
+) -> Result<sqlx::Transaction<'s, sqlx::Postgres>, idempotency_core::Error> {
     let mut tx = store.pool().begin().await.map_err(unavailable)?;
     let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, $2)");
     sqlx::query(sqlx::AssertSqlSafe(insert))
-        .bind(&claim.id().as_bytes()[..])
+        .bind(&id.as_bytes()[..])
         .bind(entry)
         .execute(&mut *tx)
         .await
         .map_err(unavailable)?;
-    let value = entry.to_owned();
-    store.commit_claim(tx, claim, &value).await?;
-    Ok(value)
+    Ok(tx)
 }
 
 fn unavailable(error: sqlx::Error) -> idempotency_core::Error {
@@ -178,13 +189,7 @@ fn a_transaction_that_rolled_back_after_its_completion_stores_nothing() {
         let (scope, key, fp) = fresh_key();
         let first = executor
             .run_with_claim(&scope, &key, &fp, |claim| async move {
-                let mut tx = store.pool().begin().await.map_err(unavailable)?;
-                let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'lost')");
-                sqlx::query(sqlx::AssertSqlSafe(insert))
-                    .bind(&claim.id().as_bytes()[..])
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(unavailable)?;
+                let mut tx = entry_written(store, table, claim.id(), "lost").await?;
                 let value = "lost".to_owned();
                 store.complete_claim_in(&mut tx, &claim, &value).await?;
                 let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
@@ -321,13 +326,7 @@ fn a_run_whose_key_was_taken_over_rolls_its_effect_back() {
         let (written, on_written) = tokio::sync::oneshot::channel();
         let (go_on, on_go_on) = tokio::sync::oneshot::channel::<()>();
         let first = executor.run_with_claim(&scope, &key, &fp, |claim| async move {
-            let mut tx = store.pool().begin().await.map_err(unavailable)?;
-            let insert = format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'late')");
-            sqlx::query(sqlx::AssertSqlSafe(insert))
-                .bind(&claim.id().as_bytes()[..])
-                .execute(&mut *tx)
-                .await
-                .map_err(unavailable)?;
+            let mut tx = entry_written(store, table, claim.id(), "late").await?;
             let _ = written.send(());
             let _ = on_go_on.await;
             let value = "late".to_owned();
@@ -412,6 +411,49 @@ fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
     });
 }
 
+/// As in the next test, but completed by `PostgresStore::complete_in` with the claim's id
+/// and token, then `Claim::accepted`, without asking `Claim::completion`: the transaction
+/// holds the row, so renewals wait on it, and an operation held for want of a renewal's
+/// answer once its lease may have run out would never commit (and the key would stay
+/// locked). Before, the run never returned.
+#[test]
+fn a_run_that_completes_with_its_own_call_and_says_so_is_not_held() {
+    block_on(async {
+        let Some((store, table, executor)) = setup(Some(Duration::from_millis(300))).await else {
+            return;
+        };
+        let (store, table) = (&*store, table.as_str());
+        let (scope, key, fp) = fresh_key();
+        let run = executor.run_with_claim(&scope, &key, &fp, |claim| async move {
+            let mut tx = entry_written(store, table, claim.id(), "once").await?;
+            let value = "once".to_owned();
+            let outcome = Outcome::new(200).with_body(serde_json::to_vec(&value).expect("json"));
+            store
+                .complete_in(
+                    &mut tx,
+                    claim.id(),
+                    claim.token(),
+                    &outcome,
+                    claim.retention(),
+                )
+                .await?;
+            claim.accepted();
+            // Past the lease with the row locked: the renewals wait on it.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            tx.commit().await.map_err(unavailable)?;
+            Ok::<_, idempotency_core::Error>(value)
+        });
+        // Generous: the run takes 0.6 s; held, it never ends.
+        let done = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("the run is not held by renewals that wait on its own transaction");
+        let done = done.expect("the run is not stopped by its own completion");
+        assert_eq!(done.value, "once");
+        assert_eq!(entries(store, table).await, ["once"]);
+        assert_eq!(replayed(&executor, &scope, &key, &fp).await, "once");
+    });
+}
+
 /// A renewal that waited on the row the run's own completion locked, or came after its
 /// commit, answers `LeaseLost` (the record is no longer in flight): that is the run's own
 /// completion, and must not stop it (once the store accepted the completion, the executor
@@ -428,14 +470,7 @@ fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
         let done = executor
             .run_with_claim(&scope, &key, &fp, |claim| {
                 async move {
-                    let mut tx = store.pool().begin().await.map_err(unavailable)?;
-                    let insert =
-                        format!("INSERT INTO {table} (record_id, entry) VALUES ($1, 'once')");
-                    sqlx::query(sqlx::AssertSqlSafe(insert))
-                        .bind(&claim.id().as_bytes()[..])
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(unavailable)?;
+                    let mut tx = entry_written(store, table, claim.id(), "once").await?;
                     let value = "once".to_owned();
                     store.complete_claim_in(&mut tx, &claim, &value).await?;
                     // The row is locked until the commit: renewals wait on it.

@@ -701,7 +701,13 @@ impl<T: Serialize> Claim<T> {
     /// retried on it. It stays set: an operation that returns `Ok` afterwards has its commit
     /// confirmed, and the executor stores no value of its own, so return `Ok` only once a
     /// transaction with a completion committed ([`RunError::NotCommitted`] otherwise).
+    ///
+    /// It also ends the hold [`Claim::completion`] ends, for an operation that made the
+    /// completion's write without asking for it: that transaction holds the record's row
+    /// lock, on which the renewals wait, so an operation held for want of their answer
+    /// would never commit.
     pub fn accepted(&self) {
+        self.completing.store(true, Ordering::SeqCst);
         self.accepted.store(true, Ordering::SeqCst);
     }
 }
