@@ -1522,6 +1522,37 @@ async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool
         .expect("exists")
 }
 
+/// Postgres, Redis, and a Redis key prefix of its own (for two stores on one Redis, as two
+/// processes); `None` when the services are skipped.
+async fn two_services() -> Option<(&'static Service, &'static Service, String)> {
+    if services::skipping() {
+        return None;
+    }
+    let pg = services::postgres().await.expect("postgres");
+    let redis = services::redis().await.expect("redis");
+    Some((pg, redis, idempotency_test::unique("h")))
+}
+
+/// A connection of its own to the Redis at `url`, behind every store's back.
+async fn direct_redis(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection")
+}
+
+/// A transaction on `pool` that holds `id`'s row locked (`FOR UPDATE`) until it ends.
+async fn row_locked<'p>(pool: &'p PgPool, id: &RecordId) -> sqlx::Transaction<'p, sqlx::Postgres> {
+    let mut tx = pool.begin().await.expect("tx");
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
+        .bind(&id.as_bytes()[..])
+        .execute(&mut *tx)
+        .await
+        .expect("lock the row");
+    tx
+}
+
 /// A record `store` completed on a fresh key, whose Redis copy (on the Redis at
 /// `redis_url`) is then deleted behind the store's back, as an eviction would.
 async fn completed_then_evicted(
@@ -1542,11 +1573,7 @@ async fn completed_then_evicted(
         .await
         .expect("complete");
     store.drain().await;
-    let mut conn = redis::Client::open(redis_url)
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connection");
+    let mut conn = direct_redis(redis_url).await;
     let evicted: i64 = redis::cmd("DEL")
         .arg(store.redis().key(&id))
         .query_async(&mut conn)
@@ -1823,6 +1850,83 @@ fn a_copy_whose_task_starts_late_is_not_sent() {
     });
 }
 
+/// A `complete` future held between its Postgres write and its outcome's copy (a frozen
+/// process, a caller that stopped polling it) sends no copy past the bound counted from the
+/// write: an operator may have deleted the record meanwhile, and its second delete be over,
+/// so the copy would replay the deleted record from Redis for its whole retention. The
+/// copy made in the call (a lease mirror waited for it) had a bound only from its sending.
+#[test]
+fn a_completion_held_after_its_write_does_not_copy_a_record_deleted_meanwhile() {
+    use idempotency_test::conformance::LONG;
+
+    block_on(async {
+        let Some((pg, redis, prefix)) = two_services().await else {
+            return;
+        };
+        // Per request: the completion is one statement, sent from the caller's future.
+        let gateway_pg = PostgresStore::builder(pg.url())
+            .call_timeout(Duration::from_secs(1))
+            .per_request()
+            .connect()
+            .await
+            .expect("postgres store");
+        gateway_pg.migrate().await.expect("migrate");
+        let gateway = hybrid_with_prefix(gateway_pg, redis.url(), &prefix).await;
+        let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
+        let fp = Fingerprint::of(b"held completion");
+        let id = fresh_id();
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+
+        // The completion is sent and waits on a row lock another transaction holds.
+        let direct = PgPool::connect(pg.url()).await.expect("pool");
+        let blocker = row_locked(&direct, &id).await;
+        let outcome = Outcome::new(201).with_body("held");
+        let completing = gateway.complete(&id, token, &outcome, RETENTION);
+        tokio::pin!(completing);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut completing)
+                .await
+                .is_err(),
+            "the completion waits on the lock"
+        );
+        // The lock goes, and the write commits while the future is held.
+        blocker.commit().await.expect("commit");
+        let state = "SELECT state FROM idempotency_keys WHERE record_id = $1";
+        while sqlx::query_scalar::<_, i16>(state)
+            .bind(&id.as_bytes()[..])
+            .fetch_one(&direct)
+            .await
+            .expect("read the row")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // An operator deletes the outcome, and its deletes are over.
+        let released = operator
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        // Held past the copy's bound: a Postgres call budget and five Redis budgets.
+        tokio::time::sleep(gateway.postgres().call_timeout() + Duration::from_secs(1)).await;
+        completing.await.expect("complete");
+
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        assert!(
+            !exists(&mut conn, &gateway.redis().key(&id)).await,
+            "a copy sent past its bound landed"
+        );
+        let answer = gateway.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(matches!(answer, Begin::Execute(_)), "{answer:?}");
+    });
+}
+
 /// The second delete of an operator's release counts from when its Postgres delete may
 /// have committed, not from when it was asked: a delete that waited on a row lock (here
 /// 3.3 s of a 4 s budget) left a gateway that read the row just before it time to hear
@@ -1833,12 +1937,9 @@ fn a_release_whose_delete_committed_late_still_outlasts_the_copies() {
     use idempotency_test::{conformance::LONG, relay};
 
     block_on(async {
-        if services::skipping() {
+        let Some((pg, redis, prefix)) = two_services().await else {
             return;
-        }
-        let pg = services::postgres().await.expect("postgres");
-        let redis = services::redis().await.expect("redis");
-        let prefix = idempotency_test::unique("h");
+        };
         // The gateway's replies come late, and its pool sends nothing before a call (no
         // ping of an idle connection): the claim is its one round trip.
         let gateway_pg = relay::delaying_relay(relay::upstream(pg.url())).await;
@@ -1863,12 +1964,7 @@ fn a_release_whose_delete_committed_late_still_outlasts_the_copies() {
 
         // The operator's delete waits on a lock another transaction holds on the row.
         let direct = PgPool::connect(pg.url()).await.expect("pool");
-        let mut blocker = direct.begin().await.expect("tx");
-        sqlx::query("SELECT 1 FROM idempotency_keys WHERE record_id = $1 FOR UPDATE")
-            .bind(&id.as_bytes()[..])
-            .execute(&mut *blocker)
-            .await
-            .expect("lock");
+        let blocker = row_locked(&direct, &id).await;
         let release = {
             let operator = operator.clone();
             tokio::spawn(async move {

@@ -664,8 +664,9 @@ impl HybridStore {
         });
     }
 
-    /// The latest a copy made after answering may land, counted from `from`, the moment
-    /// Postgres was asked for what it copies: one Postgres call budget for the answer, one
+    /// The latest a copy may land (one made after answering, or the one a `complete` makes
+    /// after its write), counted from `from`, the moment Postgres was asked for what it
+    /// copies: one Postgres call budget for the answer, one
     /// Redis budget for the repairs run first, four for the copy itself (what a copy sent at
     /// once is allowed anyway). A copy can only harm a release whose delete committed after
     /// `from`, so within one Postgres budget of the release's ask; the release deletes the
@@ -1055,8 +1056,16 @@ impl Store for HybridStore {
             // if it is still on its way (or it could land after a failed write's repair).
             let repair = self.repair_unless_done(id, token);
             self.mirror_landed(&token).await;
+            // Landed by the bound counted from the write, or the key (the mirror) deleted
+            // instead: this future may have been held since the write (a frozen process, a
+            // caller that stopped polling it), and an operator's release of the record and
+            // its second delete be over; a copy sent now would replay the deleted record.
+            let by = self.copy_deadline(sent);
             if self
-                .try_redis(|| self.redis.cache_completed(id, &fp, outcome, expires))
+                .try_redis(|| {
+                    self.redis
+                        .cache_completed_within(id, &fp, outcome, expires, by)
+                })
                 .await
                 .is_some()
             {
