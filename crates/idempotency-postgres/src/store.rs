@@ -1514,35 +1514,54 @@ impl PostgresStore {
     }
 
     async fn force_release_row(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
-        let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
-            .bind(&id.as_bytes()[..])
-            .bind(scope.live)
-            .bind(scope.completed)
-            .fetch_optional_on(&self.pool)
-            .await
-            .map_err(db_error)?;
-        if let Some((state,)) = deleted {
-            return Ok(if state == 0 {
-                ForceReleased::Released
-            } else {
-                ForceReleased::Deleted
-            });
+        // The delete, then a read of why it deleted nothing: two statements, and a row can
+        // arrive between them (a claim that committed after the delete's snapshot, a lease
+        // completed). A row of a kind the scope covers would have been deleted had it been
+        // there: it is another delete's to take, not an answer ("live" under a scope with
+        // live leases is what no order of the calls gives). Tried again a few times; past
+        // that, what is there is reported, so the operator sees the lease or the outcome.
+        let mut kept = None;
+        for _ in 0..FORCE_RELEASE_TRIES {
+            let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
+                .bind(&id.as_bytes()[..])
+                .bind(scope.live)
+                .bind(scope.completed)
+                .fetch_optional_on(&self.pool)
+                .await
+                .map_err(db_error)?;
+            if let Some((state,)) = deleted {
+                return Ok(if state == 0 {
+                    ForceReleased::Released
+                } else {
+                    ForceReleased::Deleted
+                });
+            }
+            kept = sqlx::query_as::<_, (i16,)>(self.sql.get(WHY_KEPT_SQL))
+                .bind(&id.as_bytes()[..])
+                .fetch_optional_on(&self.pool)
+                .await
+                .map_err(db_error)?
+                .map(|(state,)| state);
+            let covered = match kept {
+                Some(0) => scope.live,
+                Some(_) => scope.completed,
+                None => false,
+            };
+            if !covered {
+                break;
+            }
         }
-        let kept: Option<(i16,)> = sqlx::query_as(self.sql.get(WHY_KEPT_SQL))
-            .bind(&id.as_bytes()[..])
-            .fetch_optional_on(&self.pool)
-            .await
-            .map_err(db_error)?;
-        // What is there now. A row of a kind the scope covers arrived after the delete (a
-        // lease completed, a new claim): it is reported as found, not as absent, so the
-        // operator sees the outcome that replays, or the lease, and may call again.
         Ok(match kept {
-            Some((0,)) => ForceReleased::Live,
+            Some(0) => ForceReleased::Live,
             Some(_) => ForceReleased::Completed,
             None => ForceReleased::Absent,
         })
     }
 }
+
+/// Deletes an operator's release makes when rows of a kind its scope covers keep arriving
+/// between its delete and its read.
+const FORCE_RELEASE_TRIES: usize = 3;
 
 #[async_trait]
 impl Store for PostgresStore {

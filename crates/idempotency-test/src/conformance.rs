@@ -76,7 +76,9 @@ async fn claim_expecting(
     }
 }
 
-pub use crate::differential::answers_as_the_model_store;
+pub use crate::{
+    differential::answers_as_the_model_store, linearizable::concurrent_calls_are_linearizable,
+};
 
 fn sample_outcome() -> Outcome {
     Outcome::new(201)
@@ -1016,6 +1018,7 @@ macro_rules! conformance_tests {
             takeover_races_late_completion,
             dropped_calls_leave_the_key_answerable,
             answers_as_the_model_store,
+            concurrent_calls_are_linearizable,
         );
     };
     (@shared $store:expr; $($case:ident),* $(,)?) => {

@@ -26,13 +26,13 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::conformance::{LONG, fp, fresh_id};
 
-const WORKERS: usize = 3;
+pub(crate) const WORKERS: usize = 3;
 /// After a call with a duration of zero: past it on every store's clock (Redis counts
 /// a zero as one millisecond).
-const PAST_ZERO: Duration = Duration::from_millis(5);
+pub(crate) const PAST_ZERO: Duration = Duration::from_millis(5);
 
 #[derive(Debug, Clone, Copy)]
-enum Call {
+pub(crate) enum Call {
     /// `lost`: the answer never reaches the worker (it keeps the token it had); `zero`: a
     /// lease of zero, over at once.
     Begin {
@@ -67,7 +67,7 @@ enum Call {
 /// lease is left): whether the record is completed (its status) or in flight (its lease
 /// over or not), and its body's fingerprint.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Seen {
+pub(crate) enum Seen {
     InFlight { over: bool, body: Fingerprint },
     Completed { status: u16, body: Fingerprint },
     Other,
@@ -76,7 +76,7 @@ enum Seen {
 /// What a call answered, with what the contract leaves open taken out: tokens (each store
 /// draws its own) and an `InFlight`'s remaining time.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Answer {
+pub(crate) enum Answer {
     Execute,
     TakeOver,
     Replay(Outcome),
@@ -90,13 +90,39 @@ enum Answer {
 }
 
 /// One side of the comparison: a store and the token each worker holds on it.
-struct Side<'a> {
-    store: &'a dyn Store,
-    tokens: [Option<LeaseToken>; WORKERS],
+pub(crate) struct Side<'a> {
+    pub(crate) store: &'a dyn Store,
+    pub(crate) tokens: [Option<LeaseToken>; WORKERS],
+}
+
+impl Call {
+    /// The worker that makes the call with its token or its body; `None` for the
+    /// operator's and the purger's calls.
+    pub(crate) fn worker(&self) -> Option<usize> {
+        match *self {
+            Call::Begin { worker, .. }
+            | Call::Complete { worker, .. }
+            | Call::Release { worker }
+            | Call::Renew { worker, .. }
+            | Call::Crash { worker } => Some(worker),
+            Call::ForceRelease { .. } | Call::Purge | Call::Inspect => None,
+        }
+    }
+
+    /// Whether it asks for a lease or a retention of zero: over at once (after
+    /// [`PAST_ZERO`] on every store's clock).
+    pub(crate) fn zero(&self) -> bool {
+        matches!(
+            self,
+            Call::Complete { expire: true, .. }
+                | Call::Renew { end: true, .. }
+                | Call::Begin { zero: true, .. }
+        )
+    }
 }
 
 impl Side<'_> {
-    async fn call(
+    pub(crate) async fn call(
         &mut self,
         id: &RecordId,
         bodies: &[Fingerprint; 2],
@@ -193,7 +219,7 @@ impl Side<'_> {
     }
 }
 
-fn draw(rng: &mut StdRng, holding: [bool; WORKERS]) -> Call {
+pub(crate) fn draw(rng: &mut StdRng, holding: [bool; WORKERS]) -> Call {
     loop {
         let worker = rng.random_range(0..WORKERS);
         let call = match rng.random_range(0..100) {
@@ -229,6 +255,54 @@ fn draw(rng: &mut StdRng, holding: [bool; WORKERS]) -> Call {
     }
 }
 
+/// Whether the record was completed, and by whom (a worker, or a grant) with a retention of
+/// zero: the one answer the contract leaves open.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Expiry<K> {
+    completed: bool,
+    expired_by: Option<K>,
+}
+
+impl<K> Default for Expiry<K> {
+    fn default() -> Self {
+        Self {
+            completed: false,
+            expired_by: None,
+        }
+    }
+}
+
+impl<K: PartialEq + Copy> Expiry<K> {
+    /// Whether `got` differs from the model's `want` only where the contract allows: a
+    /// repeated `complete` of a record its retention of zero let expire, `LeaseLost` (Redis
+    /// let the key go) where memory and Postgres keep it until the purge and answer `Ok`.
+    pub(crate) fn open(&self, call: &Call, by: Option<K>, want: &Answer, got: &Answer) -> bool {
+        matches!(call, Call::Complete { .. })
+            && by.is_some()
+            && self.expired_by == by
+            && *want == Answer::Ok
+            && *got == Answer::LeaseLost
+    }
+
+    /// Follows the record after `call` by `by`, answered `want` by the model's store.
+    pub(crate) fn after(&mut self, call: &Call, by: Option<K>, want: &Answer) {
+        match call {
+            // The first completion sets the retention; a repeat changes nothing.
+            Call::Complete { expire, .. } if *want == Answer::Ok && !self.completed => {
+                self.completed = true;
+                self.expired_by = if *expire { by } else { None };
+            }
+            Call::Begin { .. } if matches!(want, Answer::Execute | Answer::TakeOver) => {
+                *self = Self::default();
+            }
+            Call::ForceRelease { .. } if *want == Answer::Released(ForceReleased::Deleted) => {
+                *self = Self::default();
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Runs `sequences` random sequences of `steps` calls, each on a fresh key, on `store` and on
 /// a [`MemoryStore`], and fails at the first answer that differs, printing the seed and the
 /// sequence so far. The seed is `IDEMPOTENCY_DIFFERENTIAL_SEED` if set, else fixed.
@@ -250,44 +324,22 @@ pub async fn answers_as_the_model_store_for(store: &dyn Store, sequences: usize,
             tokens: [None; WORKERS],
         };
         let (id, model_id) = (fresh_id(), fresh_id());
-        // Whether the record was completed, and by which worker with a retention of zero.
-        let (mut completed, mut expired_by) = (false, None);
+        let mut expiry = Expiry::default();
         let mut log = String::new();
         for step in 0..steps {
             let call = draw(&mut rng, reference.tokens.map(|t| t.is_some()));
             let want = reference.call(&model_id, &bodies, call, step).await;
             let got = tested.call(&id, &bodies, call, step).await;
             let _ = writeln!(log, "  {step:>2}: {call:?} -> {want:?}");
-            let open = matches!(call, Call::Complete { worker, .. } if expired_by == Some(worker))
-                && want == Answer::Ok
-                && got == Answer::LeaseLost;
+            let by = call.worker();
             assert!(
-                got == want || open,
+                got == want || expiry.open(&call, by, &want, &got),
                 "{} answers differently from the model's store (seed {seed}, sequence \
                  {sequence}):\n{log}  the store answered {got:?}",
                 store.name()
             );
-            match call {
-                // The first completion sets the retention; a repeat changes nothing.
-                Call::Complete { worker, expire } if want == Answer::Ok && !completed => {
-                    completed = true;
-                    expired_by = expire.then_some(worker);
-                }
-                Call::Begin { .. } if matches!(want, Answer::Execute | Answer::TakeOver) => {
-                    (completed, expired_by) = (false, None);
-                }
-                Call::ForceRelease { .. } if want == Answer::Released(ForceReleased::Deleted) => {
-                    (completed, expired_by) = (false, None);
-                }
-                _ => {}
-            }
-            let zero = matches!(
-                call,
-                Call::Complete { expire: true, .. }
-                    | Call::Renew { end: true, .. }
-                    | Call::Begin { zero: true, .. }
-            );
-            if zero {
+            expiry.after(&call, by, &want);
+            if call.zero() {
                 tokio::time::sleep(PAST_ZERO).await;
             }
         }

@@ -4,6 +4,8 @@
 //!   stop, start, pause and unpause them for fault injection;
 //! - [`conformance`]: the store conformance suite and [`conformance_tests!`], which every store
 //!   runs;
+//! - [`differential`] and [`linearizable`]: the model's store carried over to every store,
+//!   one call at a time and with calls that overlap;
 //! - [`http`]: an HTTP/1.1 client (hyper) whose dropped requests hang up;
 //! - [`relay`]: a TCP relay that loses one reply, for "it landed but the answer was lost";
 //! - [`stores`]: stores built once per binary on the shared services;
@@ -18,6 +20,7 @@ pub mod conformance;
 pub mod differential;
 pub mod http;
 pub mod late;
+pub mod linearizable;
 pub mod relay;
 pub mod services;
 pub mod stores;
