@@ -412,12 +412,13 @@ fn a_run_whose_accepted_transaction_rolled_back_keeps_its_lease() {
 }
 
 /// As in the next test, but completed by `PostgresStore::complete_in` with the claim's id
-/// and token, then `Claim::accepted`, without asking `Claim::completion`: the transaction
-/// holds the row, so renewals wait on it, and an operation held for want of a renewal's
-/// answer once its lease may have run out would never commit (and the key would stay
-/// locked). Before, the run never returned.
+/// and token, without asking `Claim::completion`, and with an await between the write and
+/// `Claim::accepted` that outlasts the lease: the transaction holds the row, so renewals
+/// wait on it, and an operation held for want of a renewal's answer once its lease may have
+/// run out would never commit (and the key would stay locked). Before, the run never
+/// returned; and it still did not when only `accepted` ended the hold.
 #[test]
-fn a_run_that_completes_with_its_own_call_and_says_so_is_not_held() {
+fn a_run_that_completes_with_its_own_call_is_not_held() {
     block_on(async {
         let Some((store, table, executor)) = setup(Some(Duration::from_millis(300))).await else {
             return;
@@ -437,9 +438,9 @@ fn a_run_that_completes_with_its_own_call_and_says_so_is_not_held() {
                     claim.retention(),
                 )
                 .await?;
-            claim.accepted();
             // Past the lease with the row locked: the renewals wait on it.
             tokio::time::sleep(Duration::from_millis(600)).await;
+            claim.accepted();
             tx.commit().await.map_err(unavailable)?;
             Ok::<_, idempotency_core::Error>(value)
         });

@@ -387,6 +387,9 @@ impl<S: Store + ?Sized> Executor<S> {
             result: std::marker::PhantomData,
         };
         let (accepted, completing) = (claim.accepted.clone(), claim.completing.clone());
+        // Found by its token while it runs: a completion written by the store's own call
+        // (`PostgresStore::complete_in` with the claim's id and token) ends the hold too.
+        let _writes_own_completion = Completing::register(token, &completing);
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         // A closure that panics before it returns its future panics as its future would.
@@ -649,12 +652,13 @@ impl<T: Serialize> Claim<T> {
     /// store accepted it, call [`Claim::accepted`]). `PostgresStore::complete_claim_in` does
     /// both.
     ///
-    /// Ask for it right before that store call, and make the call with it (not with the
-    /// claim's id and token on their own): from here the operation is no longer held when
-    /// its lease may have run out (see [`Policy::surely_held`](crate::Policy::surely_held)),
+    /// Ask for it right before that store call: from here the operation is no longer held
+    /// when its lease may have run out (see [`Policy::surely_held`](crate::Policy::surely_held)),
     /// because the write is fenced on the token in the effect's transaction, and, once
     /// made, holds the record's row lock, on which the renewals wait. Effects outside that
-    /// transaction made after this call are not held either.
+    /// transaction made after this call are not held either. (`PostgresStore::complete_in`
+    /// called with the claim's id and token ends the hold itself, before its write:
+    /// [`completing_in_transaction`].)
     ///
     /// # Errors
     ///
@@ -702,13 +706,62 @@ impl<T: Serialize> Claim<T> {
     /// confirmed, and the executor stores no value of its own, so return `Ok` only once a
     /// transaction with a completion committed ([`RunError::NotCommitted`] otherwise).
     ///
-    /// It also ends the hold [`Claim::completion`] ends, for an operation that made the
-    /// completion's write without asking for it: that transaction holds the record's row
-    /// lock, on which the renewals wait, so an operation held for want of their answer
-    /// would never commit.
     pub fn accepted(&self) {
-        self.completing.store(true, Ordering::SeqCst);
         self.accepted.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The runs of [`Executor::run_with_claim`] in this process, by token: whether each one's
+/// operation is writing its own completion ([`completing_in_transaction`]).
+static COMPLETING: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<LeaseToken, Arc<AtomicBool>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// A run's entry in [`COMPLETING`], removed when the run ends (or its future is dropped).
+struct Completing(LeaseToken);
+
+impl Completing {
+    fn register(token: LeaseToken, completing: &Arc<AtomicBool>) -> Self {
+        COMPLETING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(token, completing.clone());
+        Self(token)
+    }
+}
+
+impl Drop for Completing {
+    fn drop(&mut self) {
+        COMPLETING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.0);
+    }
+}
+
+/// Says that the operation holding `token` writes its own completion now, in the
+/// transaction of its effect: if one of this process's [`Executor::run_with_claim`] runs
+/// holds it, that operation is no longer held when its lease may have run out, as after
+/// [`Claim::completion`]. The write is fenced on the token (a takeover makes it fail, and the
+/// transaction roll back), and once made it holds the record's row lock, on which the
+/// renewals wait: held for want of their answer, the operation would never commit, and the
+/// key would stay locked.
+///
+/// For stores whose completion joins the caller's transaction: `PostgresStore::complete_in`
+/// calls it before its write, so an operation that completes with the claim's id and token
+/// instead of [`Claim::completion`] is not held either. Any other token: nothing happens.
+///
+/// ```
+/// use idempotency_core::{LeaseToken, completing_in_transaction};
+/// completing_in_transaction(LeaseToken::generate()); // no run holds it: nothing happens
+/// ```
+pub fn completing_in_transaction(token: LeaseToken) {
+    if let Some(completing) = COMPLETING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&token)
+    {
+        completing.store(true, Ordering::SeqCst);
     }
 }
 

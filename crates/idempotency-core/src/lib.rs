@@ -39,7 +39,7 @@ pub use detach::{
 };
 pub use executor::{
     Claim, Completion, Executed, Executor, RunError, complete_late, complete_or_keep_trying,
-    complete_retrying,
+    complete_retrying, completing_in_transaction,
 };
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};

@@ -777,6 +777,10 @@ impl PostgresStore {
         outcome: &Outcome,
         retention: Duration,
     ) -> Result<()> {
+        // Before the write: once it holds the row lock, an `Executor::run_with_claim`
+        // operation held for want of a renewal's answer (the renewals wait on that lock)
+        // would never commit.
+        idempotency_core::completing_in_transaction(token);
         let job = CompleteJob {
             id: *id,
             token,
