@@ -1850,6 +1850,71 @@ fn a_copy_whose_task_starts_late_is_not_sent() {
     });
 }
 
+/// A `complete` of a fresh claim whose Postgres write committed while its future was held
+/// (polled until it waited on a row lock, then not again), still to be polled; its lease's
+/// mirror had landed in Redis. The gateway's Postgres store works per request (the
+/// completion is one statement, sent from the caller's future), with a 1 s call budget.
+struct HeldCompletion {
+    gateway: HybridStore,
+    id: RecordId,
+    fp: Fingerprint,
+    completing:
+        std::pin::Pin<Box<dyn std::future::Future<Output = idempotency_core::Result<()>> + Send>>,
+}
+
+async fn held_completion(pg: &Service, redis: &Service, prefix: &str) -> HeldCompletion {
+    use idempotency_test::conformance::LONG;
+
+    let gateway_pg = PostgresStore::builder(pg.url())
+        .call_timeout(Duration::from_secs(1))
+        .per_request()
+        .connect()
+        .await
+        .expect("postgres store");
+    gateway_pg.migrate().await.expect("migrate");
+    let gateway = hybrid_with_prefix(gateway_pg, redis.url(), prefix).await;
+    let fp = Fingerprint::of(b"held completion");
+    let id = fresh_id();
+    let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+        panic!("a fresh key")
+    };
+    mirror_landed(&gateway, &id, &fp).await;
+
+    // The completion is sent and waits on a row lock another transaction holds.
+    let direct = PgPool::connect(pg.url()).await.expect("pool");
+    let blocker = row_locked(&direct, &id).await;
+    let completing = {
+        let gateway = gateway.clone();
+        let outcome = Outcome::new(201).with_body("held");
+        Box::pin(async move { gateway.complete(&id, token, &outcome, RETENTION).await })
+    };
+    let mut held = HeldCompletion {
+        gateway,
+        id,
+        fp,
+        completing,
+    };
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut held.completing)
+            .await
+            .is_err(),
+        "the completion waits on the lock"
+    );
+    // The lock goes, and the write commits while the future is held.
+    blocker.commit().await.expect("commit");
+    let state = "SELECT state FROM idempotency_keys WHERE record_id = $1";
+    while sqlx::query_scalar::<_, i16>(state)
+        .bind(&id.as_bytes()[..])
+        .fetch_one(&direct)
+        .await
+        .expect("read the row")
+        == 0
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held
+}
+
 /// A `complete` future held between its Postgres write and its outcome's copy (a frozen
 /// process, a caller that stopped polling it) sends no copy past the bound counted from the
 /// write: an operator may have deleted the record meanwhile, and its second delete be over,
@@ -1863,47 +1928,10 @@ fn a_completion_held_after_its_write_does_not_copy_a_record_deleted_meanwhile() 
         let Some((pg, redis, prefix)) = two_services().await else {
             return;
         };
-        // Per request: the completion is one statement, sent from the caller's future.
-        let gateway_pg = PostgresStore::builder(pg.url())
-            .call_timeout(Duration::from_secs(1))
-            .per_request()
-            .connect()
-            .await
-            .expect("postgres store");
-        gateway_pg.migrate().await.expect("migrate");
-        let gateway = hybrid_with_prefix(gateway_pg, redis.url(), &prefix).await;
-        let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
-        let fp = Fingerprint::of(b"held completion");
-        let id = fresh_id();
-        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
-            panic!("a fresh key")
-        };
-
-        // The completion is sent and waits on a row lock another transaction holds.
-        let direct = PgPool::connect(pg.url()).await.expect("pool");
-        let blocker = row_locked(&direct, &id).await;
-        let outcome = Outcome::new(201).with_body("held");
-        let completing = gateway.complete(&id, token, &outcome, RETENTION);
-        tokio::pin!(completing);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(300), &mut completing)
-                .await
-                .is_err(),
-            "the completion waits on the lock"
-        );
-        // The lock goes, and the write commits while the future is held.
-        blocker.commit().await.expect("commit");
-        let state = "SELECT state FROM idempotency_keys WHERE record_id = $1";
-        while sqlx::query_scalar::<_, i16>(state)
-            .bind(&id.as_bytes()[..])
-            .fetch_one(&direct)
-            .await
-            .expect("read the row")
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let held = held_completion(pg, redis, &prefix).await;
+        let (gateway, id) = (&held.gateway, held.id);
         // An operator deletes the outcome, and its deletes are over.
+        let operator = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
         let released = operator
             .force_release(&id, ReleaseScope::default().with_completed())
             .await
@@ -1911,19 +1939,62 @@ fn a_completion_held_after_its_write_does_not_copy_a_record_deleted_meanwhile() 
         assert_eq!(released, idempotency_core::ForceReleased::Deleted);
         // Held past the copy's bound: a Postgres call budget and five Redis budgets.
         tokio::time::sleep(gateway.postgres().call_timeout() + Duration::from_secs(1)).await;
-        completing.await.expect("complete");
+        held.completing.await.expect("complete");
 
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
+        let mut conn = direct_redis(redis.url()).await;
         assert!(
             !exists(&mut conn, &gateway.redis().key(&id)).await,
             "a copy sent past its bound landed"
         );
-        let answer = gateway.begin(&id, &fp, LONG).await.expect("begin");
+        let answer = gateway.begin(&id, &held.fp, LONG).await.expect("begin");
         assert!(matches!(answer, Begin::Execute(_)), "{answer:?}");
+    });
+}
+
+/// A copy past its bound deletes the lease's mirror instead of replacing it with the
+/// outcome, and leaves the mirror's repair queued: a mirror write stranded in a connection
+/// the client gave up on can still land after that delete (no outcome is there for its
+/// `SET NX` to fail on), and would answer "in flight" for a completed record until its TTL.
+/// Before, the repair was called off as if the outcome had been written.
+#[test]
+fn a_copy_that_deleted_instead_of_writing_keeps_the_mirrors_repair() {
+    use idempotency_test::conformance::LONG;
+
+    block_on(async {
+        let Some((pg, redis, prefix)) = two_services().await else {
+            return;
+        };
+        let held = held_completion(pg, redis, &prefix).await;
+        let (gateway, id) = (&held.gateway, held.id);
+        let mut conn = direct_redis(redis.url()).await;
+        let key = gateway.redis().key(&id);
+        let mirror: Vec<u8> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("the mirror");
+        tokio::time::sleep(gateway.postgres().call_timeout() + Duration::from_secs(1)).await;
+        held.completing.await.expect("complete");
+        assert!(!exists(&mut conn, &key).await, "deleted, not copied");
+
+        // The stranded mirror write lands now.
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(mirror)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut conn)
+            .await
+            .expect("set");
+        // The store's next Redis call runs the queued repairs first.
+        let other = gateway.begin(&fresh_id(), &held.fp, LONG).await;
+        assert!(matches!(other, Ok(Begin::Execute(_))), "{other:?}");
+        assert!(
+            !exists(&mut conn, &key).await,
+            "the stale mirror was repaired"
+        );
+        let answer = gateway.begin(&id, &held.fp, LONG).await.expect("begin");
+        assert!(matches!(answer, Begin::Replay(_)), "{answer:?}");
     });
 }
 

@@ -1061,13 +1061,16 @@ impl Store for HybridStore {
             // caller that stopped polling it), and an operator's release of the record and
             // its second delete be over; a copy sent now would replay the deleted record.
             let by = self.copy_deadline(sent);
+            // Only an outcome written replaces the mirror for good: after a delete, a
+            // mirror write stranded in an abandoned connection could still land on the empty
+            // key, so the mirror's (fenced) repair stays queued.
             if self
                 .try_redis(|| {
                     self.redis
                         .cache_completed_within(id, &fp, outcome, expires, by)
                 })
                 .await
-                .is_some()
+                == Some(true)
             {
                 repair.done();
             }
