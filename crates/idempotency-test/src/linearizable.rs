@@ -270,3 +270,83 @@ pub async fn linearizable_for(store: &dyn Store, rounds: usize, calls: usize) {
 pub async fn concurrent_calls_are_linearizable(store: Arc<dyn Store>) {
     linearizable_for(&*store, 40, 8).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, time::Duration};
+
+    use async_trait::async_trait;
+    use idempotency_core::{
+        Begin, ForceReleased, Inspection, Outcome, ReleaseScope, Result, Store,
+    };
+
+    use super::*;
+
+    /// The model's store behind a cache of replays that nothing clears: an operator's
+    /// release deletes the record, and the cache goes on replaying it.
+    struct StaleReplays {
+        inner: MemoryStore,
+        replays: Mutex<HashMap<RecordId, Outcome>>,
+    }
+
+    #[async_trait]
+    impl Store for StaleReplays {
+        async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+            if let Some(outcome) = self.replays.lock().expect("cache").get(id) {
+                return Ok(Begin::Replay(outcome.clone()));
+            }
+            let answer = self.inner.begin(id, fp, lease).await?;
+            if let Begin::Replay(outcome) = &answer {
+                self.replays
+                    .lock()
+                    .expect("cache")
+                    .insert(*id, outcome.clone());
+            }
+            Ok(answer)
+        }
+        async fn complete(
+            &self,
+            id: &RecordId,
+            token: LeaseToken,
+            outcome: &Outcome,
+            retention: Duration,
+        ) -> Result<()> {
+            self.inner.complete(id, token, outcome, retention).await
+        }
+        async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+            self.inner.release(id, token).await
+        }
+        async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+            self.inner.renew(id, token, lease).await
+        }
+        async fn purge_expired(&self, batch: usize) -> Result<u64> {
+            self.inner.purge_expired(batch).await
+        }
+        async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+            self.inner.inspect(id).await
+        }
+        async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
+            self.inner.force_release(id, scope).await
+        }
+        fn name(&self) -> &'static str {
+            "stale replays"
+        }
+    }
+
+    /// The check has teeth: a store that replays a record an operator deleted fails it.
+    #[tokio::test]
+    #[should_panic(expected = "no order of these calls gets these answers")]
+    async fn a_store_replaying_a_deleted_record_fails() {
+        let store = StaleReplays {
+            inner: MemoryStore::new(),
+            replays: Mutex::new(HashMap::new()),
+        };
+        linearizable_for(&store, 40, 8).await;
+    }
+
+    /// And the model's store, behind nothing, passes.
+    #[tokio::test]
+    async fn the_models_store_passes() {
+        linearizable_for(&MemoryStore::new(), 40, 8).await;
+    }
+}
