@@ -389,7 +389,7 @@ impl<S: Store + ?Sized> Executor<S> {
         let (accepted, completing) = (claim.accepted.clone(), claim.completing.clone());
         // Found by its token while it runs: a completion written by the store's own call
         // (`PostgresStore::complete_in` with the claim's id and token) ends the hold too.
-        let _writes_own_completion = Completing::register(token, &completing);
+        let _writes_own_completion = Completing::register(id, token, &completing);
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         // A closure that panics before it returns its future panics as its future would.
@@ -711,36 +711,51 @@ impl<T: Serialize> Claim<T> {
     }
 }
 
-/// The runs of [`Executor::run_with_claim`] in this process, by token: whether each one's
-/// operation is writing its own completion ([`completing_in_transaction`]).
-static COMPLETING: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<LeaseToken, Arc<AtomicBool>>>,
-> = std::sync::LazyLock::new(Default::default);
+/// The runs of [`Executor::run_with_claim`] in this process, by record and token: whether
+/// each one's operation is writing its own completion ([`completing_in_transaction`]).
+static COMPLETING: std::sync::LazyLock<std::sync::Mutex<Runs>> =
+    std::sync::LazyLock::new(Default::default);
+
+type Runs = std::collections::HashMap<(RecordId, LeaseToken), Arc<AtomicBool>>;
 
 /// A run's entry in [`COMPLETING`], removed when the run ends (or its future is dropped).
-struct Completing(LeaseToken);
+struct Completing {
+    key: (RecordId, LeaseToken),
+    flag: Arc<AtomicBool>,
+}
 
 impl Completing {
-    fn register(token: LeaseToken, completing: &Arc<AtomicBool>) -> Self {
+    fn register(id: RecordId, token: LeaseToken, completing: &Arc<AtomicBool>) -> Self {
+        let key = (id, token);
         COMPLETING
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(token, completing.clone());
-        Self(token)
+            .insert(key, completing.clone());
+        Self {
+            key,
+            flag: completing.clone(),
+        }
     }
 }
 
 impl Drop for Completing {
     fn drop(&mut self) {
-        COMPLETING
+        let mut runs = COMPLETING
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&self.0);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Only its own: a store that deals tokens in sequence (a memory store with a manual
+        // clock) can grant another run the same pair once this one's record is gone.
+        if runs
+            .get(&self.key)
+            .is_some_and(|f| Arc::ptr_eq(f, &self.flag))
+        {
+            runs.remove(&self.key);
+        }
     }
 }
 
-/// Says that the operation holding `token` writes its own completion now, in the
-/// transaction of its effect: if one of this process's [`Executor::run_with_claim`] runs
+/// Says that the operation holding `token` on record `id` writes its own completion now, in
+/// the transaction of its effect: if one of this process's [`Executor::run_with_claim`] runs
 /// holds it, that operation is no longer held when its lease may have run out, as after
 /// [`Claim::completion`]. The write is fenced on the token (a takeover makes it fail, and the
 /// transaction roll back), and once made it holds the record's row lock, on which the
@@ -749,17 +764,18 @@ impl Drop for Completing {
 ///
 /// For stores whose completion joins the caller's transaction: `PostgresStore::complete_in`
 /// calls it before its write, so an operation that completes with the claim's id and token
-/// instead of [`Claim::completion`] is not held either. Any other token: nothing happens.
+/// instead of [`Claim::completion`] is not held either. Any other: nothing happens.
 ///
 /// ```
-/// use idempotency_core::{LeaseToken, completing_in_transaction};
-/// completing_in_transaction(LeaseToken::generate()); // no run holds it: nothing happens
+/// use idempotency_core::{IdempotencyKey, LeaseToken, RecordId, Scope, completing_in_transaction};
+/// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1").unwrap());
+/// completing_in_transaction(&id, LeaseToken::generate()); // no run holds it: nothing happens
 /// ```
-pub fn completing_in_transaction(token: LeaseToken) {
+pub fn completing_in_transaction(id: &RecordId, token: LeaseToken) {
     if let Some(completing) = COMPLETING
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&token)
+        .get(&(*id, token))
     {
         completing.store(true, Ordering::SeqCst);
     }

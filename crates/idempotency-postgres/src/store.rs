@@ -534,10 +534,11 @@ WHERE record_id = $1
        OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
 RETURNING state";
 
-/// Why `FORCE_RELEASE_SQL` deleted nothing: an in-flight row (a live lease), a live completed
-/// row, or none.
+/// Why `FORCE_RELEASE_SQL` deleted nothing: an in-flight row (a live lease; or one whose
+/// lease ran out since, or that arrived since), a live completed row, or none. The second
+/// column: the lease ran out.
 const WHY_KEPT_SQL: &str = "
-SELECT state FROM idempotency_keys
+SELECT state, expires_at <= clock_timestamp() FROM idempotency_keys
 WHERE record_id = $1 AND (state = 0 OR expires_at > clock_timestamp())";
 
 /// Every statement on the key table, rewritten for another table at connect.
@@ -780,7 +781,7 @@ impl PostgresStore {
         // Before the write: once it holds the row lock, an `Executor::run_with_claim`
         // operation held for want of a renewal's answer (the renewals wait on that lock)
         // would never commit.
-        idempotency_core::completing_in_transaction(token);
+        idempotency_core::completing_in_transaction(id, token);
         let job = CompleteJob {
             id: *id,
             token,
@@ -1520,10 +1521,13 @@ impl PostgresStore {
     async fn force_release_row(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         // The delete, then a read of why it deleted nothing: two statements, and a row can
         // arrive between them (a claim that committed after the delete's snapshot, a lease
-        // completed). A row of a kind the scope covers would have been deleted had it been
-        // there: it is another delete's to take, not an answer ("live" under a scope with
-        // live leases is what no order of the calls gives). Tried again a few times; past
-        // that, what is there is reported, so the operator sees the lease or the outcome.
+        // completed, a lease run out). A row of a kind the scope covers would have been
+        // deleted had it been there: it is another delete's to take, not an answer ("live"
+        // under a scope with live leases is what no order of the calls gives), and the
+        // release is ordered after what brought it (a claim made while an operator releases
+        // the key's live leases is released too, as one made just before would be). Tried
+        // again a few times; past that, what is there is reported, so the operator sees the
+        // lease or the outcome.
         let mut kept = None;
         for _ in 0..FORCE_RELEASE_TRIES {
             let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
@@ -1540,14 +1544,14 @@ impl PostgresStore {
                     ForceReleased::Deleted
                 });
             }
-            kept = sqlx::query_as::<_, (i16,)>(self.sql.get(WHY_KEPT_SQL))
+            kept = sqlx::query_as::<_, (i16, bool)>(self.sql.get(WHY_KEPT_SQL))
                 .bind(&id.as_bytes()[..])
                 .fetch_optional_on(&self.pool)
                 .await
-                .map_err(db_error)?
-                .map(|(state,)| state);
+                .map_err(db_error)?;
+            // Every scope takes an unfinished lease that ran out.
             let covered = match kept {
-                Some(0) => scope.live,
+                Some((0, ran_out)) => scope.live || ran_out,
                 Some(_) => scope.completed,
                 None => false,
             };
@@ -1556,7 +1560,7 @@ impl PostgresStore {
             }
         }
         Ok(match kept {
-            Some(0) => ForceReleased::Live,
+            Some((0, _)) => ForceReleased::Live,
             Some(_) => ForceReleased::Completed,
             None => ForceReleased::Absent,
         })
