@@ -1951,6 +1951,39 @@ fn a_completion_held_after_its_write_does_not_copy_a_record_deleted_meanwhile() 
     });
 }
 
+/// An operator's release in the same process, between a `complete`'s Postgres write and its
+/// outcome's copy: the release does not wait for that copy (it is sent from the call, not
+/// from a task of its own), and a copy that landed after the release's delete replayed the
+/// released record until the second delete, seconds later. The copy now replaces only its
+/// own lease's mirror, which the release deleted.
+#[test]
+fn a_release_between_a_completions_write_and_its_copy_is_not_undone() {
+    use idempotency_test::conformance::LONG;
+
+    block_on(async {
+        let Some((pg, redis, prefix)) = two_services().await else {
+            return;
+        };
+        let held = held_completion(pg, redis, &prefix).await;
+        let (gateway, id) = (&held.gateway, held.id);
+        let released = gateway
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        // At once: well within the copy's bound.
+        held.completing.await.expect("complete");
+
+        let mut conn = direct_redis(redis.url()).await;
+        assert!(
+            !exists(&mut conn, &gateway.redis().key(&id)).await,
+            "the copy landed after the release"
+        );
+        let answer = gateway.begin(&id, &held.fp, LONG).await.expect("begin");
+        assert!(matches!(answer, Begin::Execute(_)), "{answer:?}");
+    });
+}
+
 /// A copy past its bound deletes the lease's mirror instead of replacing it with the
 /// outcome, and leaves the mirror's repair queued: a mirror write stranded in a connection
 /// the client gave up on can still land after that delete (no outcome is there for its

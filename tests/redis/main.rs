@@ -765,6 +765,80 @@ fn a_copy_past_its_deadline_deletes_instead_of_writing() {
     });
 }
 
+/// The hybrid's copy of a completion replaces its own lease's mirror and nothing else: not
+/// an empty key (an operator's release deleted the mirror), not another lease's mirror;
+/// past its deadline it deletes its mirror instead.
+#[test]
+fn a_copy_replaces_only_its_own_leases_mirror() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let mut conn = shared_connection().await;
+        let checks = conn.clone();
+        let exists = |id: idempotency_core::RecordId| {
+            let (mut conn, key) = (checks.clone(), store.key(&id));
+            async move {
+                let exists: bool = redis::cmd("EXISTS")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("exists");
+                exists
+            }
+        };
+        let (id, fp) = (fresh_id(), fp("a"));
+        let outcome = Outcome::new(201).with_body("ch_1");
+        let (mine, other) = (
+            idempotency_core::LeaseToken::generate(),
+            idempotency_core::LeaseToken::generate(),
+        );
+        let now = tokio::time::Instant::now();
+        let replace =
+            |token| store.replace_mirror(&id, token, &fp, &outcome, now + LONG, now + LONG);
+        assert!(!replace(mine).await.expect("no mirror"));
+        assert!(!exists(id).await, "written on an empty key");
+        store
+            .cache_in_flight(&id, &fp, other, LONG)
+            .await
+            .expect("another lease's mirror");
+        assert!(!replace(mine).await.expect("another's mirror"));
+        assert!(matches!(
+            store.begin(&id, &fp, LONG).await.expect("begin"),
+            Begin::InFlight { .. }
+        ));
+        let _: () = redis::cmd("DEL")
+            .arg(store.key(&id))
+            .query_async(&mut conn)
+            .await
+            .expect("del");
+        store
+            .cache_in_flight(&id, &fp, mine, LONG)
+            .await
+            .expect("this lease's mirror");
+        assert!(replace(mine).await.expect("its own mirror"));
+        assert_eq!(
+            store.begin(&id, &fp, LONG).await.expect("begin"),
+            Begin::Replay(outcome.clone())
+        );
+
+        let late_id = fresh_id();
+        store
+            .cache_in_flight(&late_id, &fp, mine, LONG)
+            .await
+            .expect("a mirror");
+        let late = tokio::time::Instant::now();
+        assert!(
+            !store
+                .replace_mirror(&late_id, mine, &fp, &outcome, late + LONG, late)
+                .await
+                .expect("late copy")
+        );
+        assert!(
+            !exists(late_id).await,
+            "a copy past its deadline left the mirror"
+        );
+    });
+}
+
 /// A record whose TTL was removed from outside (`PERSIST`, a restore without TTLs) never
 /// expires: `begin` and `force_release` read its lease as live, and `inspect` says the same
 /// (a lease that never ends, a record kept for good). It said the lease had ended, so an

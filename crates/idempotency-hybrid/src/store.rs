@@ -1056,18 +1056,20 @@ impl Store for HybridStore {
             // if it is still on its way (or it could land after a failed write's repair).
             let repair = self.repair_unless_done(id, token);
             self.mirror_landed(&token).await;
-            // Landed by the bound counted from the write, or the key (the mirror) deleted
-            // instead: this future may have been held since the write (a frozen process, a
-            // caller that stopped polling it), and an operator's release of the record and
-            // its second delete be over; a copy sent now would replay the deleted record.
+            // The outcome replaces this lease's mirror, and nothing else: an operator's
+            // release between the Postgres write and here deleted the mirror (this copy is
+            // not among the writes it waits for), and a copy landing after that delete would
+            // replay the released record until its second delete. Landed by the bound
+            // counted from the write, or the mirror deleted instead: this future may have
+            // been held since the write (a frozen process, a caller that stopped polling it).
             let by = self.copy_deadline(sent);
-            // Only an outcome written replaces the mirror for good: after a delete, a
-            // mirror write stranded in an abandoned connection could still land on the empty
-            // key, so the mirror's (fenced) repair stays queued.
+            // Only an outcome written replaces the mirror for good: otherwise a mirror write
+            // stranded in an abandoned connection could still land on the empty key, so the
+            // mirror's (fenced) repair stays queued.
             if self
                 .try_redis(|| {
                     self.redis
-                        .cache_completed_within(id, &fp, outcome, expires, by)
+                        .replace_mirror(id, token, &fp, outcome, expires, by)
                 })
                 .await
                 == Some(true)

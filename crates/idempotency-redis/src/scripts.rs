@@ -194,6 +194,29 @@ return 1
     ))
 }
 
+/// `KEYS[1]` record; `ARGV` token, token text, then as [`cache_completed`]: the completed
+/// record's value, its TTL ms, the instant it must be gone by, the instant it must land by.
+/// [`cache_completed`] fenced on the lease's mirror: the outcome replaces the mirror of the
+/// token that completed the record, and nothing else. No mirror of that token there (an
+/// operator's release deleted it, or it was evicted or flushed, or never landed): nothing
+/// is written, so a copy whose record an operator released meanwhile cannot bring it back;
+/// a retry reads Postgres. Returns 1 written, 0 not (past its deadline, the mirror is
+/// deleted).
+pub(crate) fn replace_mirror() -> Script {
+    Script::new(&format!(
+        r"{NOW_MS}{READ_FENCED}
+if legacy or not mine or st ~= 'm' then return 0 end
+local ttl = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]) - now)
+if ttl <= 0 or now > tonumber(ARGV[6]) then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ttl)
+return 1
+"
+    ))
+}
+
 /// `KEYS[1]` record; `ARGV` token, token text. Deletes the lease (or mirror) the token owns.
 pub(crate) fn release() -> Script {
     Script::new(&format!(

@@ -75,6 +75,7 @@ struct Scripts {
     cancel: Script,
     complete: Script,
     cache_completed: Script,
+    replace_mirror: Script,
     release: Script,
     renew: Script,
     inspect: Script,
@@ -350,6 +351,7 @@ impl RedisStoreBuilder {
                 cancel: scripts::cancel(),
                 complete: scripts::complete(),
                 cache_completed: scripts::cache_completed(),
+                replace_mirror: scripts::replace_mirror(),
                 release: scripts::release(),
                 renew: scripts::renew(),
                 inspect: scripts::inspect(),
@@ -1357,6 +1359,74 @@ impl RedisStore {
         expires: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<bool> {
+        let [value, ttl, at, deadline] = self.copy_args(fp, outcome, expires, deadline);
+        let written: i64 = self
+            .run(
+                &self.scripts.cache_completed,
+                id,
+                &[&value, &ttl, &at, &deadline],
+            )
+            .await?;
+        Ok(written == 1)
+    }
+
+    /// [`cache_completed_within`](Self::cache_completed_within), fenced on the lease's
+    /// mirror: the outcome replaces the mirror `token` left (see
+    /// [`cache_in_flight`](Self::cache_in_flight)), and nothing else. With no such mirror there
+    /// (an operator's release deleted it, an eviction or a flush did, it never landed),
+    /// nothing is written and it answers `false`: a copy whose record was released
+    /// meanwhile cannot bring it back, and a retry reads the record where it is kept. Past
+    /// `deadline`, the mirror is deleted instead.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tokio::time::Instant;
+    /// # use idempotency_core::{Fingerprint, LeaseToken, Outcome, RecordId, Scope, IdempotencyKey};
+    /// # async fn run(redis: idempotency_redis::RedisStore, token: LeaseToken) -> Result<(), Box<dyn std::error::Error>> {
+    /// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1")?);
+    /// let written = Instant::now(); // when the outcome was written where it is kept
+    /// let replaced = redis
+    ///     .replace_mirror(
+    ///         &id,
+    ///         token,
+    ///         &Fingerprint::of(b"body"),
+    ///         &Outcome::new(201),
+    ///         written + Duration::from_secs(24 * 3600),
+    ///         written + Duration::from_secs(5),
+    ///     )
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn replace_mirror(
+        &self,
+        id: &RecordId,
+        token: LeaseToken,
+        fp: &Fingerprint,
+        outcome: &Outcome,
+        expires: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<bool> {
+        let (raw, text) = token_forms(token);
+        let [value, ttl, at, deadline] = self.copy_args(fp, outcome, expires, deadline);
+        let written: i64 = self
+            .run(
+                &self.scripts.replace_mirror,
+                id,
+                &[&raw, &text, &value, &ttl, &at, &deadline],
+            )
+            .await?;
+        Ok(written == 1)
+    }
+
+    /// A copy's arguments: the completed record's value, its TTL, the instant it must be
+    /// gone by and the instant it must land by (Unix ms, this host's clock).
+    fn copy_args(
+        &self,
+        fp: &Fingerprint,
+        outcome: &Outcome,
+        expires: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> [Vec<u8>; 4] {
         // Whole milliseconds left (none under one: too late, as Redis counts).
         let left = expires
             .saturating_duration_since(tokio::time::Instant::now())
@@ -1380,19 +1450,12 @@ impl RedisStore {
             )
         };
         let value = scripts::value(b'1', fp.as_bytes(), &[0; 16], &outcome.encode());
-        let written: i64 = self
-            .run(
-                &self.scripts.cache_completed,
-                id,
-                &[
-                    &value,
-                    ttl.to_string().as_bytes(),
-                    at.to_string().as_bytes(),
-                    deadline.to_string().as_bytes(),
-                ],
-            )
-            .await?;
-        Ok(written == 1)
+        [
+            value,
+            ttl.to_string().into_bytes(),
+            at.to_string().into_bytes(),
+            deadline.to_string().into_bytes(),
+        ]
     }
 
     /// The hard budget of one call (see [`RedisStoreBuilder::call_budget`]).
