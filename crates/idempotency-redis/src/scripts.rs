@@ -183,16 +183,22 @@ return 1
 pub(crate) fn cache_completed() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
-local ttl = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - now)
-if ttl <= 0 or now > tonumber(ARGV[4]) then
+local o = 0
+{WRITE_COPY}"
+    ))
+}
+
+/// Writes a copy whose arguments start after `ARGV[o]` (value, TTL ms, gone-by and land-by
+/// instants), or deletes the key past either instant (see [`cache_completed`]).
+const WRITE_COPY: &str = r"
+local ttl = math.min(tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3]) - now)
+if ttl <= 0 or now > tonumber(ARGV[o + 4]) then
   redis.call('DEL', KEYS[1])
   return 0
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+redis.call('SET', KEYS[1], ARGV[o + 1], 'PX', ttl)
 return 1
-"
-    ))
-}
+";
 
 /// `KEYS[1]` record; `ARGV` token, token text, then as [`cache_completed`]: the completed
 /// record's value, its TTL ms, the instant it must be gone by, the instant it must land by.
@@ -206,14 +212,8 @@ pub(crate) fn replace_mirror() -> Script {
     Script::new(&format!(
         r"{NOW_MS}{READ_FENCED}
 if legacy or not mine or st ~= 'm' then return 0 end
-local ttl = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]) - now)
-if ttl <= 0 or now > tonumber(ARGV[6]) then
-  redis.call('DEL', KEYS[1])
-  return 0
-end
-redis.call('SET', KEYS[1], ARGV[3], 'PX', ttl)
-return 1
-"
+local o = 2
+{WRITE_COPY}"
     ))
 }
 
