@@ -1984,6 +1984,43 @@ fn a_release_between_a_completions_write_and_its_copy_is_not_undone() {
     });
 }
 
+/// An operation longer than its lease's mirror lives (2 s by default, renewals extend only
+/// a mirror still there) finds no mirror to replace when it completes: its outcome is copied
+/// all the same, so Redis replays it (and does while Postgres is down). With the copy fenced
+/// on the mirror alone, nothing was copied.
+#[test]
+fn a_completion_whose_mirror_ran_out_is_still_copied() {
+    use idempotency_test::conformance::LONG;
+
+    block_on(async {
+        let Some((pg, redis, prefix)) = two_services().await else {
+            return;
+        };
+        let gateway = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix)
+            .await
+            .with_in_flight_mirror_ttl(Duration::from_millis(200));
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"long operation"));
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        mirror_landed(&gateway, &id, &fp).await;
+        let mut conn = direct_redis(redis.url()).await;
+        while exists(&mut conn, &gateway.redis().key(&id)).await {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let outcome = Outcome::new(201).with_body("long");
+        gateway
+            .complete(&id, token, &outcome, RETENTION)
+            .await
+            .expect("complete");
+        assert_eq!(
+            gateway.redis().peek(&id, &fp).await.expect("peek"),
+            idempotency_redis::Peek::Found(Begin::Replay(outcome)),
+            "the outcome is in Redis"
+        );
+    });
+}
+
 /// A copy past its bound deletes the lease's mirror instead of replacing it with the
 /// outcome, and leaves the mirror's repair queued: a mirror write stranded in a connection
 /// the client gave up on can still land after that delete (no outcome is there for its

@@ -6,7 +6,7 @@
 use std::{sync::Arc, time::Duration};
 
 use idempotency_core::{Begin, Error, Outcome, Store};
-use idempotency_redis::{EvictionCheck, RedisStore};
+use idempotency_redis::{EvictionCheck, RedisStore, Replaced};
 use idempotency_test::{
     block_on,
     conformance::{LONG, execute, fp, fresh_id},
@@ -765,17 +765,16 @@ fn a_copy_past_its_deadline_deletes_instead_of_writing() {
     });
 }
 
-/// The hybrid's copy of a completion replaces its own lease's mirror and nothing else: not
-/// an empty key (an operator's release deleted the mirror), not another lease's mirror;
-/// past its deadline it deletes its mirror instead.
+/// The hybrid's copy of a completion replaces its own lease's mirror and nothing else: an
+/// empty key is left empty (the caller decides), another lease's mirror is deleted, not
+/// overwritten; past its deadline the copy deletes its mirror instead.
 #[test]
 fn a_copy_replaces_only_its_own_leases_mirror() {
     block_on(async {
         let Some(store) = store().await else { return };
-        let mut conn = shared_connection().await;
-        let checks = conn.clone();
+        let conn = shared_connection().await;
         let exists = |id: idempotency_core::RecordId| {
-            let (mut conn, key) = (checks.clone(), store.key(&id));
+            let (mut conn, key) = (conn.clone(), store.key(&id));
             async move {
                 let exists: bool = redis::cmd("EXISTS")
                     .arg(key)
@@ -794,27 +793,28 @@ fn a_copy_replaces_only_its_own_leases_mirror() {
         let now = tokio::time::Instant::now();
         let replace =
             |token| store.replace_mirror(&id, token, &fp, &outcome, now + LONG, now + LONG);
-        assert!(!replace(mine).await.expect("no mirror"));
+        assert_eq!(replace(mine).await.expect("no mirror"), Replaced::Absent);
         assert!(!exists(id).await, "written on an empty key");
         store
             .cache_in_flight(&id, &fp, other, LONG)
             .await
             .expect("another lease's mirror");
-        assert!(!replace(mine).await.expect("another's mirror"));
-        assert!(matches!(
-            store.begin(&id, &fp, LONG).await.expect("begin"),
-            Begin::InFlight { .. }
-        ));
-        let _: () = redis::cmd("DEL")
-            .arg(store.key(&id))
-            .query_async(&mut conn)
-            .await
-            .expect("del");
+        assert_eq!(
+            replace(mine).await.expect("another's mirror"),
+            Replaced::Not
+        );
+        assert!(
+            !exists(id).await,
+            "another lease's mirror is deleted, not overwritten"
+        );
         store
             .cache_in_flight(&id, &fp, mine, LONG)
             .await
             .expect("this lease's mirror");
-        assert!(replace(mine).await.expect("its own mirror"));
+        assert_eq!(
+            replace(mine).await.expect("its own mirror"),
+            Replaced::Written
+        );
         assert_eq!(
             store.begin(&id, &fp, LONG).await.expect("begin"),
             Begin::Replay(outcome.clone())
@@ -826,11 +826,12 @@ fn a_copy_replaces_only_its_own_leases_mirror() {
             .await
             .expect("a mirror");
         let late = tokio::time::Instant::now();
-        assert!(
-            !store
+        assert_eq!(
+            store
                 .replace_mirror(&late_id, mine, &fp, &outcome, late + LONG, late)
                 .await
-                .expect("late copy")
+                .expect("late copy"),
+            Replaced::Not
         );
         assert!(
             !exists(late_id).await,

@@ -17,7 +17,7 @@ use idempotency_core::{
     ReleaseScope, Result, Store, detached_begin,
 };
 use idempotency_postgres::PostgresStore;
-use idempotency_redis::{Peek, RedisStore};
+use idempotency_redis::{Peek, RedisStore, Replaced};
 use tokio::time::Instant;
 
 use crate::{
@@ -129,6 +129,52 @@ struct Shared {
     mirrored: std::sync::Mutex<Mirrored>,
     /// Claims left running in the background: see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
+    /// This process's operators' releases: a completion's copy finding its lease's mirror
+    /// gone is written only if none was under way at its Postgres write or began since.
+    releases: Releases,
+}
+
+/// Operators' releases in this process: how many began, and how many are under way.
+#[derive(Debug, Default)]
+struct Releases {
+    begun: AtomicU64,
+    under_way: AtomicU64,
+}
+
+/// What [`Releases::seen`] saw: releases begun, and whether one was under way.
+#[derive(Debug, Clone, Copy)]
+struct ReleasesSeen {
+    begun: u64,
+    under_way: bool,
+}
+
+impl Releases {
+    fn begin(&self) -> Releasing<'_> {
+        self.under_way.fetch_add(1, Ordering::AcqRel);
+        self.begun.fetch_add(1, Ordering::AcqRel);
+        Releasing(self)
+    }
+
+    fn seen(&self) -> ReleasesSeen {
+        ReleasesSeen {
+            under_way: self.under_way.load(Ordering::Acquire) > 0,
+            begun: self.begun.load(Ordering::Acquire),
+        }
+    }
+
+    /// Whether no release was under way when `seen`, nor began since.
+    fn none_since(&self, seen: ReleasesSeen) -> bool {
+        !seen.under_way && self.begun.load(Ordering::Acquire) == seen.begun
+    }
+}
+
+/// A release under way, until dropped.
+struct Releasing<'a>(&'a Releases);
+
+impl Drop for Releasing<'_> {
+    fn drop(&mut self) {
+        self.0.under_way.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// See [`Shared::mirrors`]: by token and kind, so that a lease's mirror and its outcome's
@@ -275,6 +321,7 @@ impl HybridStore {
                 min_duplicates: AtomicU32::new(0),
                 mirrored: std::sync::Mutex::default(),
                 settling: tokio_util::task::TaskTracker::new(),
+                releases: Releases::default(),
             }),
         }
     }
@@ -1018,6 +1065,7 @@ impl Store for HybridStore {
             // read later. The Redis copy expires no later than the row: the row's retention
             // started when Postgres ran the statement, which was before `sent` returned.
             let sent = Instant::now();
+            let releases = self.inner.releases.seen();
             let fp = self
                 .pg
                 .complete_with_fingerprint(id, token, outcome, retention)
@@ -1063,17 +1111,33 @@ impl Store for HybridStore {
             // counted from the write, or the mirror deleted instead: this future may have
             // been held since the write (a frozen process, a caller that stopped polling it).
             let by = self.copy_deadline(sent);
-            // Only an outcome written replaces the mirror for good: otherwise a mirror write
-            // stranded in an abandoned connection could still land on the empty key, so the
-            // mirror's (fenced) repair stays queued.
-            if self
+            let replaced = self
                 .try_redis(|| {
                     self.redis
                         .replace_mirror(id, token, &fp, outcome, expires, by)
                 })
-                .await
-                == Some(true)
-            {
+                .await;
+            let written = match replaced {
+                Some(Replaced::Written) => true,
+                // No mirror there: it ran out (an operation longer than the mirror's TTL),
+                // or never landed, or a release deleted it. Copied all the same unless an
+                // operator's release in this process was under way at the write or began
+                // since (a release elsewhere is what the second delete is for, as for any
+                // copy on its way).
+                Some(Replaced::Absent) if self.inner.releases.none_since(releases) => {
+                    self.try_redis(|| {
+                        self.redis
+                            .cache_completed_within(id, &fp, outcome, expires, by)
+                    })
+                    .await
+                        == Some(true)
+                }
+                _ => false,
+            };
+            // Only an outcome written replaces the mirror for good: otherwise a mirror write
+            // stranded in an abandoned connection could still land on the empty key, so the
+            // mirror's (fenced) repair stays queued.
+            if written {
                 repair.done();
             }
             self.forget_mirror(&token);
@@ -1159,6 +1223,10 @@ impl Store for HybridStore {
     /// answers `Absent` once Redis has it.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
+            // From before Postgres is asked until the end (or a drop): a completion that
+            // wrote its row before this delete and finds its mirror gone after it must not
+            // copy its outcome back.
+            let _releasing = self.inner.releases.begin();
             self.inner.repairs().push((*id, None));
             // The second delete is scheduled before Postgres is asked: a call that fails or
             // is dropped once its delete has been sent may have deleted the row all the

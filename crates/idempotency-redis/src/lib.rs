@@ -33,7 +33,7 @@
 mod scripts;
 mod store;
 
-pub use store::{EvictionCheck, Peek, RedisStore, RedisStoreBuilder};
+pub use store::{EvictionCheck, Peek, RedisStore, RedisStoreBuilder, Replaced};
 
 /// The `redis` crate this store is built on, so an application's own client (for
 /// [`RedisStore::from_connection_manager`]) is of the same version.

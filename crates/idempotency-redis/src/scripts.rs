@@ -203,15 +203,21 @@ return 1
 /// `KEYS[1]` record; `ARGV` token, token text, then as [`cache_completed`]: the completed
 /// record's value, its TTL ms, the instant it must be gone by, the instant it must land by.
 /// [`cache_completed`] fenced on the lease's mirror: the outcome replaces the mirror of the
-/// token that completed the record, and nothing else. No mirror of that token there (an
-/// operator's release deleted it, or it was evicted or flushed, or never landed): nothing
-/// is written, so a copy whose record an operator released meanwhile cannot bring it back;
-/// a retry reads Postgres. Returns 1 written, 0 not (past its deadline, the mirror is
-/// deleted).
+/// token that completed the record. Anything else there (another lease's mirror, which may
+/// be a newer attempt's after an operator's release; an outcome) is not overwritten: another
+/// lease's mirror is deleted (a cache miss, where it would answer "in flight"), the rest
+/// left. Returns 1 written; 0 not (past its deadline, the mirror is deleted); 2 the key is
+/// empty, nothing written (the mirror expired, or never landed, or a release deleted it:
+/// the caller decides).
 pub(crate) fn replace_mirror() -> Script {
     Script::new(&format!(
         r"{NOW_MS}{READ_FENCED}
-if legacy or not mine or st ~= 'm' then return 0 end
+if not st then return 2 end
+if st == 'm' and not mine then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+if not mine or st ~= 'm' then return 0 end
 local o = 2
 {WRITE_COPY}"
     ))

@@ -22,6 +22,18 @@ use redis::{
 
 use crate::scripts::{self, FP, OUTCOME};
 
+/// What [`RedisStore::replace_mirror`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replaced {
+    /// The outcome replaced the lease's mirror.
+    Written,
+    /// Nothing written: something else was there (another lease's mirror, now deleted; an
+    /// outcome, left), or the copy was past its deadline (the mirror deleted).
+    Not,
+    /// Nothing written: the key was empty.
+    Absent,
+}
+
 /// What the read-only [`RedisStore::peek`] finds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1372,11 +1384,11 @@ impl RedisStore {
 
     /// [`cache_completed_within`](Self::cache_completed_within), fenced on the lease's
     /// mirror: the outcome replaces the mirror `token` left (see
-    /// [`cache_in_flight`](Self::cache_in_flight)), and nothing else. With no such mirror there
-    /// (an operator's release deleted it, an eviction or a flush did, it never landed),
-    /// nothing is written and it answers `false`: a copy whose record was released
-    /// meanwhile cannot bring it back, and a retry reads the record where it is kept. Past
-    /// `deadline`, the mirror is deleted instead.
+    /// [`cache_in_flight`](Self::cache_in_flight)), and nothing else. Another lease's mirror
+    /// there (perhaps a newer attempt's, after an operator's release) is deleted, not
+    /// overwritten; an outcome there is left; an empty key is left empty, and the caller
+    /// decides ([`Replaced::Absent`]: the mirror expired or never landed, or an operator's
+    /// release deleted it). Past `deadline`, the mirror is deleted instead.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -1395,6 +1407,7 @@ impl RedisStore {
     ///         written + Duration::from_secs(5),
     ///     )
     ///     .await?;
+    /// assert_ne!(replaced, idempotency_redis::Replaced::Written); // no mirror of `token` there
     /// # Ok(()) }
     /// ```
     pub async fn replace_mirror(
@@ -1405,17 +1418,21 @@ impl RedisStore {
         outcome: &Outcome,
         expires: tokio::time::Instant,
         deadline: tokio::time::Instant,
-    ) -> Result<bool> {
+    ) -> Result<Replaced> {
         let (raw, text) = token_forms(token);
         let [value, ttl, at, deadline] = self.copy_args(fp, outcome, expires, deadline);
-        let written: i64 = self
+        let replaced: i64 = self
             .run(
                 &self.scripts.replace_mirror,
                 id,
                 &[&raw, &text, &value, &ttl, &at, &deadline],
             )
             .await?;
-        Ok(written == 1)
+        Ok(match replaced {
+            1 => Replaced::Written,
+            2 => Replaced::Absent,
+            _ => Replaced::Not,
+        })
     }
 
     /// A copy's arguments: the completed record's value, its TTL, the instant it must be
