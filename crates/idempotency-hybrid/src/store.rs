@@ -149,31 +149,36 @@ struct ReleasesSeen {
 }
 
 impl Releases {
-    fn begin(&self) -> Releasing<'_> {
-        self.under_way.fetch_add(1, Ordering::AcqRel);
-        self.begun.fetch_add(1, Ordering::AcqRel);
-        Releasing(self)
+    /// A release begins; it is under way until the guard drops.
+    fn begin(shared: &Arc<Shared>) -> Releasing {
+        let releases = &shared.releases;
+        releases.under_way.fetch_add(1, Ordering::SeqCst);
+        releases.begun.fetch_add(1, Ordering::SeqCst);
+        Releasing(shared.clone())
     }
 
     fn seen(&self) -> ReleasesSeen {
+        // `begun` first (`begin` counts in the other order): a release that begins between
+        // the two reads is seen under way.
+        let begun = self.begun.load(Ordering::SeqCst);
         ReleasesSeen {
-            under_way: self.under_way.load(Ordering::Acquire) > 0,
-            begun: self.begun.load(Ordering::Acquire),
+            under_way: self.under_way.load(Ordering::SeqCst) > 0,
+            begun,
         }
     }
 
     /// Whether no release was under way when `seen`, nor began since.
     fn none_since(&self, seen: ReleasesSeen) -> bool {
-        !seen.under_way && self.begun.load(Ordering::Acquire) == seen.begun
+        !seen.under_way && self.begun.load(Ordering::SeqCst) == seen.begun
     }
 }
 
 /// A release under way, until dropped.
-struct Releasing<'a>(&'a Releases);
+struct Releasing(Arc<Shared>);
 
-impl Drop for Releasing<'_> {
+impl Drop for Releasing {
     fn drop(&mut self) {
-        self.0.under_way.fetch_sub(1, Ordering::AcqRel);
+        self.0.releases.under_way.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -1124,13 +1129,25 @@ impl Store for HybridStore {
                 // operator's release in this process was under way at the write or began
                 // since (a release elsewhere is what the second delete is for, as for any
                 // copy on its way).
-                Some(Replaced::Absent) if self.inner.releases.none_since(releases) => {
-                    self.try_redis(|| {
-                        self.redis
-                            .cache_completed_within(id, &fp, outcome, expires, by)
-                    })
-                    .await
-                        == Some(true)
+                Some(Replaced::Absent) => {
+                    // Noted with the record before the check: a release that begins after
+                    // the check waits for it (`writes_landed`), one that began before is seen.
+                    let copied = Arc::new(AtomicBool::new(false));
+                    let (this, fp, outcome, id, done) =
+                        (self.clone(), fp, outcome.clone(), *id, copied.clone());
+                    self.write_after_answering(id, token, Written::Copy, async move {
+                        if this.inner.releases.none_since(releases) {
+                            let written = this
+                                .try_redis(|| {
+                                    this.redis
+                                        .cache_completed_within(&id, &fp, &outcome, expires, by)
+                                })
+                                .await;
+                            done.store(written == Some(true), Ordering::Release);
+                        }
+                    });
+                    self.landed((token, Written::Copy)).await;
+                    copied.load(Ordering::Acquire)
                 }
                 _ => false,
             };
@@ -1226,7 +1243,9 @@ impl Store for HybridStore {
             // From before Postgres is asked until the end (or a drop): a completion that
             // wrote its row before this delete and finds its mirror gone after it must not
             // copy its outcome back.
-            let _releasing = self.inner.releases.begin();
+            // Held by the second delete: a delete given up on here (a budget run out, this
+            // future dropped) may still commit, up to then.
+            let releasing = Releases::begin(&self.inner);
             self.inner.repairs().push((*id, None));
             // The second delete is scheduled before Postgres is asked: a call that fails or
             // is dropped once its delete has been sent may have deleted the row all the
@@ -1244,6 +1263,7 @@ impl Store for HybridStore {
             // Tracked: a process that exits after an operator's release (the admin CLI)
             // waits for it with `drain`.
             self.inner.settling.spawn(async move {
+                let _releasing = releasing;
                 tokio::time::sleep(writes_over).await;
                 if called_off.load(Ordering::Acquire) {
                     return;
