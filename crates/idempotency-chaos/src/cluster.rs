@@ -33,6 +33,32 @@ pub(crate) struct Cluster {
     lease_ms: u64,
 }
 
+/// Deletes the semaphore and shared memory `faketime` names after its own pid
+/// (`sem.faketime_sem_<pid>`, `faketime_shm_<pid>`) for pids no longer running. A wrapper
+/// killed with its gateway (`SIGKILL`) cannot delete them, and a later wrapper given the
+/// same pid then fails at once ("sem_open: File exists"): its gateway never comes up.
+fn clear_stale_faketime_files(shm: &Path) {
+    let Ok(entries) = std::fs::read_dir(shm) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if let Some(pid) = faketime_pid(&name.to_string_lossy())
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The pid a `faketime` wrapper's semaphore or shared memory is named after.
+fn faketime_pid(name: &str) -> Option<u32> {
+    name.strip_prefix("sem.faketime_sem_")
+        .or_else(|| name.strip_prefix("faketime_shm_"))?
+        .parse()
+        .ok()
+}
+
 /// SIGKILLs a child's whole process group: `faketime` runs the gateway as its own child, and
 /// nginx's workers outlive a killed master. Every child here leads a group of its own.
 fn kill_group(child: &Child) {
@@ -259,6 +285,7 @@ http {{
         let gateway = &self.gateways[i];
         let mut command = match &gateway.skew {
             Some(skew) => {
+                clear_stale_faketime_files(Path::new("/dev/shm"));
                 let mut c = Command::new("faketime");
                 // Only the wall clock is off: the monotonic clock drives timers, and a
                 // skewed one would just be another process's clock.
@@ -375,6 +402,44 @@ fn gateways_ports(gateways: &[Gateway]) -> Vec<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn faketime_files_are_told_by_their_pid() {
+        assert_eq!(faketime_pid("sem.faketime_sem_1234"), Some(1234));
+        assert_eq!(faketime_pid("faketime_shm_77"), Some(77));
+        assert_eq!(faketime_pid("faketime_shm_x"), None);
+        assert_eq!(faketime_pid("sem.other_1"), None);
+    }
+
+    /// Only the files of pids no longer running go.
+    #[test]
+    fn stale_faketime_files_are_cleared() {
+        let dir = std::env::temp_dir().join(format!("shm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let alive = std::process::id();
+        // Above any pid_max (4194304 at most): never running.
+        let dead = 4_194_305;
+        let names = [
+            format!("sem.faketime_sem_{alive}"),
+            format!("faketime_shm_{alive}"),
+            format!("sem.faketime_sem_{dead}"),
+            format!("faketime_shm_{dead}"),
+            "unrelated".to_owned(),
+        ];
+        for name in &names {
+            std::fs::write(dir.join(name), b"").expect("write");
+        }
+        clear_stale_faketime_files(&dir);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("read")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want = vec![names[0].clone(), names[1].clone(), names[4].clone()];
+        want.sort();
+        assert_eq!(left, want);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 
     #[test]
     fn the_keys_log_names_every_gateway_a_key_reached() {
