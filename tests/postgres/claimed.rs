@@ -111,6 +111,49 @@ async fn entry_written<'s>(
     Ok(tx)
 }
 
+/// How an operation stores its result in its own transaction.
+#[derive(Debug, Clone, Copy)]
+enum OwnCompletion {
+    /// `complete_claim_in`: the claim's completion, then `Claim::accepted`.
+    ClaimIn,
+    /// `complete_in` with the claim's id and token, and nothing said to the claim (what the
+    /// docs of `completing_in_transaction` allow): the store's call tells the run.
+    StoresCall,
+}
+
+impl OwnCompletion {
+    const BOTH: [Self; 2] = [Self::ClaimIn, Self::StoresCall];
+
+    async fn complete(
+        self,
+        store: &PostgresStore,
+        tx: &mut sqlx::PgConnection,
+        claim: &Claim<String>,
+        value: &String,
+    ) -> Result<(), idempotency_core::Error> {
+        match self {
+            Self::ClaimIn => store.complete_claim_in(tx, claim, value).await,
+            Self::StoresCall => {
+                let body = serde_json::to_vec(value).expect("json");
+                let outcome = Outcome::new(200).with_body(body);
+                let (id, token) = (*claim.id(), claim.token());
+                store
+                    .complete_in(tx, &id, token, &outcome, claim.retention())
+                    .await
+            }
+        }
+    }
+}
+
+/// Empties the ledger between the cases of one test.
+async fn clear(store: &PostgresStore, table: &str) {
+    let delete = format!("DELETE FROM {table}");
+    sqlx::query(sqlx::AssertSqlSafe(delete))
+        .execute(store.pool())
+        .await
+        .expect("clear the ledger");
+}
+
 fn unavailable(error: sqlx::Error) -> idempotency_core::Error {
     idempotency_core::Error::unavailable(error)
 }
@@ -178,7 +221,9 @@ fn a_result_committed_with_its_effect_replays_whatever_happens_after_the_commit(
 /// answers the `COMMIT` of that failed transaction with a rollback, which sqlx reports as a
 /// success. Nothing committed (no entry, no result), and the run says so (`NotCommitted`)
 /// with the key released: the redelivery writes the entry once. Before, the executor stored
-/// the result itself, and every redelivery replayed an entry that was never written.
+/// the result itself, and every redelivery replayed an entry that was never written; and it
+/// still did for an operation completing with `complete_in` and the claim's token (the
+/// store's acceptance never reached the run).
 #[test]
 fn a_transaction_that_rolled_back_after_its_completion_stores_nothing() {
     block_on(async {
@@ -186,33 +231,42 @@ fn a_transaction_that_rolled_back_after_its_completion_stores_nothing() {
             return;
         };
         let (store, table) = (&*store, table.as_str());
-        let (scope, key, fp) = fresh_key();
-        let first = executor
-            .run_with_claim(&scope, &key, &fp, |claim| async move {
-                let mut tx = entry_written(store, table, claim.id(), "lost").await?;
-                let value = "lost".to_owned();
-                store.complete_claim_in(&mut tx, &claim, &value).await?;
-                let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
-                assert!(failed.is_err(), "the statement after the completion fails");
-                tx.commit().await.map_err(unavailable)?; // a rollback, answered as a commit
-                Ok::<_, idempotency_core::Error>(value)
-            })
-            .await;
-        assert!(matches!(first, Err(RunError::NotCommitted)), "{first:?}");
-        assert!(entries(store, table).await.is_empty(), "nothing committed");
+        for how in OwnCompletion::BOTH {
+            let (scope, key, fp) = fresh_key();
+            let first = executor
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    let mut tx = entry_written(store, table, claim.id(), "lost").await?;
+                    let value = "lost".to_owned();
+                    how.complete(store, &mut tx, &claim, &value).await?;
+                    let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+                    assert!(failed.is_err(), "the statement after the completion fails");
+                    tx.commit().await.map_err(unavailable)?; // a rollback, answered as a commit
+                    Ok::<_, idempotency_core::Error>(value)
+                })
+                .await;
+            assert!(
+                matches!(first, Err(RunError::NotCommitted)),
+                "{how:?}: {first:?}"
+            );
+            assert!(
+                entries(store, table).await.is_empty(),
+                "{how:?}: nothing committed"
+            );
 
-        let again = executor
-            .run_with_claim(&scope, &key, &fp, |claim| async move {
-                write_and_complete(store, table, &claim, "written").await
-            })
-            .await
-            .expect("the redelivery");
-        assert!(
-            !again.replayed,
-            "the redelivery replayed a result never committed"
-        );
-        assert_eq!(entries(store, table).await, ["written"]);
-        assert_eq!(replayed(&executor, &scope, &key, &fp).await, "written");
+            let again = executor
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
+                    write_and_complete(store, table, &claim, "written").await
+                })
+                .await
+                .expect("the redelivery");
+            assert!(
+                !again.replayed,
+                "{how:?}: the redelivery replayed a result never committed"
+            );
+            assert_eq!(entries(store, table).await, ["written"]);
+            assert_eq!(replayed(&executor, &scope, &key, &fp).await, "written");
+            clear(store, table).await;
+        }
     });
 }
 
@@ -458,7 +512,8 @@ fn a_run_that_completes_with_its_own_call_is_not_held() {
 /// A renewal that waited on the row the run's own completion locked, or came after its
 /// commit, answers `LeaseLost` (the record is no longer in flight): that is the run's own
 /// completion, and must not stop it (once the store accepted the completion, the executor
-/// stops renewing). Before, the run was stopped after its commit and reported `LeaseLost`.
+/// stops renewing). Before, the run was stopped after its commit and reported `LeaseLost`;
+/// and it still was when the operation completed with `complete_in` and the claim's token.
 #[test]
 fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
     block_on(async {
@@ -467,25 +522,27 @@ fn a_renewal_that_meets_the_runs_own_completion_does_not_stop_it() {
             return;
         };
         let (store, table) = (&*store, table.as_str());
-        let (scope, key, fp) = fresh_key();
-        let done = executor
-            .run_with_claim(&scope, &key, &fp, |claim| {
-                async move {
+        for how in OwnCompletion::BOTH {
+            let (scope, key, fp) = fresh_key();
+            let done = executor
+                .run_with_claim(&scope, &key, &fp, |claim| async move {
                     let mut tx = entry_written(store, table, claim.id(), "once").await?;
                     let value = "once".to_owned();
-                    store.complete_claim_in(&mut tx, &claim, &value).await?;
+                    how.complete(store, &mut tx, &claim, &value).await?;
                     // The row is locked until the commit: renewals wait on it.
                     tokio::time::sleep(Duration::from_millis(400)).await;
                     tx.commit().await.map_err(unavailable)?;
                     // After the commit: renewals find the record completed.
                     tokio::time::sleep(Duration::from_millis(400)).await;
                     Ok::<_, idempotency_core::Error>(value)
-                }
-            })
-            .await;
-        let done = done.expect("the run is not stopped by its own completion");
-        assert!(!done.replayed);
-        assert_eq!(done.value, "once");
-        assert_eq!(entries(store, table).await, ["once"]);
+                })
+                .await;
+            let done = done.unwrap_or_else(|e| panic!("{how:?}: the run was stopped: {e:?}"));
+            assert!(!done.replayed);
+            assert_eq!(done.value, "once");
+            assert_eq!(entries(store, table).await, ["once"]);
+            assert_eq!(replayed(&executor, &scope, &key, &fp).await, "once");
+            clear(store, table).await;
+        }
     });
 }

@@ -388,8 +388,9 @@ impl<S: Store + ?Sized> Executor<S> {
         };
         let (accepted, completing) = (claim.accepted.clone(), claim.completing.clone());
         // Found by its token while it runs: a completion written by the store's own call
-        // (`PostgresStore::complete_in` with the claim's id and token) ends the hold too.
-        let _writes_own_completion = Completing::register(id, token, &completing);
+        // (`PostgresStore::complete_in` with the claim's id and token) ends the hold too,
+        // and its acceptance is the claim's.
+        let _writes_own_completion = Completing::register(id, token, &completing, &accepted);
         // The renewals' task is made only once the operation has to wait: one that answers
         // in its first step needs none (the layer does the same with its timer).
         // A closure that panics before it returns its future panics as its future would.
@@ -712,28 +713,53 @@ impl<T: Serialize> Claim<T> {
 }
 
 /// The runs of [`Executor::run_with_claim`] in this process, by record and token: whether
-/// each one's operation is writing its own completion ([`completing_in_transaction`]).
+/// each one's operation is writing its own completion ([`completing_in_transaction`]), and
+/// whether the store accepted it ([`accepted_in_transaction`]).
 static COMPLETING: std::sync::LazyLock<std::sync::Mutex<Runs>> =
     std::sync::LazyLock::new(Default::default);
 
-type Runs = std::collections::HashMap<(RecordId, LeaseToken), Arc<AtomicBool>>;
+type Runs = std::collections::HashMap<(RecordId, LeaseToken), Flags>;
+
+/// A run's [`Claim::completion`] and [`Claim::accepted`] flags.
+#[derive(Clone)]
+struct Flags {
+    completing: Arc<AtomicBool>,
+    accepted: Arc<AtomicBool>,
+}
 
 /// A run's entry in [`COMPLETING`], removed when the run ends (or its future is dropped).
 struct Completing {
     key: (RecordId, LeaseToken),
-    flag: Arc<AtomicBool>,
+    flags: Flags,
 }
 
 impl Completing {
-    fn register(id: RecordId, token: LeaseToken, completing: &Arc<AtomicBool>) -> Self {
+    fn register(
+        id: RecordId,
+        token: LeaseToken,
+        completing: &Arc<AtomicBool>,
+        accepted: &Arc<AtomicBool>,
+    ) -> Self {
         let key = (id, token);
+        let flags = Flags {
+            completing: completing.clone(),
+            accepted: accepted.clone(),
+        };
         COMPLETING
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(key, completing.clone());
-        Self {
-            key,
-            flag: completing.clone(),
+            .insert(key, flags.clone());
+        Self { key, flags }
+    }
+
+    /// Sets one flag of the run holding `token` on `id`, if one in this process does.
+    fn set(id: &RecordId, token: LeaseToken, flag: fn(&Flags) -> &AtomicBool) {
+        if let Some(flags) = COMPLETING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(*id, token))
+        {
+            flag(flags).store(true, Ordering::SeqCst);
         }
     }
 }
@@ -747,7 +773,7 @@ impl Drop for Completing {
         // clock) can grant another run the same pair once this one's record is gone.
         if runs
             .get(&self.key)
-            .is_some_and(|f| Arc::ptr_eq(f, &self.flag))
+            .is_some_and(|f| Arc::ptr_eq(&f.completing, &self.flags.completing))
         {
             runs.remove(&self.key);
         }
@@ -772,13 +798,29 @@ impl Drop for Completing {
 /// completing_in_transaction(&id, LeaseToken::generate()); // no run holds it: nothing happens
 /// ```
 pub fn completing_in_transaction(id: &RecordId, token: LeaseToken) {
-    if let Some(completing) = COMPLETING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&(*id, token))
-    {
-        completing.store(true, Ordering::SeqCst);
-    }
+    Completing::set(id, token, |flags| &flags.completing);
+}
+
+/// Says that the store **accepted** the completion the operation holding `token` on record
+/// `id` wrote in its own transaction, as [`Claim::accepted`] does: the run then confirms
+/// that the transaction committed instead of storing the operation's result itself (a
+/// transaction that rolled back stores nothing: [`RunError::NotCommitted`]), and a renewal
+/// answered `LeaseLost` is read against the record (most often, it is that commit).
+///
+/// `PostgresStore::complete_in` calls it once its write was accepted, so an operation that
+/// completes with the claim's id and token is confirmed like one that calls
+/// [`Claim::accepted`]: otherwise a transaction that rolled back after the completion (a
+/// later statement failed; Postgres answers its `COMMIT` with a rollback) would have the
+/// result stored all the same, and replayed for a charge that never committed. No run of
+/// this process holds it: nothing happens.
+///
+/// ```
+/// use idempotency_core::{IdempotencyKey, LeaseToken, RecordId, Scope, accepted_in_transaction};
+/// let id = RecordId::new(&Scope::new("charges"), &IdempotencyKey::new("k1").unwrap());
+/// accepted_in_transaction(&id, LeaseToken::generate()); // no run holds it: nothing happens
+/// ```
+pub fn accepted_in_transaction(id: &RecordId, token: LeaseToken) {
+    Completing::set(id, token, |flags| &flags.accepted);
 }
 
 /// Renews the lease of a running operation until aborted, in a task of its own. The

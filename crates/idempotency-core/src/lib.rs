@@ -38,8 +38,8 @@ pub use detach::{
     give_back_orphan, panic_as_unavailable, release_orphan, within_lease, within_lease_with,
 };
 pub use executor::{
-    Claim, Completion, Executed, Executor, RunError, complete_late, complete_or_keep_trying,
-    complete_retrying, completing_in_transaction,
+    Claim, Completion, Executed, Executor, RunError, accepted_in_transaction, complete_late,
+    complete_or_keep_trying, complete_retrying, completing_in_transaction,
 };
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};

@@ -755,6 +755,17 @@ impl PostgresStore {
     /// the completion fail with a serialization error (`Unavailable`). The retention counts from when the row is written
     /// (`clock_timestamp()`), not from the start of the caller's transaction.
     ///
+    /// Called with the id and token of an [`Executor::run_with_claim`] claim, it tells that
+    /// run (in this process) what [`Claim::completion`] and [`Claim::accepted`] would: the run
+    /// is no longer held for want of a renewal, and once the write was accepted it confirms
+    /// the commit instead of storing its result (a transaction that rolls back after it stores
+    /// nothing). See [`idempotency_core::completing_in_transaction`] and
+    /// [`idempotency_core::accepted_in_transaction`].
+    ///
+    /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
+    /// [`Claim::completion`]: idempotency_core::Claim::completion
+    /// [`Claim::accepted`]: idempotency_core::Claim::accepted
+    ///
     /// ```no_run
     /// # use std::time::Duration;
     /// # use idempotency_core::{LeaseToken, Outcome, RecordId};
@@ -790,7 +801,13 @@ impl PostgresStore {
             retention,
         };
         match self.complete_encoded(conn, &job).await? {
-            Some(_) => Ok(()),
+            Some(_) => {
+                // With no await before the caller's commit can follow: a run of this
+                // process holding the token confirms that commit instead of storing its
+                // result (a transaction that rolls back later must store nothing).
+                idempotency_core::accepted_in_transaction(id, token);
+                Ok(())
+            }
             // This token completed the record before, in a transaction that committed: the
             // caller is retrying a transaction whose commit answer it lost. Its effect is in
             // that commit already, so this one must roll back, not commit it a second time
