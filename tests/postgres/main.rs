@@ -625,8 +625,8 @@ fn purge_under_concurrent_inserts_removes_only_expired_rows() {
 /// mid-charge) survives the purge for a day, as long as a completed outcome by default: a
 /// retry two hours after the crash is still told `TakeOver` (so the layer's `Reject` and
 /// `Reconcile` see it), not `Execute`, which charged a second time, and a slow owner's late
-/// completion is still accepted. Past the day it goes; a store set to keep these for half
-/// an hour purges a one-hour-old one. Leases are moved into the past by the database's
+/// completion is still accepted. Past the day it goes; a store set to keep these for two
+/// hours purges a three-hour-old one, and one set below an hour keeps them an hour. Leases are moved into the past by the database's
 /// clock, as the purge reads it (and only by hours: the other cases' purges keep them).
 #[test]
 fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
@@ -675,17 +675,40 @@ fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
             .expect("begin");
         assert!(matches!(retry, Begin::Execute(_)), "a day on: {retry:?}");
 
-        let half_an_hour = (*store)
+        let two_hours = (*store)
             .clone()
-            .with_unknown_outcome_retention(Duration::from_secs(30 * 60));
+            .with_unknown_outcome_retention(Duration::from_secs(2 * 3600));
         let short = fresh_id();
-        execute(&half_an_hour, &short, &fp("a"), LONG).await;
-        move_back(short, 60).await;
-        while half_an_hour.purge_expired(1000).await.expect("purge") >= 1000 {}
+        execute(&two_hours, &short, &fp("a"), LONG).await;
+        move_back(short, 3 * 60).await;
+        while two_hours.purge_expired(1000).await.expect("purge") >= 1000 {}
         let retry = store.begin(&short, &fp("a"), LONG).await.expect("begin");
         assert!(
             matches!(retry, Begin::Execute(_)),
-            "kept half an hour: {retry:?}"
+            "kept two hours: {retry:?}"
+        );
+
+        // Never less than the grace every store gives a late completion (an hour): the
+        // executor's and the layer's late writes count on it. Before, a store set to ten
+        // minutes purged a half-hour-old lease, its owner's completion was refused, and the
+        // retry ran as new (`Execute`, past `OutcomeUnknown::Reject`).
+        let ten_minutes = (*store)
+            .clone()
+            .with_unknown_outcome_retention(Duration::from_secs(10 * 60));
+        let slow = fresh_id();
+        let slow_token = execute(&ten_minutes, &slow, &fp("a"), LONG).await;
+        move_back(slow, 30).await;
+        while ten_minutes.purge_expired(1000).await.expect("purge") >= 1000 {}
+        ten_minutes
+            .complete(&slow, slow_token, &Outcome::new(201), LONG)
+            .await
+            .expect("a late completion half an hour on");
+        assert_eq!(
+            ten_minutes
+                .begin(&slow, &fp("a"), LONG)
+                .await
+                .expect("begin"),
+            Begin::Replay(Outcome::new(201))
         );
     });
 }

@@ -131,7 +131,10 @@ impl MemoryStore {
     /// outcome unknown: `begin` answers [`Begin::TakeOver`](crate::Begin::TakeOver)) for
     /// `keep` after its lease ended, instead of [`UNKNOWN_OUTCOME_RETENTION`] (a day): when
     /// outcomes are kept longer than a day, a crash must be remembered as long as a success
-    /// would be, or a retry on the second day runs as new.
+    /// would be, or a retry on the second day runs as new. Below
+    /// [`LATE_COMPLETION_GRACE`](crate::LATE_COMPLETION_GRACE) (an hour) an owner's late
+    /// completion may find its record purged, and a retry run as new: this store takes any
+    /// value, for tests and models on a manual clock (the Postgres store raises it to that).
     ///
     /// ```
     /// use std::time::Duration;

@@ -215,7 +215,11 @@ impl PostgresStoreBuilder {
     /// Until it is purged a retry is told [`Begin::TakeOver`], which the HTTP layer's
     /// `OutcomeUnknown::Reject` and `Reconcile` act on; once purged, the retry runs as new.
     /// **Set it to at least the longest retention your policies keep outcomes for**: a
-    /// crash is then remembered as long as a charge would have been. Capped at
+    /// crash is then remembered as long as a charge would have been. Never less than
+    /// [`LATE_COMPLETION_GRACE`](idempotency_core::LATE_COMPLETION_GRACE) (an hour, what a
+    /// shorter setting is raised to): the owner of a lease that ran out may still complete
+    /// it until then (the executor and the HTTP layer keep trying that long), and a record
+    /// purged before would refuse that completion and let a retry run as new. Capped at
     /// [`FOR_GOOD`](idempotency_core::FOR_GOOD).
     ///
     /// ```no_run
@@ -231,7 +235,7 @@ impl PostgresStoreBuilder {
     /// # Ok(()) }
     /// ```
     pub fn unknown_outcome_retention(mut self, keep: Duration) -> Self {
-        self.unknown_outcome_retention = keep.min(idempotency_core::FOR_GOOD);
+        self.unknown_outcome_retention = unknown_outcome_retention(keep);
         self
     }
 
@@ -497,6 +501,15 @@ const EXPIRE_SQL: &str = "
 UPDATE idempotency_keys SET expires_at = clock_timestamp()
 WHERE record_id = $1 AND lease_token = $2 AND state = 0";
 
+/// An unknown outcome's retention as set: at least the late completions' grace, at most
+/// for good.
+fn unknown_outcome_retention(keep: Duration) -> Duration {
+    keep.clamp(
+        idempotency_core::LATE_COMPLETION_GRACE,
+        idempotency_core::FOR_GOOD,
+    )
+}
+
 const RENEW_SQL: &str = "
 UPDATE idempotency_keys SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
 WHERE record_id = $1 AND lease_token = $2 AND state = 0";
@@ -618,7 +631,7 @@ impl PostgresStore {
     /// This store with another [`PostgresStoreBuilder::unknown_outcome_retention`], for a
     /// store made with [`PostgresStore::from_pool`].
     pub fn with_unknown_outcome_retention(mut self, keep: Duration) -> Self {
-        self.unknown_outcome_retention = keep.min(idempotency_core::FOR_GOOD);
+        self.unknown_outcome_retention = unknown_outcome_retention(keep);
         self
     }
 
