@@ -1485,6 +1485,110 @@ fn a_never_ending_response_does_not_wedge_the_key_once_its_client_left() {
     });
 }
 
+/// A body of ten bytes declared (an exact size hint) that has five: it then ends, or stalls
+/// for ever.
+struct FiveOfTen {
+    sent: bool,
+    stalls: bool,
+}
+
+impl FiveOfTen {
+    fn ending() -> Self {
+        Self {
+            sent: false,
+            stalls: false,
+        }
+    }
+
+    fn stalling() -> Self {
+        Self {
+            sent: false,
+            stalls: true,
+        }
+    }
+}
+
+impl http_body::Body for FiveOfTen {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        if !std::mem::replace(&mut self.sent, true) {
+            let hello = http_body::Frame::data(bytes::Bytes::from_static(b"hello"));
+            return std::task::Poll::Ready(Some(Ok(hello)));
+        }
+        if self.stalls {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(None)
+        }
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(10)
+    }
+}
+
+/// A body of a known size that stalls before its end (a handler passing an upstream's
+/// response through: hyper reports the upstream's `Content-Length` as an exact size) is read
+/// whole before anything is answered. Once its client has left, it is read for at most half a
+/// lease more, then stored without its body: the retry replays the head
+/// (`Idempotent-Replay-Body: incomplete`), the handler does not run again, and `drain`
+/// returns. Before, the read went on for ever, its lease renewed: every retry got 409, and
+/// `drain` never returned (the process exited at the end of its grace, and the retry after
+/// the restart took the key over).
+#[test]
+fn a_body_of_known_size_that_stalls_does_not_wedge_the_key_once_its_client_left() {
+    block_on(async {
+        let layer = layer(memory())
+            .policy(idempotency_core::Policy::default().with_lease(Duration::from_secs(1)));
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let router = axum::Router::new()
+            .route(
+                "/stalls",
+                axum::routing::post(move || {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async {
+                        let mut response =
+                            axum::response::Response::new(Body::new(FiveOfTen::stalling()));
+                        *response.status_mut() = axum::http::StatusCode::CREATED;
+                        response
+                    }
+                }),
+            )
+            .layer(layer.clone());
+        let addr = serve(router).await;
+        let key = uuid::Uuid::new_v4().to_string();
+        // The first client gets nothing (the body is read whole first), and hangs up.
+        let first = tokio::time::timeout(
+            Duration::from_millis(300),
+            post(addr, "/stalls", &[("idempotency-key", &key)], ""),
+        )
+        .await;
+        assert!(
+            first.is_err(),
+            "nothing is answered before the body is read"
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+        let reply = loop {
+            let reply = post(addr, "/stalls", &[("idempotency-key", &key)], "").await;
+            if reply.status != 409 || tokio::time::Instant::now() > deadline {
+                break reply;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(reply.status, 201, "{reply:?}");
+        assert_eq!(reply.header("idempotent-replayed"), Some("true"));
+        assert_eq!(reply.header("idempotent-replay-body"), Some("incomplete"));
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        tokio::time::timeout(Duration::from_secs(10), layer.drain())
+            .await
+            .expect("drain returns once the stalled body was given up");
+    });
+}
+
 /// `POST /stream` under `layer`: a body that does the work as it streams, a batch per chunk
 /// (6 bytes) every 20 ms, for ever, counted in the second value.
 fn batching(
@@ -1684,24 +1788,6 @@ fn a_streamed_response_whose_forwarding_stopped_is_cut_off() {
 /// body.
 #[test]
 fn a_body_shorter_than_its_declared_size_is_not_stored_whole() {
-    /// Five bytes, declared as ten.
-    struct Short(bool);
-    impl http_body::Body for Short {
-        type Data = bytes::Bytes;
-        type Error = std::convert::Infallible;
-        fn poll_frame(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
-            let first = !std::mem::replace(&mut self.0, true);
-            std::task::Poll::Ready(
-                first.then(|| Ok(http_body::Frame::data(bytes::Bytes::from_static(b"hello")))),
-            )
-        }
-        fn size_hint(&self) -> http_body::SizeHint {
-            http_body::SizeHint::with_exact(10)
-        }
-    }
     block_on(async {
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = calls.clone();
@@ -1710,7 +1796,7 @@ fn a_body_shorter_than_its_declared_size_is_not_stored_whole() {
                 "/short",
                 axum::routing::post(move || {
                     counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    async { axum::response::Response::new(Body::new(Short(false))) }
+                    async { axum::response::Response::new(Body::new(FiveOfTen::ending())) }
                 }),
             )
             .layer(layer(memory()));

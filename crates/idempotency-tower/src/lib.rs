@@ -124,7 +124,10 @@
 //!   replayed empty with `Idempotent-Replay-Body: incomplete`.
 //!
 //! A retry never executes a second time, and a stream that never ends (server-sent events)
-//! never holds its key longer than its client listens plus half a lease.
+//! never holds its key longer than its client listens plus half a lease. Nor does a body of
+//! known size that stalls before its end (an upstream's response passed through): read
+//! whole, it is read for at most half a lease once its client left, then stored as
+//! incomplete.
 //!
 //! # Handlers
 //! Handlers find the [`IdempotencyContext`] (record id, scope, key) in the request

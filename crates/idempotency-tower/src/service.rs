@@ -707,7 +707,9 @@ where
     // `IdempotencyLayer::drain`).
     let running = config.detached.token();
     let started = Instant::now();
-    let mut produce = produce(inner, request, &config);
+    // Told by the operation's task when the first client goes away.
+    let (left, gone) = tokio::sync::watch::channel(false);
+    let mut produce = produce(inner, request, &config, gone);
     // `poll!` polls once and never yields itself: the handler has made its first step (or
     // found the task's cooperative budget spent) before this future can be dropped. Unless
     // the lease may already have run out (the process was frozen since it was asked for):
@@ -724,7 +726,8 @@ where
             let (reply, answer) = tokio::sync::oneshot::channel();
             let run = async move {
                 let _running = running;
-                let run = run_detached(config, produce, id, token, (leased, started), reply);
+                let run =
+                    run_detached(config, produce, id, token, (leased, started), (reply, left));
                 // A panic outside the handler (which is caught itself) drops the reply:
                 // answered below.
                 let _ = AssertUnwindSafe(run).catch_unwind().await;
@@ -789,10 +792,15 @@ type Ran<ResBody, E> = std::thread::Result<Result<Produced<ResBody>, E>>;
 type Reply<E> = tokio::sync::oneshot::Sender<Result<Response<Body>, E>>;
 
 /// The handler (and, for a small body of known size, reading it), guarded against panics.
+///
+/// `gone` says when the first client went away: a body read whole is then read for at most
+/// half a lease more, as a streamed one is drained ([`stream`]), and stored as incomplete if
+/// it did not end by then (a body that stalls would hold its key for ever otherwise).
 fn produce<S, ResBody>(
     mut inner: S,
     request: Request<Body>,
     config: &Config,
+    gone: tokio::sync::watch::Receiver<bool>,
 ) -> BoxFuture<'static, Ran<ResBody, S::Error>>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -803,6 +811,7 @@ where
 {
     let limit = config.max_stored_body;
     let policy = config.policy.clone();
+    let drain = policy.lease() / 2;
     Box::pin(
         AssertUnwindSafe(async move {
             let response = inner.call(request).await?;
@@ -815,10 +824,18 @@ where
                 // (stored as incomplete), not a failed operation (released, so run again);
                 // so is a body of another length than it declared (hyper would have framed
                 // it by that length, and aborted the response).
-                let body = AssertUnwindSafe(Limited::new(body, limit).collect())
-                    .catch_unwind()
-                    .await
-                    .unwrap_or_else(|_| Err("the response body panicked".into()))
+                let read = AssertUnwindSafe(Limited::new(body, limit).collect()).catch_unwind();
+                let body = tokio::select! {
+                    biased;
+                    read = read => {
+                        read.unwrap_or_else(|_| Err("the response body panicked".into()))
+                    }
+                    () = left_for(gone, drain) => Err(format!(
+                        "the response body did not end within {drain:?} after its client left"
+                    )
+                    .into()),
+                };
+                let body = body
                     .map(|c| {
                         // An empty trailers frame is none: framed the same as its replay.
                         let trailers = c.trailers().filter(|t| !t.is_empty()).cloned();
@@ -841,6 +858,14 @@ where
         })
         .catch_unwind(),
     )
+}
+
+/// Once the first client has been gone for `wait` (never, if nobody can say it left).
+async fn left_for(mut gone: tokio::sync::watch::Receiver<bool>, wait: Duration) {
+    if gone.wait_for(|gone| *gone).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(wait).await;
 }
 
 /// The lease's renewals, on the schedule that started when the lease was asked for (or last
@@ -949,7 +974,7 @@ async fn run_detached<ResBody, E>(
     id: RecordId,
     token: LeaseToken,
     (leased, started): (Instant, Instant),
-    reply: Reply<E>,
+    (mut reply, left): (Reply<E>, tokio::sync::watch::Sender<bool>),
 ) where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -965,6 +990,11 @@ async fn run_detached<ResBody, E>(
             _ = renew.every.tick() => !matches!(renew.renew(&config, &id, token).await, Renewed::Lost),
             // Past it the handler is not polled: asked now whether it may go on.
             () = tokio::time::sleep_until(alive_until) => renew.confirm(&config, &id, token).await,
+            // The handler runs on; a body it reads whole from now on is bounded (`produce`).
+            () = reply.closed(), if !*left.borrow() => {
+                left.send_replace(true);
+                true
+            }
         };
         if kept {
             continue;
