@@ -2189,7 +2189,8 @@ fn an_operators_release_given_up_after_postgres_deleted_still_deletes_the_copy()
         // Back in the pool (sqlx checks a connection as it returns) before replies are held.
         tokio::time::sleep(Duration::from_millis(200)).await;
 
-        relay.delay_replies(Duration::from_millis(1500));
+        // The delete's answer only (the release reads the database's clock first).
+        relay.delay_replies_containing(Duration::from_millis(1500), b"DELETE 1");
         let given_up = tokio::time::timeout(
             Duration::from_millis(300),
             operator.force_release(&id, ReleaseScope::default().with_completed()),

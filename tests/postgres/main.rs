@@ -1682,3 +1682,61 @@ fn a_full_queue_sends_a_complete_the_per_request_way() {
         assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     });
 }
+
+/// An operator's release whose `DELETE` reaches Postgres after the call gave up (its bytes
+/// held up by the network, then delivered: a kernel retransmits a closed socket's unsent
+/// bytes for minutes) must delete nothing: by then the operator was told `Unavailable`, may
+/// have released the key again, and a new request may have run and completed under it.
+/// Before, the late delete took that new outcome, and the next retry of the key ran the
+/// operation a second time.
+#[test]
+fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let pg = services::postgres().await.expect("postgres");
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
+                .await;
+        let late = PostgresStore::builder(idempotency_test::relay::through(pg.url(), relay.port))
+            .per_request()
+            .max_connections(1)
+            .call_timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .expect("the late operator's store");
+        let id = fresh_id();
+        let first = execute(&*store, &id, &fp("a"), LONG).await;
+        store
+            .complete(&id, first, &Outcome::new(201).with_body("first"), LONG)
+            .await
+            .expect("complete");
+        // Its statements prepared on its one connection: a release executes by name, with
+        // the record's id bound, which the relay holds back.
+        let scope = idempotency_core::ReleaseScope::default().with_completed();
+        let other = late
+            .force_release(&fresh_id(), scope)
+            .await
+            .expect("release");
+        assert_eq!(other, idempotency_core::ForceReleased::Absent);
+        relay.delay_requests_containing(Duration::from_secs(2), id.as_bytes());
+        let gave_up = late.force_release(&id, scope).await;
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+
+        // The operator releases the key again, and a new request runs under it.
+        let again = store.force_release(&id, scope).await.expect("release");
+        assert_eq!(again, idempotency_core::ForceReleased::Deleted);
+        let second = execute(&*store, &id, &fp("a"), LONG).await;
+        let outcome = Outcome::new(201).with_body("second");
+        store
+            .complete(&id, second, &outcome, LONG)
+            .await
+            .expect("complete");
+        // The first delete has reached Postgres by then.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(outcome),
+            "the late delete took the new outcome"
+        );
+    });
+}

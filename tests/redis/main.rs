@@ -1011,3 +1011,63 @@ fn a_connection_whose_server_vanished_is_ended_and_replaced() {
             .expect("the running operation renews its lease again");
     });
 }
+
+/// An operator's release that reaches Redis after the call gave up (its bytes held up by the
+/// network, then delivered) must delete nothing: by then the operator was told
+/// `Unavailable`, may have released the key again, and a new request may have run and
+/// completed under it. Before, the late script took that new outcome, and the next retry of
+/// the key ran the operation a second time.
+#[test]
+fn an_operators_release_that_arrives_after_its_call_gave_up_deletes_nothing() {
+    block_on(async {
+        let Some(redis) = services::redis().await else {
+            return;
+        };
+        let prefix = idempotency_test::unique("t");
+        let store = RedisStore::builder(redis.url())
+            .prefix(&prefix)
+            .connect()
+            .await
+            .expect("store");
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(redis.url()))
+                .await;
+        let late = RedisStore::builder(idempotency_test::relay::through(redis.url(), relay.port))
+            .prefix(&prefix)
+            .call_budget(Duration::from_millis(300))
+            .eviction_check(EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("the late operator's store");
+        let id = fresh_id();
+        let first = execute(&store, &id, &fp("a"), LONG).await;
+        store
+            .complete(&id, first, &Outcome::new(201).with_body("first"), LONG)
+            .await
+            .expect("complete");
+        // Only the release's own script is held back: its record's key, then its scope
+        // (leases no, outcomes yes).
+        let scope = idempotency_core::ReleaseScope::default().with_completed();
+        let release = format!("{}\r\n$1\r\n0\r\n$1\r\n1\r\n", late.key(&id));
+        relay.delay_requests_containing(Duration::from_secs(2), release.as_bytes());
+        let gave_up = late.force_release(&id, scope).await;
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+
+        // The operator releases the key again, and a new request runs under it.
+        let again = store.force_release(&id, scope).await.expect("release");
+        assert_eq!(again, idempotency_core::ForceReleased::Deleted);
+        let second = execute(&store, &id, &fp("a"), LONG).await;
+        let outcome = Outcome::new(201).with_body("second");
+        store
+            .complete(&id, second, &outcome, LONG)
+            .await
+            .expect("complete");
+        // The first release has reached Redis by then.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(outcome),
+            "the late release took the new outcome"
+        );
+    });
+}

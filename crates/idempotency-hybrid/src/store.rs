@@ -1254,7 +1254,7 @@ impl Store for HybridStore {
             let kept = Arc::new(AtomicBool::new(false));
             let (again, forget, called_off) = (self.clone(), *id, kept.clone());
             // Every copy that could still land is over by then: its Postgres delete commits
-            // within one call timeout of now, a read just before it is answered within
+            // within one call timeout of now (it carries that bound, by the database's clock), a read just before it is answered within
             // another (a replay answered later is not copied), and a copy sent then lands
             // within four budgets or deletes the key (`RedisStore::cache_completed`); the
             // rest covers a completion's wait for its lease's mirror and the repairs a call

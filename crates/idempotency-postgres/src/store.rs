@@ -540,12 +540,24 @@ FROM idempotency_keys WHERE record_id = $1";
 /// live completed row when `$3`. The lease is read by the same statement that deletes, so a
 /// takeover that renewed it in between is not deleted; a concurrent `complete` or takeover
 /// holds the row lock, and the delete waits and re-checks the row it leaves behind.
+///
+/// Only until `$4` (seconds since the epoch, by the database's clock): the end of the call's
+/// budget. A delete that reaches Postgres later (its bytes held up by the network after the
+/// call gave up) deletes nothing; otherwise it could take a record that came after the
+/// operator was told `Unavailable`, released the key again, and a new request completed it.
+/// (The bound is read with the row: a wait on the row's lock, itself bounded by the statement
+/// timeout, can carry the delete past it.)
 const FORCE_RELEASE_SQL: &str = "
 DELETE FROM idempotency_keys
 WHERE record_id = $1
+  AND clock_timestamp() < to_timestamp($4)
   AND ((state = 0 AND ($2 OR expires_at <= clock_timestamp()))
        OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
 RETURNING state";
+
+/// The database's clock, in seconds since the epoch: what an operator's release is bounded
+/// by (`FORCE_RELEASE_SQL`).
+const CLOCK_SQL: &str = "SELECT extract(epoch FROM clock_timestamp())::float8";
 
 /// Why `FORCE_RELEASE_SQL` deleted nothing: an in-flight row (a live lease; or one whose
 /// lease ran out since, or that arrived since), a live completed row, or none. The second
@@ -1548,7 +1560,23 @@ impl PostgresStore {
         })
     }
 
-    async fn force_release_row(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
+    async fn force_release_row(
+        &self,
+        id: &RecordId,
+        scope: ReleaseScope,
+        asked: tokio::time::Instant,
+    ) -> Result<ForceReleased> {
+        // The end of this call's budget by the database's clock, which the deletes carry:
+        // one that arrives later deletes nothing (see `FORCE_RELEASE_SQL`).
+        let clock: f64 = sqlx::query_scalar(CLOCK_SQL)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db_error)?;
+        let until = clock
+            + self
+                .call_timeout
+                .saturating_sub(asked.elapsed())
+                .as_secs_f64();
         // The delete, then a read of why it deleted nothing: two statements, and a row can
         // arrive between them (a claim that committed after the delete's snapshot, a lease
         // completed, a lease run out). A row of a kind the scope covers would have been
@@ -1564,6 +1592,7 @@ impl PostgresStore {
                 .bind(&id.as_bytes()[..])
                 .bind(scope.live)
                 .bind(scope.completed)
+                .bind(until)
                 .fetch_optional_on(&self.pool)
                 .await
                 .map_err(db_error)?;
@@ -1688,7 +1717,7 @@ impl Store for PostgresStore {
         idempotency_core::observe(
             self.name(),
             "force_release",
-            self.timed(self.force_release_row(id, scope)),
+            self.timed(self.force_release_row(id, scope, tokio::time::Instant::now())),
         )
         .await
     }

@@ -303,14 +303,22 @@ return {{'v', tostring(now), pttl, v}}
     ))
 }
 
+/// `KEYS[1]` a record, for the node that holds it: Redis' clock there, in milliseconds.
+pub(crate) fn clock() -> Script {
+    Script::new(&format!("{NOW_MS}return now"))
+}
+
 /// `KEYS[1]` record; `ARGV[1]` `1` to delete a live lease too, `ARGV[2]` `1` to delete a
-/// completed record too, `ARGV[3]` grace ms. The operator's release: the token goes with the
-/// record, so the owner's late fenced writes find nothing. Returns 1 a lease (or mirror)
-/// deleted, 2 a completed record deleted, 3 a completed record kept, 4 a live lease kept,
-/// 0 none (a cancel marker counts as none). A mirror is live while it exists.
+/// completed record too, `ARGV[3]` grace ms, `ARGV[4]` the instant (Redis' clock, ms) past
+/// which it is too late. The operator's release: the token goes with the record, so the
+/// owner's late fenced writes find nothing. Returns 1 a lease (or mirror) deleted, 2 a
+/// completed record deleted, 3 a completed record kept, 4 a live lease kept, 0 none (a cancel
+/// marker counts as none), 5 too late: nothing deleted (the call that sent it gave up; a
+/// record there now may have come since). A mirror is live while it exists.
 pub(crate) fn force_release() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
+if now >= tonumber(ARGV[4]) then return 5 end
 local st, live
 if redis.call('TYPE', KEYS[1]).ok == 'hash' then
   local cur = redis.call('HMGET', KEYS[1], 'st', 'exp')

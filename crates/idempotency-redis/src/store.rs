@@ -92,6 +92,7 @@ struct Scripts {
     renew: Script,
     inspect: Script,
     force_release: Script,
+    clock: Script,
 }
 
 /// How many call budgets after its sending an outcome's copy may land (see
@@ -368,6 +369,7 @@ impl RedisStoreBuilder {
                 renew: scripts::renew(),
                 inspect: scripts::inspect(),
                 force_release: scripts::force_release(),
+                clock: scripts::clock(),
             }),
             settling: tokio_util::task::TaskTracker::new(),
         };
@@ -1706,6 +1708,14 @@ impl Store for RedisStore {
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             let flag = |on: bool| -> &[u8] { if on { b"1" } else { b"0" } };
+            // Bounded by Redis' clock where the record lives: a release that reaches it after
+            // its call gave up (its bytes held up by the network) deletes nothing, for a
+            // record there by then may have come after the operator was told `Unavailable`
+            // and released the key again. Read first, then the release is sent at once and
+            // waited for one budget: the bound ends no later than that wait.
+            let now: i64 = self.run(&self.scripts.clock, id, &[]).await?;
+            let until =
+                now.saturating_add(i64::try_from(self.budget.as_millis()).unwrap_or(i64::MAX));
             let found: i64 = self
                 .run(
                     &self.scripts.force_release,
@@ -1714,6 +1724,7 @@ impl Store for RedisStore {
                         flag(scope.live),
                         flag(scope.completed),
                         grace_ms().as_bytes(),
+                        until.to_string().as_bytes(),
                     ],
                 )
                 .await?;
@@ -1722,6 +1733,11 @@ impl Store for RedisStore {
                 2 => ForceReleased::Deleted,
                 3 => ForceReleased::Completed,
                 4 => ForceReleased::Live,
+                5 => {
+                    return Err(Error::unavailable(
+                        "the release reached Redis past its budget and deleted nothing; call again",
+                    ));
+                }
                 _ => ForceReleased::Absent,
             })
         })

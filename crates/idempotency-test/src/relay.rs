@@ -195,23 +195,52 @@ pub struct DelayingRelay {
     pub port: u16,
     delay_ms: Arc<AtomicU64>,
     request_delay_ms: Arc<AtomicU64>,
+    /// Only the replies, or requests, that contain it are held back, when set.
+    reply_needle: Needle,
+    request_needle: Needle,
 }
+
+type Needle = Arc<std::sync::Mutex<Option<Vec<u8>>>>;
 
 impl DelayingRelay {
     /// From now on, each chunk the server sends reaches the client `delay` after it was sent
     /// (in order: a slow network, a server answering late). Zero passes them at once.
     pub fn delay_replies(&self, delay: std::time::Duration) {
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.delay_ms.store(ms, Ordering::SeqCst);
+        hold(&self.delay_ms, &self.reply_needle, delay, None);
+    }
+
+    /// From now on, each chunk the server sends that contains `needle` (a command tag:
+    /// `DELETE 1`) reaches the client `delay` after it was sent, and the chunks after it
+    /// wait behind it; the others pass at once.
+    pub fn delay_replies_containing(&self, delay: std::time::Duration, needle: &[u8]) {
+        let needle = Some(needle.to_vec());
+        hold(&self.delay_ms, &self.reply_needle, delay, needle);
     }
 
     /// From now on, each chunk the client sends reaches the server `delay` after it was sent
     /// (in order: a partition TCP retransmits across once it heals, a stalled host). Zero
     /// passes later ones at once; chunks already held keep their due time.
     pub fn delay_requests(&self, delay: std::time::Duration) {
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.request_delay_ms.store(ms, Ordering::SeqCst);
+        hold(&self.request_delay_ms, &self.request_needle, delay, None);
     }
+
+    /// From now on, each chunk the client sends that contains `needle` (a bound parameter's
+    /// bytes: a prepared statement's execution names the statement, not its text) reaches
+    /// the server `delay` after it was sent, and the chunks after it wait behind it (in
+    /// order, as TCP delivers them); the others pass at once.
+    pub fn delay_requests_containing(&self, delay: std::time::Duration, needle: &[u8]) {
+        let needle = Some(needle.to_vec());
+        hold(&self.request_delay_ms, &self.request_needle, delay, needle);
+    }
+}
+
+/// Holds back one direction's chunks (only those with `needle`, if given) by `delay`.
+fn hold(delay_ms: &AtomicU64, held: &Needle, delay: std::time::Duration, needle: Option<Vec<u8>>) {
+    *held
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = needle;
+    let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+    delay_ms.store(ms, Ordering::SeqCst);
 }
 
 /// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) that passes requests and
@@ -231,8 +260,11 @@ pub async fn delaying_relay(upstream: String) -> DelayingRelay {
         port,
         delay_ms: Arc::new(AtomicU64::new(0)),
         request_delay_ms: Arc::new(AtomicU64::new(0)),
+        reply_needle: Needle::default(),
+        request_needle: Needle::default(),
     };
-    let (delay_ms, request_delay_ms) = (relay.delay_ms.clone(), relay.request_delay_ms.clone());
+    let replies = (relay.delay_ms.clone(), relay.reply_needle.clone());
+    let requests = (relay.request_delay_ms.clone(), relay.request_needle.clone());
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -240,18 +272,19 @@ pub async fn delaying_relay(upstream: String) -> DelayingRelay {
             };
             let (client_rx, client_tx) = client.into_split();
             let (server_rx, server_tx) = server.into_split();
-            tokio::spawn(delayed_copy(client_rx, server_tx, request_delay_ms.clone()));
-            tokio::spawn(delayed_copy(server_rx, client_tx, delay_ms.clone()));
+            tokio::spawn(delayed_copy(client_rx, server_tx, requests.clone()));
+            tokio::spawn(delayed_copy(server_rx, client_tx, replies.clone()));
         }
     });
     relay
 }
 
-/// Copies `from` to `to`, each chunk `delay_ms` (read when it arrives) after it arrived.
+/// Copies `from` to `to`, each chunk `delay_ms` (read when it arrives) after it arrived, or
+/// only those that contain the needle, if one is set.
 async fn delayed_copy(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay_ms: Arc<AtomicU64>,
+    (delay_ms, needle): (Arc<AtomicU64>, Needle),
 ) {
     // Each chunk is stamped when it arrives and handed on at its due time, by a queue: a
     // late chunk does not hold back the reading of the next.
@@ -271,7 +304,18 @@ async fn delayed_copy(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        let delay = std::time::Duration::from_millis(delay_ms.load(Ordering::SeqCst));
+        let held = match &*needle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(needle) => buf[..n].windows(needle.len()).any(|w| w == &needle[..]),
+            None => true,
+        };
+        let delay = std::time::Duration::from_millis(if held {
+            delay_ms.load(Ordering::SeqCst)
+        } else {
+            0
+        });
         let due = tokio::time::Instant::now() + delay;
         if tx.send((due, buf[..n].to_vec())).is_err() {
             break;
