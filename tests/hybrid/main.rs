@@ -2212,3 +2212,50 @@ fn an_operators_release_given_up_after_postgres_deleted_still_deletes_the_copy()
         );
     });
 }
+
+/// Budgets set to the largest duration (a "no limit" setting: Tokio's timers take it) are
+/// capped, not a panic: the stores' deadlines and the hybrid's sums of budgets overflowed
+/// (`Duration` arithmetic and `Instant + Duration` panic), in `HybridStore::new` and then in
+/// every `begin`.
+#[test]
+fn budgets_of_the_largest_duration_do_not_panic() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let pg = PostgresStore::builder(pg.url())
+            .call_timeout(Duration::MAX)
+            .statement_timeout(Duration::MAX)
+            .connect()
+            .await
+            .expect("postgres store");
+        pg.migrate().await.expect("migrate");
+        let redis = RedisStore::builder(redis.url())
+            .prefix(idempotency_test::unique("h"))
+            .call_budget(Duration::MAX)
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let store = HybridStore::new(pg, redis, BreakerConfig::default());
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+        let Begin::Execute(token) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        store
+            .complete(&id, token, &Outcome::new(201), RETENTION)
+            .await
+            .expect("complete");
+        assert_eq!(
+            store.begin(&id, &fp, LEASE).await.expect("begin"),
+            Begin::Replay(Outcome::new(201))
+        );
+        let released = store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+    });
+}

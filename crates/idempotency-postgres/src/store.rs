@@ -195,16 +195,18 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Postgres `statement_timeout` for the store's connections (default 2 s).
+    /// Postgres `statement_timeout` for the store's connections (default 2 s), between a
+    /// millisecond (Postgres reads zero as none) and a day.
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
-        self.statement_timeout = timeout;
+        self.statement_timeout = timeout.clamp(Duration::from_millis(1), LONGEST_BUDGET);
         self
     }
 
     /// The hard budget of one store call, connection included (default 3 s). Past it the call
-    /// returns [`Error::Unavailable`]: a hung database costs at most this, never a hang.
+    /// returns [`Error::Unavailable`]: a hung database costs at most this, never a hang. At
+    /// most a day.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout;
+        self.call_timeout = timeout.min(LONGEST_BUDGET);
         self
     }
 
@@ -500,6 +502,10 @@ DELETE FROM idempotency_keys WHERE record_id = $1 AND lease_token = $2 AND state
 const EXPIRE_SQL: &str = "
 UPDATE idempotency_keys SET expires_at = clock_timestamp()
 WHERE record_id = $1 AND lease_token = $2 AND state = 0";
+
+/// The longest budget a setting takes (a longer one, `Duration::MAX` for "no limit", is
+/// this): the deadlines and sums of budgets built on it stay far from overflowing.
+const LONGEST_BUDGET: Duration = Duration::from_secs(86_400);
 
 /// An unknown outcome's retention as set: at least the late completions' grace, at most
 /// for good.

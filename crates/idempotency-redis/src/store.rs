@@ -246,9 +246,11 @@ impl RedisStoreBuilder {
 
     /// The hard budget of one store call, reconnects included (default 500 ms). A hung Redis
     /// costs each call its whole budget (a hybrid store's breaker opens after three such
-    /// failures): lower it for a faster fallback.
+    /// failures): lower it for a faster fallback. At most a day.
     pub fn call_budget(mut self, budget: Duration) -> Self {
-        self.budget = budget;
+        // At most a day (`Duration::MAX` for "no limit" is a day): the deadlines and sums of
+        // budgets built on it stay far from overflowing.
+        self.budget = budget.min(Duration::from_secs(86_400));
         self
     }
 
