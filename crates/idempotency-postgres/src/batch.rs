@@ -544,10 +544,17 @@ async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R
 }
 
 /// Splits off the jobs whose key came earlier in the batch: one statement cannot insert or
-/// update a row twice. They are answered `None` (the per-request path), the rest run.
+/// update a row twice. They are answered `None` (the per-request path), the rest run, in key
+/// order: every batch statement locks its rows in the order of its input (a claim's insert
+/// sorts them itself), so two batches of different kinds (a completion and a renewal of the
+/// same two keys, run side by side) never wait on each other in a cycle, each until its
+/// `lock_timeout`, then to be run again one call at a time.
 fn split_repeats<J: Keyed>(jobs: &[J]) -> (Vec<usize>, Vec<usize>) {
     let mut seen = HashSet::new();
-    (0..jobs.len()).partition(|&i| seen.insert(*jobs[i].id().as_bytes()))
+    let (mut unique, repeats): (Vec<usize>, Vec<usize>) =
+        (0..jobs.len()).partition(|&i| seen.insert(*jobs[i].id().as_bytes()));
+    unique.sort_unstable_by_key(|&i| jobs[i].id().as_bytes());
+    (unique, repeats)
 }
 
 /// Whether a failed batch statement rolled back for a reason the per-request path handles:
@@ -859,4 +866,35 @@ async fn run_fence(
         .await
         .map(|rows| rows.into_iter().map(|(id,)| (id, ())).collect());
     spread(&jobs, &unique, rows, |_, row| Ok(Some(row.is_some())))
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_core::{IdempotencyKey, LeaseToken, RecordId, Scope};
+
+    use super::*;
+
+    /// Rows are written in key order, whatever order their calls came in (and the first
+    /// call of a key is the one kept).
+    #[test]
+    fn a_batch_runs_its_keys_in_order() {
+        let id = |k: &str| RecordId::new(&Scope::new("s"), &IdempotencyKey::new(k).unwrap());
+        let jobs: Vec<FenceJob> = ["a", "b", "c", "d", "b"]
+            .into_iter()
+            .map(|k| FenceJob {
+                id: id(k),
+                token: LeaseToken::generate(),
+                lease: Duration::ZERO,
+            })
+            .collect();
+        let (unique, repeats) = split_repeats(&jobs);
+        assert_eq!(repeats, [4]);
+        let ids: Vec<_> = unique.iter().map(|&i| *jobs[i].id.as_bytes()).collect();
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(ids, sorted);
+        let mut kept = unique;
+        kept.sort_unstable();
+        assert_eq!(kept, [0, 1, 2, 3]);
+    }
 }
