@@ -838,6 +838,39 @@ fn a_commit_the_executor_cannot_confirm_is_left_to_the_store() {
     });
 }
 
+/// An operation whose own completion committed, whose next renewal therefore answered
+/// `LeaseLost`, and whose read of the record (is that its own commit?) then failed: the run
+/// is not stopped on a read that said nothing, and the commit is confirmed once the
+/// operation returns. Before, a failed read counted as "not completed": the run was stopped
+/// and answered `LeaseLost` for a charge that had committed.
+#[test]
+fn a_failed_read_after_the_runs_own_commit_does_not_stop_it() {
+    use std::time::Duration;
+
+    idempotency_test::block_on(async {
+        // Renewed every 100 ms: the operation outlasts several renewals after its commit.
+        let (store, executor, keyed) = faulty(Duration::from_millis(300), "read");
+        let (scope, key, fp) = &keyed;
+        store.fail_inspects(1);
+        let inner = store.clone();
+        let done = executor
+            .run_with_claim(scope, key, fp, |claim| async move {
+                let c = claim.completion(&"charged".to_owned()).expect("completion");
+                inner
+                    .complete(&c.id, c.token, &c.outcome, c.retention)
+                    .await
+                    .expect("complete");
+                claim.accepted(); // … and the transaction committed
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Ok::<_, ()>("charged".to_owned())
+            })
+            .await
+            .expect("the run is not stopped by a read that failed");
+        assert_eq!((done.value.as_str(), done.replayed), ("charged", false));
+        replays(&executor, &keyed, "charged").await;
+    });
+}
+
 /// An operation that stored its own result and returned `Ok`, though its transaction rolled
 /// back; the executor's release, which confirms that, went through but its answer was lost,
 /// and the retry is refused (the record is gone). A refusal is no confirmation of a commit:

@@ -872,22 +872,34 @@ fn renew_in_a_task<S: Store + ?Sized>(
                 Ok(()) => {
                     held.send_replace(Held::Until(renewing + sure));
                 }
-                Err(Error::LeaseLost) => {
-                    let completed = || async {
-                        matches!(
-                            AssertUnwindSafe(store.inspect(&id)).catch_unwind().await,
-                            Ok(Ok(Some(crate::Inspection {
-                                state: crate::RecordState::Completed { .. },
-                                ..
-                            })))
-                        )
-                    };
-                    held.send_replace(if accepted.load(Ordering::SeqCst) && completed().await {
-                        Held::Settled
-                    } else {
-                        Held::Lost
-                    });
+                Err(Error::LeaseLost) if !accepted.load(Ordering::SeqCst) => {
+                    held.send_replace(Held::Lost);
                     return;
+                }
+                // Most often the operation's own commit: read the record. A read that fails
+                // says nothing (stopped on it, a run that committed would answer `LeaseLost`):
+                // read again at the next tick; the operation, completing, is not held
+                // meanwhile, and its commit is confirmed once it returns.
+                Err(Error::LeaseLost) => {
+                    match AssertUnwindSafe(store.inspect(&id)).catch_unwind().await {
+                        Ok(Ok(Some(crate::Inspection {
+                            state: crate::RecordState::Completed { .. },
+                            ..
+                        }))) => {
+                            held.send_replace(Held::Settled);
+                            return;
+                        }
+                        Ok(Ok(_)) => {
+                            held.send_replace(Held::Lost);
+                            return;
+                        }
+                        Ok(Err(error)) => {
+                            tracing::warn!(%error, record = %id, "could not read the record after a lost renewal");
+                        }
+                        Err(_panic) => {
+                            tracing::warn!(record = %id, "the store's inspect panicked after a lost renewal");
+                        }
+                    }
                 }
                 Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
             }

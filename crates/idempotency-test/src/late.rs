@@ -44,6 +44,8 @@ pub struct LateBegin<S> {
     panicking_completes: AtomicU64,
     /// How many of the next `renew` calls panic (nothing renewed).
     panicking_renewals: AtomicU64,
+    /// How many of the next `inspect` calls fail (`Unavailable`).
+    failing_inspects: AtomicU64,
     /// A lease released on the inner store just before the `begin` calls count down to 0.
     release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
     /// The task the last `complete` wrote from.
@@ -70,6 +72,7 @@ impl<S: Store> LateBegin<S> {
             failing_completes: AtomicU64::new(0),
             panicking_completes: AtomicU64::new(0),
             panicking_renewals: AtomicU64::new(0),
+            failing_inspects: AtomicU64::new(0),
             release_before: std::sync::Mutex::new(None),
             complete_task: std::sync::Mutex::new(None),
         };
@@ -122,6 +125,11 @@ impl<S: Store> LateBegin<S> {
     /// down for a while).
     pub fn fail_completes(&self, n: u64) {
         self.failing_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `inspect` calls fail with `Unavailable` (a store blip).
+    pub fn fail_inspects(&self, n: u64) {
+        self.failing_inspects.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `n` `renew` calls panic, renewing nothing (a store with a bug).
@@ -298,6 +306,11 @@ impl<S: Store> Store for LateBegin<S> {
     }
 
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+        if take_one(&self.failing_inspects) {
+            return Err(idempotency_core::Error::unavailable(
+                "an inspect failed (injected)",
+            ));
+        }
         self.inner.inspect(id).await
     }
 
