@@ -310,6 +310,46 @@ fn a_key_with_a_slash_left_unencoded_names_no_other_record() {
     });
 }
 
+/// Every answer of the admin routes is problem+json, the paths and methods they do not serve
+/// included: a scope with an unencoded `/` is a 400 that says to encode it (it names no other
+/// record), a path under them that names nothing is a 404, and a method they do not take is
+/// a 405 that lists those they do. Before, these were axum's plain, empty 404 and 405.
+#[test]
+fn paths_and_methods_the_admin_routes_do_not_serve_are_problems() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let router = axum::Router::new().nest("/admin", admin_router(store));
+        for uri in [
+            "/admin/idempotency/scopes/a/b/keys/k",
+            "/admin/idempotency/scopes/a",
+        ] {
+            let answer = call(&router, "GET", uri, &[]).await;
+            problem(&answer, 400, "urn:idempotency:problem:invalid-request");
+            let detail = answer.json["detail"].as_str().unwrap_or_default();
+            assert!(detail.contains("%2F"), "{detail}");
+        }
+        for uri in ["/admin/idempotency", "/admin/idempotency/records/k"] {
+            let answer = call(&router, "GET", uri, &[]).await;
+            problem(&answer, 404, "urn:idempotency:problem:no-such-route");
+        }
+        for uri in [
+            "/admin/idempotency/keys/k",
+            "/admin/idempotency/scopes/a/keys/k",
+        ] {
+            let request = axum::http::Request::post(uri)
+                .body(Body::empty())
+                .expect("request");
+            let response = router.clone().oneshot(request).await.expect("infallible");
+            assert_eq!(response.status(), 405);
+            assert_eq!(response.headers()["allow"], "GET,HEAD,DELETE");
+            assert_eq!(
+                response.headers()["content-type"],
+                "application/problem+json"
+            );
+        }
+    });
+}
+
 #[test]
 fn admin_routes_on_the_memory_store() {
     block_on(admin_routes(Arc::new(idempotency_core::MemoryStore::new())));

@@ -41,7 +41,9 @@ use crate::Problem;
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
 /// hold `/`: `order/42` is `order%2F42`). A path with a segment too many (a `/` left
 /// unencoded) is `400`, never another record: `/idempotency/keys/a/b` does not name key `b`
-/// of scope `a`. A malformed key is `400`, an unreachable store `503`, all problem+json.
+/// of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
+/// routes that names nothing `404` (`400` under `idempotency/scopes/`, most often an
+/// unencoded `/`), a method they do not take `405` with `Allow`: all problem+json.
 ///
 /// The JSON view:
 ///
@@ -56,7 +58,8 @@ use crate::Problem;
 /// `lease_remaining_ms`; `created_at` is `null` where the store does not keep it (Redis).
 /// Times are the store's clock, RFC 3339 in UTC.
 ///
-/// The routes carry no authentication of their own:
+/// The routes carry no authentication of their own (in production, compare a token in
+/// constant time, as the demo does with `subtle`):
 ///
 /// ```
 /// use std::sync::Arc;
@@ -94,7 +97,36 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
             "/idempotency/scopes/{scope}/keys/{key}/{*rest}",
             any(too_many_segments),
         )
+        // Problems too, not the router's plain, empty answers.
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(no_such_route)
         .with_state(store)
+}
+
+/// A method the path does not take (the router adds the `Allow` header to a 405).
+async fn method_not_allowed() -> Response {
+    problem(
+        Problem::MethodNotAllowed,
+        "a record is read with GET and released with DELETE",
+    )
+}
+
+/// A path that names no admin resource; under `idempotency/scopes/`, most often a scope with
+/// a `/` left unencoded, or a path that stops short of the key: a 400 that says so.
+async fn no_such_route(uri: http::Uri) -> Response {
+    if uri.path().starts_with("/idempotency/scopes/") {
+        return problem(
+            Problem::InvalidRequest,
+            "the path does not name a scope and a key: a scope's key is at \
+             idempotency/scopes/{scope}/keys/{key}; percent-encode a '/' in a scope or a key \
+             (%2F)",
+        );
+    }
+    problem(
+        Problem::NoSuchRoute,
+        "the admin routes are idempotency/scopes/{scope}/keys/{key} and \
+         idempotency/keys/{key} (the global scope)",
+    )
 }
 
 /// A path with a segment after the key: a `/` in a key or a scope left unencoded.

@@ -40,6 +40,10 @@ pub enum Problem {
     /// 401: the request names no principal to scope its key to
     /// ([`NoScope::Unauthenticated`](crate::NoScope::Unauthenticated)).
     Unauthenticated,
+    /// 404 (admin routes): the path names no admin resource.
+    NoSuchRoute,
+    /// 405 (admin routes): a method the path does not take (`Allow` lists those it does).
+    MethodNotAllowed,
 }
 
 impl Problem {
@@ -59,6 +63,8 @@ impl Problem {
             Self::InvalidRequest => "urn:idempotency:problem:invalid-request",
             Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
             Self::Unauthenticated => "urn:idempotency:problem:unauthenticated",
+            Self::NoSuchRoute => "urn:idempotency:problem:no-such-route",
+            Self::MethodNotAllowed => "urn:idempotency:problem:method-not-allowed",
         }
     }
 
@@ -69,7 +75,8 @@ impl Problem {
             Self::InFlight | Self::RecordCompleted | Self::LeaseLive | Self::OutcomeUnknown => {
                 StatusCode::CONFLICT
             }
-            Self::RecordNotFound => StatusCode::NOT_FOUND,
+            Self::RecordNotFound | Self::NoSuchRoute => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Unauthenticated => StatusCode::UNAUTHORIZED,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -94,6 +101,8 @@ impl Problem {
             Self::InvalidRequest => "Invalid request",
             Self::OutcomeUnknown => "The outcome of an earlier attempt is unknown",
             Self::Unauthenticated => "No principal to scope the Idempotency-Key to",
+            Self::NoSuchRoute => "No such admin route",
+            Self::MethodNotAllowed => "Method not allowed",
         }
     }
 
