@@ -1181,8 +1181,11 @@ async fn breaker_closes(store: &HybridStore) -> bool {
 }
 
 /// The reported defect: a probe cancelled by a client hang-up left the breaker half-open for
-/// good, and the fast path never came back. Here the probe is a `renew` whose Redis write
-/// hangs (writes paused) and whose caller gives up first.
+/// good, and the fast path never came back. Later, a probe cancelled that way was handed to
+/// the next call at once, and each one waited on the stalled Redis until its caller gave up.
+/// Now no caller holds the probe: the call that finds the open period over (here a `renew`,
+/// with Redis writes paused) goes on without Redis and is answered, a write of the breaker's
+/// own probes Redis, and the breaker closes once Redis answers writes again.
 #[test]
 fn a_cancelled_breaker_probe_does_not_keep_redis_off() {
     block_on(async {
@@ -1194,46 +1197,33 @@ fn a_cancelled_breaker_probe_does_not_keep_redis_off() {
         let fp = Fingerprint::of(b"probe");
         assert!(breaker_closes(&store).await, "Redis answers at the start");
 
-        // A background call (a mirror, a repair) may take the probe before the renew below
-        // does, on a loaded machine: then the renew skips Redis and returns at once, and the
-        // round is tried again. At least one round must cancel the probe itself.
-        let mut cancelled = false;
-        for _round in 0..3 {
-            pause_writes(redis.url(), 2_000).await;
-            // Mirror writes time out: three failures open the breaker.
-            let owned = idempotency_test::conformance::fresh_id();
-            let Begin::Execute(token) = store.begin(&owned, &fp, LEASE).await.expect("begin")
-            else {
-                panic!("execute")
-            };
-            while store.metrics().breaker_state != BreakerState::Open {
-                let id = idempotency_test::conformance::fresh_id();
-                store.begin(&id, &fp, LEASE).await.expect("begin");
-            }
-            tokio::time::sleep(Duration::from_millis(400)).await; // past the first backoff
-            // Paused again from now: opening the breaker can take longer than the first
-            // pause on a loaded machine.
-            pause_writes(redis.url(), 2_000).await;
-            // The next Redis call is the probe; its write hangs and its caller hangs up.
-            let probe = tokio::time::timeout(
-                Duration::from_millis(100),
-                store.renew(&owned, token, LEASE),
-            );
-            if probe.await.is_err() {
-                assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
-                cancelled = true;
-            }
-            tokio::time::sleep(Duration::from_millis(2_000)).await; // the pause ends
-            assert!(
-                breaker_closes(&store).await,
-                "the breaker must close once Redis answers: {:?}",
-                store.metrics()
-            );
-            if cancelled {
-                break;
-            }
+        pause_writes(redis.url(), 2_000).await;
+        // Mirror writes time out: three failures open the breaker.
+        let owned = idempotency_test::conformance::fresh_id();
+        let Begin::Execute(token) = store.begin(&owned, &fp, LEASE).await.expect("begin") else {
+            panic!("execute")
+        };
+        while store.metrics().breaker_state != BreakerState::Open {
+            let id = idempotency_test::conformance::fresh_id();
+            store.begin(&id, &fp, LEASE).await.expect("begin");
         }
-        assert!(cancelled, "in three rounds the renew was never the probe");
+        tokio::time::sleep(Duration::from_millis(400)).await; // past the first backoff
+        // Paused again from now: opening the breaker can take longer than the first pause on
+        // a loaded machine.
+        pause_writes(redis.url(), 2_000).await;
+        // The next Redis call would be the probe: answered by Postgres, though its caller
+        // gives up long before the pause ends.
+        tokio::time::timeout(Duration::from_secs(1), store.renew(&owned, token, LEASE))
+            .await
+            .expect("the call is not held by the probe")
+            .expect("renewed");
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
+        tokio::time::sleep(Duration::from_millis(2_000)).await; // the pause ends
+        assert!(
+            breaker_closes(&store).await,
+            "the breaker must close once Redis answers: {:?}",
+            store.metrics()
+        );
     });
 }
 
@@ -2257,5 +2247,59 @@ fn budgets_of_the_largest_duration_do_not_panic() {
             .await
             .expect("release");
         assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+    });
+}
+
+/// Redis gone without a trace (its host vanished: nothing answers, nothing resets), and
+/// callers that give up sooner than a Redis call's budget (a client's hang-up, an outer
+/// timeout): every call is still answered, by Postgres, and the breaker backs off. Before,
+/// the first call after each open period probed Redis in its own future; given up, the probe
+/// answered nothing, the breaker handed the probe to the next call at once, and every call
+/// then waited on the dead Redis until its caller gave up, though Postgres was fine.
+#[test]
+fn callers_that_give_up_sooner_than_redis_are_still_answered_by_postgres() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
+        let redis = RedisStore::builder(relay::through(redis.url(), relay.port))
+            .prefix(idempotency_test::unique("h"))
+            .call_budget(Duration::from_secs(2))
+            // A reconnect waits as long as a call (the vanished host accepts nothing).
+            .connect_timeout(Duration::from_secs(2))
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let store = HybridStore::new(pg_store(pg.url()).await, redis, BreakerConfig::default());
+        let fp = Fingerprint::of(b"charge");
+        relay.vanish();
+        // Three calls that wait out their Redis budget open the breaker.
+        let opening = (0..3).map(|_| {
+            let store = store.clone();
+            async move { store.begin(&fresh_id(), &fp, LEASE).await }
+        });
+        for begun in futures::future::join_all(opening).await {
+            assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
+        }
+        assert_eq!(store.metrics().breaker_state, BreakerState::Open);
+        // Callers with half a Redis budget of patience, over several open periods.
+        let mut unanswered = 0;
+        for _ in 0..12 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            match tokio::time::timeout(Duration::from_secs(1), store.begin(&fresh_id(), &fp, LEASE))
+                .await
+            {
+                Ok(begun) => assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}"),
+                Err(_) => unanswered += 1,
+            }
+        }
+        assert_eq!(unanswered, 0, "calls left waiting on a Redis that is gone");
+        assert!(store.metrics().breaker_opened >= 2, "the breaker backs off");
     });
 }

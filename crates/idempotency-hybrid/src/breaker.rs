@@ -321,7 +321,42 @@ pub(crate) struct Permit<'a> {
     reported: bool,
 }
 
+/// A probe handed to a call of its own ([`Permit::detach`]): its answer, once it comes, is
+/// told with [`Detached::answered`].
+#[derive(Debug)]
+pub(crate) struct Detached {
+    probe: Option<u64>,
+    period: u64,
+}
+
+impl Detached {
+    /// Tells `breaker` the answer of this permit's call.
+    pub(crate) fn answered(self, breaker: &Breaker, ok: bool) {
+        if ok {
+            breaker.success(self.probe);
+        } else {
+            breaker.failure_of(self.probe, self.period);
+        }
+    }
+}
+
 impl Permit<'_> {
+    /// Whether this call is the half-open breaker's probe.
+    pub(crate) fn is_probe(&self) -> bool {
+        self.probe.is_some()
+    }
+
+    /// Hands this permit to a call made elsewhere (a task of its own): dropping it here
+    /// reports nothing, and the call's answer is told with [`Detached::answered`]. Never
+    /// told (the task dropped), a probe is handed on past the probe limit.
+    pub(crate) fn detach(mut self) -> Detached {
+        self.reported = true;
+        Detached {
+            probe: self.probe,
+            period: self.period,
+        }
+    }
+
     pub(crate) fn success(mut self) {
         self.reported = true;
         self.breaker.success(self.probe);
@@ -470,6 +505,40 @@ mod tests {
 
         // A cancelled call while closed reports nothing either way.
         drop(breaker.allow().expect("closed"));
+        assert_eq!(breaker.state(), BreakerState::Closed);
+    }
+
+    /// A probe detached to a call of its own decides as the call answers; dropped without
+    /// an answer (its task gone), it keeps the breaker half-open until the probe limit,
+    /// never hands the probe on at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_detached_probe_decides_by_its_answer() {
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        for _ in 0..3 {
+            breaker.failure_of(None, 0);
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let probe = breaker.allow().expect("probe").detach();
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        assert!(breaker.allow().is_none(), "one probe at a time");
+        probe.answered(&breaker, false);
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_millis(500)).await;
+        // Its task gone: never answered.
+        let _lost = breaker
+            .allow()
+            .expect("probe after the doubled backoff")
+            .detach();
+        assert!(
+            breaker.allow().is_none(),
+            "still half-open: nobody answered"
+        );
+        tokio::time::advance(LIMIT).await;
+        breaker
+            .allow()
+            .expect("past the probe limit")
+            .detach()
+            .answered(&breaker, true);
         assert_eq!(breaker.state(), BreakerState::Closed);
     }
 

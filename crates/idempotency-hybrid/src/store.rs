@@ -484,8 +484,9 @@ impl HybridStore {
     /// reports success even when the backlog outlasted its budget, so a long backlog left by
     /// an outage drains, across calls, on a healthy Redis instead of keeping it off.
     ///
-    /// Cancel-safe: the breaker permit reports nothing when dropped (a dropped probe hands
-    /// the probe to the next call), and repairs taken for this call go back in the queue.
+    /// Cancel-safe: the breaker permit reports nothing when dropped, and repairs taken for
+    /// this call go back in the queue. The call that would probe a half-open breaker goes on
+    /// without Redis, and a write of its own probes it (`RedisStore::probe_write`).
     ///
     /// `call` makes the Redis call's future once the repairs are done: held across them as a
     /// future, it would be stored twice in this one (an `async fn`'s argument stays beside
@@ -499,6 +500,23 @@ impl HybridStore {
             s.fallback();
             return None;
         };
+        if permit.is_probe() {
+            // Probed in a task of its own, with a whole budget, while this call goes on
+            // without Redis: probed in this call's future, a caller that gave up sooner (a
+            // client's hang-up, an outer timeout shorter than the budget) answered nothing,
+            // the next call probed again at once, and every call waited on a Redis that was
+            // gone until its caller gave up.
+            let (this, probe) = (self.clone(), permit.detach());
+            s.settling.spawn(async move {
+                let ok = this.redis.probe_write().await.is_ok();
+                if !ok {
+                    this.inner.redis_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                probe.answered(&this.inner.breaker, ok);
+            });
+            s.fallback();
+            return None;
+        }
         let budget = self.redis.call_budget();
         let mut progress = RepairProgress::default();
         // Nothing to repair (the usual case): no lock, no timer.

@@ -1493,6 +1493,27 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Writes a key of this store's prefix (`{prefix}:probe`, kept a second): how the
+    /// hybrid store's breaker probes. A write, so that a Redis that answers reads but not
+    /// writes (paused, read-only after a failover, out of memory) is not taken for up.
+    pub async fn probe_write(&self) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let mut key = String::with_capacity(self.prefix.len() + 6);
+        key.push_str(&self.prefix);
+        key.push_str(":probe");
+        let _: String = self
+            .timed(
+                redis::cmd("SET")
+                    .arg(key)
+                    .arg("1")
+                    .arg("PX")
+                    .arg(1000)
+                    .query_async(&mut conn),
+            )
+            .await?;
+        Ok(())
+    }
+
     fn fenced(done: i64) -> Result<()> {
         if done == 1 {
             Ok(())
