@@ -912,10 +912,10 @@ fn renew_in_a_task<S: Store + ?Sized>(
 #[derive(Debug, Clone, Copy)]
 enum Held {
     /// This run's, surely until then ([`Policy::surely_held`] after the lease or its last
-    /// renewal was asked for). Past it another attempt may hold the
-    /// key, so the operation is not polled again until a renewal says: a process frozen past
-    /// its lease (SIGSTOP, a paused VM, a starved host) wakes with its operation and its
-    /// overdue renewal both ready, and the operation must not go first.
+    /// renewal was asked for). Past it another attempt may hold the key, so the operation is
+    /// not polled again until a renewal says: a process frozen past its lease (SIGSTOP, a
+    /// paused VM whose guest clock saw the pause, a starved host) wakes with its operation
+    /// and its overdue renewal both ready, and the operation must not go first.
     Until(Instant),
     /// Another attempt's now (or an operator released it): the operation stops.
     Lost,

@@ -291,7 +291,8 @@ pub struct HybridMetrics {
 impl HybridStore {
     /// Builds the store. The Redis side skips the eviction check (eviction costs latency
     /// here, never a second execution) and connects lazily, so the store starts while Redis
-    /// is down.
+    /// is down (a single Redis: a Redis Cluster's client connects to its nodes at once, and
+    /// fails while they are all down).
     pub async fn connect(
         pg: PostgresStore,
         redis: idempotency_redis::RedisStoreBuilder,
@@ -987,8 +988,8 @@ impl HybridStore {
             {
                 // After answering: the operation need not wait for its lease's mirror. A
                 // `release` of this token waits for it (so its fenced delete runs after the
-                // mirror, not before), a `complete` need not (the outcome replaces it, and a
-                // mirror that comes later finds the outcome and writes nothing).
+                // mirror, not before), and so does a `complete`, whose outcome replaces that
+                // mirror (`replace_mirror` is fenced on it).
                 let (this, id, fp, token) = (self.clone(), *id, *fp, *token);
                 // No longer than what is left of the lease (less than asked after a lock
                 // wait): a mirror must not say "in flight" past the row's lease.

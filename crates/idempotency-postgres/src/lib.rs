@@ -2,8 +2,8 @@
 //!
 //! One table, `idempotency_keys`, keyed by the record id. Its primary key decides every race
 //! (`INSERT … ON CONFLICT DO NOTHING`), its lease columns recover the keys of crashed workers,
-//! and every time comes from Postgres `now()`, so clock skew between application hosts cannot
-//! expire a lease early.
+//! and every time comes from Postgres' clock (`clock_timestamp()`), so clock skew between
+//! application hosts cannot expire a lease early.
 //!
 //! - [`PostgresStore`] implements [`Store`](idempotency_core::Store);
 //! - [`PostgresStore::complete_in`] completes a record inside the application's own

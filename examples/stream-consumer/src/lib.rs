@@ -240,7 +240,7 @@ pub struct Consumer {
     /// ledger write and before its transaction stores the outcome and commits.
     pub after_effect: Option<AfterEffect>,
     /// Test fault: awaited after the effect's transaction committed, before the operation
-    /// returns (the executor then stores the outcome again) — e.g. to stop the database.
+    /// returns (the executor then confirms the commit) — e.g. to stop the database.
     pub after_commit: Option<AfterEffect>,
 }
 
@@ -547,8 +547,8 @@ impl Consumer {
                     .await?;
                 return Ok(());
             }
-            // The charge was applied, but its outcome's second write failed: a redelivery
-            // replays what the transaction stored, so acknowledge it, and say so loudly.
+            // The charge ran, but its outcome was not stored (a store call of the executor's
+            // own failed after the run): acknowledge it, and say so loudly.
             Err(error @ RunError::NotStored(_)) => {
                 let error = error_chain(&error);
                 tracing::error!(%error, charge = %charge_id, id = %message.id, "the charge was applied but the outcome was not stored; acknowledging the message without a redelivery");
