@@ -228,6 +228,10 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
+    /// Messages trimmed while pending whose dead letter is still to be written: `XAUTOCLAIM`
+    /// reports such an id once, and takes it off the pending list, so this consumer is the
+    /// only one that knows of it.
+    trimmed: Vec<String>,
     /// The scope an earlier version keyed charges by, consulted before a charge is applied
     /// ([`Consumer::with_previous_scope`]).
     previous_scope: Option<Scope>,
@@ -275,6 +279,7 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
+            trimmed: Vec::new(),
             previous_scope: None,
             crash_before_ack: None,
             crash_before_dead_letter: None,
@@ -396,10 +401,13 @@ impl Consumer {
             .await?;
         let claimed = AutoClaimed::from_value(&claimed)?;
         // Trimmed from the stream while pending: `XAUTOCLAIM` took them off the pending list
-        // and answers them to this consumer alone, once: dead-lettered first, before
-        // anything in this poll can fail, or they would be lost.
-        for id in &claimed.deleted {
-            self.dead_letter_trimmed(id, &mut polled).await?;
+        // and answers them to this consumer alone, once: noted before any await, then
+        // dead-lettered first, before anything else in this poll can fail; one whose dead
+        // letter fails (or whose poll is dropped) stays noted for the next poll.
+        self.trimmed.extend(claimed.deleted.iter().cloned());
+        while let Some(id) = self.trimmed.first().cloned() {
+            self.dead_letter_trimmed(&id, &mut polled).await?;
+            self.trimmed.remove(0);
         }
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)

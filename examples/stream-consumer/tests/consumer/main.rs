@@ -1183,6 +1183,58 @@ fn a_message_trimmed_while_pending_is_dead_lettered() {
     });
 }
 
+/// Messages trimmed while pending whose dead letter cannot be written at once (here the
+/// dead-letter key holds a string, so `XADD` fails) are dead-lettered by a later poll:
+/// `XAUTOCLAIM` reports a trimmed id once, and takes it off the pending list, so only this
+/// consumer knows of it. Before, the failed poll dropped them all, without a trace.
+#[test]
+fn trimmed_messages_whose_dead_letter_failed_are_dead_lettered_later() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut first = rig.consumer("c1").await;
+        first.setup().await.expect("setup");
+        let mut ids = Vec::new();
+        for charge in ["ch_trimmed_1", "ch_trimmed_2"] {
+            let id = publish(&mut rig.redis, &rig.stream, charge, 100)
+                .await
+                .expect("publish");
+            ids.push(id);
+        }
+        rig.deliver_to_a_consumer_that_dies().await;
+        let _: u64 = redis::cmd("XTRIM")
+            .arg(&rig.stream)
+            .arg("MAXLEN")
+            .arg(0)
+            .query_async(&mut rig.redis)
+            .await
+            .expect("xtrim");
+        let dead_key = format!("{}:dead", rig.stream);
+        let _: () = redis::cmd("SET")
+            .arg(&dead_key)
+            .arg("in the way")
+            .query_async(&mut rig.redis)
+            .await
+            .expect("set");
+        first.claim_idle = Duration::from_millis(50);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(first.poll(10).await.is_err(), "the dead letter cannot be written");
+        assert_eq!(rig.pending().await, 0, "XAUTOCLAIM took them off the pending list");
+
+        let _: () = redis::cmd("DEL")
+            .arg(&dead_key)
+            .query_async(&mut rig.redis)
+            .await
+            .expect("del");
+        let polled = first.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 2, "{polled:?}");
+        let dead = rig.dead_letters(&dead_key).await;
+        let mut dead_ids: Vec<_> = dead.iter().map(|d| d["id"].clone()).collect();
+        dead_ids.sort();
+        assert_eq!(dead_ids, ids);
+        assert!(rig.effects().await.is_empty());
+    });
+}
+
 /// A message dead-lettered for its failures while another consumer still holds it (claimed
 /// in a batch that consumer is working through) is not applied by that one afterwards, even
 /// once the cause is gone: dead-lettering decides the charge, and every later delivery of
