@@ -1693,31 +1693,16 @@ fn a_full_queue_sends_a_complete_the_per_request_way() {
 fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
     block_on(async {
         let Some(store) = store().await else { return };
-        let pg = services::postgres().await.expect("postgres");
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
-                .await;
-        let late = PostgresStore::builder(idempotency_test::relay::through(pg.url(), relay.port))
-            .per_request()
-            .max_connections(1)
-            .call_timeout(Duration::from_millis(500))
-            .connect()
-            .await
-            .expect("the late operator's store");
+        let (relay, late) = relayed_operator(Duration::from_millis(500)).await;
         let id = fresh_id();
         let first = execute(&*store, &id, &fp("a"), LONG).await;
         store
             .complete(&id, first, &Outcome::new(201).with_body("first"), LONG)
             .await
             .expect("complete");
-        // Its statements prepared on its one connection: a release executes by name, with
-        // the record's id bound, which the relay holds back.
+        // A release executes its prepared statement by name, with the record's id bound,
+        // which the relay holds back.
         let scope = idempotency_core::ReleaseScope::default().with_completed();
-        let other = late
-            .force_release(&fresh_id(), scope)
-            .await
-            .expect("release");
-        assert_eq!(other, idempotency_core::ForceReleased::Absent);
         relay.delay_requests_containing(Duration::from_secs(2), id.as_bytes());
         let gave_up = late.force_release(&id, scope).await;
         assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
@@ -1739,4 +1724,58 @@ fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
             "the late delete took the new outcome"
         );
     });
+}
+
+/// An operator's release whose delete was refused for coming past its budget (the answer
+/// of its clock read came late) answers `Unavailable` ("call again"), never that the record
+/// was kept: here a lease that ran out, which every release takes, was reported `Live`.
+#[test]
+fn a_release_refused_for_its_budget_says_so() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (relay, late) = relayed_operator(Duration::from_secs(1)).await;
+        let scope = idempotency_core::ReleaseScope::default();
+        let id = fresh_id();
+        execute(&*store, &id, &fp("a"), SHORT).await;
+        tokio::time::sleep(PAST_SHORT).await; // its lease ran out: every scope takes it
+        // Only the clock read's answer is held back (a pooled connection's ping passes):
+        // what is sent after it passes at once.
+        relay.delay_replies_containing(Duration::from_millis(600), b"SELECT 1");
+        let release = tokio::spawn(async move { late.force_release(&id, scope).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        relay.delay_replies(Duration::ZERO);
+        let answer = release.await.expect("the release");
+        assert!(
+            matches!(
+                answer,
+                Ok(idempotency_core::ForceReleased::Released) | Err(Error::Unavailable(_))
+            ),
+            "{answer:?}"
+        );
+    });
+}
+
+/// An operator's store of one connection with a call budget of `budget`, through a relay
+/// that can hold its bytes back, its release's statements already prepared (so that a
+/// release sends no statement text, and takes no more round trips than its own).
+async fn relayed_operator(
+    budget: Duration,
+) -> (idempotency_test::relay::DelayingRelay, PostgresStore) {
+    let pg = services::postgres().await.expect("postgres");
+    let relay =
+        idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url())).await;
+    let operator = PostgresStore::builder(idempotency_test::relay::through(pg.url(), relay.port))
+        .per_request()
+        .max_connections(1)
+        .call_timeout(budget)
+        .connect()
+        .await
+        .expect("the operator's store");
+    let scope = idempotency_core::ReleaseScope::default();
+    let other = operator
+        .force_release(&fresh_id(), scope)
+        .await
+        .expect("release");
+    assert_eq!(other, idempotency_core::ForceReleased::Absent);
+    (relay, operator)
 }

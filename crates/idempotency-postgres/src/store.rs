@@ -552,14 +552,18 @@ FROM idempotency_keys WHERE record_id = $1";
 /// call gave up) deletes nothing; otherwise it could take a record that came after the
 /// operator was told `Unavailable`, released the key again, and a new request completed it.
 /// (The bound is read with the row: a wait on the row's lock, itself bounded by the statement
-/// timeout, can carry the delete past it.)
+/// timeout, can carry the delete past it.) The second column says the bound is past: a row
+/// not deleted may have been left for that alone.
 const FORCE_RELEASE_SQL: &str = "
-DELETE FROM idempotency_keys
-WHERE record_id = $1
-  AND clock_timestamp() < to_timestamp($4)
-  AND ((state = 0 AND ($2 OR expires_at <= clock_timestamp()))
-       OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
-RETURNING state";
+WITH deleted AS (
+    DELETE FROM idempotency_keys
+    WHERE record_id = $1
+      AND clock_timestamp() < to_timestamp($4)
+      AND ((state = 0 AND ($2 OR expires_at <= clock_timestamp()))
+           OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
+    RETURNING state
+)
+SELECT (SELECT state FROM deleted), clock_timestamp() >= to_timestamp($4)";
 
 /// The database's clock, in seconds since the epoch: what an operator's release is bounded
 /// by (`FORCE_RELEASE_SQL`).
@@ -790,7 +794,9 @@ impl PostgresStore {
     /// run (in this process) what [`Claim::completion`] and [`Claim::accepted`] would: the run
     /// is no longer held for want of a renewal, and once the write was accepted it confirms
     /// the commit instead of storing its result (a transaction that rolls back after it stores
-    /// nothing). See [`idempotency_core::completing_in_transaction`] and
+    /// nothing). So never roll the completion back on its own (a savepoint) while the effect
+    /// commits: the run would find no completion, release the key, and a retry run the
+    /// effect again. See [`idempotency_core::completing_in_transaction`] and
     /// [`idempotency_core::accepted_in_transaction`].
     ///
     /// [`Executor::run_with_claim`]: idempotency_core::Executor::run_with_claim
@@ -1594,20 +1600,26 @@ impl PostgresStore {
         // lease or the outcome.
         let mut kept = None;
         for _ in 0..FORCE_RELEASE_TRIES {
-            let deleted: Option<(i16,)> = sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
-                .bind(&id.as_bytes()[..])
-                .bind(scope.live)
-                .bind(scope.completed)
-                .bind(until)
-                .fetch_optional_on(&self.pool)
-                .await
-                .map_err(db_error)?;
-            if let Some((state,)) = deleted {
-                return Ok(if state == 0 {
-                    ForceReleased::Released
-                } else {
-                    ForceReleased::Deleted
-                });
+            let (deleted, too_late): (Option<i16>, bool) =
+                sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
+                    .bind(&id.as_bytes()[..])
+                    .bind(scope.live)
+                    .bind(scope.completed)
+                    .bind(until)
+                    .fetch_one_on(&self.pool)
+                    .await
+                    .map_err(db_error)?;
+            match deleted {
+                Some(0) => return Ok(ForceReleased::Released),
+                Some(_) => return Ok(ForceReleased::Deleted),
+                // Perhaps left for being late, not for what the row is: no answer.
+                None if too_late => {
+                    return Err(Error::unavailable(
+                        "the release reached Postgres past its budget and deleted nothing; \
+                         call again",
+                    ));
+                }
+                None => {}
             }
             kept = sqlx::query_as::<_, (i16, bool)>(self.sql.get(WHY_KEPT_SQL))
                 .bind(&id.as_bytes()[..])
