@@ -318,6 +318,13 @@ fn a_key_with_a_slash_left_unencoded_names_no_other_record() {
 fn paths_and_methods_the_admin_routes_do_not_serve_are_problems() {
     block_on(async {
         let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        // Merged into an application with a fallback of its own, it does not take it over
+        // (two fallbacks panic), and the application's other paths stay the application's.
+        let merged = axum::Router::new()
+            .fallback(|| async { "the application's own 404" })
+            .merge(admin_router(store.clone()));
+        let other = call(&merged, "GET", "/elsewhere", &[]).await;
+        assert_eq!(other.json, "the application's own 404");
         let router = axum::Router::new().nest("/admin", admin_router(store));
         for uri in [
             "/admin/idempotency/scopes/a/b/keys/k",

@@ -841,7 +841,7 @@ pub fn accepted_in_transaction(id: &RecordId, token: LeaseToken) {
 /// `LeaseLost` then is most often that transaction's commit, so the record is read before
 /// the operation is stopped: completed, it is left to finish (a completion of another
 /// attempt, after a rollback of this one's, is refused by the operation's next fenced
-/// completion); anything else, or no answer, stops it.
+/// completion); anything else stops it, and no answer is asked again at the next tick.
 fn renew_in_a_task<S: Store + ?Sized>(
     store: Arc<S>,
     id: RecordId,

@@ -509,9 +509,20 @@ impl HybridStore {
             // gone until its caller gave up.
             let (this, probe) = (self.clone(), permit.detach());
             s.settling.spawn(async move {
-                let ok = this.redis.probe_write().await.is_ok();
+                // A write, then the stale-mirror repairs a probing call runs first (an
+                // operator's second delete among them), which would otherwise wait for a
+                // call after the breaker closed.
+                let mut ok = this.redis.probe_write().await.is_ok();
+                if ok && !this.inner.repairs.holds() {
+                    let mut progress = RepairProgress::default();
+                    let budget = this.redis.call_budget();
+                    let repaired =
+                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress)).await;
+                    ok = matches!(repaired, Ok(true)) || progress.answered > 0;
+                }
                 if !ok {
                     this.inner.redis_errors.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("idempotency_redis_errors_total").increment(1);
                 }
                 probe.answered(&this.inner.breaker, ok);
             });

@@ -1493,14 +1493,14 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Writes a key of this store's prefix (`{prefix}:probe`, kept a second): how the
-    /// hybrid store's breaker probes. A write, so that a Redis that answers reads but not
-    /// writes (paused, read-only after a failover, out of memory) is not taken for up.
+    /// Writes a key of this store's prefix (`{prefix}:probe:{random}`, kept a second): how
+    /// the hybrid store's breaker probes. A write, so that a Redis that answers reads but not
+    /// writes (paused, read-only after a failover, out of memory) is not taken for up; a key
+    /// of its own each time, so that the probes of a Redis Cluster visit its nodes as the
+    /// records' keys do, not always the same one.
     pub async fn probe_write(&self) -> Result<()> {
         let mut conn = self.conn.clone();
-        let mut key = String::with_capacity(self.prefix.len() + 6);
-        key.push_str(&self.prefix);
-        key.push_str(":probe");
+        let key = format!("{}:probe:{}", self.prefix, uuid::Uuid::new_v4().simple());
         let _: String = self
             .timed(
                 redis::cmd("SET")

@@ -97,9 +97,11 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
             "/idempotency/scopes/{scope}/keys/{key}/{*rest}",
             any(too_many_segments),
         )
-        // Problems too, not the router's plain, empty answers.
+        // Problems too, not the router's plain, empty answers. (Routes, not a fallback:
+        // merged into an application that has a fallback of its own, a second one panics.)
+        .route("/idempotency", any(no_such_route))
+        .route("/idempotency/{*rest}", any(no_such_route))
         .method_not_allowed_fallback(method_not_allowed)
-        .fallback(no_such_route)
         .with_state(store)
 }
 

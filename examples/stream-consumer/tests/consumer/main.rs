@@ -1217,8 +1217,15 @@ fn trimmed_messages_whose_dead_letter_failed_are_dead_lettered_later() {
             .expect("set");
         first.claim_idle = Duration::from_millis(50);
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(first.poll(10).await.is_err(), "the dead letter cannot be written");
-        assert_eq!(rig.pending().await, 0, "XAUTOCLAIM took them off the pending list");
+        assert!(
+            first.poll(10).await.is_err(),
+            "the dead letter cannot be written"
+        );
+        assert_eq!(
+            rig.pending().await,
+            0,
+            "XAUTOCLAIM took them off the pending list"
+        );
 
         let _: () = redis::cmd("DEL")
             .arg(&dead_key)
