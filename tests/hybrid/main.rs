@@ -2306,3 +2306,52 @@ fn callers_that_give_up_sooner_than_redis_are_still_answered_by_postgres() {
         assert!(store.metrics().breaker_opened >= 2, "the breaker backs off");
     });
 }
+
+/// An operator's release deletes the record's copy in Redis in one round trip: a Redis whose
+/// answers take more than half a call's budget still has it deleted at once. Before, the
+/// delete was the Redis store's own release (its clock read, then its delete: two round
+/// trips within the repair's one budget), so it timed out, counted against the breaker, and
+/// the release answered `Unavailable`.
+#[test]
+fn an_operators_release_deletes_the_copy_in_one_round_trip() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(redis.url())).await;
+        let redis = RedisStore::builder(relay::through(redis.url(), relay.port))
+            .prefix(idempotency_test::unique("h"))
+            .call_budget(Duration::from_millis(500))
+            .eviction_check(idempotency_redis::EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("redis store");
+        let store = HybridStore::new(pg_store(pg.url()).await, redis, BreakerConfig::default());
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+        let Begin::Execute(token) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        store
+            .complete(&id, token, &Outcome::new(201), RETENTION)
+            .await
+            .expect("complete");
+        store.drain().await;
+        relay.delay_replies(Duration::from_millis(300));
+        let released = store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await;
+        assert!(
+            matches!(released, Ok(idempotency_core::ForceReleased::Deleted)),
+            "{released:?}"
+        );
+        relay.delay_replies(Duration::ZERO);
+        assert!(matches!(
+            store.redis().peek(&id, &fp).await,
+            Ok(idempotency_redis::Peek::Absent)
+        ));
+    });
+}

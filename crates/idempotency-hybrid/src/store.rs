@@ -835,14 +835,8 @@ impl HybridStore {
                 .map(|(i, (id, token))| async move {
                     let deleted = match token {
                         Some(token) => self.redis.release(&id, token).await,
-                        None => self
-                            .redis
-                            .force_release(
-                                &id,
-                                ReleaseScope::default().with_live().with_completed(),
-                            )
-                            .await
-                            .map(|_| ()),
+                        // One round trip, unbounded: a late delete of a copy is a miss.
+                        None => self.redis.delete_record(&id).await,
                     };
                     (i, deleted)
                 })

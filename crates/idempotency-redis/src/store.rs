@@ -1484,7 +1484,21 @@ impl RedisStore {
         self.budget
     }
 
-    /// Sends `PING`: how the hybrid store's breaker probes.
+    /// Deletes whatever this store holds for the record, at once and unfenced, in one round
+    /// trip: for Redis as a cache in front of another store (the hybrid's copies, after an
+    /// operator's release there), where a delete that lands late costs a cache miss. Not for
+    /// a Redis-only store's records: its operator's release is
+    /// [`force_release`](Store::force_release), which a late arrival cannot turn against a
+    /// record made since.
+    pub async fn delete_record(&self, id: &RecordId) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let _: i64 = self
+            .timed(redis::cmd("DEL").arg(self.key(id)).query_async(&mut conn))
+            .await?;
+        Ok(())
+    }
+
+    /// Sends `PING`: a health check.
     pub async fn ping(&self) -> Result<()> {
         let mut conn = self.conn.clone();
         let _: String = self
