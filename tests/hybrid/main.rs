@@ -2270,16 +2270,9 @@ fn callers_that_give_up_sooner_than_redis_are_still_answered_by_postgres() {
         let pg = services::postgres().await.expect("postgres");
         let redis = services::redis().await.expect("redis");
         let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
-        let redis = RedisStore::builder(relay::through(redis.url(), relay.port))
-            .prefix(idempotency_test::unique("h"))
-            .call_budget(Duration::from_secs(2))
-            // A reconnect waits as long as a call (the vanished host accepts nothing).
-            .connect_timeout(Duration::from_secs(2))
-            .eviction_check(idempotency_redis::EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("redis store");
-        let store = HybridStore::new(pg_store(pg.url()).await, redis, BreakerConfig::default());
+        // A reconnect waits as long as a call (the vanished host accepts nothing).
+        let through = relay::through(redis.url(), relay.port);
+        let store = hybrid_within(pg.url(), &through, Duration::from_secs(2)).await;
         let fp = Fingerprint::of(b"charge");
         relay.vanish();
         // Three calls that wait out their Redis budget open the breaker.
@@ -2323,14 +2316,8 @@ fn an_operators_release_deletes_the_copy_in_one_round_trip() {
         let pg = services::postgres().await.expect("postgres");
         let redis = services::redis().await.expect("redis");
         let relay = relay::delaying_relay(relay::upstream(redis.url())).await;
-        let redis = RedisStore::builder(relay::through(redis.url(), relay.port))
-            .prefix(idempotency_test::unique("h"))
-            .call_budget(Duration::from_millis(500))
-            .eviction_check(idempotency_redis::EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("redis store");
-        let store = HybridStore::new(pg_store(pg.url()).await, redis, BreakerConfig::default());
+        let through = relay::through(redis.url(), relay.port);
+        let store = hybrid_within(pg.url(), &through, Duration::from_millis(500)).await;
         let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
         let Begin::Execute(token) = store.begin(&id, &fp, LEASE).await.expect("begin") else {
             panic!("a fresh key")
@@ -2354,4 +2341,18 @@ fn an_operators_release_deletes_the_copy_in_one_round_trip() {
             Ok(idempotency_redis::Peek::Absent)
         ));
     });
+}
+
+/// A hybrid store on the shared Postgres and the Redis at `redis_url` (through a relay),
+/// whose Redis calls, and connects, each have `budget`.
+async fn hybrid_within(pg_url: &str, redis_url: &str, budget: Duration) -> HybridStore {
+    let redis = RedisStore::builder(redis_url)
+        .prefix(idempotency_test::unique("h"))
+        .call_budget(budget)
+        .connect_timeout(budget)
+        .eviction_check(idempotency_redis::EvictionCheck::Skip)
+        .connect()
+        .await
+        .expect("redis store");
+    HybridStore::new(pg_store(pg_url).await, redis, BreakerConfig::default())
 }
