@@ -335,7 +335,11 @@ fn paths_and_methods_the_admin_routes_do_not_serve_are_problems() {
             let detail = answer.json["detail"].as_str().unwrap_or_default();
             assert!(detail.contains("%2F"), "{detail}");
         }
-        for uri in ["/admin/idempotency", "/admin/idempotency/records/k"] {
+        for uri in [
+            "/admin/idempotency",
+            "/admin/idempotency/",
+            "/admin/idempotency/records/k",
+        ] {
             let answer = call(&router, "GET", uri, &[]).await;
             problem(&answer, 404, "urn:idempotency:problem:no-such-route");
         }

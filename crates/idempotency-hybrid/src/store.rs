@@ -518,7 +518,15 @@ impl HybridStore {
                     let budget = this.redis.call_budget();
                     let repaired =
                         tokio::time::timeout(budget, this.repair_mirrors(&mut progress)).await;
-                    ok = matches!(repaired, Ok(true)) || progress.answered > 0;
+                    // Read as a call's repairs are (`try_redis` below).
+                    ok = match repaired {
+                        Ok(true) => true,
+                        Err(_) if progress.answered > 0 => true,
+                        // Waited for another caller's repairs: no news of Redis, no answer
+                        // (the next probe goes out past the probe limit).
+                        Err(_) if !progress.held => return,
+                        Ok(false) | Err(_) => false,
+                    };
                 }
                 if !ok {
                     this.inner.redis_errors.fetch_add(1, Ordering::Relaxed);

@@ -553,7 +553,9 @@ FROM idempotency_keys WHERE record_id = $1";
 /// operator was told `Unavailable`, released the key again, and a new request completed it.
 /// (The bound is read with the row: a wait on the row's lock, itself bounded by the statement
 /// timeout, can carry the delete past it.) The second column says the bound is past: a row
-/// not deleted may have been left for that alone.
+/// not deleted may have been left for that alone. (Read after the delete: Postgres runs a
+/// data-modifying CTE to its end before the outer query's columns, whose `clock_timestamp()`
+/// is then no earlier than the delete's.)
 const FORCE_RELEASE_SQL: &str = "
 WITH deleted AS (
     DELETE FROM idempotency_keys

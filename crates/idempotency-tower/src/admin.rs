@@ -100,6 +100,7 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
         // Problems too, not the router's plain, empty answers. (Routes, not a fallback:
         // merged into an application that has a fallback of its own, a second one panics.)
         .route("/idempotency", any(no_such_route))
+        .route("/idempotency/", any(no_such_route))
         .route("/idempotency/{*rest}", any(no_such_route))
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(store)
