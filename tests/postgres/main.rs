@@ -1708,14 +1708,7 @@ fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
         assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
 
         // The operator releases the key again, and a new request runs under it.
-        let again = store.force_release(&id, scope).await.expect("release");
-        assert_eq!(again, idempotency_core::ForceReleased::Deleted);
-        let second = execute(&*store, &id, &fp("a"), LONG).await;
-        let outcome = Outcome::new(201).with_body("second");
-        store
-            .complete(&id, second, &outcome, LONG)
-            .await
-            .expect("complete");
+        let outcome = idempotency_test::conformance::released_and_run_again(&*store, &id).await;
         // The first delete has reached Postgres by then.
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert_eq!(

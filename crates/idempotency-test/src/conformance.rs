@@ -49,6 +49,22 @@ pub async fn execute(
     claim_expecting(store, id, fp, lease, false).await
 }
 
+/// An operator releases `id`'s completed record (it must be there), and a new request runs
+/// and completes under the key: the outcome it stored, which the key must replay from then
+/// on, whatever an earlier release that lands late does.
+pub async fn released_and_run_again(store: &dyn Store, id: &RecordId) -> Outcome {
+    let scope = ReleaseScope::default().with_completed();
+    let again = store.force_release(id, scope).await.expect("release");
+    assert_eq!(again, ForceReleased::Deleted);
+    let token = execute(store, id, &fp("a"), LONG).await;
+    let outcome = Outcome::new(201).with_body("second");
+    store
+        .complete(id, token, &outcome, LONG)
+        .await
+        .expect("complete");
+    outcome
+}
+
 /// Begins on a key whose lease ran out unfinished and expects `TakeOver` (the earlier
 /// attempt's outcome is unknown), returning the new token.
 pub async fn take_over(

@@ -147,6 +147,17 @@ impl Rig {
             .expect("xreadgroup");
     }
 
+    /// Trims every message from the stream: those pending keep only their ids.
+    async fn trim_all(&mut self) {
+        let _: u64 = redis::cmd("XTRIM")
+            .arg(&self.stream)
+            .arg("MAXLEN")
+            .arg(0)
+            .query_async(&mut self.redis)
+            .await
+            .expect("xtrim");
+    }
+
     async fn pending(&mut self) -> u64 {
         let reply: redis::streams::StreamPendingReply =
             redis::AsyncCommands::xpending(&mut self.redis, &self.stream, "ledger")
@@ -1163,13 +1174,7 @@ fn a_message_trimmed_while_pending_is_dead_lettered() {
             .expect("publish");
         // Delivered to a consumer that dies before handling it.
         rig.deliver_to_a_consumer_that_dies().await;
-        let _: u64 = redis::cmd("XTRIM")
-            .arg(&rig.stream)
-            .arg("MAXLEN")
-            .arg(0)
-            .query_async(&mut rig.redis)
-            .await
-            .expect("xtrim");
+        rig.trim_all().await;
         first.claim_idle = Duration::from_millis(50);
         tokio::time::sleep(Duration::from_millis(100)).await;
         let polled = first.poll(10).await.expect("poll");
@@ -1201,13 +1206,7 @@ fn trimmed_messages_whose_dead_letter_failed_are_dead_lettered_later() {
             ids.push(id);
         }
         rig.deliver_to_a_consumer_that_dies().await;
-        let _: u64 = redis::cmd("XTRIM")
-            .arg(&rig.stream)
-            .arg("MAXLEN")
-            .arg(0)
-            .query_async(&mut rig.redis)
-            .await
-            .expect("xtrim");
+        rig.trim_all().await;
         let dead_key = format!("{}:dead", rig.stream);
         let _: () = redis::cmd("SET")
             .arg(&dead_key)
