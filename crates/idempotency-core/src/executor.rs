@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::{
     Begin, Error, Fingerprint, IdempotencyKey, LeaseToken, Outcome, Policy, RecordId, Scope, Store,
-    detached_begin, finish_in_any_case, give_back_orphan, panic_as_unavailable,
+    detached_begin, give_back_orphan, panic_as_unavailable,
 };
 
 /// What [`Executor::run`] returns when the operation's result is known.
@@ -436,14 +436,20 @@ impl<S: Store + ?Sized> Executor<S> {
                         // it fail, and the transaction roll back), and once written it holds
                         // the record's row lock, on which the renewals wait: held there, the
                         // operation would never commit, nor the lock go.
-                        Held::Until(until) if !ended && !completing.load(Ordering::SeqCst) => {
-                            Some(until)
-                        }
-                        // No renewals left to say (the record is this run's, completed; or
-                        // the task ended unexpectedly): the operation goes on.
+                        // Also once the renewals' task ended unexpectedly (its runtime shut
+                        // down): the lease it last vouched for still bounds the operation.
+                        Held::Until(until) if !completing.load(Ordering::SeqCst) => Some(until),
+                        // The record is this run's, completed: the operation goes on.
                         Held::Until(_) | Held::Settled => None,
                     };
                     if alive_until.is_some_and(|until| Instant::now() >= until) {
+                        if ended {
+                            // No renewal will come: past the lease another attempt may hold
+                            // the key, so the operation stops here, as a dropped run would.
+                            tracing::error!(record = %id, "the lease's renewals stopped (their runtime shut down?) and the lease ran out; stopping the operation");
+                            guard.release().await;
+                            return Err(RunError::LeaseLost);
+                        }
                         // Past it another attempt may hold the key: the operation is not
                         // polled until the renewals' task (its tick is due by then) says.
                         ended = lease.changed().await.is_err();
@@ -483,11 +489,12 @@ impl<S: Store + ?Sized> Executor<S> {
                         self.settling.clone(),
                     );
                     let settling = self.settling.token();
-                    let confirm = finish_in_any_case(async move {
+                    // Settled first: nothing from here may unwind into a release.
+                    guard.settled = true;
+                    let confirm = guard.finish(async move {
                         let _settling = settling;
                         confirm_commit(store, &tracker, id, token, outcome, &policy).await
                     });
-                    guard.settled = true;
                     return match confirm.await {
                         Confirmed::Committed => Ok(Executed {
                             value,
@@ -523,11 +530,12 @@ impl<S: Store + ?Sized> Executor<S> {
                     self.settling.token(),
                     self.settling.clone(),
                 );
-                let write = finish_in_any_case(async move {
+                // Settled first: nothing from here may unwind into a release.
+                guard.settled = true;
+                let write = guard.finish(async move {
                     let _settling = settling;
                     complete_or_keep_trying(store, &tracker, id, token, &outcome, &policy).await
                 });
-                guard.settled = true;
                 write.await.map_err(RunError::NotStored)?;
                 if let Some(why) = unserialisable {
                     return Err(RunError::NotStored(Error::Corrupt(why)));
@@ -992,11 +1000,22 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
     ///
     /// The release finishes in any case, as an outcome's write does: a caller that holds
     /// the run's future without polling it (or drops it) does not keep the key in flight.
+    /// [`finish_in_any_case`](crate::finish_in_any_case), on the runtime the run started on when this poll has no
+    /// runtime context (a plain thread polling the run to its end): there it would panic
+    /// (the operation has run by then; see `finish_in_any_case_or_on`).
+    fn finish<F>(&self, work: F) -> crate::FinishInAnyCase<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        crate::handover::finish_in_any_case_or_on(self.runtime.as_ref(), work)
+    }
+
     async fn release(&mut self) {
         let (store, id, token) = (self.store.clone(), self.id, self.token);
         let (tracker, settling) = (self.settling.clone(), self.settling.token());
         self.settled = true;
-        finish_in_any_case(async move {
+        self.finish(async move {
             let _settling = settling;
             if let Err(error) =
                 panic_as_unavailable(store.release(&id, token), "the store's release panicked")
@@ -1497,16 +1516,30 @@ mod tests {
     /// A run dropped outside the runtime's context (a future held by a plain thread, dropped
     /// there) still gives its lease back, on the runtime it ran on. Before, the guard found no
     /// runtime and left the lease to run out: a redelivery found the key in flight for nobody.
-    #[test]
-    fn a_run_dropped_outside_the_runtime_still_gives_its_lease_back() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
+    /// A runtime of its own, for tests that poll a run from outside any runtime.
+    fn one_worker() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// A runtime, an executor on the memory store with a minute's lease, and a request.
+    fn outside_rig() -> (
+        tokio::runtime::Runtime,
+        Executor<MemoryStore>,
+        (Scope, Fingerprint, IdempotencyKey),
+    ) {
         let executor = Executor::new(Arc::new(MemoryStore::new()))
             .with_policy(Policy::default().with_lease(Duration::from_secs(60)));
-        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let request = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        (one_worker(), executor, request)
+    }
+
+    #[test]
+    fn a_run_dropped_outside_the_runtime_still_gives_its_lease_back() {
+        let (runtime, executor, (scope, fp, k)) = outside_rig();
         let mut run = Box::pin(executor.run(&scope, &k, &fp, || async {
             std::future::pending::<()>().await;
             Ok::<_, &str>(1u32)
@@ -1525,6 +1558,94 @@ mod tests {
             matches!(&redelivered, Ok(done) if done.value == 2 && !done.replayed),
             "{redelivered:?}"
         );
+    }
+
+    /// A run started on a runtime and polled to its end by a plain thread stores its
+    /// outcome (on the runtime it started on). Before, storing it panicked for want of a
+    /// runtime context, and the unwinding lease guard released the key after the operation
+    /// had run: the redelivery ran it again.
+    #[test]
+    fn a_run_finished_outside_the_runtime_stores_its_outcome() {
+        let (runtime, executor, (scope, fp, k)) = outside_rig();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let counted = runs.clone();
+        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
+            let _ = wait.await;
+            Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        go.send(()).unwrap();
+        // Here, outside the runtime.
+        let finished =
+            std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
+        assert!(
+            matches!(&finished, Ok(Ok(done)) if done.value == 1 && !done.replayed),
+            "{:?}",
+            finished.as_ref().map_err(|_| "panicked")
+        );
+        drop(run);
+        let counted = runs.clone();
+        let redelivered = runtime.block_on(async {
+            executor.drain().await;
+            executor
+                .run(&scope, &k, &fp, || async move {
+                    Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+                })
+                .await
+        });
+        assert!(
+            matches!(&redelivered, Ok(done) if done.value == 1 && done.replayed),
+            "{redelivered:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// A run whose renewals stopped for good (their task was on a runtime that shut down;
+    /// the run went on on another) stops its operation when the lease it holds runs out, as
+    /// it does when a renewal finds the lease lost. Before, the operation went on ungated,
+    /// beside the attempt that took the key over.
+    #[test]
+    fn a_run_whose_renewals_stopped_stops_at_the_end_of_its_lease() {
+        let (first, second) = (one_worker(), one_worker());
+        let store = Arc::new(MemoryStore::new());
+        let lease = Duration::from_millis(300);
+        let executor =
+            Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let counted = runs.clone();
+        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
+            let _ = wait.await;
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, &str>(1u32)
+        }));
+        first.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        drop(first); // the renewals' task with it
+        let (ran, taken_over) = second.block_on(async {
+            let id = RecordId::new(&scope, &k);
+            let other = tokio::spawn(async move {
+                // Past the lease another attempt takes the key, then this one's operation
+                // is let go.
+                tokio::time::sleep(lease + Duration::from_millis(100)).await;
+                let answer = store.begin(&id, &fp, Duration::from_secs(60)).await;
+                let _ = go.send(());
+                answer
+            });
+            let ran = (&mut run).await;
+            (ran, other.await.unwrap())
+        });
+        assert!(
+            matches!(taken_over, Ok(Begin::Execute(_) | Begin::TakeOver(_))),
+            "{taken_over:?}"
+        );
+        assert!(matches!(ran, Err(RunError::LeaseLost)), "{ran:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the operation was stopped");
     }
 
     #[tokio::test]

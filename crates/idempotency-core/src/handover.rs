@@ -97,13 +97,37 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
+    finish_in_any_case_or_on(None, future)
+}
+
+/// [`finish_in_any_case`], made where there may be no runtime context (a run's future
+/// started on a runtime and polled to its end by a plain thread): the work then goes at once
+/// into a task on `fallback`, the runtime its caller started on — polled inline, its timers
+/// would panic, and a panic there unwinds through the caller's lease guard.
+///
+/// # Panics
+///
+/// Outside a Tokio runtime, with no `fallback`.
+pub(crate) fn finish_in_any_case_or_on<F>(
+    fallback: Option<&tokio::runtime::Handle>,
+    future: F,
+) -> FinishInAnyCase<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let (runtime, inline) = match (tokio::runtime::Handle::try_current(), fallback) {
+        (Ok(current), _) => (current, true),
+        (Err(_), Some(fallback)) => (fallback.clone(), false),
+        (Err(error), None) => panic!("finish_in_any_case outside a Tokio runtime: {error}"),
+    };
     let shared = Arc::new(Shared {
         state: Mutex::new(State::Moved(None)),
-        runtime: tokio::runtime::Handle::current(),
+        runtime,
         span: tracing::Span::current(),
     });
     let future: BoxFuture<'static, F::Output> = Box::pin(future);
-    match standby() {
+    match standby().filter(|_| inline) {
         Some(standby) => {
             *shared.lock() = State::Inline(future, None);
             let weak: Weak<dyn Movable> = Arc::downgrade(&shared) as Weak<dyn Movable>;
@@ -115,7 +139,8 @@ where
             }
         }
         // No standby thread (it could not start, or died): nothing would move work held
-        // without polling, so it goes into its task at once.
+        // without polling, so it goes into its task at once. So does work made outside
+        // its runtime's context.
         None => shared.spawn(future, true),
     }
     FinishInAnyCase { shared }
