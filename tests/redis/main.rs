@@ -141,6 +141,17 @@ mod cluster {
         cluster_store().await.map(|s| s as Arc<dyn Store>)
     });
 
+    /// Where a second copy comes from: a cluster connection resends a script whose answer
+    /// timed out.
+    #[test]
+    fn an_operators_release_sent_twice_deletes_once() {
+        block_on(async {
+            if let Some(store) = cluster_store().await {
+                super::a_release_sent_twice_deletes_once(&store).await;
+            }
+        });
+    }
+
     /// The eviction check asks every master: a cluster routes `CONFIG GET` to one node of
     /// its choosing, so one evicting master among three let the store start about two times
     /// in three, and a record evicted there executes a second time.
@@ -1012,6 +1023,42 @@ fn a_connection_whose_server_vanished_is_ended_and_replaced() {
     });
 }
 
+/// One operator's release that reaches Redis twice deletes once. A cluster connection sends
+/// a script whose answer timed out again: when the first copy deleted a stuck lease and a
+/// retry claimed the key before the second copy came, that copy deleted the new attempt's
+/// live lease (the scope said live leases too), and the next request ran the operation a
+/// second time. Now each release has a receipt, and a second copy answers what the first
+/// did.
+async fn a_release_sent_twice_deletes_once(store: &RedisStore) {
+    let id = fresh_id();
+    execute(store, &id, &fp("a"), LONG).await; // the stuck lease
+    let scope = idempotency_core::ReleaseScope::default().with_live();
+    let receipt = idempotency_core::LeaseToken::generate();
+    let released = idempotency_core::ForceReleased::Released;
+    let first = store.force_release_once(&id, scope, receipt).await;
+    assert_eq!(first.expect("release"), released);
+    let retry = execute(store, &id, &fp("a"), LONG).await;
+    let again = store.force_release_once(&id, scope, receipt).await;
+    assert_eq!(again.expect("the same release again"), released);
+    store
+        .complete(&id, retry, &Outcome::new(201), LONG)
+        .await
+        .expect("the retry still holds the key");
+    assert!(matches!(
+        store.begin(&id, &fp("a"), LONG).await,
+        Ok(Begin::Replay(_))
+    ));
+}
+
+#[test]
+fn an_operators_release_sent_twice_deletes_once() {
+    block_on(async {
+        if let Some(store) = store().await {
+            a_release_sent_twice_deletes_once(&store).await;
+        }
+    });
+}
+
 /// An operator's release that reaches Redis after the call gave up (its bytes held up by the
 /// network, then delivered) must delete nothing: by then the operator was told
 /// `Unavailable`, may have released the key again, and a new request may have run and
@@ -1045,11 +1092,9 @@ fn an_operators_release_that_arrives_after_its_call_gave_up_deletes_nothing() {
             .complete(&id, first, &Outcome::new(201).with_body("first"), LONG)
             .await
             .expect("complete");
-        // Only the release's own script is held back: its record's key, then its scope
-        // (leases no, outcomes yes).
+        // Only the release's own script is held back (the one with a receipt).
         let scope = idempotency_core::ReleaseScope::default().with_completed();
-        let release = format!("{}\r\n$1\r\n0\r\n$1\r\n1\r\n", late.key(&id));
-        relay.delay_requests_containing(Duration::from_secs(2), release.as_bytes());
+        relay.delay_requests_containing(Duration::from_secs(2), b":released:");
         let gave_up = late.force_release(&id, scope).await;
         assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
 

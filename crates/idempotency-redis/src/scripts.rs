@@ -308,17 +308,26 @@ pub(crate) fn clock() -> Script {
     Script::new(&format!("{NOW_MS}return now"))
 }
 
-/// `KEYS[1]` record; `ARGV[1]` `1` to delete a live lease too, `ARGV[2]` `1` to delete a
-/// completed record too, `ARGV[3]` grace ms, `ARGV[4]` the instant (Redis' clock, ms) past
-/// which it is too late. The operator's release: the token goes with the record, so the
-/// owner's late fenced writes find nothing. Returns 1 a lease (or mirror) deleted, 2 a
-/// completed record deleted, 3 a completed record kept, 4 a live lease kept, 0 none (a cancel
-/// marker counts as none), 5 too late: nothing deleted (the call that sent it gave up; a
-/// record there now may have come since). A mirror is live while it exists.
+/// `KEYS[1]` record, `KEYS[2]` this release's receipt; `ARGV[1]` `1` to delete a live lease
+/// too, `ARGV[2]` `1` to delete a completed record too, `ARGV[3]` grace ms, `ARGV[4]` the
+/// instant (Redis' clock, ms) past which it is too late. The operator's release: the token
+/// goes with the record, so the owner's late fenced writes find nothing. Returns 1 a lease
+/// (or mirror) deleted, 2 a completed record deleted, 3 a completed record kept, 4 a live
+/// lease kept, 0 none (a cancel marker counts as none), 5 too late: nothing deleted (the call
+/// that sent it gave up; a record there now may have come since). A mirror is live while it
+/// exists.
+///
+/// Runs once per receipt: its answer is kept there until it is too late anyway, and a copy
+/// of the same call run again answers it and touches nothing. A cluster connection sends a
+/// script whose answer timed out again; a second copy that found the record its first copy
+/// deleted replaced by a new attempt's lease deleted that too.
 pub(crate) fn force_release() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
+local done = redis.call('GET', KEYS[2])
+if done then return tonumber(done) end
 if now >= tonumber(ARGV[4]) then return 5 end
+local function release()
 local st, live
 if redis.call('TYPE', KEYS[1]).ok == 'hash' then
   local cur = redis.call('HMGET', KEYS[1], 'st', 'exp')
@@ -346,6 +355,10 @@ if st == '1' then
   return 3
 end
 return 0
+end
+local found = release()
+redis.call('SET', KEYS[2], found, 'PXAT', ARGV[4])
+return found
 "
     ))
 }

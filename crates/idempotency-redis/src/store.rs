@@ -1153,6 +1153,62 @@ impl RedisStore {
         format!("{}:{{{}}}:cancelled:{token}", self.prefix, id.to_hex())
     }
 
+    /// The receipt of one operator's release: same hash tag, so same cluster slot, as the
+    /// record.
+    fn receipt(&self, id: &RecordId, receipt: LeaseToken) -> String {
+        format!("{}:{{{}}}:released:{receipt}", self.prefix, id.to_hex())
+    }
+
+    /// [`Store::force_release`] under `receipt`: the release runs once per receipt, however
+    /// many copies of it reach Redis (see `scripts::force_release`). For tests, which send
+    /// one release twice; every other caller wants `force_release`.
+    #[doc(hidden)]
+    pub async fn force_release_once(
+        &self,
+        id: &RecordId,
+        scope: ReleaseScope,
+        receipt: LeaseToken,
+    ) -> Result<ForceReleased> {
+        idempotency_core::observe(self.name(), "force_release", async {
+            let flag = |on: bool| -> &[u8] { if on { b"1" } else { b"0" } };
+            // Bounded by Redis' clock where the record lives: a release that reaches it after
+            // its call gave up (its bytes held up by the network) deletes nothing, for a
+            // record there by then may have come after the operator was told `Unavailable`
+            // and released the key again. Read first, then the release is sent at once and
+            // waited for one budget: the bound ends no later than that wait.
+            let now: i64 = self.run(&self.scripts.clock, id, &[]).await?;
+            let until =
+                now.saturating_add(i64::try_from(self.budget.as_millis()).unwrap_or(i64::MAX));
+            let keys = [self.key(id), self.receipt(id, receipt)];
+            let found: i64 = self
+                .run_keys(
+                    self.budget,
+                    &self.scripts.force_release,
+                    &keys,
+                    &[
+                        flag(scope.live),
+                        flag(scope.completed),
+                        grace_ms().as_bytes(),
+                        until.to_string().as_bytes(),
+                    ],
+                )
+                .await?;
+            Ok(match found {
+                1 => ForceReleased::Released,
+                2 => ForceReleased::Deleted,
+                3 => ForceReleased::Completed,
+                4 => ForceReleased::Live,
+                5 => {
+                    return Err(Error::unavailable(
+                        "the release reached Redis past its budget and deleted nothing; call again",
+                    ));
+                }
+                _ => ForceReleased::Absent,
+            })
+        })
+        .await
+    }
+
     /// Retries the cancel script until Redis answers (for at most the grace period): until
     /// then a late claim could still land.
     /// `true` when it deleted or ended the claim's own lease.
@@ -1743,42 +1799,8 @@ impl Store for RedisStore {
     }
 
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
-        idempotency_core::observe(self.name(), "force_release", async {
-            let flag = |on: bool| -> &[u8] { if on { b"1" } else { b"0" } };
-            // Bounded by Redis' clock where the record lives: a release that reaches it after
-            // its call gave up (its bytes held up by the network) deletes nothing, for a
-            // record there by then may have come after the operator was told `Unavailable`
-            // and released the key again. Read first, then the release is sent at once and
-            // waited for one budget: the bound ends no later than that wait.
-            let now: i64 = self.run(&self.scripts.clock, id, &[]).await?;
-            let until =
-                now.saturating_add(i64::try_from(self.budget.as_millis()).unwrap_or(i64::MAX));
-            let found: i64 = self
-                .run(
-                    &self.scripts.force_release,
-                    id,
-                    &[
-                        flag(scope.live),
-                        flag(scope.completed),
-                        grace_ms().as_bytes(),
-                        until.to_string().as_bytes(),
-                    ],
-                )
-                .await?;
-            Ok(match found {
-                1 => ForceReleased::Released,
-                2 => ForceReleased::Deleted,
-                3 => ForceReleased::Completed,
-                4 => ForceReleased::Live,
-                5 => {
-                    return Err(Error::unavailable(
-                        "the release reached Redis past its budget and deleted nothing; call again",
-                    ));
-                }
-                _ => ForceReleased::Absent,
-            })
-        })
-        .await
+        self.force_release_once(id, scope, LeaseToken::generate())
+            .await
     }
 
     fn name(&self) -> &'static str {
