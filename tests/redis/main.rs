@@ -1059,6 +1059,87 @@ fn an_operators_release_sent_twice_deletes_once() {
     });
 }
 
+/// A store, and a second store on the same records through a delaying relay, with `budget`
+/// per call.
+async fn relayed_operator(
+    budget: Duration,
+) -> Option<(
+    RedisStore,
+    idempotency_test::relay::DelayingRelay,
+    RedisStore,
+)> {
+    let redis = services::redis().await?;
+    let prefix = idempotency_test::unique("t");
+    let store = RedisStore::builder(redis.url())
+        .prefix(&prefix)
+        .connect()
+        .await
+        .expect("store");
+    let relay =
+        idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(redis.url()))
+            .await;
+    let relayed = RedisStore::builder(idempotency_test::relay::through(redis.url(), relay.port))
+        .prefix(&prefix)
+        .call_budget(budget)
+        .eviction_check(EvictionCheck::Skip)
+        .connect()
+        .await
+        .expect("the relayed store");
+    Some((store, relay, relayed))
+}
+
+/// A claim whose answer was lost, cancelled by its store, then written again grants nothing.
+/// A cluster connection sends a command whose answer timed out again; when the cancel ran
+/// between the two copies, it deleted the claim's lease, and the second copy wrote it back:
+/// a lease nobody held answered "in flight" for its whole length, then `TakeOver` (outcome
+/// unknown) for an operation that never ran. Now the cancel leaves its marker in the lease's
+/// place, on which the second copy's `SET NX` fails.
+#[test]
+fn a_claim_written_again_after_its_cancel_grants_nothing() {
+    block_on(async {
+        let Some((store, relay, late)) = relayed_operator(Duration::from_millis(500)).await else {
+            return;
+        };
+        let id = fresh_id();
+        // Connected first: the handshake's answers are not held back.
+        late.inspect(&id).await.expect("inspect");
+        // The claim's answer comes after its caller gave up.
+        relay.delay_replies(Duration::from_millis(700));
+        let claim = tokio::spawn({
+            let (late, id) = (late.clone(), id);
+            async move { late.begin(&id, &fp("a"), LONG).await }
+        });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let mut redis = shared_connection().await;
+        let key = store.key(&id);
+        let (lease, ttl): (Vec<u8>, i64) = redis::pipe()
+            .cmd("GET")
+            .arg(&key)
+            .cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .expect("the claim's lease");
+        assert!(!lease.is_empty(), "the claim landed");
+        let gave_up = claim.await.expect("the claim's task");
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+        relay.delay_replies(Duration::ZERO);
+        late.drain().await; // the cancel has run
+        // The claim's second copy.
+        let _: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&lease)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl)
+            .query_async(&mut redis)
+            .await
+            .expect("the second copy");
+        let next = store.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(next, Ok(Begin::Execute(_))), "{next:?}");
+    });
+}
+
 /// An operator's release that reaches Redis after the call gave up (its bytes held up by the
 /// network, then delivered) must delete nothing: by then the operator was told
 /// `Unavailable`, may have released the key again, and a new request may have run and
@@ -1067,25 +1148,9 @@ fn an_operators_release_sent_twice_deletes_once() {
 #[test]
 fn an_operators_release_that_arrives_after_its_call_gave_up_deletes_nothing() {
     block_on(async {
-        let Some(redis) = services::redis().await else {
+        let Some((store, relay, late)) = relayed_operator(Duration::from_millis(300)).await else {
             return;
         };
-        let prefix = idempotency_test::unique("t");
-        let store = RedisStore::builder(redis.url())
-            .prefix(&prefix)
-            .connect()
-            .await
-            .expect("store");
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(redis.url()))
-                .await;
-        let late = RedisStore::builder(idempotency_test::relay::through(redis.url(), relay.port))
-            .prefix(&prefix)
-            .call_budget(Duration::from_millis(300))
-            .eviction_check(EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("the late operator's store");
         let id = fresh_id();
         let first = execute(&store, &id, &fp("a"), LONG).await;
         store

@@ -256,10 +256,14 @@ return 1
 
 /// `KEYS[1]` record, `KEYS[2]` the claim's tombstone; `ARGV` token, token text, marker ms,
 /// grace ms. Undoes a claim whose answer never arrived, whether or not it has run yet: if
-/// this token holds the lease, it is deleted; a lease that took an unfinished one over
-/// (marked `t` after the token, or `to` in a legacy hash) is ended instead (its TTL becomes the grace) and kept, so the
-/// next `begin` still reports the unfinished attempt. Else, when the key is free, it leaves a cancel marker there:
-/// the late claim's `SET NX` fails on it, and the takeover script refuses for this token.
+/// this token holds the lease, the cancel marker takes its place; a lease that took an
+/// unfinished one over (marked `t` after the token, or `to` in a legacy hash) is ended
+/// instead (its TTL becomes the grace) and kept, so the next `begin` still reports the
+/// unfinished attempt, and the claim's tombstone is left. Either way the claim written again
+/// (a cluster connection resends a command whose answer timed out) grants nothing: its `SET
+/// NX` fails on the marker, the takeover script refuses on the tombstone. Else, when the key
+/// is free, it leaves a cancel marker there: the late claim's `SET NX` fails on it, and the
+/// takeover script refuses for this token.
 /// When someone else's record is there, it leaves the claim's tombstone, which the takeover
 /// and the legacy claim check; a late plain `SET NX` fails as long as that record is there
 /// (one gap remains: that record gone, then the late `SET NX`, which costs one lease).
@@ -269,10 +273,11 @@ pub(crate) fn cancel() -> Script {
 if mine and st == '0' and took then
   if legacy then redis.call('HSET', KEYS[1], 'exp', string.format('%.0f', now)) end
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
   return 1
 end
 if mine and (st == '0' or st == 'm') then
-  redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[1], 'c' .. string.rep('\0', 32) .. ARGV[1], 'PX', ARGV[3])
   return 1
 end
 if st then

@@ -1136,8 +1136,8 @@ impl RedisStore {
     /// later: it may have overtaken the claim — sent on a connection that replaced the one
     /// the claim is still queued on, on a Redis that hung — and found another request's
     /// record, leaving only a tombstone; once that record is gone the late claim could
-    /// land. The second deletes what it granted then. (One that deleted or ended the
-    /// claim's lease is final: a claim writes once.)
+    /// land. The second deletes what it granted then. (One that replaced or ended the
+    /// claim's lease is final: its marker or tombstone stops the claim written again.)
     fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
         let (this, id) = (self.clone(), *id);
         self.settling.spawn(async move {
