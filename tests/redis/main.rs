@@ -1088,6 +1088,40 @@ async fn relayed_operator(
     Some((store, relay, relayed))
 }
 
+/// A duplicate that finds a lease reads the lease's TTL with it, atomically. Read as a
+/// pipeline of `GET` and `PTTL`, which Redis can read from its socket in two (another
+/// client's completion run in between), the lease came with the TTL of the outcome's
+/// retention: a 409 whose `Retry-After` was a day, for a key whose outcome could be
+/// replayed.
+#[test]
+fn a_lease_is_read_with_its_own_ttl() {
+    block_on(async {
+        let Some((store, relay, duplicate)) = relayed_operator(Duration::from_secs(3)).await else {
+            return;
+        };
+        let id = fresh_id();
+        let lease = Duration::from_secs(5);
+        let token = execute(&store, &id, &fp("a"), lease).await;
+        duplicate.inspect(&id).await.expect("connected");
+        relay.split_requests_at(Duration::from_millis(400), b"PTTL");
+        let asking = tokio::spawn({
+            let (duplicate, id) = (duplicate.clone(), id);
+            async move { duplicate.begin(&id, &fp("a"), lease).await }
+        });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let day = Duration::from_secs(86_400);
+        store
+            .complete(&id, token, &Outcome::new(201), day)
+            .await
+            .expect("complete");
+        match asking.await.expect("the duplicate's task") {
+            Ok(Begin::InFlight { retry_after }) => assert!(retry_after <= lease, "{retry_after:?}"),
+            Ok(Begin::Replay(_)) => {}
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
 /// A claim whose answer was lost, cancelled by its store, then written again grants nothing.
 /// A cluster connection sends a command whose answer timed out again; when the cancel ran
 /// between the two copies, it deleted the claim's lease, and the second copy wrote it back:

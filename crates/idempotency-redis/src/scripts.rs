@@ -290,6 +290,13 @@ return 0
     ))
 }
 
+/// `KEYS[1]` record: `{value, pttl}`, read together (a pipeline of `GET` and `PTTL` can be
+/// split by Redis between two reads of its socket, with another client's completion run in
+/// between: a lease with the TTL of a retention). `value` is nil when there is none.
+pub(crate) fn read_with_ttl() -> Script {
+    Script::new("return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}")
+}
+
 /// `KEYS[1]` record. The operator's read: `{'n', now}` no record, `{'v', now, pttl, value}`,
 /// or `{'h', now, pttl, st, fp, out, exp}` for the earlier hash layout; every element a
 /// string, `now` Redis' clock in ms.

@@ -93,6 +93,7 @@ struct Scripts {
     inspect: Script,
     force_release: Script,
     clock: Script,
+    read_with_ttl: Script,
 }
 
 /// How many call budgets after its sending an outcome's copy may land (see
@@ -372,6 +373,7 @@ impl RedisStoreBuilder {
                 inspect: scripts::inspect(),
                 force_release: scripts::force_release(),
                 clock: scripts::clock(),
+                read_with_ttl: scripts::read_with_ttl(),
             }),
             settling: tokio_util::task::TaskTracker::new(),
         };
@@ -751,7 +753,7 @@ impl RedisStore {
 
     /// The TTL `read_record` needs for a lease or a mirror (whether its lease is over, and
     /// the `Retry-After`), asked only then: a first request or a replay reads one value and
-    /// no TTL. The record is read again with it, so value and TTL always belong together; a
+    /// no TTL. The record is read again with it, atomically, so value and TTL belong together; a
     /// lease found over is only ever taken by the takeover script, which checks again. Other
     /// states need none (`-1`). Within the caller's `deadline`: one budget for both reads.
     async fn pttl_if_live(
@@ -763,16 +765,14 @@ impl RedisStore {
         if !matches!(value.first(), Some(b'0' | b'm')) {
             return Ok((value, -1));
         }
-        // The value again with its TTL, in one pipeline: a record that changed in between
-        // (completed, say) is read whole, never a lease with the TTL of a retention.
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
-        let mut conn = self.conn.clone();
-        let (again, pttl): (Option<Vec<u8>>, i64) =
-            match tokio::time::timeout_at(deadline, pipe.query_async(&mut conn)).await {
-                Ok(reply) => reply.map_err(Error::unavailable)?,
-                Err(_) => return Err(Error::unavailable("Redis did not answer within the budget")),
-            };
+        // The value again with its TTL, in one script: a record that changed in between
+        // (completed, say) is read whole, never a lease with the TTL of a retention (a
+        // pipeline is not atomic: Redis may run another client's commands between the two).
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let keys = [key.to_owned()];
+        let (again, pttl): (Option<Vec<u8>>, i64) = self
+            .run_keys(left, &self.scripts.read_with_ttl, &keys, &[])
+            .await?;
         // Gone in between: free (`-2`), which only ever leads to the takeover's re-check.
         Ok(again.map_or((value, -2), |again| (again, pttl)))
     }
@@ -1242,7 +1242,8 @@ impl RedisStore {
 
     /// Reads a record without changing it: what the hybrid store asks before Postgres.
     ///
-    /// A plain `GET` and `PTTL` in one pipeline: no script.
+    /// A plain `GET`; a script reads the value again with its TTL only when it is a lease
+    /// or a mirror.
     pub async fn peek(&self, id: &RecordId, fp: &Fingerprint) -> Result<Peek> {
         let key = self.key(id);
         let deadline = tokio::time::Instant::now() + self.budget;

@@ -198,6 +198,8 @@ pub struct DelayingRelay {
     /// Only the replies, or requests, that contain it are held back, when set.
     reply_needle: Needle,
     request_needle: Needle,
+    /// Whether a held request is cut at its needle, the bytes before it passed at once.
+    split_requests: Arc<AtomicBool>,
 }
 
 type Needle = Arc<std::sync::Mutex<Option<Vec<u8>>>>;
@@ -229,6 +231,17 @@ impl DelayingRelay {
     /// the server `delay` after it was sent, and the chunks after it wait behind it (in
     /// order, as TCP delivers them); the others pass at once.
     pub fn delay_requests_containing(&self, delay: std::time::Duration, needle: &[u8]) {
+        self.split_requests.store(false, Ordering::SeqCst);
+        let needle = Some(needle.to_vec());
+        hold(&self.request_delay_ms, &self.request_needle, delay, needle);
+    }
+
+    /// From now on, each chunk the client sends that contains `needle` is cut where the
+    /// needle begins: what comes before it reaches the server at once, the rest `delay`
+    /// later (and the chunks after it wait behind it). The server then reads one write of
+    /// the client's (a pipeline) in two, as a slow network can make it.
+    pub fn split_requests_at(&self, delay: std::time::Duration, needle: &[u8]) {
+        self.split_requests.store(true, Ordering::SeqCst);
         let needle = Some(needle.to_vec());
         hold(&self.request_delay_ms, &self.request_needle, delay, needle);
     }
@@ -262,9 +275,18 @@ pub async fn delaying_relay(upstream: String) -> DelayingRelay {
         request_delay_ms: Arc::new(AtomicU64::new(0)),
         reply_needle: Needle::default(),
         request_needle: Needle::default(),
+        split_requests: Arc::new(AtomicBool::new(false)),
     };
-    let replies = (relay.delay_ms.clone(), relay.reply_needle.clone());
-    let requests = (relay.request_delay_ms.clone(), relay.request_needle.clone());
+    let replies = (
+        relay.delay_ms.clone(),
+        relay.reply_needle.clone(),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let requests = (
+        relay.request_delay_ms.clone(),
+        relay.request_needle.clone(),
+        relay.split_requests.clone(),
+    );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -280,11 +302,11 @@ pub async fn delaying_relay(upstream: String) -> DelayingRelay {
 }
 
 /// Copies `from` to `to`, each chunk `delay_ms` (read when it arrives) after it arrived, or
-/// only those that contain the needle, if one is set.
+/// only those that contain the needle, if one is set (from the needle on, when `split`).
 async fn delayed_copy(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    (delay_ms, needle): (Arc<AtomicU64>, Needle),
+    (delay_ms, needle, split): (Arc<AtomicU64>, Needle, Arc<AtomicBool>),
 ) {
     // Each chunk is stamped when it arrives and handed on at its due time, by a queue: a
     // late chunk does not hold back the reading of the next.
@@ -304,20 +326,27 @@ async fn delayed_copy(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        let held = match &*needle
+        // Where the held part begins: 0 for the whole chunk, `n` for none of it.
+        let from_byte = match &*needle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
         {
-            Some(needle) => buf[..n].windows(needle.len()).any(|w| w == &needle[..]),
-            None => true,
+            Some(needle) => match buf[..n]
+                .windows(needle.len())
+                .position(|w| w == &needle[..])
+            {
+                Some(at) if split.load(Ordering::SeqCst) => at,
+                Some(_) => 0,
+                None => n,
+            },
+            None => 0,
         };
-        let delay = std::time::Duration::from_millis(if held {
-            delay_ms.load(Ordering::SeqCst)
-        } else {
-            0
-        });
-        let due = tokio::time::Instant::now() + delay;
-        if tx.send((due, buf[..n].to_vec())).is_err() {
+        let now = tokio::time::Instant::now();
+        let delay = std::time::Duration::from_millis(delay_ms.load(Ordering::SeqCst));
+        if from_byte > 0 && tx.send((now, buf[..from_byte].to_vec())).is_err() {
+            break;
+        }
+        if from_byte < n && tx.send((now + delay, buf[from_byte..n].to_vec())).is_err() {
             break;
         }
     }
