@@ -981,6 +981,57 @@ fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     });
 }
 
+/// A response the store refuses for good while it takes renewals (here Postgres, whose table
+/// is given a constraint no response over 1,000 bytes meets): the client that made the
+/// request gets it, and every retry is answered that it was carried out and its response not
+/// stored (a 500 problem), never with a second run. Before, the layer's late write gave up,
+/// the lease ran out, and the retry ran the handler again.
+#[test]
+fn a_response_the_store_refuses_for_good_is_not_run_again() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let table = format!("small_{}", idempotency_test::unique("t").replace('-', "_"));
+        let store = idempotency_postgres::PostgresStore::builder(pg.url())
+            .table(&table)
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
+        sqlx::query(sqlx::AssertSqlSafe(small))
+            .execute(store.pool())
+            .await
+            .expect("constraint");
+        let lease = Duration::from_millis(500);
+        let layer = layer(Arc::new(store.clone()))
+            .policy(idempotency_core::Policy::default().with_lease(lease));
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let router = axum::Router::new()
+            .route(
+                "/charges",
+                axum::routing::post(move || async move {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    (axum::http::StatusCode::CREATED, "x".repeat(4000))
+                }),
+            )
+            .layer(layer.clone());
+        let first = send(&router, "POST", Some("big"), &[], "{}").await;
+        assert_eq!(first.status, 201);
+        assert_eq!(first.body.len(), 4000);
+        layer.drain().await; // the late write, and the marker in its place
+        let retry = send(&router, "POST", Some("big"), &[], "{}").await;
+        assert_eq!(retry.status, 500, "{}", retry.body);
+        assert_eq!(
+            retry.problem_type(),
+            "urn:idempotency:problem:outcome-not-stored"
+        );
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    });
+}
+
 /// The layer counts a lease from the ask: a claim answered with half its lease or less left
 /// (the request future was held without being polled, its runtime starved) may already be
 /// taken over by a retry that is running the handler. It is 503, the handler does not run,

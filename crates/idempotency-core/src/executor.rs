@@ -351,6 +351,11 @@ impl<S: Store + ?Sized> Executor<S> {
                 tracing::warn!(record = %id, "an earlier attempt's outcome is unknown (its lease ran out); running again");
                 token
             }
+            Ok(Begin::Replay(outcome)) if outcome.is_not_stored() => {
+                return Err(RunError::Store(Error::Corrupt(
+                    "the operation ran, but its result was refused by the store; a marker says so in its place".into(),
+                )));
+            }
             Ok(Begin::Replay(outcome)) => {
                 let value = serde_json::from_slice(&outcome.body).map_err(|e| {
                     RunError::Store(Error::Corrupt(format!(
@@ -1216,9 +1221,17 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
     policy: &Policy,
 ) -> Result<(), Error> {
     let stored = complete_retrying(&*store, &id, token, outcome, policy).await;
-    if let Err(Error::Unavailable(_)) = &stored {
+    // Left to a task: the write of an outcome the store could not take within the lease,
+    // and, in place of one it refused for good, the marker (the operation ran: its key must
+    // not run it again once the lease is over).
+    let late = match &stored {
         // Copied only here: the common path stores it at once.
-        let (outcome, retention, lease) = (outcome.clone(), policy.retention(), policy.lease());
+        Err(Error::Unavailable(_)) => Some(outcome.clone()),
+        Ok(()) | Err(Error::LeaseLost) => None,
+        Err(_) => (!outcome.is_not_stored()).then(Outcome::not_stored),
+    };
+    if let Some(outcome) = late {
+        let (retention, lease) = (policy.retention(), policy.lease());
         tracker.spawn(async move {
             complete_late(&*store, &id, token, &outcome, retention, lease).await;
         });
@@ -1236,13 +1249,16 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
 /// reaches the store as it comes back can still win that race. Between tries it renews the
 /// lease, so a retry that lands first answers "in flight" where it can. A store that takes
 /// the renewal but refuses the outcome three times, over a whole lease, is up and
-/// refuses this outcome (too large, a constraint): the task gives up rather than hold the
-/// key for an hour. (Not sooner: a store may take renewals and refuse outcomes for a while
-/// for reasons of its own, such as the Postgres store's group commit, whose completes and
-/// renewals run in separate batches, a full queue of one refusing while the other runs.)
-/// Returns whether the outcome was stored: `false` when the store answered that the token
-/// no longer owns the record (`LeaseLost`: another attempt took over), another error, a
-/// refusal as above, or the grace ran out. Run it in a task of its own, tracked by the
+/// refuses this outcome (too large, a constraint), as is one that answers another error
+/// than `Unavailable` or `LeaseLost`: the task then stores [`Outcome::not_stored`]'s
+/// marker in its place, which every retry replays, rather than hold the key for an hour
+/// and leave it to run the operation again after that. (Not sooner: a store may take
+/// renewals and refuse outcomes for a while for reasons of its own, such as the Postgres
+/// store's group commit, whose completes and renewals run in separate batches, a full
+/// queue of one refusing while the other runs.) Returns whether `outcome` was stored:
+/// `false` when the store answered that the token no longer owns the record (`LeaseLost`:
+/// another attempt took over), when the marker was stored instead, when even the marker
+/// was refused, or when the grace ran out. Run it in a task of its own, tracked by the
 /// `drain` of whoever spawned it.
 ///
 /// ```
@@ -1272,13 +1288,19 @@ pub async fn complete_late<S: Store + ?Sized>(
     let mut backoff = Duration::from_millis(100);
     // Refusals while renewals went through, and since the first.
     let (mut refused, mut refused_since) = (0, Instant::now());
+    // What is being stored: the outcome, or the marker in its place once it was refused.
+    let (given, mut outcome) = (outcome, std::borrow::Cow::Borrowed(outcome));
     loop {
         let error = match panic_as_unavailable(
-            store.complete(id, token, outcome, retention),
+            store.complete(id, token, &outcome, retention),
             "the store's complete panicked",
         )
         .await
         {
+            Ok(()) if outcome.is_not_stored() && !given.is_not_stored() => {
+                tracing::error!(record = %id, "the outcome was refused; a marker is stored in its place, and retries are answered that it was not stored");
+                return false;
+            }
             Ok(()) => {
                 tracing::info!(record = %id, "the outcome was stored late, once the store was back");
                 return true;
@@ -1288,8 +1310,18 @@ pub async fn complete_late<S: Store + ?Sized>(
                 tracing::error!(record = %id, "the outcome was not stored: another attempt took the key over meanwhile");
                 return false;
             }
+            Err(error @ Error::Unavailable(_)) => {
+                tracing::error!(%error, record = %id, "the outcome could not be stored within the grace; a retry after the lease runs the operation again");
+                return false;
+            }
+            Err(error) if !outcome.is_not_stored() => {
+                tracing::error!(%error, record = %id, "the outcome was refused; storing a marker in its place");
+                outcome = std::borrow::Cow::Owned(Outcome::not_stored());
+                refused = 0;
+                continue;
+            }
             Err(error) => {
-                tracing::error!(%error, record = %id, "the outcome could not be stored; a retry after the lease runs the operation again");
+                tracing::error!(%error, record = %id, "the outcome could not be stored, nor a marker in its place; a retry after the lease runs the operation again");
                 return false;
             }
         };
@@ -1303,8 +1335,13 @@ pub async fn complete_late<S: Store + ?Sized>(
             }
             refused += 1;
             if refused >= 3 && refused_since.elapsed() >= lease {
-                tracing::error!(%error, record = %id, "the store is up but refuses this outcome; a retry after the lease runs the operation again");
-                return false;
+                if outcome.is_not_stored() {
+                    tracing::error!(%error, record = %id, "the store is up but refuses even the marker; a retry after the lease runs the operation again");
+                    return false;
+                }
+                tracing::error!(%error, record = %id, "the store is up but refuses this outcome; storing a marker in its place");
+                outcome = std::borrow::Cow::Owned(Outcome::not_stored());
+                refused = 0;
             }
         }
         // A failed renewal does not restart the count: renewals that fail now and then
@@ -1378,13 +1415,16 @@ mod tests {
 
     /// The memory store, except that its first `renew` panics (a store's bug, a bad
     /// dependency): what the executor makes of a store that unwinds. Its `release` may be
-    /// slow.
+    /// slow, and it may refuse large outcomes.
     #[derive(Default)]
     struct RenewPanicsOnce {
         inner: MemoryStore,
         panicked: std::sync::atomic::AtomicBool,
         /// How long each `release` takes (a store a round trip away).
         release_takes: Duration,
+        /// Outcomes with a longer body are refused (`Unavailable`), as a store refuses
+        /// what is too large for it, while it takes everything else.
+        refuse_bodies_over: Option<usize>,
     }
 
     #[async_trait::async_trait]
@@ -1404,6 +1444,12 @@ mod tests {
             outcome: &Outcome,
             retention: Duration,
         ) -> crate::Result<()> {
+            if self
+                .refuse_bodies_over
+                .is_some_and(|most| outcome.body.len() > most)
+            {
+                return Err(Error::unavailable("value too long for the column"));
+            }
             self.inner.complete(id, token, outcome, retention).await
         }
         async fn release(&self, id: &RecordId, token: LeaseToken) -> crate::Result<()> {
@@ -1447,6 +1493,42 @@ mod tests {
     async fn a_renewal_that_panics_does_not_end_the_renewals() {
         // Polled meanwhile, as a running operation is.
         a_waiting_run_keeps_its_lease(RenewPanicsOnce::default(), true).await;
+    }
+
+    /// An outcome the store refuses for good while it takes renewals (too large for it) is
+    /// replaced by the not-stored marker, which every retry is answered. Before, the late
+    /// write gave up and left the lease to run out, and the retry ran the operation again.
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_refused_for_good_leaves_a_marker_not_a_second_run() {
+        let store = RenewPanicsOnce {
+            panicked: true.into(), // renewals work
+            refuse_bodies_over: Some(512),
+            ..RenewPanicsOnce::default()
+        };
+        let executor = Executor::new(Arc::new(store))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let runs = AtomicUsize::new(0);
+        let first = executor
+            .run(&scope, &k, &fp, || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, &str>("x".repeat(4000))
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::NotStored(_))), "{first:?}");
+        executor.drain().await;
+        tokio::time::sleep(Duration::from_secs(5)).await; // past the lease
+        let again = executor
+            .run(&scope, &k, &fp, || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, &str>(String::new())
+            })
+            .await;
+        assert!(
+            matches!(&again, Err(RunError::Store(Error::Corrupt(_)))),
+            "{again:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
     /// A run whose operation failed, held without polling while it gives its lease back

@@ -47,7 +47,7 @@ pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_t
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
 pub use observe::{Answer, Observed, observe};
-pub use outcome::{DecodeError, Outcome};
+pub use outcome::{DecodeError, OUTCOME_NOT_STORED, Outcome};
 pub use policy::{Policy, default_cacheable};
 pub use purge::{PurgeHandle, Purger, spawn_purger};
 pub use store::{

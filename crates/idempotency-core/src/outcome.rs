@@ -45,7 +45,37 @@ const VERSION_1: u8 = 1;
 /// upgrade, it answers one with trailers as corrupt: an error, never a second run).
 const VERSION_2: u8 = 2;
 
+/// The header that marks [`Outcome::not_stored`].
+pub const OUTCOME_NOT_STORED: &str = "idempotency-outcome-not-stored";
+
 impl Outcome {
+    /// What is stored in place of an outcome the store refused for good (too large for it, a
+    /// constraint) while it took other writes: the operation ran, so its key must not run it
+    /// again, and this marker says so to every retry. Over HTTP it replays as a `500`
+    /// problem; [`Executor`](crate::Executor) answers it with [`Error::Corrupt`](crate::Error::Corrupt).
+    ///
+    /// ```
+    /// let marker = idempotency_core::Outcome::not_stored();
+    /// assert_eq!(marker.status, 500);
+    /// assert!(marker.is_not_stored());
+    /// assert!(!idempotency_core::Outcome::new(500).is_not_stored());
+    /// ```
+    pub fn not_stored() -> Self {
+        Self::new(500)
+            .with_header("content-type", "application/problem+json")
+            .with_header(OUTCOME_NOT_STORED, "1")
+            .with_body(
+                r#"{"type":"urn:idempotency:problem:outcome-not-stored","title":"Outcome not stored","status":500,"detail":"The request was carried out, but its response could not be stored: this key will not carry it out again. Ask the operator what became of it."}"#,
+            )
+    }
+
+    /// Whether this is [`Outcome::not_stored`]'s marker.
+    pub fn is_not_stored(&self) -> bool {
+        self.headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case(OUTCOME_NOT_STORED))
+    }
+
     /// An outcome with a status and no headers or body.
     pub fn new(status: u16) -> Self {
         Self {

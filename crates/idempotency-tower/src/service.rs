@@ -1493,7 +1493,7 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
             false
         }
         Err(error) => {
-            tracing::error!(%error, "the outcome could not be stored; a retry after the lease runs again");
+            tracing::error!(%error, "the store refused the outcome; a marker that says so is stored in its place");
             false
         }
     }
