@@ -981,6 +981,65 @@ fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     });
 }
 
+/// A Postgres store on a table of its own (its name begins with `prefix`), for a test that
+/// changes the table; `None` when service tests are opted out.
+async fn postgres_on_a_table_of_its_own(
+    prefix: &str,
+) -> Option<(idempotency_postgres::PostgresStore, String)> {
+    let pg = services::postgres().await?;
+    let table = format!(
+        "{prefix}_{}",
+        idempotency_test::unique("t").replace('-', "_")
+    );
+    let store = idempotency_postgres::PostgresStore::builder(pg.url())
+        .table(&table)
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    Some((store, table))
+}
+
+/// A store that cannot renew the lease at all (here Postgres whose table was dropped while
+/// the handler ran) stops the handler, and the request is answered 503. Before, the layer
+/// asked for a renewal again and again once the lease may have run out, the handler held
+/// unpolled, and the request never answered.
+#[test]
+fn a_store_that_cannot_renew_stops_the_handler() {
+    block_on(async {
+        let Some((store, table)) = postgres_on_a_table_of_its_own("gone").await else {
+            return;
+        };
+        let lease = Duration::from_millis(500);
+        let layer = layer(Arc::new(store.clone()))
+            .policy(idempotency_core::Policy::default().with_lease(lease));
+        let router = axum::Router::new()
+            .route(
+                "/charges",
+                axum::routing::post(move || async move {
+                    tokio::time::sleep(lease * 4).await;
+                    axum::http::StatusCode::CREATED
+                }),
+            )
+            .layer(layer);
+        let asking = tokio::spawn(async move { send(&router, "POST", Some("k"), &[], "{}").await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let drop_table = format!("DROP TABLE {table}");
+        sqlx::query(sqlx::AssertSqlSafe(drop_table))
+            .execute(store.pool())
+            .await
+            .expect("drop");
+        // Not a bound on its speed: without an answer at all, this ends the test.
+        let answer = tokio::time::timeout(Duration::from_secs(60), asking).await;
+        let answer = answer.expect("an answer").expect("the request's task");
+        assert_eq!(answer.status, 503, "{}", answer.body);
+        assert_eq!(
+            answer.problem_type(),
+            "urn:idempotency:problem:store-unavailable"
+        );
+    });
+}
+
 /// A response the store refuses for good while it takes renewals (here Postgres, whose table
 /// is given a constraint no response over 1,000 bytes meets): the client that made the
 /// request gets it, and every retry is answered that it was carried out and its response not
@@ -989,16 +1048,9 @@ fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
 #[test]
 fn a_response_the_store_refuses_for_good_is_not_run_again() {
     block_on(async {
-        let Some(pg) = services::postgres().await else {
+        let Some((store, table)) = postgres_on_a_table_of_its_own("small").await else {
             return;
         };
-        let table = format!("small_{}", idempotency_test::unique("t").replace('-', "_"));
-        let store = idempotency_postgres::PostgresStore::builder(pg.url())
-            .table(&table)
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
         let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
         sqlx::query(sqlx::AssertSqlSafe(small))
             .execute(store.pool())

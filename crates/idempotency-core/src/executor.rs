@@ -914,6 +914,17 @@ fn renew_in_a_task<S: Store + ?Sized>(
                         }
                     }
                 }
+                // Not a store out of reach but one that cannot renew at all (a record it
+                // cannot read, its table gone): no renewal will come, and past the lease
+                // another attempt may hold the key. Stopped as a lost lease, not left to
+                // wait at the gate for ever.
+                Err(error @ (Error::Corrupt(_) | Error::Config(_)))
+                    if !accepted.load(Ordering::SeqCst) =>
+                {
+                    tracing::error!(%error, record = %id, "the store cannot renew the lease; stopping the operation");
+                    held.send_replace(Held::Lost);
+                    return;
+                }
                 Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
             }
         }
@@ -1425,6 +1436,8 @@ mod tests {
         /// Outcomes with a longer body are refused (`Unavailable`), as a store refuses
         /// what is too large for it, while it takes everything else.
         refuse_bodies_over: Option<usize>,
+        /// Every renewal is refused with a configuration error (its table dropped).
+        renewals_refused: bool,
     }
 
     #[async_trait::async_trait]
@@ -1466,6 +1479,11 @@ mod tests {
                 self.panicked.swap(true, Ordering::SeqCst),
                 "the store's renew panics"
             );
+            if self.renewals_refused {
+                return Err(Error::Config(
+                    "relation \"idempotency_keys\" does not exist".into(),
+                ));
+            }
             self.inner.renew(id, token, lease).await
         }
         async fn purge_expired(&self, batch: usize) -> crate::Result<u64> {
@@ -1493,6 +1511,27 @@ mod tests {
     async fn a_renewal_that_panics_does_not_end_the_renewals() {
         // Polled meanwhile, as a running operation is.
         a_waiting_run_keeps_its_lease(RenewPanicsOnce::default(), true).await;
+    }
+
+    /// A store that cannot renew at all (it answers a configuration error: its table was
+    /// dropped) stops the run at the end of its lease with `LeaseLost`. Before, the run
+    /// waited at the lease's end for a renewal that never came, for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_store_that_cannot_renew_stops_the_run() {
+        let store = RenewPanicsOnce {
+            panicked: true.into(),
+            renewals_refused: true,
+            ..RenewPanicsOnce::default()
+        };
+        let executor = Executor::new(Arc::new(store))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let run = executor.run(&scope, &k, &fp, || async {
+            std::future::pending::<()>().await;
+            Ok::<_, &str>(1u32)
+        });
+        let ran = tokio::time::timeout(Duration::from_secs(600), run).await;
+        assert!(matches!(ran, Ok(Err(RunError::LeaseLost))), "{ran:?}");
     }
 
     /// An outcome the store refuses for good while it takes renewals (too large for it) is

@@ -923,6 +923,13 @@ impl Renewals {
                 Renewed::Kept
             }
             Err(Error::LeaseLost) => Renewed::Lost,
+            // Not a store out of reach but one that cannot renew at all (a record it cannot
+            // read, its table gone): no renewal will come, and past the lease another attempt
+            // may hold the key. Taken as lost, not asked again for ever by `confirm`.
+            Err(error @ (Error::Corrupt(_) | Error::Config(_))) => {
+                tracing::error!(%error, record = %id, "the store cannot renew the idempotency lease");
+                Renewed::Lost
+            }
             Err(error) => {
                 tracing::warn!(%error, record = %id, "could not renew the idempotency lease");
                 Renewed::Unanswered
