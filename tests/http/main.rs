@@ -179,6 +179,31 @@ fn bad_keys_are_400_problems() {
     });
 }
 
+/// The application's scope and fingerprint functions are caught if they panic: a 500
+/// problem, nothing claimed, the handler not run, and the key free for a request once the
+/// function is fixed. Before, the panic unwound through the server, and the client's
+/// connection was reset without an answer.
+#[test]
+fn a_scope_or_fingerprint_function_that_panics_is_a_500_problem() {
+    block_on(async {
+        let store = memory();
+        let panicking_scope = layer(store.clone()).try_scope_fn(|_| panic!("no tenant"));
+        let panicking_fingerprint =
+            layer(store.clone()).fingerprint_fn(|_, _| panic!("no fingerprint"));
+        for layer in [panicking_scope, panicking_fingerprint] {
+            let (router, calls, _) = app(layer);
+            let answer = send(&router, "POST", Some("k"), &[], "{}").await;
+            assert_eq!(answer.status, 500, "{}", answer.body);
+            assert_eq!(answer.problem_type(), "urn:idempotency:problem:internal");
+            assert_eq!(calls.get(), 0);
+        }
+        let (router, calls, _) = app(layer(store));
+        let fixed = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(fixed.status, 201, "{}", fixed.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 #[test]
 fn other_methods_pass_through_untouched() {
     block_on(async {

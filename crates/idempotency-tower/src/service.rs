@@ -157,14 +157,20 @@ where
         }
     };
     let (parts, body) = request.into_parts();
-    // Before the body is read: a request that names nobody is refused at once.
-    let scope = match (config.scope)(&parts) {
-        Ok(scope) => scope,
-        Err(NoScope::Unauthenticated(detail)) => {
+    // Before the body is read: a request that names nobody is refused at once. The
+    // application's closures are caught if they panic: a 500 problem, nothing claimed, rather
+    // than a connection reset with no answer.
+    let scope = match std::panic::catch_unwind(AssertUnwindSafe(|| (config.scope)(&parts))) {
+        Err(_panic) => {
+            let detail = "the idempotency scope could not be determined; nothing was processed";
+            return Ok(Problem::Internal.response(detail, None));
+        }
+        Ok(Ok(scope)) => scope,
+        Ok(Err(NoScope::Unauthenticated(detail))) => {
             Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
             return Ok(Problem::Unauthenticated.response(&detail, None));
         }
-        Err(NoScope::Invalid(detail)) => {
+        Ok(Err(NoScope::Invalid(detail))) => {
             Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
             return Ok(Problem::InvalidRequest.response(&detail, None));
         }
@@ -189,7 +195,15 @@ where
         }
     };
     let id = RecordId::new(&scope, &key);
-    let fingerprint = config.fingerprint(&parts, &body);
+    let fingerprint = match std::panic::catch_unwind(AssertUnwindSafe(|| {
+        config.fingerprint(&parts, &body)
+    })) {
+        Ok(fingerprint) => fingerprint,
+        Err(_panic) => {
+            let detail = "the request's fingerprint could not be computed; nothing was processed";
+            return Ok(Problem::Internal.response(detail, None));
+        }
+    };
     let span = tracing::info_span!("idempotency", record = %id, store = config.store.name(), decision = tracing::field::Empty);
     decide(
         config,
