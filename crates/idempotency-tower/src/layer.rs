@@ -258,6 +258,14 @@ impl IdempotencyLayer {
     /// treating them as numbers (RFC 8785 goes through `f64`) would make `9007199254740993`
     /// equal `9007199254740992` and replay one request's outcome to another. Duplicate keys
     /// are kept. A body that is not JSON is fingerprinted as raw bytes.
+    ///
+    /// Every body that parses as JSON is fingerprinted so, whatever its `Content-Type`: put
+    /// this layer only on routes whose handlers read their bodies as JSON, by a parser that
+    /// tells apart only what JSON tells apart. A handler that uses the bytes as sent (stored
+    /// as text, or checked against a signature of them) takes `{"b":1,"a":2}` and
+    /// `{"a":2,"b":1}` for two requests, and here they are one: the second would be replayed
+    /// the first's answer. So would two bodies whose keys differ only in a way such a parser
+    /// folds (Unicode normalisation, a key cut at a NUL), for the same reason.
     pub fn canonical_json(self) -> Self {
         self.edit(|c| c.body_fingerprint = BodyFingerprint::CanonicalJson)
     }

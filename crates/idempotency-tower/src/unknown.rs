@@ -38,6 +38,12 @@ pub struct Unresolved {
 /// [`OutcomeUnknown::Reexecute`] it is given back as before. A response the policy stores is
 /// stored: its outcome is known.
 ///
+/// An inner service's `Err` carries no extension, and the layer cannot look into it: it is
+/// taken for a refusal before anything ran (load shed, a closed buffer) and gives the key
+/// back under every policy. A service that forwards the request (a proxy's client) fails so
+/// after the upstream may have acted: map such errors to a response marked with this
+/// extension inside the layer (a `502`, say), or the retry runs the operation again.
+///
 /// ```
 /// use idempotency_tower::MaybeApplied;
 ///
