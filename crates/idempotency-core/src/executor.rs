@@ -866,6 +866,8 @@ fn renew_in_a_task<S: Store + ?Sized>(
     let (lease, every, sure) = (policy.lease(), policy.renew_every(), policy.surely_held());
     let (held, on_held) = tokio::sync::watch::channel(Held::Until(asked + sure));
     let task = tokio::spawn(async move {
+        // The end of the lease last vouched for.
+        let mut until = asked + sure;
         // On the schedule the store counts the lease by, from the ask: after a slow claim
         // (up to half a lease, see `within_lease`) as many renewals are left before the lease
         // runs out as after a quick one. One already due fires at once.
@@ -883,7 +885,8 @@ fn renew_in_a_task<S: Store + ?Sized>(
             match renewed {
                 // The store counts the renewed lease from later than it was asked.
                 Ok(()) => {
-                    held.send_replace(Held::Until(renewing + sure));
+                    until = renewing + sure;
+                    held.send_replace(Held::Until(until));
                 }
                 Err(Error::LeaseLost) if !accepted.load(Ordering::SeqCst) => {
                     held.send_replace(Held::Lost);
@@ -914,12 +917,14 @@ fn renew_in_a_task<S: Store + ?Sized>(
                         }
                     }
                 }
-                // Not a store out of reach but one that cannot renew at all (a record it
-                // cannot read, its table gone): no renewal will come, and past the lease
-                // another attempt may hold the key. Stopped as a lost lease, not left to
-                // wait at the gate for ever.
+                // Not a store out of reach but one that cannot renew (a record it cannot
+                // read, its table gone): once the lease it last renewed is over, no renewal
+                // may come, and another attempt may hold the key. Stopped as a lost lease
+                // then, not left to wait at the gate for ever. (Before that, it may be a
+                // blip: a table swapped, a pooler's stale search path. The operation goes
+                // on, and the next tick asks again.)
                 Err(error @ (Error::Corrupt(_) | Error::Config(_)))
-                    if !accepted.load(Ordering::SeqCst) =>
+                    if !accepted.load(Ordering::SeqCst) && Instant::now() >= until =>
                 {
                     tracing::error!(%error, record = %id, "the store cannot renew the lease; stopping the operation");
                     held.send_replace(Held::Lost);
@@ -1232,17 +1237,11 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
     policy: &Policy,
 ) -> Result<(), Error> {
     let stored = complete_retrying(&*store, &id, token, outcome, policy).await;
-    // Left to a task: the write of an outcome the store could not take within the lease,
-    // and, in place of one it refused for good, the marker (the operation ran: its key must
-    // not run it again once the lease is over).
-    let late = match &stored {
+    // Left to a task: the write of an outcome the store did not take within the lease (and,
+    // should it refuse it for good, the marker in its place: see `complete_late`).
+    if !matches!(stored, Ok(()) | Err(Error::LeaseLost)) {
         // Copied only here: the common path stores it at once.
-        Err(Error::Unavailable(_)) => Some(outcome.clone()),
-        Ok(()) | Err(Error::LeaseLost) => None,
-        Err(_) => (!outcome.is_not_stored()).then(Outcome::not_stored),
-    };
-    if let Some(outcome) = late {
-        let (retention, lease) = (policy.retention(), policy.lease());
+        let (outcome, retention, lease) = (outcome.clone(), policy.retention(), policy.lease());
         tracker.spawn(async move {
             complete_late(&*store, &id, token, &outcome, retention, lease).await;
         });
@@ -1260,10 +1259,10 @@ pub async fn complete_or_keep_trying<S: Store + ?Sized>(
 /// reaches the store as it comes back can still win that race. Between tries it renews the
 /// lease, so a retry that lands first answers "in flight" where it can. A store that takes
 /// the renewal but refuses the outcome three times, over a whole lease, is up and
-/// refuses this outcome (too large, a constraint), as is one that answers another error
-/// than `Unavailable` or `LeaseLost`: the task then stores [`Outcome::not_stored`]'s
-/// marker in its place, which every retry replays, rather than hold the key for an hour
-/// and leave it to run the operation again after that. (Not sooner: a store may take
+/// refuses this outcome (too large, a constraint), as is one that answers `Config` or
+/// `Corrupt` so (each such answer counts as a refusal): the task then stores
+/// [`Outcome::not_stored`]'s marker in its place, which every retry replays, rather than
+/// hold the key for an hour and leave it to run the operation again after that. (Not sooner: a store may take
 /// renewals and refuse outcomes for a while for reasons of its own, such as the Postgres
 /// store's group commit, whose completes and renewals run in separate batches, a full
 /// queue of one refusing while the other runs.) Returns whether `outcome` was stored:
@@ -1297,7 +1296,8 @@ pub async fn complete_late<S: Store + ?Sized>(
     // Spread over a second by the token, so the tasks of one outage do not try in step.
     let spread = Duration::from_millis(u64::from(token.as_uuid().as_bytes()[0]) * 4);
     let mut backoff = Duration::from_millis(100);
-    // Refusals while renewals went through, and since the first.
+    // Refusals by a store that was up (its renewal went through, or it answered what it
+    // refused: `Config`, `Corrupt`), and since the first.
     let (mut refused, mut refused_since) = (0, Instant::now());
     // What is being stored: the outcome, or the marker in its place once it was refused.
     let (given, mut outcome) = (outcome, std::borrow::Cow::Borrowed(outcome));
@@ -1316,31 +1316,25 @@ pub async fn complete_late<S: Store + ?Sized>(
                 tracing::info!(record = %id, "the outcome was stored late, once the store was back");
                 return true;
             }
-            Err(Error::Unavailable(error)) if Instant::now() + backoff < give_up => error,
             Err(Error::LeaseLost) => {
                 tracing::error!(record = %id, "the outcome was not stored: another attempt took the key over meanwhile");
                 return false;
             }
-            Err(error @ Error::Unavailable(_)) => {
+            Err(error) if Instant::now() + backoff >= give_up => {
                 tracing::error!(%error, record = %id, "the outcome could not be stored within the grace; a retry after the lease runs the operation again");
                 return false;
             }
-            Err(error) if !outcome.is_not_stored() => {
-                tracing::error!(%error, record = %id, "the outcome was refused; storing a marker in its place");
-                outcome = std::borrow::Cow::Owned(Outcome::not_stored());
-                refused = 0;
-                continue;
-            }
-            Err(error) => {
-                tracing::error!(%error, record = %id, "the outcome could not be stored, nor a marker in its place; a retry after the lease runs the operation again");
-                return false;
-            }
+            Err(error) => error,
         };
+        // The store answered, and refused: counted as a refusal whatever the renewal says
+        // (a store that cannot read its table renews nothing either).
+        let answered = matches!(error, Error::Config(_) | Error::Corrupt(_));
         // Only a lease still ours is renewed (fenced on the token).
-        if panic_as_unavailable(store.renew(id, token, lease), "the store's renew panicked")
-            .await
-            .is_ok()
-        {
+        let renewed =
+            panic_as_unavailable(store.renew(id, token, lease), "the store's renew panicked")
+                .await
+                .is_ok();
+        if answered || renewed {
             if refused == 0 {
                 refused_since = Instant::now();
             }
@@ -1436,8 +1430,18 @@ mod tests {
         /// Outcomes with a longer body are refused (`Unavailable`), as a store refuses
         /// what is too large for it, while it takes everything else.
         refuse_bodies_over: Option<usize>,
-        /// Every renewal is refused with a configuration error (its table dropped).
-        renewals_refused: bool,
+        /// How many renewals, then completions, are refused with a configuration error (its
+        /// table dropped, or swapped for a moment).
+        renewals_refused: AtomicUsize,
+        completes_refused: AtomicUsize,
+    }
+
+    const GONE: &str = "relation \"idempotency_keys\" does not exist";
+
+    /// Takes one from `left`, if any is left.
+    fn take_one(left: &AtomicUsize) -> bool {
+        left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     #[async_trait::async_trait]
@@ -1457,6 +1461,9 @@ mod tests {
             outcome: &Outcome,
             retention: Duration,
         ) -> crate::Result<()> {
+            if take_one(&self.completes_refused) {
+                return Err(Error::Config(GONE.into()));
+            }
             if self
                 .refuse_bodies_over
                 .is_some_and(|most| outcome.body.len() > most)
@@ -1479,10 +1486,8 @@ mod tests {
                 self.panicked.swap(true, Ordering::SeqCst),
                 "the store's renew panics"
             );
-            if self.renewals_refused {
-                return Err(Error::Config(
-                    "relation \"idempotency_keys\" does not exist".into(),
-                ));
+            if take_one(&self.renewals_refused) {
+                return Err(Error::Config(GONE.into()));
             }
             self.inner.renew(id, token, lease).await
         }
@@ -1520,7 +1525,7 @@ mod tests {
     async fn a_store_that_cannot_renew_stops_the_run() {
         let store = RenewPanicsOnce {
             panicked: true.into(),
-            renewals_refused: true,
+            renewals_refused: usize::MAX.into(),
             ..RenewPanicsOnce::default()
         };
         let executor = Executor::new(Arc::new(store))
@@ -1532,6 +1537,74 @@ mod tests {
         });
         let ran = tokio::time::timeout(Duration::from_secs(600), run).await;
         assert!(matches!(ran, Ok(Err(RunError::LeaseLost))), "{ran:?}");
+    }
+
+    /// A renewal refused once with a configuration error (a table swapped for a moment, a
+    /// pooler's stale search path) is a blip while the lease lives: the operation goes on and
+    /// completes once. (A first version of the fix above stopped it at the first such
+    /// answer, leaving its lease to run out: the retry ran it again.)
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_refused_once_does_not_stop_the_run() {
+        let store = RenewPanicsOnce {
+            panicked: true.into(),
+            renewals_refused: 1.into(),
+            ..RenewPanicsOnce::default()
+        };
+        let executor = Executor::new(Arc::new(store))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(3)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let ran = executor
+            .run(&scope, &k, &fp, || async {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                Ok::<_, &str>(1u32)
+            })
+            .await;
+        assert!(
+            matches!(
+                ran,
+                Ok(Executed {
+                    value: 1,
+                    replayed: false
+                })
+            ),
+            "{ran:?}"
+        );
+    }
+
+    /// A completion refused once with a configuration error is stored late, as itself: the
+    /// retry replays it. (A first version of the marker stored the marker at once, and the
+    /// retry was told the outcome was not stored.)
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_refused_once_is_stored_late() {
+        let store = RenewPanicsOnce {
+            panicked: true.into(),
+            completes_refused: 1.into(),
+            ..RenewPanicsOnce::default()
+        };
+        let executor = Executor::new(Arc::new(store))
+            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+        let first = executor
+            .run(&scope, &k, &fp, || async { Ok::<_, &str>(7u32) })
+            .await;
+        assert!(
+            matches!(first, Err(RunError::NotStored(Error::Config(_)))),
+            "{first:?}"
+        );
+        executor.drain().await;
+        let again = executor
+            .run(&scope, &k, &fp, || async { Ok::<_, &str>(8u32) })
+            .await;
+        assert!(
+            matches!(
+                again,
+                Ok(Executed {
+                    value: 7,
+                    replayed: true
+                })
+            ),
+            "{again:?}"
+        );
     }
 
     /// An outcome the store refuses for good while it takes renewals (too large for it) is
@@ -1722,6 +1795,40 @@ mod tests {
             "{redelivered:?}"
         );
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// A run polled to its end by a plain thread after the runtime it started on shut down
+    /// panics: its outcome's write had nowhere to run. Before, the write's task was dropped
+    /// unrun and the run waited for it for ever.
+    #[test]
+    fn a_run_finished_after_its_runtime_shut_down_does_not_wait_for_ever() {
+        let (runtime, executor, (scope, fp, k)) = outside_rig();
+        // Leaked: the run is finished on a thread of its own, which a hang must not hold.
+        let (executor, scope, fp, k) = (
+            &*Box::leak(Box::new(executor)),
+            &*Box::leak(Box::new(scope)),
+            &*Box::leak(Box::new(fp)),
+            &*Box::leak(Box::new(k)),
+        );
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let mut run = Box::pin(executor.run(scope, k, fp, || async move {
+            let _ = wait.await;
+            Ok::<_, &str>(1u32)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        go.send(()).unwrap();
+        drop(runtime);
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                futures::executor::block_on(&mut run)
+            }));
+            let _ = done.send(ran.is_err());
+        });
+        let panicked = finished.recv_timeout(Duration::from_secs(60));
+        assert_eq!(panicked, Ok(true), "a panic, not a wait for ever");
     }
 
     /// A run whose renewals stopped for good (their task was on a runtime that shut down;

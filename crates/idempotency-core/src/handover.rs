@@ -155,7 +155,14 @@ impl<T: Send + 'static> Shared<T> {
     /// for its output.
     fn spawn(self: &Arc<Self>, mut future: BoxFuture<'static, T>, waiting: bool) {
         let shared = self.clone();
+        // Dropped with the task, run or not: a task its runtime dropped unfinished (shut
+        // down, or never running) leaves its caller a panic to resume, not a wait for ever.
+        let unfinished = Unfinished {
+            shared: self.clone(),
+            waiting,
+        };
         let rest = async move {
+            let _unfinished = unfinished;
             let output = AssertUnwindSafe(future.as_mut()).catch_unwind().await;
             drop(future);
             let mut state = shared.lock();
@@ -172,11 +179,38 @@ impl<T: Send + 'static> Shared<T> {
                 }
             }
         };
-        // A runtime that shut down meanwhile drops the task unrun: its I/O is gone anyway.
+        // A runtime that shut down meanwhile drops the task unrun (its I/O is gone anyway),
+        // and with it `Unfinished`.
         drop(
             self.runtime
                 .spawn(tracing::Instrument::instrument(rest, self.span.clone())),
         );
+    }
+}
+
+/// Work moved into a task, as its task holds it: see [`Shared::spawn`].
+struct Unfinished<T: Send + 'static> {
+    shared: Arc<Shared<T>>,
+    waiting: bool,
+}
+
+impl<T: Send + 'static> Drop for Unfinished<T> {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        // Still `Moved`: the task ends without having finished the work.
+        if !matches!(*state, State::Moved(_)) {
+            return;
+        }
+        if let State::Moved(waker) = std::mem::replace(&mut *state, State::Gone) {
+            if self.waiting {
+                let why = "the runtime dropped this work before it finished (shut down?)";
+                *state = State::Panicked(Box::new(why));
+            }
+            drop(state);
+            if let Some(waker) = waker {
+                waker.wake();
+            }
+        }
     }
 }
 
