@@ -1065,6 +1065,42 @@ fn a_store_that_cannot_renew_stops_the_handler() {
     });
 }
 
+/// A renewal that meets the store's table gone for a moment (renamed and back: a table
+/// swapped, a pooler's stale search path) while the lease lives is a blip: the handler goes
+/// on, and its response is stored and answered. (A first version of the fix above took the
+/// first such answer for a lost lease: 503, the handler stopped, its lease left to run out.)
+#[test]
+fn a_table_gone_for_a_moment_does_not_stop_the_handler() {
+    block_on(async {
+        let Some((store, table)) = postgres_on_a_table_of_its_own("away").await else {
+            return;
+        };
+        let lease = Duration::from_millis(1500);
+        let layer = layer(Arc::new(store.clone()))
+            .policy(idempotency_core::Policy::default().with_lease(lease));
+        let router = axum::Router::new()
+            .route(
+                "/charges",
+                axum::routing::post(|| async {
+                    tokio::time::sleep(Duration::from_millis(1200)).await;
+                    axum::http::StatusCode::CREATED
+                }),
+            )
+            .layer(layer);
+        let asking = tokio::spawn(async move { send(&router, "POST", Some("k"), &[], "{}").await });
+        // Away over the first renewal (a third of the lease in), back before the second.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let ddl = |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(store.pool());
+        let away = format!("ALTER TABLE {table} RENAME TO {table}_away");
+        ddl(away).await.expect("away");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let back = format!("ALTER TABLE {table}_away RENAME TO {table}");
+        ddl(back).await.expect("back");
+        let answer = asking.await.expect("the request's task");
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    });
+}
+
 /// A response the store refuses for good while it takes renewals (here Postgres, whose table
 /// is given a constraint no response over 1,000 bytes meets): the client that made the
 /// request gets it, and every retry is answered that it was carried out and its response not

@@ -937,10 +937,12 @@ impl Renewals {
                 Renewed::Kept
             }
             Err(Error::LeaseLost) => Renewed::Lost,
-            // Not a store out of reach but one that cannot renew at all (a record it cannot
-            // read, its table gone): no renewal will come, and past the lease another attempt
-            // may hold the key. Taken as lost, not asked again for ever by `confirm`.
-            Err(error @ (Error::Corrupt(_) | Error::Config(_))) => {
+            // Not a store out of reach but one that cannot renew (a record it cannot read,
+            // its table gone): once the lease may be over, no renewal may come, and another
+            // attempt may hold the key. Taken as lost then, not asked again for ever by
+            // `confirm`. (Before that, it may be a blip: a table swapped, a pooler's stale
+            // search path. The work goes on, and the next tick asks again.)
+            Err(error @ (Error::Corrupt(_) | Error::Config(_))) if self.may_be_over() => {
                 tracing::error!(%error, record = %id, "the store cannot renew the idempotency lease");
                 Renewed::Lost
             }
