@@ -385,6 +385,60 @@ fn a_full_redis_still_takes_the_outcome_of_an_operation_that_ran() {
     });
 }
 
+/// A full Redis (`noeviction`, at `maxmemory`) still takes what an operator's release and a
+/// cancel write beside what they delete: a release's receipt, a cancel's marker in place
+/// of its lease. Refused (the first versions of both), the release that kept a live lease
+/// answered `Unavailable` instead of `Live`, and the cancel failed and was retried for an
+/// hour while the lease nobody held answered "in flight".
+#[test]
+fn a_full_redis_still_takes_a_release_and_a_cancel() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (full, store) = noeviction_redis().await;
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(full.url()))
+                .await;
+        let late = RedisStore::builder(idempotency_test::relay::through(full.url(), relay.port))
+            .call_budget(Duration::from_secs(2))
+            .eviction_check(EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("the relayed store");
+        let live = fresh_id();
+        execute(&store, &live, &fp("a"), LONG).await;
+        // A claim whose answer comes after its caller gave up, and so is cancelled.
+        let lost = fresh_id();
+        late.inspect(&lost).await.expect("connected");
+        relay.delay_replies(Duration::from_secs(3));
+        let claim = tokio::spawn({
+            let late = late.clone();
+            async move { late.begin(&lost, &fp("a"), LONG).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (mut conn, _) = fill(full.url()).await;
+        let kept = store
+            .force_release(&live, idempotency_core::ReleaseScope::default())
+            .await;
+        assert_eq!(
+            kept.expect("release"),
+            idempotency_core::ForceReleased::Live
+        );
+        let gave_up = claim.await.expect("the claim's task");
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+        relay.delay_replies(Duration::ZERO);
+        let drained = tokio::time::timeout(Duration::from_secs(20), late.drain()).await;
+        assert!(drained.is_ok(), "the cancel is still retrying");
+        let marker: Vec<u8> = redis::cmd("GET")
+            .arg(store.key(&lost))
+            .query_async(&mut conn)
+            .await
+            .expect("get");
+        assert_eq!(marker.first(), Some(&b'c'), "the cancel's marker");
+    });
+}
+
 /// A full Redis (`noeviction`, at `maxmemory`) answers a claim `OOM`: the claim did not run,
 /// so nothing is left to cancel. Before, every refused claim started a cancel that wrote a
 /// marker and a tombstone (kept for an hour) into the Redis that was full, and ran it again

@@ -267,9 +267,15 @@ return 1
 /// When someone else's record is there, it leaves the claim's tombstone, which the takeover
 /// and the legacy claim check; a late plain `SET NX` fails as long as that record is there
 /// (one gap remains: that record gone, then the late `SET NX`, which costs one lease).
+///
+/// `allow-oom`: a Redis full under `noeviction` still takes the marker (or the tombstone) in
+/// place of a lease it holds; refused, the script failed and the cancel was retried for an
+/// hour while the lease answered "in flight", then `TakeOver` for an operation that never
+/// ran.
 pub(crate) fn cancel() -> Script {
     Script::new(&format!(
-        r"{NOW_MS}{READ_FENCED}
+        r"#!lua flags=allow-oom
+{NOW_MS}{READ_FENCED}
 if mine and st == '0' and took then
   if legacy then redis.call('HSET', KEYS[1], 'exp', string.format('%.0f', now)) end
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -292,9 +298,10 @@ return 0
 
 /// `KEYS[1]` record: `{value, pttl}`, read together (a pipeline of `GET` and `PTTL` can be
 /// split by Redis between two reads of its socket, with another client's completion run in
-/// between: a lease with the TTL of a retention). `value` is nil when there is none.
+/// between: a lease with the TTL of a retention). `value` is empty when there is none (a
+/// Lua `false` would reach a RESP3 client as a boolean).
 pub(crate) fn read_with_ttl() -> Script {
-    Script::new("return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}")
+    Script::new("return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}")
 }
 
 /// `KEYS[1]` record. The operator's read: `{'n', now}` no record, `{'v', now, pttl, value}`,
@@ -332,10 +339,16 @@ pub(crate) fn clock() -> Script {
 /// Runs once per receipt: its answer is kept there until it is too late anyway, and a copy
 /// of the same call run again answers it and touches nothing. A cluster connection sends a
 /// script whose answer timed out again; a second copy that found the record its first copy
-/// deleted replaced by a new attempt's lease deleted that too.
+/// deleted replaced by a new attempt's lease deleted that too. The receipt is kept a grace
+/// past the deadline, so a copy that comes after it is answered what the first did, not "too
+/// late".
+///
+/// `allow-oom`: a Redis full under `noeviction` still takes the receipt (refused, a release
+/// that deleted nothing failed as a whole).
 pub(crate) fn force_release() -> Script {
     Script::new(&format!(
-        r"{NOW_MS}
+        r"#!lua flags=allow-oom
+{NOW_MS}
 local done = redis.call('GET', KEYS[2])
 if done then return tonumber(done) end
 if now >= tonumber(ARGV[4]) then return 5 end
@@ -369,7 +382,7 @@ end
 return 0
 end
 local found = release()
-redis.call('SET', KEYS[2], found, 'PXAT', ARGV[4])
+redis.call('SET', KEYS[2], found, 'PX', tonumber(ARGV[4]) - now + tonumber(ARGV[3]))
 return found
 "
     ))

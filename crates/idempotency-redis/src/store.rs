@@ -770,11 +770,16 @@ impl RedisStore {
         // pipeline is not atomic: Redis may run another client's commands between the two).
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let keys = [key.to_owned()];
-        let (again, pttl): (Option<Vec<u8>>, i64) = self
+        let (again, pttl): (Vec<u8>, i64) = self
             .run_keys(left, &self.scripts.read_with_ttl, &keys, &[])
             .await?;
-        // Gone in between: free (`-2`), which only ever leads to the takeover's re-check.
-        Ok(again.map_or((value, -2), |again| (again, pttl)))
+        // Gone in between (no record is empty): free (`-2`), which only ever leads to the
+        // takeover's re-check.
+        Ok(if again.is_empty() {
+            (value, -2)
+        } else {
+            (again, pttl)
+        })
     }
 
     async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
