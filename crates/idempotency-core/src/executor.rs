@@ -431,7 +431,8 @@ impl<S: Store + ?Sized> Executor<S> {
                     let alive_until = match held {
                         Held::Lost => {
                             guard.stop_renewing();
-                            // The token is fenced off already: nothing to release.
+                            // The token is fenced off already (or the store cannot renew
+                            // it, and past its lease it runs out): nothing to release.
                             guard.settled = true;
                             tracing::warn!(record = %id, "the lease was lost while the operation ran; stopping it");
                             return Err(RunError::LeaseLost);
@@ -1212,9 +1213,10 @@ pub async fn complete_retrying<S: Store + ?Sized>(
     }
 }
 
-/// [`complete_retrying`], and if the store stayed unavailable for the whole lease,
-/// [`complete_late`] in a task of `tracker` (whose `drain` then waits for it); returns what
-/// `complete_retrying` answered. What the executor and the HTTP layer do with an outcome.
+/// [`complete_retrying`], and if it did not store the outcome (the store stayed unavailable
+/// for the whole lease, or answered another error than `LeaseLost`), [`complete_late`] in a
+/// task of `tracker` (whose `drain` then waits for it); returns what `complete_retrying`
+/// answered. What the executor and the HTTP layer do with an outcome.
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
@@ -1302,6 +1304,21 @@ pub async fn complete_late<S: Store + ?Sized>(
     // What is being stored: the outcome, or the marker in its place once it was refused.
     let (given, mut outcome) = (outcome, std::borrow::Cow::Borrowed(outcome));
     loop {
+        // Once the marker is what is stored, the outcome is still tried first: a store that
+        // refused it only while its table was away (a `Config` answer counts as a refusal)
+        // takes it as soon as it is back, and the marker would hide it for the retention.
+        if outcome.is_not_stored()
+            && !given.is_not_stored()
+            && panic_as_unavailable(
+                store.complete(id, token, given, retention),
+                "the store's complete panicked",
+            )
+            .await
+            .is_ok()
+        {
+            tracing::info!(record = %id, "the outcome was stored late, once the store took it");
+            return true;
+        }
         let error = match panic_as_unavailable(
             store.complete(id, token, &outcome, retention),
             "the store's complete panicked",
@@ -1434,6 +1451,14 @@ mod tests {
         /// table dropped, or swapped for a moment).
         renewals_refused: AtomicUsize,
         completes_refused: AtomicUsize,
+        /// Until then, both are refused so (its table away for a while).
+        away_until: Option<Instant>,
+    }
+
+    impl RenewPanicsOnce {
+        fn away(&self) -> bool {
+            self.away_until.is_some_and(|until| Instant::now() < until)
+        }
     }
 
     const GONE: &str = "relation \"idempotency_keys\" does not exist";
@@ -1461,7 +1486,7 @@ mod tests {
             outcome: &Outcome,
             retention: Duration,
         ) -> crate::Result<()> {
-            if take_one(&self.completes_refused) {
+            if take_one(&self.completes_refused) || self.away() {
                 return Err(Error::Config(GONE.into()));
             }
             if self
@@ -1486,7 +1511,7 @@ mod tests {
                 self.panicked.swap(true, Ordering::SeqCst),
                 "the store's renew panics"
             );
-            if take_one(&self.renewals_refused) {
+            if take_one(&self.renewals_refused) || self.away() {
                 return Err(Error::Config(GONE.into()));
             }
             self.inner.renew(id, token, lease).await
@@ -1581,8 +1606,14 @@ mod tests {
             completes_refused: 1.into(),
             ..RenewPanicsOnce::default()
         };
-        let executor = Executor::new(Arc::new(store))
-            .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
+        stored_late_and_replayed(store, Duration::from_secs(1)).await;
+    }
+
+    /// Runs an operation on `store` whose outcome it does not take at once (`NotStored`),
+    /// waits for the late write, and expects the retry to replay that outcome.
+    async fn stored_late_and_replayed(store: RenewPanicsOnce, lease: Duration) {
+        let executor =
+            Executor::new(Arc::new(store)).with_policy(Policy::default().with_lease(lease));
         let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
         let first = executor
             .run(&scope, &k, &fp, || async { Ok::<_, &str>(7u32) })
@@ -1605,6 +1636,21 @@ mod tests {
             ),
             "{again:?}"
         );
+    }
+
+    /// A store whose table is away for longer than a lease (completions and renewals both
+    /// answered `Config`) takes the outcome itself once it is back, not the not-stored marker
+    /// the late write switched to meanwhile: the retry replays the value. (Before, the next
+    /// write after the table came back was the marker's.)
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_refused_while_the_table_was_away_is_stored_once_it_is_back() {
+        let lease = Duration::from_secs(1);
+        let store = RenewPanicsOnce {
+            panicked: true.into(),
+            away_until: Some(Instant::now() + lease * 3),
+            ..RenewPanicsOnce::default()
+        };
+        stored_late_and_replayed(store, lease).await;
     }
 
     /// An outcome the store refuses for good while it takes renewals (too large for it) is
@@ -1825,10 +1871,16 @@ mod tests {
             let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 futures::executor::block_on(&mut run)
             }));
-            let _ = done.send(ran.is_err());
+            let why = ran
+                .err()
+                .and_then(|panic| panic.downcast_ref::<&str>().copied());
+            let _ = done.send(why.map(str::to_owned));
         });
         let panicked = finished.recv_timeout(Duration::from_secs(60));
-        assert_eq!(panicked, Ok(true), "a panic, not a wait for ever");
+        assert!(
+            matches!(&panicked, Ok(Some(why)) if why.contains("runtime dropped this work")),
+            "a panic, not a wait for ever: {panicked:?}"
+        );
     }
 
     /// A run whose renewals stopped for good (their task was on a runtime that shut down;

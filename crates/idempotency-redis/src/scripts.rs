@@ -339,9 +339,9 @@ pub(crate) fn clock() -> Script {
 /// Runs once per receipt: its answer is kept there until it is too late anyway, and a copy
 /// of the same call run again answers it and touches nothing. A cluster connection sends a
 /// script whose answer timed out again; a second copy that found the record its first copy
-/// deleted replaced by a new attempt's lease deleted that too. The receipt is kept a grace
-/// past the deadline, so a copy that comes after it is answered what the first did, not "too
-/// late".
+/// deleted replaced by a new attempt's lease deleted that too. The receipt is kept ten
+/// seconds past the deadline, so a copy that comes just after it, while its caller still
+/// waits, is answered what the first did, not "too late".
 ///
 /// `allow-oom`: a Redis full under `noeviction` still takes the receipt (refused, a release
 /// that deleted nothing failed as a whole).
@@ -382,7 +382,7 @@ end
 return 0
 end
 local found = release()
-redis.call('SET', KEYS[2], found, 'PX', tonumber(ARGV[4]) - now + tonumber(ARGV[3]))
+redis.call('SET', KEYS[2], found, 'PX', tonumber(ARGV[4]) - now + 10000)
 return found
 "
     ))

@@ -1516,7 +1516,7 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
             false
         }
         Err(error) => {
-            tracing::error!(%error, "the store refused the outcome; a marker that says so is stored in its place");
+            tracing::error!(%error, "the store refused the outcome; still trying in the background (a marker in its place if it keeps refusing it)");
             false
         }
     }
