@@ -201,6 +201,43 @@ fn the_stores_sessions_commit_durably() {
     });
 }
 
+/// An operator's `ALTER SYSTEM SET synchronous_commit = off` and reload, made while the
+/// store's connections are open, does not reach them: before, a session that had found the
+/// server durable set nothing of its own, and took the reloaded `off` until it was
+/// recycled (claims acknowledged before they were flushed, lost in a crash: the retry runs
+/// again). A Postgres of its own: the setting is the whole server's.
+#[test]
+fn a_server_made_fast_later_does_not_reach_the_stores_sessions() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::start_postgres().await;
+        let store = PostgresStore::builder(pg.url())
+            .per_request()
+            .max_connections(1)
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let show =
+            || sqlx::query_scalar::<_, String>("SHOW synchronous_commit").fetch_one(store.pool());
+        assert_eq!(show().await.expect("show"), "on");
+        for change in [
+            "ALTER SYSTEM SET synchronous_commit = off",
+            "SELECT pg_reload_conf()",
+        ] {
+            sqlx::query(change)
+                .execute(store.pool())
+                .await
+                .expect(change);
+        }
+        // The reload reaches a session between statements.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(show().await.expect("show"), "on");
+    });
+}
+
 /// The start of a trigger body (its `IF` left open): every claim's lease is written short
 /// (as after a long lock wait), so it is re-armed; the first re-arm fails as a
 /// serialization race would (a sequence is not rolled back with the statement, so it fails
@@ -1361,13 +1398,24 @@ async fn executes_within(
 /// serve again from fresh connections to the new primary soon after. sqlx hands a dropped
 /// connection back to its pool by pinging it first, with no timeout: every hung connection
 /// kept its pool slot, the four of the batches went first, and every call failed with a pool
-/// timeout. The store now closes a connection whose statement was given up.
+/// timeout. The store now closes a connection whose statement was given up. So does an
+/// operator's release, whose read of the database's clock was on a bare pooled query (the
+/// operators releasing stuck keys during the failover took the pool's slots for good).
 #[test]
 fn connections_that_hang_mid_statement_do_not_hold_the_pool() {
     block_on(async {
         if services::skipping() {
             return;
         }
+        hung_calls_free_the_pool(false).await;
+        hung_calls_free_the_pool(true).await;
+    });
+}
+
+/// [`connections_that_hang_mid_statement_do_not_hold_the_pool`] with claims, or with
+/// operators' releases, hanging.
+async fn hung_calls_free_the_pool(releases: bool) {
+    {
         let pg = services::postgres().await.expect("postgres");
         let upstream = idempotency_test::relay::upstream(pg.url());
         let relay = idempotency_test::relay::stalling_relay(upstream).await;
@@ -1393,14 +1441,20 @@ fn connections_that_hang_mid_statement_do_not_hold_the_pool() {
         // opens meanwhile) and run out of budget, for a few seconds.
         relay.vanish();
         let hung = ids(24);
+        let scope = idempotency_core::ReleaseScope::default();
         for wave in hung.chunks(3) {
-            futures::future::join_all(wave.iter().map(|id| store.begin(id, &a, LONG))).await;
+            if releases {
+                futures::future::join_all(wave.iter().map(|id| store.force_release(id, scope)))
+                    .await;
+            } else {
+                futures::future::join_all(wave.iter().map(|id| store.begin(id, &a, LONG))).await;
+            }
         }
         relay.fail_over();
         // Served again once the hung connections are closed (sqlx bounds a close at 5 s).
         let answers = executes_within(&store, fresh_id, Duration::from_millis(500)).await;
         assert!(answers.is_ok(), "the store never served again: {answers:?}");
-    });
+    }
 }
 
 /// A claim whose answer is lost on the way back (the connection breaks after Postgres

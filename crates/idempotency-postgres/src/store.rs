@@ -116,16 +116,23 @@ fn pool_options() -> PgPoolOptions {
         // Raised to `local` (flushed on this server), not further: whether commits wait for
         // standbys (`on`, `remote_write`, `remote_apply`) is the operator's choice, which
         // also decides whether a failover can lose them (see the design notes).
+        // Set on the session in any case, even to what it is: a session's own setting
+        // outranks the server's, so an operator's later `ALTER SYSTEM SET synchronous_commit
+        // = off` and reload does not reach the pooled connections.
         .after_connect(|conn, _| {
             Box::pin(async move {
                 let level: String = sqlx::query_scalar("SHOW synchronous_commit")
                     .fetch_one(&mut *conn)
                     .await?;
-                if level == "off" {
-                    sqlx::query("SET synchronous_commit = local")
-                        .execute(&mut *conn)
-                        .await?;
-                }
+                let level = match level.as_str() {
+                    "on" | "remote_write" | "remote_apply" | "local" => level,
+                    _ => "local".to_owned(),
+                };
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET synchronous_commit = {level}"
+                )))
+                .execute(&mut *conn)
+                .await?;
                 Ok(())
             })
         })
@@ -1582,8 +1589,10 @@ impl PostgresStore {
     ) -> Result<ForceReleased> {
         // The end of this call's budget by the database's clock, which the deletes carry:
         // one that arrives later deletes nothing (see `FORCE_RELEASE_SQL`).
-        let clock: f64 = sqlx::query_scalar(CLOCK_SQL)
-            .fetch_one(&self.pool)
+        // On a checked-out connection, as every statement: one that hangs is closed when
+        // given up, not handed back to the pool through a ping that waits for ever.
+        let (clock,): (f64,) = sqlx::query_as(CLOCK_SQL)
+            .fetch_one_on(&self.pool)
             .await
             .map_err(db_error)?;
         let until = clock
