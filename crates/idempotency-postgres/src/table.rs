@@ -50,6 +50,11 @@ impl Table {
         if name.ends_with("_migrations") || name == "_idempotency" {
             return invalid("the name of a migrations table");
         }
+        // Nor an index's: `x_expires_at` is table `x`'s, and whichever came first, the other
+        // table went without (its purge scanning the whole table) or could not be created.
+        if name.ends_with("_expires_at") {
+            return invalid("the name of another table's index (`<table>_expires_at`)");
+        }
         if schema.is_some_and(|s| s.starts_with("pg_")) {
             return invalid("`pg_` schemas are reserved");
         }
@@ -192,6 +197,8 @@ mod tests {
             ".keys",
             "s.",
             "keys_migrations",
+            "keys_expires_at",
+            "idempotency_keys_expires_at",
             "_idempotency",
             "pg_catalog.keys",
         ] {
