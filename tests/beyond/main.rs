@@ -201,6 +201,53 @@ async fn orders_versioned_as(store: &PostgresStore, version_type: &str) -> (Stat
     (machine, table)
 }
 
+/// Columns named like SQL's own functions (`user`, `current_date`) are the columns: before,
+/// a transition's `WHERE user = $1` compared the role's name with the id, and moved every
+/// row at that status and version when the id was the role's name.
+#[test]
+fn columns_named_like_sql_functions_are_the_columns() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let table = idempotency_test::unique("accounts");
+        let ddl = format!(
+            r#"CREATE TABLE {table} ("user" text PRIMARY KEY, "current_date" text NOT NULL, version bigint NOT NULL)"#
+        );
+        let rows = format!(
+            "INSERT INTO {table} VALUES (current_user, 'pending', 1), ('someone else', 'pending', 1)"
+        );
+        for sql in [ddl, rows] {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .expect("setup");
+        }
+        let machine = StateMachine::builder(&table)
+            .expect("table")
+            .columns("user", "current_date", "version")
+            .expect("columns")
+            .allow("pending", "open")
+            .build()
+            .expect("machine");
+        let (role,): (String,) = sqlx::query_as("SELECT current_user::text")
+            .fetch_one(store.pool())
+            .await
+            .expect("role");
+        let pool = store.pool();
+        assert_eq!(
+            machine.transition(pool, &role, "open", 1).await.expect("t"),
+            Transition::Applied { version: 2 }
+        );
+        assert_eq!(
+            machine
+                .transition(pool, "someone else", "open", 1)
+                .await
+                .expect("t"),
+            Transition::Applied { version: 2 },
+            "the other row moved with the first"
+        );
+    });
+}
+
 /// Also over a `version` column of type `integer`: a move is reported `Applied`, not a
 /// decoding error after the row moved (which a retry then saw as `AlreadyApplied`, so code
 /// acting on `Applied` never acted).

@@ -95,8 +95,11 @@ fn identifier(name: &str) -> Result<String, TransitionError> {
             .next()
             .is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
         && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    // Quoted, though a plain lowercase name means the same quoted: unquoted, `user`,
+    // `current_user` or `current_date` are the SQL functions of that name, not the columns,
+    // and a transition on `WHERE user = $1` moved every row when the id was the role's name.
     if valid {
-        Ok(name.to_owned())
+        Ok(format!("\"{name}\""))
     } else {
         Err(TransitionError::InvalidIdentifier(name.to_owned()))
     }
