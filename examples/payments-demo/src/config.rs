@@ -56,10 +56,20 @@ impl Config {
     /// Reads `BIND`, `DATABASE_URL`, `REDIS_URL`, `IDEMPOTENCY_STORE`,
     /// `IDEMPOTENCY_RETENTION_MS`, `IDEMPOTENCY_LEASE_MS`, `ADMIN_TOKEN` and `DEMO_CRASH`.
     pub(crate) fn from_env() -> Result<Self, String> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let database_url = var("DATABASE_URL");
-        let redis_url = var("REDIS_URL");
-        let mode = match var("IDEMPOTENCY_STORE").as_deref() {
+        // Set but empty is a mistake (a secret that did not arrive), not "unset": read as
+        // unset, an empty `DATABASE_URL` quietly chose a store that keeps nothing durable.
+        let var = |name: &str| -> Result<Option<String>, String> {
+            match std::env::var(name) {
+                Ok(value) if value.trim().is_empty() => Err(format!(
+                    "{name} is set but empty: give it a value, or unset it"
+                )),
+                Ok(value) => Ok(Some(value)),
+                Err(_) => Ok(None),
+            }
+        };
+        let database_url = var("DATABASE_URL")?;
+        let redis_url = var("REDIS_URL")?;
+        let mode = match var("IDEMPOTENCY_STORE")?.as_deref() {
             None => match (&database_url, &redis_url) {
                 (Some(_), Some(_)) => Mode::Hybrid,
                 (Some(_), None) => Mode::Postgres,
@@ -90,15 +100,24 @@ impl Config {
         }
         let retention = millis_var(
             "IDEMPOTENCY_RETENTION_MS",
-            var("IDEMPOTENCY_RETENTION_MS"),
+            var("IDEMPOTENCY_RETENTION_MS")?,
             Duration::from_secs(24 * 3600),
         )?;
         let lease = millis_var(
             "IDEMPOTENCY_LEASE_MS",
-            var("IDEMPOTENCY_LEASE_MS"),
+            var("IDEMPOTENCY_LEASE_MS")?,
             Duration::from_secs(30),
         )?;
-        let allow_crash = match var("DEMO_CRASH").as_deref().map(str::trim) {
+        // A lease is a round trip or two at least (a grant that arrives with half of it gone
+        // is given back: under 100 ms, a network store answers nearly every charge 503), and
+        // at most what a crashed attempt may hold its key for.
+        if !(Duration::from_millis(100)..=Duration::from_secs(24 * 3600)).contains(&lease) {
+            return Err(format!(
+                "IDEMPOTENCY_LEASE_MS={} is outside 100 ms to a day",
+                lease.as_millis()
+            ));
+        }
+        let allow_crash = match var("DEMO_CRASH")?.as_deref().map(str::trim) {
             None | Some("0" | "false") => false,
             Some("1" | "true") => true,
             Some(other) => {
@@ -106,13 +125,13 @@ impl Config {
             }
         };
         Ok(Self {
-            bind: var("BIND").unwrap_or_else(|| "127.0.0.1:3000".into()),
+            bind: var("BIND")?.unwrap_or_else(|| "127.0.0.1:3000".into()),
             database_url,
             redis_url,
             mode,
             retention,
             lease,
-            admin_token: var("ADMIN_TOKEN"),
+            admin_token: var("ADMIN_TOKEN")?,
             allow_crash,
         })
     }

@@ -692,6 +692,21 @@ fn a_demo_crash_that_is_not_a_switch_is_a_clear_startup_error() {
     assert!(err.contains("DEMO_CRASH"), "{err}");
 }
 
+/// A variable set but empty (a secret that did not arrive) is a startup error, not "unset":
+/// an empty `DATABASE_URL` quietly chose the memory store. And a lease outside 100 ms to a
+/// day is refused (at 1 ms, a network store answered nearly every charge 503).
+#[test]
+fn an_empty_variable_or_an_unusable_lease_is_a_clear_startup_error() {
+    for name in ["DATABASE_URL", "REDIS_URL", "ADMIN_TOKEN"] {
+        let err = startup_error(name, "");
+        assert!(err.contains(&format!("{name} is set but empty")), "{err}");
+    }
+    for lease in ["1", "99", "86400001"] {
+        let err = startup_error("IDEMPOTENCY_LEASE_MS", lease);
+        assert!(err.contains("IDEMPOTENCY_LEASE_MS"), "{lease}: {err}");
+    }
+}
+
 /// Starts the demo in memory mode with `name=value`, expects it to refuse to start, and
 /// returns what it wrote to stderr.
 fn startup_error(name: &str, value: &str) -> String {
