@@ -1329,21 +1329,53 @@ fn a_claim_that_commits_after_the_third_look_is_still_given_back() {
     ));
 }
 
+/// With a small budget the looks counted in budgets end early (1,365 budgets of 10 ms are
+/// under 14 s): a claim that commits after them, still within the sessions' statement
+/// timeout (its lock wait), is given back by a look at that timeout. Before, it was left to
+/// nobody: `InFlight` for the lease, then `TakeOver`.
+#[test]
+fn a_claim_that_commits_after_a_small_budgets_looks_is_still_given_back() {
+    block_on(a_claim_committing_late_is_given_back_with(
+        Duration::from_millis(10),
+        Duration::from_secs(20),
+        Duration::from_secs(15), // after the drain; the looks end at 13.65 s
+        Duration::from_secs(1),
+    ));
+}
+
 /// A per-request store with a 300 ms budget claims a key whose row another transaction
 /// holds for `held`, uncommitted, then the claim commits: its grant must be given back
 /// (`executes_within(pause)`).
 async fn a_claim_committing_late_is_given_back(held: Duration, pause: Duration) {
+    let (budget, statement_timeout) = (Duration::from_millis(300), Duration::from_secs(30));
+    a_claim_committing_late_is_given_back_with(budget, statement_timeout, held, pause).await;
+}
+
+/// [`a_claim_committing_late_is_given_back`] with the claiming store's `budget` and
+/// `statement_timeout`; the answers are read through a store with the default budget.
+async fn a_claim_committing_late_is_given_back_with(
+    budget: Duration,
+    statement_timeout: Duration,
+    held: Duration,
+    pause: Duration,
+) {
     let Some(pg) = services::postgres().await else {
         return;
     };
     let store = PostgresStore::builder(pg.url())
         .per_request()
-        .call_timeout(Duration::from_millis(300))
-        .statement_timeout(Duration::from_secs(30))
+        .call_timeout(budget)
+        .statement_timeout(statement_timeout)
         .connect()
         .await
         .expect("store");
+    // Also opens a connection, so that the claim is sent, not given up while connecting.
     store.migrate().await.expect("migrate");
+    let reader = PostgresStore::builder(pg.url())
+        .per_request()
+        .connect()
+        .await
+        .expect("reader");
     let id = fresh_id();
     // Another transaction holds the key's row, uncommitted: the claim's insert waits.
     let mut blocker = store.pool().begin().await.expect("transaction");
@@ -1368,7 +1400,7 @@ async fn a_claim_committing_late_is_given_back(held: Duration, pause: Duration) 
     tokio::time::sleep(held).await;
     // The blocker rolls back and the claim's insert commits: a lease for a caller long gone.
     blocker.rollback().await.expect("rollback");
-    let answers = executes_within(&store, || id, pause).await;
+    let answers = executes_within(&reader, || id, pause).await;
     assert!(
         answers.is_ok(),
         "the late grant was never given back: {answers:?}"

@@ -57,6 +57,9 @@ const MAX_BEGIN_ROUNDS: usize = 8;
 pub struct PostgresStore {
     pool: PgPool,
     call_timeout: Duration,
+    /// The sessions' `statement_timeout`, when the builder set it (`None` on an
+    /// application's pool): how late a statement given up may still commit.
+    statement_timeout: Option<Duration>,
     /// How long the purge keeps an attempt whose outcome is unknown.
     unknown_outcome_retention: Duration,
     /// Shared: a store is cloned per call (claims and batches own one), and the names are
@@ -316,6 +319,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             pool,
             call_timeout: self.call_timeout,
+            statement_timeout: Some(self.statement_timeout),
             unknown_outcome_retention: self.unknown_outcome_retention,
             sql: Statements::for_table(&table, ALL_SQL),
             table: Arc::new(table),
@@ -637,6 +641,7 @@ impl PostgresStore {
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
+            statement_timeout: None,
             unknown_outcome_retention: idempotency_core::UNKNOWN_OUTCOME_RETENTION,
             table: Arc::default(),
             sql: Statements::default(),
@@ -1191,6 +1196,7 @@ impl PostgresStore {
             return;
         }
         let late = self.clone();
+        let gave_up = tokio::time::Instant::now();
         self.in_background(async move {
             let mut left = late.give_back_round(grants, 1).await;
             if left.is_empty() {
@@ -1203,8 +1209,34 @@ impl PostgresStore {
                         return;
                     }
                 }
+                // A small budget ends those looks early (1,365 budgets of 250 ms are under six
+                // minutes): looks at the latest a statement may still commit, counted from
+                // the give-up, follow, where the budgets' looks ended before them.
+                for at in late.latest_commits() {
+                    let Some(wait) = at.checked_sub(gave_up.elapsed()) else {
+                        continue;
+                    };
+                    tokio::time::sleep(wait).await;
+                    left = late.give_back_round(left, 0).await;
+                    if left.is_empty() {
+                        return;
+                    }
+                }
             });
         });
+    }
+
+    /// How long after a claim was given up its statement may still commit: once its lock
+    /// wait ends (the sessions' `statement_timeout`, a minute when unknown), once a network
+    /// that heals delivers the bytes a kernel retransmits for about 15 minutes, and a
+    /// commit that waits on a standby, for which an hour and more is allowed.
+    fn latest_commits(&self) -> [Duration; 3] {
+        let lock_wait = self.statement_timeout.unwrap_or(Duration::from_secs(60));
+        [
+            lock_wait.min(idempotency_core::FOR_GOOD) + self.call_timeout,
+            Duration::from_secs(16 * 60),
+            Duration::from_secs(70 * 60),
+        ]
     }
 
     /// After `budgets` call budgets, gives back `grants`, all at once (one after the other, a
