@@ -3,7 +3,7 @@
 
 use std::{future::Future, time::Duration};
 
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use tokio::time::Instant;
 
 use crate::cluster::Cluster;
@@ -20,6 +20,10 @@ enum Fault {
     RedisClientPause,
     /// Postgres killed and started again (its data survives).
     PostgresStop,
+    /// Postgres frozen (`docker pause`: every backend stops where it is) for longer than the
+    /// lease, then thawed: statements their callers gave up commit late, renewals fail, and
+    /// leases run out by its clock while their owners still hold them.
+    PostgresPause,
     /// A gateway SIGKILLed mid-traffic and started again.
     GatewayKill(usize),
     /// A gateway SIGSTOPped for longer than the lease, then SIGCONTed: its charges in flight
@@ -30,9 +34,9 @@ enum Fault {
 
 /// When a fault held, and whether it excuses a second run of a charge's handler.
 ///
-/// Two faults do, as the guarantee says: Postgres down while a charge committed (its
-/// answer lost, the demo answers a 503 marked maybe-applied, and a retry may run the handler
-/// again), and a gateway paused past the lease (an owner still stalled when taken over: the
+/// Three faults do, as the guarantee says: Postgres down or frozen while a charge committed
+/// (its answer lost, the demo answers a 503 marked maybe-applied, and a retry may run the
+/// handler again), and a gateway paused past the lease (an owner still stalled when taken over: the
 /// README's exception; the unique record id keeps the charge single, and `charges.runs`
 /// counts the zombie's run). A gateway killed mid-operation does not: the retry takes the
 /// key over, and the demo's reconcile hook finds the charge. Nor do Redis faults.
@@ -46,7 +50,7 @@ pub(crate) struct Window {
 /// Why a fault's window excuses a second run (the report counts each apart).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Excuse {
-    /// Postgres down: a write may have committed with its answer lost.
+    /// Postgres down or frozen: a write may have committed with its answer lost.
     LostAnswer,
     /// Gateway `.0` paused past the lease: an owner still stalled when taken over.
     StalledOwner(usize),
@@ -62,6 +66,10 @@ pub(crate) async fn run<T>(
 ) -> Result<(T, Vec<Window>, u64), String> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x0fau64);
     let standing = u64::from(cluster.gateways.len() > 1);
+    // Every kind of fault once first, in an order drawn from the seed, then drawn at random:
+    // a short campaign (CI's minute) still meets each kind.
+    let mut first_round = every_fault(cluster);
+    first_round.shuffle(&mut rng);
     let schedule = async {
         let started = Instant::now();
         let mut windows = Vec::new();
@@ -71,12 +79,13 @@ pub(crate) async fn run<T>(
                 break;
             }
             tokio::time::sleep(gap).await;
-            let Some(fault) = pick(&mut rng, cluster) else {
+            let Some(fault) = first_round.pop().or_else(|| pick(&mut rng, cluster)) else {
                 continue;
             };
             let mut hold = Duration::from_millis(rng.random_range(300..2_000));
-            if let Fault::GatewayPause(_) = fault {
-                // Past the lease: the other gateway takes the key over meanwhile.
+            if let Fault::GatewayPause(_) | Fault::PostgresPause = fault {
+                // Past the lease: the key is taken over meanwhile (by the other gateway, or
+                // by whichever reaches the thawed Postgres first).
                 hold += cluster.lease();
             }
             println!(
@@ -89,7 +98,7 @@ pub(crate) async fn run<T>(
                 start,
                 end: Instant::now(),
                 excuse: match fault {
-                    Fault::PostgresStop => Some(Excuse::LostAnswer),
+                    Fault::PostgresStop | Fault::PostgresPause => Some(Excuse::LostAnswer),
                     Fault::GatewayPause(i) => Some(Excuse::StalledOwner(i)),
                     _ => None,
                 },
@@ -104,9 +113,19 @@ pub(crate) async fn run<T>(
 }
 
 fn pick(rng: &mut StdRng, cluster: &Cluster) -> Option<Fault> {
-    let mut choices = Vec::new();
+    let mut choices = service_faults(cluster);
+    if cluster.gateways.len() > 1 {
+        let gateway = rng.random_range(0..cluster.gateways.len());
+        choices.extend([Fault::GatewayKill(gateway), Fault::GatewayPause(gateway)]);
+    }
+    (!choices.is_empty()).then(|| choices[rng.random_range(0..choices.len())])
+}
+
+/// The faults of the services this cluster runs in containers.
+fn service_faults(cluster: &Cluster) -> Vec<Fault> {
+    let mut faults = Vec::new();
     if cluster.redis.is_some() {
-        choices.extend([
+        faults.extend([
             Fault::RedisStop,
             Fault::RedisKill,
             Fault::RedisFlush,
@@ -114,13 +133,20 @@ fn pick(rng: &mut StdRng, cluster: &Cluster) -> Option<Fault> {
         ]);
     }
     if cluster.postgres.is_some() {
-        choices.push(Fault::PostgresStop);
+        faults.extend([Fault::PostgresStop, Fault::PostgresPause]);
     }
+    faults
+}
+
+/// Every fault this cluster can be given, each gateway's included.
+fn every_fault(cluster: &Cluster) -> Vec<Fault> {
+    let mut faults = service_faults(cluster);
     if cluster.gateways.len() > 1 {
-        let gateway = rng.random_range(0..cluster.gateways.len());
-        choices.extend([Fault::GatewayKill(gateway), Fault::GatewayPause(gateway)]);
+        for gateway in 0..cluster.gateways.len() {
+            faults.extend([Fault::GatewayKill(gateway), Fault::GatewayPause(gateway)]);
+        }
     }
-    (!choices.is_empty()).then(|| choices[rng.random_range(0..choices.len())])
+    faults
 }
 
 async fn docker_signal(container: &str, signal: &str) -> Result<(), String> {
@@ -183,6 +209,12 @@ async fn inject(cluster: &mut Cluster, fault: Fault, hold: Duration) -> Result<(
             pg.stop().await;
             tokio::time::sleep(hold).await;
             pg.start().await;
+        }
+        Fault::PostgresPause => {
+            let pg = cluster.postgres.as_ref().ok_or("no Postgres container")?;
+            pg.pause().await;
+            tokio::time::sleep(hold).await;
+            pg.unpause().await;
         }
         Fault::GatewayKill(i) => {
             cluster.kill_gateway(i).await;
