@@ -1435,13 +1435,14 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
-    /// The memory store, except that its first `renew` panics (a store's bug, a bad
-    /// dependency): what the executor makes of a store that unwinds. Its `release` may be
-    /// slow, and it may refuse large outcomes.
+    /// The memory store with faults: its first `renew` panics (a store's bug, a bad
+    /// dependency: what the executor makes of a store that unwinds) unless that panic is
+    /// marked spent; its `release` may be slow; it may refuse large outcomes, or renewals and
+    /// completions as a store whose table is gone.
     #[derive(Default)]
-    struct RenewPanicsOnce {
+    struct FaultyMemory {
         inner: MemoryStore,
-        panicked: std::sync::atomic::AtomicBool,
+        renew_has_panicked: std::sync::atomic::AtomicBool,
         /// How long each `release` takes (a store a round trip away).
         release_takes: Duration,
         /// Outcomes with a longer body are refused (`Unavailable`), as a store refuses
@@ -1455,7 +1456,7 @@ mod tests {
         away_until: Option<Instant>,
     }
 
-    impl RenewPanicsOnce {
+    impl FaultyMemory {
         fn away(&self) -> bool {
             self.away_until.is_some_and(|until| Instant::now() < until)
         }
@@ -1470,7 +1471,7 @@ mod tests {
     }
 
     #[async_trait::async_trait]
-    impl Store for RenewPanicsOnce {
+    impl Store for FaultyMemory {
         async fn begin(
             &self,
             id: &RecordId,
@@ -1508,7 +1509,7 @@ mod tests {
             lease: Duration,
         ) -> crate::Result<()> {
             assert!(
-                self.panicked.swap(true, Ordering::SeqCst),
+                self.renew_has_panicked.swap(true, Ordering::SeqCst),
                 "the store's renew panics"
             );
             if take_one(&self.renewals_refused) || self.away() {
@@ -1540,7 +1541,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_renewal_that_panics_does_not_end_the_renewals() {
         // Polled meanwhile, as a running operation is.
-        a_waiting_run_keeps_its_lease(RenewPanicsOnce::default(), true).await;
+        a_waiting_run_keeps_its_lease(FaultyMemory::default(), true).await;
     }
 
     /// A store that cannot renew at all (it answers a configuration error: its table was
@@ -1548,10 +1549,10 @@ mod tests {
     /// waited at the lease's end for a renewal that never came, for ever.
     #[tokio::test(start_paused = true)]
     async fn a_store_that_cannot_renew_stops_the_run() {
-        let store = RenewPanicsOnce {
-            panicked: true.into(),
+        let store = FaultyMemory {
+            renew_has_panicked: true.into(),
             renewals_refused: usize::MAX.into(),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         let executor = Executor::new(Arc::new(store))
             .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
@@ -1570,10 +1571,10 @@ mod tests {
     /// answer, leaving its lease to run out: the retry ran it again.)
     #[tokio::test(start_paused = true)]
     async fn a_renewal_refused_once_does_not_stop_the_run() {
-        let store = RenewPanicsOnce {
-            panicked: true.into(),
+        let store = FaultyMemory {
+            renew_has_panicked: true.into(),
             renewals_refused: 1.into(),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         let executor = Executor::new(Arc::new(store))
             .with_policy(Policy::default().with_lease(Duration::from_secs(3)));
@@ -1601,17 +1602,17 @@ mod tests {
     /// retry was told the outcome was not stored.)
     #[tokio::test(start_paused = true)]
     async fn a_completion_refused_once_is_stored_late() {
-        let store = RenewPanicsOnce {
-            panicked: true.into(),
+        let store = FaultyMemory {
+            renew_has_panicked: true.into(),
             completes_refused: 1.into(),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         stored_late_and_replayed(store, Duration::from_secs(1)).await;
     }
 
     /// Runs an operation on `store` whose outcome it does not take at once (`NotStored`),
     /// waits for the late write, and expects the retry to replay that outcome.
-    async fn stored_late_and_replayed(store: RenewPanicsOnce, lease: Duration) {
+    async fn stored_late_and_replayed(store: FaultyMemory, lease: Duration) {
         let executor =
             Executor::new(Arc::new(store)).with_policy(Policy::default().with_lease(lease));
         let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
@@ -1645,10 +1646,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_outcome_refused_while_the_table_was_away_is_stored_once_it_is_back() {
         let lease = Duration::from_secs(1);
-        let store = RenewPanicsOnce {
-            panicked: true.into(),
+        let store = FaultyMemory {
+            renew_has_panicked: true.into(),
             away_until: Some(Instant::now() + lease * 3),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         stored_late_and_replayed(store, lease).await;
     }
@@ -1658,10 +1659,10 @@ mod tests {
     /// write gave up and left the lease to run out, and the retry ran the operation again.
     #[tokio::test(start_paused = true)]
     async fn an_outcome_refused_for_good_leaves_a_marker_not_a_second_run() {
-        let store = RenewPanicsOnce {
-            panicked: true.into(), // renewals work
+        let store = FaultyMemory {
+            renew_has_panicked: true.into(),
             refuse_bodies_over: Some(512),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         let executor = Executor::new(Arc::new(store))
             .with_policy(Policy::default().with_lease(Duration::from_secs(1)));
@@ -1696,9 +1697,9 @@ mod tests {
     /// thread runs on the wall clock.)
     #[tokio::test]
     async fn a_failed_run_held_without_polling_still_gives_its_lease_back() {
-        let store = RenewPanicsOnce {
+        let store = FaultyMemory {
             release_takes: Duration::from_millis(20),
-            ..RenewPanicsOnce::default()
+            ..FaultyMemory::default()
         };
         let executor = Executor::new(Arc::new(store))
             .with_policy(Policy::default().with_lease(Duration::from_secs(60)));
