@@ -36,6 +36,9 @@ pub(crate) struct Attempt {
     replayed: bool,
     /// The charge id of a 2xx.
     charge_id: Option<String>,
+    /// The body of a 2xx, as JSON (`Null` when it is not JSON): every 2xx of one key must
+    /// carry the same charge, as it was asked for.
+    body: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default)]
@@ -188,14 +191,16 @@ fn record(
     answer: Result<http::Reply, NoReply>,
 ) -> Attempt {
     let replayed = matches!(&answer, Ok(r) if r.header("idempotent-replayed") == Some("true"));
-    let charge_id = match &answer {
-        Ok(reply) if (200..300).contains(&reply.status) => {
+    let body = match &answer {
+        Ok(reply) if (200..300).contains(&reply.status) => Some(
             serde_json::from_str::<serde_json::Value>(&reply.body)
-                .ok()
-                .and_then(|v| v["id"].as_str().map(str::to_owned))
-        }
+                .unwrap_or(serde_json::Value::Null),
+        ),
         _ => None,
     };
+    let charge_id = body
+        .as_ref()
+        .and_then(|v| v["id"].as_str().map(str::to_owned));
     Attempt {
         charge,
         attempt,
@@ -204,6 +209,7 @@ fn record(
         answer: answer.map(|r| r.status),
         replayed,
         charge_id,
+        body,
     }
 }
 
@@ -234,6 +240,49 @@ async fn futures_join_all<F: std::future::Future>(
         .into_iter()
         .map(|o| o.expect("every future finished"))
         .collect()
+}
+
+/// What one answer says about its key's charge.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Not a final answer, or the key's charge as it was asked for.
+    Right,
+    /// A 2xx whose charge id is not in the table.
+    Lost,
+    /// A 422, a 2xx naming no charge or another key's, or one whose charge is not what the
+    /// client asked for (amount, currency, customer, or the table's amount), or whose body is
+    /// not the key's first 2xx body (a replay of something else than the stored outcome).
+    Wrong,
+}
+
+fn verdict(
+    attempt: &Attempt,
+    charge: &Charge,
+    table: &HashMap<&str, (&str, i64)>,
+    first_body: Option<&serde_json::Value>,
+) -> Verdict {
+    if attempt.answer == Ok(422) {
+        return Verdict::Wrong; // one body per key: "reused for a different request" is wrong
+    }
+    let Some(body) = &attempt.body else {
+        return Verdict::Right;
+    };
+    let Some(id) = &attempt.charge_id else {
+        return Verdict::Wrong; // a 2xx that names no charge
+    };
+    let Some((customer, amount)) = table.get(id.as_str()) else {
+        return Verdict::Lost;
+    };
+    let asked = *customer == charge.customer
+        && *amount == i64::from(charge.amount)
+        && body["amount"].as_i64() == Some(i64::from(charge.amount))
+        && body["currency"] == "eur"
+        && body["customer"] == charge.customer.as_str();
+    if asked && first_body == Some(body) {
+        Verdict::Right
+    } else {
+        Verdict::Wrong
+    }
 }
 
 /// What the check found.
@@ -292,11 +341,12 @@ fn in_flight_streaks(
     (stuck, longest)
 }
 
-/// The campaign's charges as the demo recorded them: id, customer, runs of the handler.
+/// The campaign's charges as the demo recorded them: id, customer, runs of the handler,
+/// amount.
 async fn charge_rows(
     history: &History,
     postgres_url: &str,
-) -> Result<Vec<(String, String, i32)>, String> {
+) -> Result<Vec<(String, String, i32, i64)>, String> {
     let pool = sqlx::PgPool::connect(postgres_url)
         .await
         .map_err(|e| format!("connecting to Postgres for the check: {e}"))?;
@@ -311,12 +361,13 @@ async fn charge_rows(
                 .to_owned()
         })
         .unwrap_or_default();
-    let rows =
-        sqlx::query_as("SELECT id, customer, runs FROM charges WHERE customer LIKE $1 || '-%'")
-            .bind(&prefix)
-            .fetch_all(&pool)
-            .await
-            .map_err(|e| format!("reading charges: {e}"));
+    let rows = sqlx::query_as(
+        "SELECT id, customer, runs, amount FROM charges WHERE customer LIKE $1 || '-%'",
+    )
+    .bind(&prefix)
+    .fetch_all(&pool)
+    .await
+    .map_err(|e| format!("reading charges: {e}"));
     pool.close().await;
     rows
 }
@@ -330,7 +381,7 @@ pub(crate) async fn runs_before_probes(
     Ok(charge_rows(history, postgres_url)
         .await?
         .into_iter()
-        .map(|(_, customer, runs)| (customer, runs))
+        .map(|(_, customer, runs, _)| (customer, runs))
         .collect())
 }
 
@@ -347,9 +398,12 @@ pub(crate) async fn runs_before_probes(
 ///   after its charge committed excuses nothing (the retry takes the key over and the
 ///   demo's reconcile hook finds the charge), nor do Redis faults.
 /// - **lost**: a 2xx whose charge id is not in the table.
-/// - **wrong**: a 2xx carrying another key's charge, or no charge id at all; or a 422 (every
-///   client sends one body per key: "key reused for a different request" is a wrong answer,
-///   and refuses a charged client for good).
+/// - **wrong**: a 2xx carrying another key's charge, or no charge id at all, or a charge of
+///   another amount, currency or customer than its client asked for (or than the table
+///   holds), or a body other than the key's first 2xx body (every retry gets the stored
+///   outcome, byte for byte once parsed); or a 422 (every client sends one body per key:
+///   "key reused for a different request" is a wrong answer, and refuses a charged client
+///   for good).
 /// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
 ///   anything but 2xx (or 422, counted as wrong); or a key told 409 on end during the
 ///   campaign for more than two leases that no fault explains (see [`in_flight_streaks`]).
@@ -364,14 +418,14 @@ pub(crate) async fn check(
 ) -> Result<Report, String> {
     let rows = charge_rows(history, postgres_url).await?;
     let mut per_customer: HashMap<&str, usize> = HashMap::new();
-    for (_, customer, _) in &rows {
+    for (_, customer, _, _) in &rows {
         *per_customer.entry(customer).or_default() += 1;
     }
     let two_rows = per_customer.values().filter(|n| **n > 1).count();
     let ran_twice: HashSet<&str> = rows
         .iter()
-        .filter(|(_, _, runs)| *runs > 1)
-        .map(|(_, customer, _)| customer.as_str())
+        .filter(|(_, _, runs, _)| *runs > 1)
+        .map(|(_, customer, _, _)| customer.as_str())
         .collect();
     // Each charge's attempts, in the order its client made them.
     let mut by_charge: Vec<Vec<&Attempt>> = vec![Vec::new(); history.charges.len()];
@@ -387,7 +441,7 @@ pub(crate) async fn check(
         // long cleared: nothing excuses it.
         // (Its 200 carries `Idempotent-Replayed` as a stored one does: the runs counted
         // before the probes tell them apart.)
-        let probe_ran = rows.iter().any(|(_, customer, runs)| {
+        let probe_ran = rows.iter().any(|(_, customer, runs, _)| {
             *customer == charge.customer
                 && before_probes
                     .get(customer)
@@ -439,26 +493,28 @@ pub(crate) async fn check(
         }
     }
     let duplicates = two_rows + reexecuted;
-    let owner: HashMap<&str, &str> = rows
+    let table: HashMap<&str, (&str, i64)> = rows
         .iter()
-        .map(|(id, customer, _)| (id.as_str(), customer.as_str()))
+        .map(|(id, customer, _, amount)| (id.as_str(), (customer.as_str(), *amount)))
         .collect();
+    // Each key's first 2xx body: every other 2xx of the key must be the same.
+    let mut first_body: Vec<Option<&serde_json::Value>> = vec![None; history.charges.len()];
+    for attempt in history.attempts.iter().chain(probes) {
+        if let (Some(body), slot @ None) = (&attempt.body, &mut first_body[attempt.charge]) {
+            *slot = Some(body);
+        }
+    }
     let (mut lost, mut wrong) = (0, 0);
     for attempt in history.attempts.iter().chain(probes) {
-        if attempt.answer == Ok(422) {
-            wrong += 1; // one body per key: "reused for a different request" is wrong
-            continue;
-        }
-        let Some(id) = &attempt.charge_id else {
-            if matches!(attempt.answer, Ok(status) if (200..300).contains(&status)) {
-                wrong += 1; // a 2xx that names no charge
-            }
-            continue;
-        };
-        match owner.get(id.as_str()) {
-            None => lost += 1,
-            Some(customer) if *customer != history.charges[attempt.charge].customer => wrong += 1,
-            Some(_) => {}
+        match verdict(
+            attempt,
+            &history.charges[attempt.charge],
+            &table,
+            first_body[attempt.charge],
+        ) {
+            Verdict::Right => {}
+            Verdict::Lost => lost += 1,
+            Verdict::Wrong => wrong += 1,
         }
     }
     let stuck_at_the_end = probes
@@ -531,7 +587,50 @@ mod tests {
             answer: Ok(status),
             replayed: false,
             charge_id: None,
+            body: None,
         }
+    }
+
+    /// Every 2xx of a key carries the key's charge as it was asked for, the same body each
+    /// time; an id the table does not hold is lost.
+    #[test]
+    fn answers_carry_the_charge_asked_for_and_the_first_body() {
+        let at = Instant::now();
+        let charge = Charge {
+            key: "k".into(),
+            customer: "run-0-0".into(),
+            amount: 1_250,
+        };
+        let body = |id: &str, amount: i64, created: &str| {
+            serde_json::json!({"id": id, "amount": amount, "currency": "eur",
+                "customer": "run-0-0", "status": "succeeded", "created_at": created})
+        };
+        let with = |status: u16, body: serde_json::Value| Attempt {
+            charge_id: body["id"].as_str().map(str::to_owned),
+            body: Some(body),
+            ..answered(0, 0, 10, status, at)
+        };
+        let table: HashMap<&str, (&str, i64)> = [
+            ("ch_1", ("run-0-0", 1_250)),
+            ("ch_2", ("run-0-1", 1_250)),
+            ("ch_3", ("run-0-0", 9_999)),
+        ]
+        .into_iter()
+        .collect();
+        let first = body("ch_1", 1_250, "t0");
+        let check = |attempt: &Attempt| verdict(attempt, &charge, &table, Some(&first));
+        assert_eq!(check(&with(201, first.clone())), Verdict::Right);
+        assert_eq!(check(&with(200, first.clone())), Verdict::Right);
+        assert_eq!(check(&answered(0, 0, 10, 409, at)), Verdict::Right);
+        assert_eq!(check(&answered(0, 0, 10, 422, at)), Verdict::Wrong);
+        // Replayed with another amount, or another body, than the key's charge.
+        assert_eq!(check(&with(201, body("ch_1", 1_000, "t0"))), Verdict::Wrong);
+        assert_eq!(check(&with(201, body("ch_1", 1_250, "t1"))), Verdict::Wrong);
+        // Another key's charge, a charge the table holds for another amount, none at all.
+        assert_eq!(check(&with(201, body("ch_2", 1_250, "t0"))), Verdict::Wrong);
+        assert_eq!(check(&with(201, body("ch_3", 1_250, "t0"))), Verdict::Wrong);
+        assert_eq!(check(&with(201, serde_json::Value::Null)), Verdict::Wrong);
+        assert_eq!(check(&with(201, body("ch_9", 1_250, "t0"))), Verdict::Lost);
     }
 
     /// 409s for more than two leases that no fault explains are stuck, even when the key
