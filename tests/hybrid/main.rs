@@ -2356,3 +2356,87 @@ async fn hybrid_within(pg_url: &str, redis_url: &str, budget: Duration) -> Hybri
         .expect("redis store");
     HybridStore::new(pg_store(pg_url).await, redis, BreakerConfig::default())
 }
+
+/// A renewal answers once Postgres renewed the lease: the mirror's extension in Redis does not
+/// hold it up. Awaited, a Redis that stalled (here its requests arrive 3 s late, past the
+/// 500 ms budget) held each renewal a budget longer than the lease it renewed (400 ms), the
+/// next renewal came after the row's lease had run out, and a retry on another gateway took
+/// the key over and ran the operation a second time while the first still ran.
+#[test]
+fn a_renewal_does_not_wait_for_a_stalled_redis() {
+    use idempotency_core::{Executor, IdempotencyKey, Policy, Scope};
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(redis.url())).await;
+        let store = Arc::new(
+            hybrid_within(
+                pg.url(),
+                &relay::through(redis.url(), relay.port),
+                Duration::from_millis(500),
+            )
+            .await,
+        );
+        let other_gateway = pg_store(pg.url()).await;
+        let executor = Executor::new(store.clone())
+            .with_policy(Policy::default().with_lease(Duration::from_millis(400)));
+        let (scope, key) = (
+            Scope::new("renewals"),
+            IdempotencyKey::new(idempotency_test::unique("k")).unwrap(),
+        );
+        let (id, fp) = (RecordId::new(&scope, &key), Fingerprint::of(b"charge"));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (started, mut running) = tokio::sync::oneshot::channel();
+        let run = {
+            let runs = runs.clone();
+            let (executor, scope, key) = (executor.clone(), scope.clone(), key.clone());
+            tokio::spawn(async move {
+                executor
+                    .run(&scope, &key, &fp, || async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        let _ = started.send(());
+                        tokio::time::sleep(Duration::from_millis(1_800)).await;
+                        Ok::<_, std::io::Error>(String::from("charged"))
+                    })
+                    .await
+            })
+        };
+        (&mut running).await.expect("the operation started");
+        // Redis stalls while the operation runs; retries arrive on a gateway without it.
+        relay.delay_requests(Duration::from_secs(3));
+        let mut answers = Vec::new();
+        while !run.is_finished() {
+            match other_gateway.begin(&id, &fp, Duration::from_secs(30)).await {
+                Ok(Begin::InFlight { .. }) | Err(_) => {}
+                Ok(other) => {
+                    answers.push(format!("{other:?}"));
+                    if let Begin::TakeOver(token) | Begin::Execute(token) = other {
+                        runs.fetch_add(1, Ordering::SeqCst); // the retry runs it
+                        other_gateway
+                            .complete(&id, token, &Outcome::new(200), LONG_RETENTION)
+                            .await
+                            .expect("the retry's outcome");
+                    }
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        relay.delay_requests(Duration::ZERO);
+        let first = run.await.expect("the run's task");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "the operation ran twice; the other gateway was answered {answers:?}, the first \
+             run {first:?}"
+        );
+        assert!(first.is_ok(), "{first:?}");
+    });
+}
+
+const LONG_RETENTION: Duration = Duration::from_secs(3600);

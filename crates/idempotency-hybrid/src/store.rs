@@ -37,7 +37,9 @@ use crate::{
 ///    decides. **Redis is never the reason an operation runs.**
 /// 3. What Postgres said is mirrored into Redis, best effort: a granted lease, a replayed
 ///    outcome (with the TTL Postgres has left, so Redis never outlives the row).
-/// 4. `complete` / `release` / `renew` go to Postgres first, fenced; then to Redis.
+/// 4. `complete` / `release` / `renew` go to Postgres first, fenced; then to Redis (a
+///    renewal's mirror is extended after it answers: a stalled Redis must not delay the next
+///    renewal past the lease).
 ///
 /// Under [`CachePolicy::Adaptive`], steps 1 and 3 (and the outcome's copy in 4) run only
 /// while duplicates are common enough for Redis to pay; otherwise the store is Postgres alone.
@@ -1217,8 +1219,11 @@ impl Store for HybridStore {
         .await
     }
 
+    /// Answers once Postgres renewed the lease; the mirror in Redis is extended after
+    /// answering (see below).
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         idempotency_core::observe(self.name(), "renew", async {
+            let asked = Instant::now();
             self.pg.renew(id, token, lease).await?;
             if !self.may_be_mirrored(&token) {
                 return Ok(());
@@ -1232,17 +1237,28 @@ impl Store for HybridStore {
             }
             // Noted before the call: a renew whose answer is lost may still have run.
             self.note_mirror(token, lease.min(self.mirror_ttl));
-            self.try_redis(|| async {
-                match self
-                    .redis
-                    .renew(id, token, lease.min(self.mirror_ttl))
-                    .await
-                {
-                    Err(Error::LeaseLost) => Ok(()),
-                    other => other,
+            // After answering: a renewal held up by a stalled Redis (one budget for the
+            // repairs, one for the call) came after the lease it renewed had run out when
+            // the lease was short, and a retry elsewhere took the key over and ran the
+            // operation a second time. Landing late, the extension is harmless: fenced on
+            // this token and on a live lease, it touches no released key, no other
+            // attempt's mirror and no outcome. Its TTL counts from the Postgres ask, so the
+            // mirror says "in flight" no longer than the row's lease (plus the time on the
+            // wire).
+            let (this, id) = (self.clone(), *id);
+            tokio::spawn(async move {
+                let left = lease.min(this.mirror_ttl).saturating_sub(asked.elapsed());
+                if left < Duration::from_millis(1) {
+                    return; // Redis refuses a TTL of zero, and the mirror ends by itself.
                 }
-            })
-            .await;
+                this.try_redis(|| async {
+                    match this.redis.renew(&id, token, left).await {
+                        Err(Error::LeaseLost) => Ok(()),
+                        other => other,
+                    }
+                })
+                .await;
+            });
             Ok(())
         })
         .await
