@@ -109,7 +109,7 @@ use idempotency::{
 use redis::{
     AsyncCommands, Script, Value,
     aio::MultiplexedConnection,
-    streams::{StreamAutoClaimOptions, StreamPendingCountReply, StreamReadOptions},
+    streams::{StreamPendingCountReply, StreamReadOptions},
 };
 use sqlx::PgPool;
 
@@ -228,10 +228,6 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
-    /// Messages trimmed while pending whose dead letter is still to be written: `XAUTOCLAIM`
-    /// reports such an id once, and takes it off the pending list, so this consumer is the
-    /// only one that knows of it.
-    trimmed: Vec<String>,
     /// The scope an earlier version keyed charges by, consulted before a charge is applied
     /// ([`Consumer::with_previous_scope`]).
     previous_scope: Option<Scope>,
@@ -279,7 +275,6 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
-            trimmed: Vec::new(),
             previous_scope: None,
             crash_before_ack: None,
             crash_before_dead_letter: None,
@@ -388,26 +383,27 @@ impl Consumer {
         // Read as values, not as `StreamAutoClaimReply` or `StreamReadReply`: those take
         // field names for strings, and one name that is not UTF-8 failed the whole reply, so
         // every message read with it stayed pending and came back with it, for ever.
-        let claimed: Value = self
-            .redis
-            .xautoclaim_options(
-                &self.stream,
-                &self.group,
-                &self.name,
-                idle,
-                &self.claim_from,
-                StreamAutoClaimOptions::default().count(count),
-            )
+        //
+        // Messages trimmed from the stream while pending are dead-lettered by the claim's own
+        // script: `XAUTOCLAIM` takes them off the pending list and reports them once, so
+        // written later, by this process, they were lost without a trace when its answer
+        // was (a response timeout, a poll dropped at this await) or the process restarted.
+        let claimed: Value = CLAIM
+            .key(&self.stream)
+            .key(&self.dead_letter_stream)
+            .key(&self.failures)
+            .arg(&self.group)
+            .arg(&self.name)
+            .arg(idle)
+            .arg(&self.claim_from)
+            .arg(count)
+            .arg(TRIMMED_REASON)
+            .invoke_async(&mut self.redis)
             .await?;
         let claimed = AutoClaimed::from_value(&claimed)?;
-        // Trimmed from the stream while pending: `XAUTOCLAIM` took them off the pending list
-        // and answers them to this consumer alone, once: noted before any await, then
-        // dead-lettered first, before anything else in this poll can fail; one whose dead
-        // letter fails (or whose poll is dropped) stays noted for the next poll.
-        self.trimmed.extend(claimed.deleted.iter().cloned());
-        while let Some(id) = self.trimmed.first().cloned() {
-            self.dead_letter_trimmed(&id, &mut polled).await?;
-            self.trimmed.remove(0);
+        for id in &claimed.deleted {
+            tracing::error!(id, reason = TRIMMED_REASON, stream = %self.dead_letter_stream, "dead-lettered message");
+            polled.dead_lettered += 1;
         }
         let options = StreamReadOptions::default()
             .group(&self.group, &self.name)
@@ -777,42 +773,41 @@ impl Consumer {
         }
         Ok(())
     }
-
-    /// Dead-letters a message trimmed from the stream while it was pending: its id is all
-    /// that is left of it. (`XAUTOCLAIM` took it off the pending list already, answering it
-    /// to this consumer alone, however briefly it had been pending: the consumer it was
-    /// delivered to may be applying it right now, or have applied it and died before its
-    /// `XACK`. Its charge cannot be looked up without its fields, so the reason says so.)
-    async fn dead_letter_trimmed(
-        &mut self,
-        id: &str,
-        polled: &mut Polled,
-    ) -> Result<(), ConsumeError> {
-        let reason = "trimmed from the stream while pending (its fields are gone): it may have \
-                      been applied by the consumer it was delivered to; look for its charge in \
-                      the ledger before publishing it again";
-        tracing::error!(id, reason, stream = %self.dead_letter_stream, "dead-lettering message");
-        let failures: Option<u64> = self.redis.hget(&self.failures, id).await?;
-        let _: Value = redis::pipe()
-            .xadd(
-                &self.dead_letter_stream,
-                "*",
-                &[
-                    ("id", id.to_owned()),
-                    ("reason", reason.to_owned()),
-                    ("failures", failures.unwrap_or(0).to_string()),
-                    ("group", self.group.clone()),
-                    ("consumer", self.name.clone()),
-                ],
-            )
-            .ignore()
-            .hdel(&self.failures, id)
-            .query_async(&mut self.redis)
-            .await?;
-        polled.dead_lettered += 1;
-        Ok(())
-    }
 }
+
+/// Why a message trimmed while pending was dead-lettered. (`XAUTOCLAIM` takes it off the
+/// pending list, however briefly it had been pending: the consumer it was delivered to may
+/// be applying it right now, or have applied it and died before its `XACK`. Its charge
+/// cannot be looked up without its fields.)
+const TRIMMED_REASON: &str = "trimmed from the stream while pending (its fields are gone): it \
+                              may have been applied by the consumer it was delivered to; look \
+                              for its charge in the ledger before publishing it again";
+
+/// `XAUTOCLAIM`, and a dead letter for each message it reports trimmed (deleted from the
+/// stream while pending), in one step: it takes those off the pending list and reports them
+/// this once. The keys are checked first: a script that fails part-way keeps what it did.
+/// KEYS: stream, dead-letter stream, failure counts. ARGV: group, consumer, min idle (ms),
+/// start, count, the dead letters' reason. Answers `XAUTOCLAIM`'s reply.
+static CLAIM: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(
+        r"
+for i, kind in ipairs({'stream', 'hash'}) do
+    local t = redis.call('TYPE', KEYS[i + 1]).ok
+    if t ~= kind and t ~= 'none' then
+        return redis.error_reply('WRONGTYPE ' .. KEYS[i + 1] .. ' holds a ' .. t)
+    end
+end
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+for _, id in ipairs(reply[3] or {}) do
+    local failures = redis.call('HGET', KEYS[3], id) or '0'
+    redis.call('XADD', KEYS[2], '*', 'id', id, 'reason', ARGV[6], 'failures', failures,
+        'group', ARGV[1], 'consumer', ARGV[2])
+    redis.call('HDEL', KEYS[3], id)
+end
+return reply
+",
+    )
+});
 
 /// Whether a failed run failed for its message's sake, so that another delivery would fail
 /// the same way: the ledger refused its data (a data exception, class 22; a constraint, 23;
@@ -863,28 +858,48 @@ const MAX_PAYLOAD_FIELDS: usize = 1_000;
 
 /// Counts a failed attempt of a message, if it is still pending; answers the count (0 if it
 /// is not: another consumer acknowledged it, after this attempt failed, and dropped its
-/// count, which an increment landing after that would leave behind for ever). KEYS: stream,
-/// failure counts. ARGV: group, message id.
+/// count, which an increment landing after that would leave behind for ever). A count is
+/// never more than the deliveries the pending list counts: a group destroyed and created
+/// anew starts those afresh, and its messages' failures with them (the count of the old
+/// group's attempts stayed, and dead-lettered a charge after one failure in the new one).
+/// KEYS: stream, failure counts. ARGV: group, message id.
 static COUNT_FAILURE: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(
         r"
-if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #pending == 0 then
     return 0
 end
-return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+local count = redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+local deliveries = tonumber(pending[1][4])
+if count > deliveries then
+    redis.call('HSET', KEYS[2], ARGV[2], deliveries)
+    return deliveries
+end
+return count
 ",
     )
 });
 
+/// The most fields a charge message may have (it needs three).
+const MAX_MESSAGE_FIELDS: usize = 1_000;
+
 /// The charge a message names, or why it names none.
 fn parse(message: &Entry) -> Result<(String, i64, IdempotencyKey), String> {
-    let mut names: Vec<&[u8]> = Vec::with_capacity(message.fields.len());
+    // Bounded first: the checks below cost a step per field, and a message of a million
+    // fields (which Redis takes) would hold every consumer of the group in turn.
+    if message.fields.len() > MAX_MESSAGE_FIELDS {
+        return Err(format!(
+            "{} fields, more than a charge message has ({MAX_MESSAGE_FIELDS} at most)",
+            message.fields.len()
+        ));
+    }
+    let mut names = std::collections::HashSet::with_capacity(message.fields.len());
     for (name, _) in &message.fields {
         let name = std::str::from_utf8(name).map_err(|_| "a field name is not UTF-8")?;
-        if names.contains(&name.as_bytes()) {
+        if !names.insert(name) {
             return Err(format!("the field {name:?} is given twice"));
         }
-        names.push(name.as_bytes());
     }
     let field = |name: &str| {
         message
