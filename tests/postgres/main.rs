@@ -1081,6 +1081,78 @@ fn a_claim_whose_caller_died_during_its_batch_is_given_back() {
     });
 }
 
+/// A drain started on a runtime that is alive but no longer polled (a current-thread
+/// runtime whose `block_on` returned: it polls its tasks only inside the next one) hands its
+/// slot on once its batch deadline has gone by, as a lone call held without polling does.
+/// It kept the slot for good, and every later call of its kind, from any runtime, queued
+/// behind it and answered `Unavailable`.
+#[test]
+fn a_drain_on_a_runtime_nobody_polls_hands_its_slot_on() {
+    block_on(async {
+        let Some(HeldPair {
+            store,
+            first,
+            second,
+            mut holds,
+            doomed,
+        }) = held_pair().await
+        else {
+            return;
+        };
+        doomed.shutdown_background(); // not needed here
+        holds
+            .pop()
+            .expect("second")
+            .rollback()
+            .await
+            .expect("rollback");
+        let (unpark, parked) = std::sync::mpsc::channel::<()>();
+        let (answered, lone) = tokio::sync::oneshot::channel();
+        // The first claim runs alone in a current-thread runtime's `block_on`, holding the
+        // batch slot; the runtime then lives on, unpolled.
+        let thread = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let _ = answered.send(runtime.block_on(store.begin(&first, &fp("a"), LONG)));
+                let _ = parked.recv();
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The second queues behind it, from this runtime.
+        let queued = {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&second, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The first ends; its slot passes to a drain task on the parked runtime.
+        holds.remove(0).rollback().await.expect("rollback");
+        let lone = lone.await.expect("the lone claim's answer");
+        assert!(matches!(lone, Ok(Begin::Execute(_))), "{lone:?}");
+        let give_up = tokio::time::Instant::now() + store.call_timeout() * 10;
+        let mut refused = 0;
+        loop {
+            match store.begin(&fresh_id(), &fp("a"), LONG).await {
+                Ok(Begin::Execute(_)) => break,
+                Err(Error::Unavailable(_)) if tokio::time::Instant::now() < give_up => {
+                    refused += 1;
+                }
+                other => panic!("after {refused} refusals: {other:?}"),
+            }
+        }
+        let queued = queued.await.expect("task");
+        assert!(
+            matches!(queued, Ok(Begin::Execute(_)) | Err(Error::Unavailable(_))),
+            "{queued:?}"
+        );
+        unpark.send(()).expect("unpark");
+        thread.join().expect("thread");
+    });
+}
+
 /// A group-commit store whose batches wait on a lock far longer than a test's steps, two
 /// fresh keys whose inserts two transactions hold open (claims of them wait until they end),
 /// and a runtime to shut down under a claim.

@@ -17,9 +17,11 @@
 //! Batches of more than one run in tasks of their own: a caller that goes away does not take
 //! its neighbours' answers with it, and its own call still lands (which every store call may
 //! do; `begin`'s callers are protected by `detached_claim`). A batch of one runs in its
-//! caller's task, as the per-request statement would; should that caller keep its future
-//! without polling it, the slot passes to a drain task once the batch deadline has gone by,
-//! so one parked caller cannot stall every call after it.
+//! caller's task, as the per-request statement would. Should that caller keep its future
+//! without polling it — or should a drain task's runtime stop running it (a current-thread
+//! runtime between two `block_on`s, workers all blocked) — the slot passes to a new drain
+//! task once the batch deadline has gone by, so one parked future cannot stall every call
+//! after it.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -252,28 +254,63 @@ pub(crate) struct Batcher<J, R> {
 struct Queue<J, R> {
     waiting: VecDeque<(J, Reply<R>)>,
     running: usize,
-    /// The slots lone calls hold (among `running`), by ticket, with when each took it.
-    lone: Vec<(u64, tokio::time::Instant)>,
+    /// The `running` slots, by ticket, with when each holder last began a batch: a lone
+    /// call when it took its slot, a drain each time it takes calls from the queue.
+    held: Vec<(u64, tokio::time::Instant)>,
     tickets: u64,
     stats: GroupCommitStats,
 }
 
 impl<J, R> Queue<J, R> {
-    /// Takes the slot of a lone call that has held it past its batch deadline, if any. A
-    /// lone call runs in its caller's future: one that is held but no longer polled (a
-    /// caller parked on something else) would hold its slot, and so every call queued
-    /// behind it, for as long as the caller keeps it. Past the deadline a polled call has
-    /// ended (its timer fired), so a slot still held then is handed to a drain. The stalled
-    /// call keeps its own statement, and gives back nothing when it ends.
+    /// Notes a slot taken now (counted in `running` by the caller); returns its ticket.
+    fn hold(&mut self) -> u64 {
+        self.tickets += 1;
+        self.held.push((self.tickets, tokio::time::Instant::now()));
+        self.tickets
+    }
+
+    /// Notes that the holder of `ticket` begins a batch now; false if its slot was taken
+    /// from it ([`take_stalled`](Self::take_stalled)).
+    fn begins(&mut self, ticket: u64) -> bool {
+        match self.held.iter_mut().find(|(held, _)| *held == ticket) {
+            Some((_, since)) => {
+                *since = tokio::time::Instant::now();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets the slot of `ticket`; false if it was taken from it already.
+    fn unhold(&mut self, ticket: u64) -> bool {
+        match self.held.iter().position(|(held, _)| *held == ticket) {
+            Some(i) => {
+                self.held.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes the slot of a holder that began its batch longer ago than the batch deadline,
+    /// if any, for a new drain (the caller notes it with [`hold`](Self::hold)). A holder
+    /// runs in a future that may stop being polled while alive: a lone call in a caller
+    /// parked on something else, or a drain spawned on a runtime that no longer runs its
+    /// tasks (a current-thread runtime whose `block_on` returned, a runtime whose workers
+    /// are all blocked). It would hold its slot, and so every call queued behind it, from
+    /// any runtime, for as long as it is kept. Past the deadline a polled batch has ended
+    /// (its timer fired), so a slot still held then is stalled. The stalled holder keeps
+    /// the statement it has, answers the calls it took if it is ever polled again, and
+    /// gives back nothing when it ends.
     fn take_stalled(&mut self, deadline: Duration) -> bool {
         let now = tokio::time::Instant::now();
         match self
-            .lone
+            .held
             .iter()
-            .position(|(_, took)| now - *took > deadline)
+            .position(|(_, since)| now - *since > deadline)
         {
             Some(i) => {
-                self.lone.swap_remove(i);
+                self.held.swap_remove(i);
                 true
             }
             None => false,
@@ -293,7 +330,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 running: 0,
-                lone: Vec::new(),
+                held: Vec::new(),
                 tickets: 0,
                 stats: GroupCommitStats::default(),
             }),
@@ -315,7 +352,8 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
     ///
     /// A call that finds a slot free and nobody waiting runs as a batch of one in the
     /// caller's own task (no hand-off: a lone request pays nothing). Otherwise it queues, and
-    /// starts a draining task if a slot is free, or held by a lone call past its deadline. A
+    /// starts a draining task if a slot is free, or held by a stalled holder (see
+    /// `Queue::take_stalled`). A
     /// full queue (`max_batch` × 32 calls waiting) refuses a claim at once with
     /// `Unavailable` (back-pressure, not an ever longer wait) and sends any other call the
     /// per-request way; only a call that starts a drain joins it.
@@ -335,10 +373,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             if queue.running < settings.concurrency && queue.waiting.is_empty() {
                 queue.running += 1;
                 queue.stats.statements += 1;
-                queue.tickets += 1;
-                let ticket = queue.tickets;
-                queue.lone.push((ticket, tokio::time::Instant::now()));
-                Start::Lone(ticket)
+                Start::Lone(queue.hold())
             } else {
                 let drain = if queue.running < settings.concurrency {
                     queue.running += 1;
@@ -346,10 +381,11 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 } else {
                     queue.take_stalled(batch_deadline(store))
                 };
+                let drain = drain.then(|| queue.hold());
                 // Checked after the takeover: a queue that filled up behind a stalled call
                 // would otherwise refuse every call, and none would ever start its drain.
                 // The call that starts one joins it, full or not.
-                if !drain && queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
+                if drain.is_none() && queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
                     Start::Full
                 } else {
                     if let Some(job) = job.take() {
@@ -360,16 +396,17 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
             }
         };
         // From here, a slot taken above is owned by a guard, whatever happens next.
-        let slot = |lone| Slot {
+        let slot = |ticket, lone| Slot {
             store: store.clone(),
             select,
+            ticket,
             lone,
             released: false,
         };
         match (start, job) {
             (Start::Lone(ticket), Some(job)) => {
                 // Dropped with calls queued behind it, the slot passes to a drain task.
-                let _slot = slot(Some(ticket));
+                let _slot = slot(ticket, true);
                 let mut answers = run_bounded(self.run, store, vec![job]).await;
                 answers
                     .pop()
@@ -384,8 +421,11 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 "the group commit queue is full: Postgres is not keeping up",
             )),
             (start, _) => {
-                if let Start::Queued { drain: true } = start {
-                    tokio::spawn(drain(slot(None)));
+                if let Start::Queued {
+                    drain: Some(ticket),
+                } = start
+                {
+                    tokio::spawn(drain(slot(ticket, false)));
                 }
                 answer.await.unwrap_or_else(|_| {
                     // The drain was dropped without answering (its runtime shut down, a
@@ -401,10 +441,11 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
 }
 
 /// How a call goes: alone in its own future, holding the slot of this ticket; queued
-/// (starting a drain task when it found a slot for one); or refused, the queue being full.
+/// (starting a drain task, with this ticket, when it found a slot for one); or refused, the
+/// queue being full.
 enum Start {
     Lone(u64),
-    Queued { drain: bool },
+    Queued { drain: Option<u64> },
     Full,
 }
 
@@ -444,10 +485,12 @@ async fn run_bounded<J: Keyed, R>(
 struct Slot<J: Keyed + Send + 'static, R: Send + 'static> {
     store: PostgresStore,
     select: fn(&Batches) -> &Batcher<J, R>,
-    /// A lone call's ticket. Its slot passes to a drain task when calls queued behind it
-    /// (unless a drain took it already, the call having stalled); a drain's does not pass
-    /// (it ends only when the queue is empty, or abnormally).
-    lone: Option<u64>,
+    /// The slot's ticket in `Queue::held` (gone from there once a new drain took the slot
+    /// of this holder, stalled).
+    ticket: u64,
+    /// A lone call's slot: it passes to a drain task when calls are queued behind it; a
+    /// drain's does not pass (it ends only when the queue is empty, or abnormally).
+    lone: bool,
     /// Given back already (a drain that found the queue empty).
     released: bool,
 }
@@ -467,28 +510,24 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Drop for Slot<J, R> {
             return;
         };
         let mut queue = batcher.lock();
-        if let Some(ticket) = self.lone {
-            match queue.lone.iter().position(|(held, _)| *held == ticket) {
-                Some(i) => {
-                    queue.lone.swap_remove(i);
-                }
-                // A drain has its slot already (`take_stalled`).
-                None => return,
-            }
+        if !queue.unhold(self.ticket) {
+            return; // a drain has its slot already (`take_stalled`)
         }
         if queue.waiting.is_empty() {
             queue.running -= 1;
             return;
         }
-        if self.lone.is_some()
+        if self.lone
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             // Calls queued behind this one: a drain task takes the slot over.
+            let ticket = queue.hold();
             drop(queue);
             runtime.spawn(drain(Slot {
                 store: self.store.clone(),
                 select: self.select,
-                lone: None,
+                ticket,
+                lone: false,
                 released: false,
             }));
             return;
@@ -510,12 +549,18 @@ async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R
     loop {
         let jobs: Vec<_> = {
             let mut queue = batcher.lock();
+            if !queue.begins(slot.ticket) {
+                // Stalled past the deadline, this drain's slot went to another.
+                slot.released = true;
+                return;
+            }
             // A caller that went away (a claim past its budget, a dropped `complete`) is not
             // served: its call must not land after it was given up.
             queue.waiting.retain(|(_, reply)| !reply.is_closed());
             if queue.waiting.is_empty() {
                 // Freed under the same lock a caller checks: no call is left without a drain.
                 queue.running -= 1;
+                queue.unhold(slot.ticket);
                 slot.released = true;
                 return;
             }
