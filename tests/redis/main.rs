@@ -1262,3 +1262,54 @@ fn an_operators_release_that_arrives_after_its_call_gave_up_deletes_nothing() {
         );
     });
 }
+
+/// A lease mirror of the earlier layout (a hash with `st` 0 and no `exp`: the hybrid wrote
+/// it) never answers `Mismatch` to a peek with another body, as a mirror of the current
+/// layout does not: it may outlive its lease (a failed delete, an outcome completed
+/// elsewhere), and Postgres decides for another request. It answered a final 422 right after
+/// an upgrade. A lease of the earlier layout (with `exp`: the Redis store's own) still does.
+#[test]
+fn a_mirror_of_the_earlier_layout_never_answers_mismatch() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let mut conn = shared_connection().await;
+        let (mirror, lease) = (fresh_id(), fresh_id());
+        let token = idempotency_core::LeaseToken::generate().to_string();
+        let far = "99999999999999";
+        for (id, exp) in [(&mirror, None), (&lease, Some(far))] {
+            let mut hset = redis::cmd("HSET");
+            hset.arg(store.key(id))
+                .arg("st")
+                .arg("0")
+                .arg("fp")
+                .arg(&fp("a").as_bytes()[..])
+                .arg("tok")
+                .arg(&token);
+            if let Some(exp) = exp {
+                hset.arg("exp").arg(exp);
+            }
+            let _: i64 = hset.query_async(&mut conn).await.expect("hset");
+            let _: i64 = redis::cmd("PEXPIRE")
+                .arg(store.key(id))
+                .arg(5_000)
+                .query_async(&mut conn)
+                .await
+                .expect("pexpire");
+        }
+        let peeked = store.peek(&mirror, &fp("b")).await.expect("peek");
+        assert!(
+            matches!(peeked, idempotency_redis::Peek::Absent),
+            "{peeked:?}"
+        );
+        let same = store.peek(&mirror, &fp("a")).await.expect("peek");
+        assert!(
+            matches!(same, idempotency_redis::Peek::Found(Begin::InFlight { .. })),
+            "{same:?}"
+        );
+        let other = store.peek(&lease, &fp("b")).await.expect("peek");
+        assert!(
+            matches!(other, idempotency_redis::Peek::Found(Begin::Mismatch)),
+            "{other:?}"
+        );
+    });
+}

@@ -1300,13 +1300,14 @@ impl RedisStore {
         deadline: tokio::time::Instant,
     ) -> Result<Peek> {
         let mut conn = self.conn.clone();
-        let [state, stored_fp, out]: [Option<Vec<u8>>; 3] = by(
+        let [state, stored_fp, out, exp]: [Option<Vec<u8>>; 4] = by(
             deadline,
             redis::cmd("HMGET")
                 .arg(key)
                 .arg("st")
                 .arg("fp")
                 .arg("out")
+                .arg("exp")
                 .query_async(&mut conn),
         )
         .await?;
@@ -1314,6 +1315,11 @@ impl RedisStore {
             return Ok(Peek::Absent);
         };
         if stored_fp.as_deref() != Some(&fp.as_bytes()[..]) {
+            // A lease without `exp` is a mirror (as `READ_FENCED` reads it): like one of the
+            // current layout, it never turns another request away.
+            if state == b"0" && exp.is_none() {
+                return Ok(Peek::Absent);
+            }
             return Ok(Peek::Found(Begin::Mismatch));
         }
         if state == b"1" {
