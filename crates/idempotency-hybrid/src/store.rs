@@ -1243,8 +1243,9 @@ impl Store for HybridStore {
             // operation a second time. Landing late, the extension is harmless: fenced on
             // this token and on a live lease, it touches no released key, no other
             // attempt's mirror and no outcome. Its TTL counts from the Postgres ask, so the
-            // mirror says "in flight" no longer than the row's lease (plus the time on the
-            // wire).
+            // mirror says "in flight" no longer than the row's lease plus what holds the
+            // extension up once sent (the repairs run first, a Redis paused then resumed):
+            // 409s for at most the mirror's TTL, never a second run.
             let (this, id) = (self.clone(), *id);
             tokio::spawn(async move {
                 let left = lease.min(this.mirror_ttl).saturating_sub(asked.elapsed());

@@ -786,6 +786,8 @@ const TRIMMED_REASON: &str = "trimmed from the stream while pending (its fields 
 /// `XAUTOCLAIM`, and a dead letter for each message it reports trimmed (deleted from the
 /// stream while pending), in one step: it takes those off the pending list and reports them
 /// this once. The keys are checked first: a script that fails part-way keeps what it did.
+/// (So a dead-letter key of another type stops every poll, not only one that finds a
+/// trimmed message: consuming on while dead letters cannot be written would lose them.)
 /// KEYS: stream, dead-letter stream, failure counts. ARGV: group, consumer, min idle (ms),
 /// start, count, the dead letters' reason. Answers `XAUTOCLAIM`'s reply.
 static CLAIM: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
