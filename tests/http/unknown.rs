@@ -521,3 +521,33 @@ fn a_failure_that_may_have_taken_effect_is_an_unknown_outcome() {
         }
     });
 }
+
+/// A key taken from its reconciling retry (here an operator releases the live lease while
+/// the hook looks) answers that retry 409 with what is left of the layer's mean run time in
+/// `Retry-After`, as every other in-flight answer does (a second without a sample), not the
+/// whole lease (30 s).
+#[test]
+fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let operator = store.clone();
+        let policy = OutcomeUnknown::reconcile(move |unresolved| {
+            let operator = operator.clone();
+            async move {
+                let scope = ReleaseScope::default().with_live();
+                operator
+                    .force_release(&unresolved.record_id, scope)
+                    .await
+                    .expect("release");
+                Ok(None)
+            }
+        });
+        let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
+        let (key, _) = crashed_attempt(&*store).await;
+        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(answer.status, 409, "{}", answer.body);
+        assert_eq!(answer.problem_type(), "urn:idempotency:problem:in-flight");
+        assert_eq!(answer.headers["retry-after"], "1");
+        assert_eq!(calls.get(), 0);
+    });
+}

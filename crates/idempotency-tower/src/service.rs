@@ -30,7 +30,9 @@ use crate::{
     problem::Problem,
 };
 
-/// Middleware that runs each keyed request's operation at most once. Built by
+/// Middleware that runs each keyed request's operation once, replaying its stored response to
+/// every retry (an attempt that crashed before its response was stored is left to the
+/// outcome-unknown policy, `IdempotencyLayer::on_outcome_unknown`). Built by
 /// [`IdempotencyLayer`](crate::IdempotencyLayer).
 #[derive(Clone)]
 pub struct Idempotency<S> {
@@ -554,7 +556,11 @@ where
                     tracing::warn!(%error, record = %id, "the key was taken over while reconciling");
                     let detail =
                         "a request with this Idempotency-Key is being processed; retry later";
-                    return Ok(Problem::InFlight.response(detail, Some(config.policy.lease())));
+                    // Taken over just now (a whole lease left): what is left of the mean run
+                    // time, as every other in-flight answer advertises.
+                    let lease = config.policy.lease();
+                    let wait = config.run_time.retry_after(lease, lease);
+                    return Ok(Problem::InFlight.response(detail, Some(wait)));
                 }
                 Ok(Reconciled::Unknown(error)) => {
                     tracing::error!(%error, record = %id, "the reconcile hook failed; the key stays unresolved");
