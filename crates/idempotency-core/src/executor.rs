@@ -1,4 +1,5 @@
-//! Run any async operation at most once per key: queue consumers, jobs, RPC handlers.
+//! Run any async operation once per key (a crash before its result was stored aside, which
+//! the retry is told of): queue consumers, jobs, RPC handlers.
 
 use std::{
     future::Future,
@@ -106,7 +107,10 @@ pub enum RunError<E> {
     Store(Error),
 }
 
-/// Runs operations at most once per (scope, key, fingerprint), over any [`Store`].
+/// Runs operations once per (scope, key, fingerprint), over any [`Store`]: a repeat replays
+/// the stored result, and a repeat while the operation runs is told so. The one exception is
+/// a crash (or a process frozen past its lease) before the result was stored: the attempt
+/// after it runs the operation again, and is told so ([`Claim::took_over`]) — see below.
 ///
 /// The operation's `Ok` value is serialised (JSON) into the store and returned to every repeat;
 /// an `Err` releases the key so a later delivery runs again. Return `Ok` for every result that
@@ -342,14 +346,15 @@ impl<S: Store + ?Sized> Executor<S> {
                 self.settling.spawn_on(give_back, &runtime);
             }
         });
-        let token = match answer {
-            Ok(Begin::Execute(token)) => token,
+        let (token, took_over) = match answer {
+            Ok(Begin::Execute(token)) => (token, false),
             Ok(Begin::TakeOver(token)) => {
                 // An earlier attempt's lease ran out before it stored a result: it may have
                 // had its effect. The executor runs the operation again (an effect keyed by
-                // the record id, under a unique constraint, makes that safe); say so.
+                // the record id, under a unique constraint, makes that safe; the operation
+                // is told, `Claim::took_over`); say so.
                 tracing::warn!(record = %id, "an earlier attempt's outcome is unknown (its lease ran out); running again");
-                token
+                (token, true)
             }
             Ok(Begin::Replay(outcome)) if outcome.is_not_stored() => {
                 return Err(RunError::Store(Error::Corrupt(
@@ -386,6 +391,7 @@ impl<S: Store + ?Sized> Executor<S> {
         let claim = Claim {
             id,
             token,
+            took_over,
             retention: self.policy.retention(),
             accepted: Arc::new(AtomicBool::new(false)),
             completing: Arc::new(AtomicBool::new(false)),
@@ -598,6 +604,8 @@ fn stored_form<T: Serialize>(value: &T) -> Result<Outcome, serde_json::Error> {
 pub struct Claim<T> {
     id: RecordId,
     token: LeaseToken,
+    /// The store answered `TakeOver`: an earlier attempt may have had its effect.
+    took_over: bool,
     retention: Duration,
     /// Set once the store accepted the operation's own completion ([`Claim::accepted`]).
     accepted: Arc<AtomicBool>,
@@ -612,6 +620,7 @@ impl<T> Clone for Claim<T> {
         Self {
             id: self.id,
             token: self.token,
+            took_over: self.took_over,
             retention: self.retention,
             accepted: self.accepted.clone(),
             completing: self.completing.clone(),
@@ -625,6 +634,7 @@ impl<T> std::fmt::Debug for Claim<T> {
         f.debug_struct("Claim")
             .field("id", &self.id)
             .field("token", &self.token)
+            .field("took_over", &self.took_over)
             .field("retention", &self.retention)
             .field("accepted", &self.accepted.load(Ordering::SeqCst))
             .finish()
@@ -655,6 +665,34 @@ impl<T: Serialize> Claim<T> {
     /// The lease this run holds; every write the store accepts for this run is fenced on it.
     pub fn token(&self) -> LeaseToken {
         self.token
+    }
+
+    /// Whether this run took the key over from an earlier attempt whose lease ran out before
+    /// it stored a result (a crash, a process frozen past its lease): that attempt **may have
+    /// had its effect**. The executor runs the operation all the same; an operation whose
+    /// effect is not idempotent by itself looks for it first (by [`Claim::id`], which the
+    /// earlier attempt had too) and returns what it finds instead of applying it again.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotency_core::{Begin, Claim, Executor, Fingerprint, IdempotencyKey, MemoryStore, RecordId, Scope, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = Arc::new(MemoryStore::new());
+    /// let (scope, key, fp) = (Scope::new("s"), IdempotencyKey::new("k").unwrap(), Fingerprint::of(b""));
+    /// // An attempt that claimed the key and crashed: its lease ends unfinished.
+    /// let Ok(Begin::Execute(_)) = store.begin(&RecordId::new(&scope, &key), &fp, Duration::ZERO).await else { panic!() };
+    /// let ran = Executor::new(store)
+    ///     .run_with_claim(&scope, &key, &fp, |claim: Claim<bool>| async move {
+    ///         Ok::<_, std::io::Error>(claim.took_over())
+    ///     })
+    ///     .await
+    ///     .unwrap();
+    /// assert!(ran.value, "the operation is told it took over");
+    /// # }
+    /// ```
+    pub fn took_over(&self) -> bool {
+        self.took_over
     }
 
     /// How long the executor's policy keeps a result.

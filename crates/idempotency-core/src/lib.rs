@@ -15,7 +15,7 @@
 //!   it ([`Store::inspect`], [`Store::force_release`]);
 //! - [`MemoryStore`]: the in-process store (single process only);
 //! - [`Purger`] and [`spawn_purger`]: paced, batched deletion of expired records for any store;
-//! - [`Executor`]: run any async operation at most once per key (queue consumers, jobs).
+//! - [`Executor`]: run any async operation once per key (queue consumers, jobs).
 //!
 //! Backends live in their own crates (`idempotency-postgres`, `idempotency-redis`, …); most
 //! applications depend on the `idempotency` facade instead of this crate.
