@@ -22,7 +22,7 @@ if [ -n "$MISSING" ]; then
   apt-get install -y -q $MISSING
 fi
 
-# The engine: no bridge and no iptables on these machines (TESTING.md); containers use the host
+# The engine: no bridge and no iptables on these machines; containers use the host
 # network and the harness passes each service a free port on 127.0.0.1.
 if ! docker info >/dev/null 2>&1; then
   echo "==> starting dockerd"

@@ -53,8 +53,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What can go wrong talking to a store.
 ///
-/// The HTTP layer maps `Unavailable` to 503 (the operation does not run unguarded) and
-/// `LeaseLost` / `Corrupt` to 500.
+/// The HTTP layer maps `Unavailable` to 503 (the operation does not run unguarded), a
+/// `LeaseLost` while the handler runs to 503 too (it is stopped; another attempt holds the
+/// key), and a `Corrupt` record to 500; a `LeaseLost` when storing the handler's response
+/// passes that response through, unstored.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

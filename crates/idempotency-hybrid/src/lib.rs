@@ -11,7 +11,8 @@
 //! uses it only while enough recent requests are duplicates, so an API whose clients rarely
 //! retry serves first requests at Postgres-only cost and still has Redis for a retry storm.
 //!
-//! The whole algorithm is [`HybridStore`]'s `Store` impl, in `store.rs`, on one screen.
+//! The algorithm is on one screen in [`HybridStore`]'s docs (five steps); its code is the
+//! `Store` impl in `store.rs`, each step's reason in its comments.
 
 mod breaker;
 mod flagged;

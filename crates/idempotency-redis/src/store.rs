@@ -111,8 +111,10 @@ const COPY_DEADLINE_BUDGETS: u32 = 4;
 ///
 /// **Redis alone is not a guarantee.** An evicted, flushed or lost key is a forgotten record,
 /// and the next retry executes again. [`RedisStoreBuilder::connect`] therefore refuses a Redis
-/// whose `maxmemory-policy` evicts (anything but `noeviction`) unless told to accept it, and
-/// persistence/failover loss remains. For money, put Postgres behind it (the hybrid store).
+/// whose `maxmemory-policy` evicts (anything but `noeviction`) unless told to accept it (a
+/// server that refuses `CONFIG`, as managed Redis often does, cannot be checked: the store
+/// starts with a warning, and the policy is yours to check), and persistence/failover loss
+/// remains. For money, put Postgres behind it (the hybrid store).
 ///
 /// ```no_run
 /// use std::time::Duration;

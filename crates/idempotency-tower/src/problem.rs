@@ -23,7 +23,9 @@ pub enum Problem {
     PayloadTooLarge,
     /// 503: the idempotency store is unavailable; the request did not run.
     StoreUnavailable,
-    /// 500: the handler panicked or the store failed unexpectedly; the key was released.
+    /// 500: the handler panicked or the store failed unexpectedly; the key was released, or,
+    /// under an outcome-unknown policy other than `Reexecute`, kept as an attempt whose
+    /// outcome is unknown.
     Internal,
     /// 404 (admin routes): no live record for this scope and key.
     RecordNotFound,
@@ -32,7 +34,8 @@ pub enum Problem {
     /// 409 (admin routes): the record's lease is live, its holder may still be running;
     /// releasing it needs `?live=true`.
     LeaseLive,
-    /// 400 (admin routes): a query parameter this API does not know.
+    /// 400: a request the layer cannot read (a body that breaks off, a principal that
+    /// cannot be read), or (admin routes) a query parameter this API does not know.
     InvalidRequest,
     /// 409: an earlier attempt with this key never stored its outcome; an operator must
     /// reconcile it ([`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject)).
