@@ -158,10 +158,18 @@ impl<'a> Parser<'a> {
         // lowercases, and a full mapping turns `ß` into `ss`. Two keys that meet under any
         // of these folds leave the body to its raw bytes (a pair that no parser joins costs
         // only its canonical form). Two folds cover the four: keys equal once lowercased are
-        // equal once lowercased then uppercased, and likewise for uppercasing.
-        let folds: [fn(char) -> String; 2] = [
+        // equal once lowercased then uppercased, and likewise for uppercasing. A third is
+        // Jackson's under a Turkish or Azeri default locale (`toLowerCase` of the JVM's
+        // locale), which lowercases `İ` to `i` and `I` to `ı`: Unicode's own lowercasing gives
+        // `İ` a combining dot, so the first two left `customer_İd` apart from `customer_id`.
+        let folds: [fn(char) -> String; 3] = [
             |c| c.to_uppercase().flat_map(char::to_lowercase).collect(),
             |c| c.to_lowercase().flat_map(char::to_uppercase).collect(),
+            |c| match c {
+                '\u{130}' => "i".into(),
+                'I' => "\u{131}".into(),
+                c => c.to_lowercase().collect(),
+            },
         ];
         for fold in folds {
             let mut folded: Vec<String> = keys

@@ -128,6 +128,13 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             r#"{"straße":"Main 1","STRAẞE":"Evil 2"}"#,
             r#"{"STRAẞE":"Evil 2","straße":"Main 1"}"#,
         ),
+        // Jackson under a Turkish or Azeri default locale lowercases `İ` (U+0130) to `i`;
+        // Unicode's full lowercasing gives `i` and a combining dot, which parted them.
+        (
+            "dotted-i",
+            r#"{"customer_id":"alice","customer_İd":"mallory"}"#,
+            r#"{"customer_İd":"mallory","customer_id":"alice"}"#,
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -143,8 +150,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("duplicate", 422),
             ("case", 422),
             ("fold", 422),
-            ("sharp-s", 422)
+            ("sharp-s", 422),
+            ("dotted-i", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 7);
+    assert_eq!(calls.load(Ordering::SeqCst), 8);
 }
