@@ -425,6 +425,21 @@ mod purger {
         assert_eq!(store.purge_starts().len(), 3);
     }
 
+    /// A store whose purge panics once does not stop the purger: the pass fails as for an
+    /// unavailable store, and the next tick purges. The panic ended its task, and expired
+    /// records piled up for good (in the demo's default memory store too).
+    #[tokio::test(start_paused = true)]
+    async fn a_purge_that_panics_does_not_stop_the_purger() {
+        let store = backlog(5).await;
+        store.panic_purges(1);
+        let purger = spawn_purger(store.clone(), Duration::from_secs(60), 10);
+        tokio::time::sleep(Duration::from_secs(90)).await;
+        // Passes at 0 s (it panicked) and 60 s.
+        assert_eq!(store.purge_starts().len(), 2);
+        assert_eq!(store.purge_expired(10).await.expect("purge"), 0, "purged");
+        purger.shutdown().await;
+    }
+
     #[tokio::test(start_paused = true)]
     async fn shutdown_between_passes_runs_no_batch() {
         let store = backlog(0).await;

@@ -160,7 +160,10 @@ impl<S: Store + ?Sized> Purger<S> {
         let mut purged = 0;
         loop {
             let started = tokio::time::Instant::now();
-            let n = self.store.purge_expired(self.batch).await?;
+            // A store whose purge panics fails the pass, as an unavailable one does: the
+            // panic ended the purger's task, and expired records piled up for good.
+            let purge = self.store.purge_expired(self.batch);
+            let n = crate::panic_as_unavailable(purge, "the store's purge panicked").await?;
             purged += n;
             if n < self.batch as u64 || *stopped.borrow() {
                 return Ok(purged);

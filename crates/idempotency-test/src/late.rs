@@ -46,6 +46,8 @@ pub struct LateBegin<S> {
     panicking_renewals: AtomicU64,
     /// How many of the next `inspect` calls fail (`Unavailable`).
     failing_inspects: AtomicU64,
+    /// How many of the next `purge_expired` calls panic (nothing purged).
+    panicking_purges: AtomicU64,
     /// A lease released on the inner store just before the `begin` calls count down to 0.
     release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
     /// The task the last `complete` wrote from.
@@ -73,6 +75,7 @@ impl<S: Store> LateBegin<S> {
             panicking_completes: AtomicU64::new(0),
             panicking_renewals: AtomicU64::new(0),
             failing_inspects: AtomicU64::new(0),
+            panicking_purges: AtomicU64::new(0),
             release_before: std::sync::Mutex::new(None),
             complete_task: std::sync::Mutex::new(None),
         };
@@ -135,6 +138,11 @@ impl<S: Store> LateBegin<S> {
     /// Makes the next `n` `renew` calls panic, renewing nothing (a store with a bug).
     pub fn panic_renewals(&self, n: u64) {
         self.panicking_renewals.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` `purge_expired` calls panic, purging nothing (a store with a bug).
+    pub fn panic_purges(&self, n: u64) {
+        self.panicking_purges.store(n, Ordering::SeqCst);
     }
 
     /// Makes the next `n` `complete` calls panic, storing nothing (a store with a bug).
@@ -302,6 +310,10 @@ impl<S: Store> Store for LateBegin<S> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(tokio::time::Instant::now());
         wait(&self.purge_delay_ms).await;
+        assert!(
+            !take_one(&self.panicking_purges),
+            "a purge panicked (injected)"
+        );
         self.inner.purge_expired(batch).await
     }
 
