@@ -448,7 +448,10 @@ async fn settle_orphan<S: crate::Store + ?Sized>(
 /// would come too late to stop that. Such a grant is given back ([`give_back_orphan`], in a
 /// task of its own): an `Execute` released, a `TakeOver` ended and kept, so that its record
 /// of the unfinished attempt stays. Either way the caller gets
-/// [`Error::Unavailable`](crate::Error::Unavailable): nothing ran, retry.
+/// [`Error::Unavailable`](crate::Error::Unavailable): nothing ran, retry. Call it in a Tokio
+/// runtime: outside one, the grant is not given back (it runs out after its lease); and a
+/// shutdown does not wait for the give-back unless you use
+/// [`within_lease_with`] with a task tracker of your own, as the executor and the layer do.
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};

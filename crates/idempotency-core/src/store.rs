@@ -235,8 +235,9 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A granted lease runs from when the store decided, some time after the call: count it
     /// from before the call, and do not act on a grant read with half of it or less left.
-    /// [`within_lease`](crate::within_lease) does that; the executor uses it, and the layer
-    /// [`within_lease_with`](crate::within_lease_with).
+    /// [`within_lease`](crate::within_lease) does that (called in a Tokio runtime, which
+    /// gives such a grant back in a task of its own); the executor and the layer use
+    /// [`within_lease_with`](crate::within_lease_with), which their `drain` waits for.
     async fn begin(
         &self,
         id: &RecordId,
