@@ -1153,6 +1153,50 @@ fn a_drain_on_a_runtime_nobody_polls_hands_its_slot_on() {
     });
 }
 
+/// A claim whose caller's runtime shuts down while its statement waits in Postgres (on a
+/// row lock here) moves to the runtime the store was made on, and gives back what it was
+/// granted. The runtime shutting down dropped the rest of the claim unrun (a closed runtime
+/// takes no task), the statement committed all the same, and the key was held by nobody:
+/// `InFlight` for a lease, then an unknown outcome for an operation that never ran.
+#[test]
+fn a_claim_whose_runtime_shut_down_mid_statement_is_given_back() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        // Made on this runtime: its home.
+        let store = PostgresStore::builder(pg.url())
+            .per_request()
+            .statement_timeout(Duration::from_secs(5))
+            .call_timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let store = Arc::new(store);
+        let id = fresh_id();
+        let hold = hold_insert(&store, &id).await;
+        let doomed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let claim = {
+            let store = store.clone();
+            doomed.spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await; // waiting on the lock
+        doomed.shutdown_background();
+        assert!(claim.await.is_err(), "the caller is gone");
+        // The statement goes on, and claims the key once the lock goes.
+        hold.rollback().await.expect("rollback");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        store.drain().await; // the give-back
+        let again = store.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+    });
+}
+
 /// A group-commit store whose batches wait on a lock far longer than a test's steps, two
 /// fresh keys whose inserts two transactions hold open (claims of them wait until they end),
 /// and a runtime to shut down under a claim.

@@ -71,6 +71,9 @@ pub struct PostgresStore {
     batches: Option<Arc<Batches>>,
     /// Writes left running in the background (shared by clones): see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
+    /// The runtime the store was made on, if any: where the grants of a claim dropped
+    /// unfinished (its caller's runtime shut down mid-statement) are given back.
+    home: Option<tokio::runtime::Handle>,
 }
 
 /// Configures and connects a [`PostgresStore`].
@@ -325,6 +328,7 @@ impl PostgresStoreBuilder {
             table: Arc::new(table),
             batches,
             settling: tokio_util::task::TaskTracker::new(),
+            home: tokio::runtime::Handle::try_current().ok(),
         })
     }
 }
@@ -647,6 +651,7 @@ impl PostgresStore {
             sql: Statements::default(),
             batches: Some(batches),
             settling: tokio_util::task::TaskTracker::new(),
+            home: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
@@ -1130,8 +1135,21 @@ impl PostgresStore {
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
             std::array::from_fn(|_| LeaseToken::generate());
         let rounds = Rounds::default();
+        // Dropped before it settles (a runtime shutting down drops its tasks, this claim's
+        // `detached_begin` task among them, mid-statement), the tokens it sent are given back
+        // on the store's own runtime: the statement still commits, and its grant would be
+        // held by nobody (`InFlight` for a lease, then an unknown outcome).
+        let mut dropped = ClaimDropped {
+            store: self,
+            id: *id,
+            tokens: &tokens,
+            rounds: &rounds,
+            armed: true,
+        };
         let claim = self.claim(id, fp, lease, &tokens, &rounds);
-        match tokio::time::timeout(budget, claim).await {
+        let answer = tokio::time::timeout(budget, claim).await;
+        dropped.armed = false;
+        match answer {
             Ok(Err(error)) => {
                 // An error is not "nothing happened": the connection can break after the
                 // server committed a grant. Left, that lease would run out unfinished and
@@ -1156,6 +1174,17 @@ impl PostgresStore {
         self.settling.spawn(write);
     }
 
+    /// [`in_background`](Self::in_background), on the runtime the store was made on when
+    /// there is one: the caller's may be shutting down (it would drop the task unrun).
+    fn at_home(&self, write: impl Future<Output = ()> + Send + 'static) {
+        match &self.home {
+            Some(home) => {
+                self.settling.spawn_on(write, home);
+            }
+            None => self.in_background(write),
+        }
+    }
+
     /// Gives back the grants a claim nobody will answer may have made, once the server has
     /// had time to finish or cancel its statement: released, or ended and kept when they
     /// took an unfinished lease over. Fenced on each token, so a token never written
@@ -1166,16 +1195,29 @@ impl PostgresStore {
         tokens: Vec<LeaseToken>,
         takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
     ) {
+        self.settle_orphans_later_on(id, tokens, takeovers, false);
+    }
+
+    /// [`settle_orphans_later`](Self::settle_orphans_later), on the store's own runtime when
+    /// `home`.
+    fn settle_orphans_later_on(
+        &self,
+        id: RecordId,
+        tokens: Vec<LeaseToken>,
+        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
+        home: bool,
+    ) {
         let takeovers = takeovers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         // Read when the claim is given up: its rounds are over by then.
-        self.give_back_later(
+        self.give_back_later_on(
             tokens
                 .into_iter()
                 .map(|token| (id, token, takeovers.contains(&token)))
                 .collect(),
+            home,
         );
     }
 
@@ -1192,12 +1234,18 @@ impl PostgresStore {
     /// and a shutdown must not wait for the later looks of each claim that timed out. They
     /// are a best effort a shutdown may cut short.
     pub(crate) fn give_back_later(&self, grants: Vec<(RecordId, LeaseToken, bool)>) {
+        self.give_back_later_on(grants, false);
+    }
+
+    /// [`give_back_later`](Self::give_back_later), on the store's own runtime when `home`
+    /// (see [`at_home`](Self::at_home)).
+    fn give_back_later_on(&self, grants: Vec<(RecordId, LeaseToken, bool)>, home: bool) {
         if grants.is_empty() {
             return;
         }
         let late = self.clone();
         let gave_up = tokio::time::Instant::now();
-        self.in_background(async move {
+        let looks = async move {
             let mut left = late.give_back_round(grants, 1).await;
             if left.is_empty() {
                 return;
@@ -1223,7 +1271,12 @@ impl PostgresStore {
                     }
                 }
             });
-        });
+        };
+        if home {
+            self.at_home(looks);
+        } else {
+            self.in_background(looks);
+        }
     }
 
     /// How long after a claim was given up its statement may still commit: once its lock
@@ -1544,6 +1597,31 @@ where
 
 fn fenced(owned: bool) -> Result<()> {
     if owned { Ok(()) } else { Err(Error::LeaseLost) }
+}
+
+/// A claim's guard: dropped armed (the claim dropped before it settled), it gives back the
+/// tokens its rounds sent, on the store's own runtime.
+struct ClaimDropped<'a> {
+    store: &'a PostgresStore,
+    id: RecordId,
+    tokens: &'a [LeaseToken],
+    rounds: &'a Rounds,
+    armed: bool,
+}
+
+impl Drop for ClaimDropped<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let started = self
+            .rounds
+            .started
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let tokens = self.tokens[..started.min(self.tokens.len())].to_vec();
+        self.store
+            .settle_orphans_later_on(self.id, tokens, &self.rounds.takeovers, true);
+    }
 }
 
 /// What a claim's rounds leave for a caller that gives the claim up (its budget ran out, or
