@@ -385,6 +385,7 @@ impl<S: Store + ?Sized> Executor<S> {
             runtime: tokio::runtime::Handle::try_current().ok(),
             id,
             token,
+            took_over,
             settled: false,
             renewing: None,
         };
@@ -671,7 +672,9 @@ impl<T: Serialize> Claim<T> {
     /// it stored a result (a crash, a process frozen past its lease): that attempt **may have
     /// had its effect**. The executor runs the operation all the same; an operation whose
     /// effect is not idempotent by itself looks for it first (by [`Claim::id`], which the
-    /// earlier attempt had too) and returns what it finds instead of applying it again.
+    /// earlier attempt had too) and returns what it finds instead of applying it again. A
+    /// run that took over and then fails (`Err`, a panic, a drop) ends its lease and keeps
+    /// the record rather than releasing it, so the next attempt is told too.
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -1039,6 +1042,12 @@ struct LeaseGuard<S: Store + ?Sized> {
     runtime: Option<tokio::runtime::Handle>,
     id: RecordId,
     token: LeaseToken,
+    /// The lease was taken over from an earlier attempt whose outcome is unknown: given
+    /// back, it is ended and its record kept (renewed for zero), not released (deleted),
+    /// so that the next attempt is told too (`Claim::took_over`). Released, the record of
+    /// that attempt was gone, and an operation that failed looking for its effect left the
+    /// next delivery to apply it again, unwarned.
+    took_over: bool,
     /// Released, or its outcome handed to a write that finishes in any case.
     settled: bool,
     /// The renewals, if the operation had to wait; stopped once it ended (or its future was
@@ -1071,21 +1080,26 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         crate::handover::finish_in_any_case_or_on(self.runtime.as_ref(), work)
     }
 
+    /// Gives the lease back: released, or ended and kept after a takeover (see `took_over`).
     async fn release(&mut self) {
-        let (store, id, token) = (self.store.clone(), self.id, self.token);
+        let (store, id, token, took_over) =
+            (self.store.clone(), self.id, self.token, self.took_over);
         let (tracker, settling) = (self.settling.clone(), self.settling.token());
         self.settled = true;
         self.finish(async move {
             let _settling = settling;
-            if let Err(error) =
+            let given_back = if took_over {
+                let end = store.renew(&id, token, Duration::ZERO);
+                panic_as_unavailable(end, "the store's renew panicked").await
+            } else {
                 panic_as_unavailable(store.release(&id, token), "the store's release panicked")
                     .await
+            };
+            if let Err(error) = given_back
                 && !matches!(error, Error::LeaseLost)
             {
-                tracing::warn!(%error, record = %id, "could not release the lease; retrying");
-                tracker.spawn(async move {
-                    crate::release_orphan(&*store, &id, token).await;
-                });
+                tracing::warn!(%error, record = %id, "could not give the lease back; retrying");
+                tracker.spawn(give_back(store, id, token, took_over));
             }
         })
         .await;
@@ -1105,12 +1119,23 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
             return; // no runtime at all: the lease expires by itself
         };
         let (store, id, token) = (self.store.clone(), self.id, self.token);
-        self.settling.spawn_on(
-            async move {
-                crate::release_orphan(&*store, &id, token).await;
-            },
-            &runtime,
-        );
+        self.settling
+            .spawn_on(give_back(store, id, token, self.took_over), &runtime);
+    }
+}
+
+/// Gives a lease back, retrying an unavailable store: ended and kept when it was taken over
+/// ([`crate::end_orphan`]), else released ([`crate::release_orphan`]).
+async fn give_back<S: Store + ?Sized>(
+    store: Arc<S>,
+    id: RecordId,
+    token: LeaseToken,
+    took_over: bool,
+) {
+    if took_over {
+        crate::end_orphan(&*store, &id, token).await;
+    } else {
+        crate::release_orphan(&*store, &id, token).await;
     }
 }
 
@@ -1427,6 +1452,52 @@ mod tests {
     /// `select!`) keeps its lease: a redelivery meanwhile finds the key in flight. Before,
     /// the renewals ran in that future, the lease lapsed, and the redelivery took the key
     /// over and ran the operation a second time.
+    /// A run that took the key over from an attempt whose outcome is unknown, and failed
+    /// (or panicked, or was dropped), leaves the key taken over for the next: its lease is
+    /// ended and the record kept, so the next attempt is told too (`Claim::took_over`). It
+    /// was released (deleted): an operation that failed looking for the earlier attempt's
+    /// effect left the next delivery to apply it again, unwarned.
+    #[tokio::test]
+    async fn a_failed_run_after_a_takeover_leaves_the_next_one_told() {
+        let store = Arc::new(MemoryStore::new());
+        let executor = Executor::new(store.clone());
+        let (scope, fp) = (Scope::new("s"), Fingerprint::of(b"charge"));
+        for failure in ["err", "panic", "drop"] {
+            let key = IdempotencyKey::new(format!("k-{failure}")).unwrap();
+            let id = RecordId::new(&scope, &key);
+            // An attempt that crashed: its lease ended unfinished.
+            let Ok(Begin::Execute(_)) = store.begin(&id, &fp, Duration::ZERO).await else {
+                panic!("a fresh key")
+            };
+            let run = executor.run_with_claim(&scope, &key, &fp, |claim: Claim<bool>| async move {
+                assert!(claim.took_over());
+                match failure {
+                    "err" => Err(std::io::Error::other("the ledger is down")),
+                    "panic" => panic!("looking for the earlier effect"),
+                    _ => std::future::pending().await,
+                }
+            });
+            match failure {
+                "drop" => {
+                    let gave_up = tokio::time::timeout(Duration::from_millis(50), run).await;
+                    assert!(gave_up.is_err());
+                    executor.drain().await;
+                }
+                _ => assert!(run.await.is_err()),
+            }
+            let next = executor
+                .run_with_claim(&scope, &key, &fp, |claim: Claim<bool>| async move {
+                    Ok::<_, std::io::Error>(claim.took_over())
+                })
+                .await
+                .expect("the next run");
+            assert!(
+                next.value,
+                "{failure}: the next run is told of the earlier attempt"
+            );
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_run_held_without_polling_keeps_its_lease() {
         a_waiting_run_keeps_its_lease(MemoryStore::new(), false).await;
