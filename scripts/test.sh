@@ -16,10 +16,6 @@ if [ -z "${IDEMPOTENCY_TEST_POSTGRES_URL:-}${IDEMPOTENCY_TEST_REDIS_URL:-}${IDEM
   local_image="${IDEMPOTENCY_TEST_IMAGE:-idempotency-services:bookworm}"
   if docker image inspect "$local_image" >/dev/null 2>&1; then
     export IDEMPOTENCY_TEST_IMAGE="$local_image"
-  fi
-  # Host networking (Linux): the Redis Cluster tests need it (the nodes announce 127.0.0.1),
-  # with the local image as with the official ones.
-  if [ "$(uname -s)" = Linux ]; then
     export IDEMPOTENCY_TEST_NETWORK="${IDEMPOTENCY_TEST_NETWORK:-host}"
   fi
 fi
