@@ -160,22 +160,27 @@ impl<'a> Parser<'a> {
         // only its canonical form). Two folds cover the four: keys equal once lowercased are
         // equal once lowercased then uppercased, and likewise for uppercasing. A third is
         // Jackson's under a Turkish or Azeri default locale (`toLowerCase` of the JVM's
-        // locale), which lowercases `İ` to `i` and `I` to `ı`: Unicode's own lowercasing gives
-        // `İ` a combining dot, so the first two left `customer_İd` apart from `customer_id`.
-        let folds: [fn(char) -> String; 3] = [
-            |c| c.to_uppercase().flat_map(char::to_lowercase).collect(),
-            |c| c.to_lowercase().flat_map(char::to_uppercase).collect(),
-            |c| match c {
-                '\u{130}' => "i".into(),
-                'I' => "\u{131}".into(),
-                c => c.to_lowercase().collect(),
+        // locale), which lowercases `İ` and `I` followed by a combining dot above (U+0307) to
+        // `i`, and any other `I` to `ı`: Unicode's own lowercasing gives `İ` a combining dot,
+        // so the first two left `customer_İd` (or `customer_I\u{307}d`) apart from
+        // `customer_id`.
+        let folds: [fn(&str) -> String; 3] = [
+            |key| {
+                key.chars()
+                    .flat_map(char::to_uppercase)
+                    .flat_map(char::to_lowercase)
+                    .collect()
             },
+            |key| {
+                key.chars()
+                    .flat_map(char::to_lowercase)
+                    .flat_map(char::to_uppercase)
+                    .collect()
+            },
+            turkish_lowercase,
         ];
         for fold in folds {
-            let mut folded: Vec<String> = keys
-                .iter()
-                .map(|key| key.chars().map(fold).collect())
-                .collect();
+            let mut folded: Vec<String> = keys.iter().map(|key| fold(key)).collect();
             folded.sort_unstable();
             folded.dedup();
             if folded.len() != keys.len() {
@@ -268,6 +273,23 @@ impl<'a> Parser<'a> {
         self.digits();
         (self.pos > start).then_some(())
     }
+}
+
+/// `key` lowercased as Java's `toLowerCase` does in a Turkish or Azeri locale: `İ`, and `I`
+/// followed by a combining dot above (which goes), to `i`; any other `I` to `ı`; the rest as
+/// Unicode lowercases it.
+fn turkish_lowercase(key: &str) -> String {
+    let mut folded = String::with_capacity(key.len());
+    let mut chars = key.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{130}' => folded.push('i'),
+            'I' if chars.next_if_eq(&'\u{307}').is_some() => folded.push('i'),
+            'I' => folded.push('\u{131}'),
+            c => folded.extend(c.to_lowercase()),
+        }
+    }
+    folded
 }
 
 #[cfg(test)]

@@ -135,6 +135,12 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             r#"{"customer_id":"alice","customer_İd":"mallory"}"#,
             r#"{"customer_İd":"mallory","customer_id":"alice"}"#,
         ),
+        // And `I` followed by a combining dot above, which that lowercasing drops.
+        (
+            "dotted-I",
+            "{\"customer_id\":\"alice\",\"customer_I\u{307}d\":\"mallory\"}",
+            "{\"customer_I\u{307}d\":\"mallory\",\"customer_id\":\"alice\"}",
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -151,8 +157,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("case", 422),
             ("fold", 422),
             ("sharp-s", 422),
-            ("dotted-i", 422)
+            ("dotted-i", 422),
+            ("dotted-I", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 8);
+    assert_eq!(calls.load(Ordering::SeqCst), 9);
 }
