@@ -113,7 +113,8 @@ pub enum RunError<E> {
 /// after it runs the operation again, and is told so ([`Claim::took_over`]) — see below.
 ///
 /// The operation's `Ok` value is serialised (JSON) into the store and returned to every repeat;
-/// an `Err` releases the key so a later delivery runs again. Return `Ok` for every result that
+/// an `Err` releases the key so a later delivery runs again (after a takeover the lease is
+/// ended and the record kept instead, so that delivery is told too). Return `Ok` for every result that
 /// must not run twice — business failures included ("card declined" is a result) — and `Err`
 /// only for transient failures. While the operation runs its lease is renewed, by a task of
 /// its own, so also while the caller holds the future without polling it (the key then stays
@@ -506,7 +507,8 @@ impl<S: Store + ?Sized> Executor<S> {
                     guard.settled = true;
                     let confirm = guard.finish(async move {
                         let _settling = settling;
-                        confirm_commit(store, &tracker, id, token, outcome, &policy).await
+                        let lease = (id, token, took_over);
+                        confirm_commit(store, &tracker, lease, outcome, &policy).await
                     });
                     return match confirm.await {
                         Confirmed::Committed => Ok(Executed {
@@ -1052,7 +1054,8 @@ struct LeaseGuard<S: Store + ?Sized> {
     settled: bool,
     /// The renewals, if the operation had to wait; stopped once it ended (or its future was
     /// dropped). A renewal cut off mid-call may still land; it is fenced on the token and the
-    /// in-flight state, so after the release or the completion it changes nothing.
+    /// in-flight state, so after the release or the completion it changes nothing (after an
+    /// end, which keeps the record in flight, it may hold the key for one more lease).
     renewing: Option<tokio::task::AbortHandle>,
 }
 
@@ -1168,19 +1171,27 @@ enum Confirmed {
 /// unreachable; one unreachable for a whole lease is `Unknown`, the release going on in the
 /// background ([`release_orphan`](crate::release_orphan), tracked by `tracker`), right
 /// whenever it lands.
+///
+/// After a takeover (`took_over`) the lease is ended and its record kept (renewed for zero)
+/// instead of released: every store fences that renewal as it fences the release (it goes
+/// through only for a record still in flight under the token), and the next attempt is
+/// still told of the earlier one.
 async fn confirm_commit<S: Store + ?Sized>(
     store: Arc<S>,
     tracker: &TaskTracker,
-    id: RecordId,
-    token: LeaseToken,
+    (id, token, took_over): (RecordId, LeaseToken, bool),
     outcome: Result<Outcome, Error>,
     policy: &Policy,
 ) -> Confirmed {
     let give_up = Instant::now() + policy.lease();
     let mut backoff = Duration::from_millis(50);
     loop {
-        let released =
-            panic_as_unavailable(store.release(&id, token), "the store's release panicked").await;
+        let released = if took_over {
+            let end = store.renew(&id, token, Duration::ZERO);
+            panic_as_unavailable(end, "the store's renew panicked").await
+        } else {
+            panic_as_unavailable(store.release(&id, token), "the store's release panicked").await
+        };
         match released {
             Ok(()) => return Confirmed::NotCommitted,
             Err(Error::LeaseLost) => break,
@@ -1197,10 +1208,7 @@ async fn confirm_commit<S: Store + ?Sized>(
                 .await;
             }
             Err(error) => {
-                let store = store.clone();
-                tracker.spawn(async move {
-                    crate::release_orphan(&*store, &id, token).await;
-                });
+                tracker.spawn(give_back(store.clone(), id, token, took_over));
                 return Confirmed::Unknown(error);
             }
         }
@@ -1496,6 +1504,35 @@ mod tests {
                 "{failure}: the next run is told of the earlier attempt"
             );
         }
+    }
+
+    /// The same for a run whose own transaction did not commit (`NotCommitted`): the
+    /// confirmation ends the taken-over lease rather than release it.
+    #[tokio::test]
+    async fn a_takeover_whose_transaction_did_not_commit_leaves_the_next_one_told() {
+        let store = Arc::new(MemoryStore::new());
+        let executor = Executor::new(store.clone());
+        let (scope, key, fp) = (Scope::new("s"), key("k"), Fingerprint::of(b"charge"));
+        let id = RecordId::new(&scope, &key);
+        let Ok(Begin::Execute(_)) = store.begin(&id, &fp, Duration::ZERO).await else {
+            panic!("a fresh key")
+        };
+        // Says its completion was accepted, but stored nothing: a transaction rolled back.
+        let run = executor
+            .run_with_claim(&scope, &key, &fp, |claim: Claim<bool>| async move {
+                assert!(claim.took_over());
+                claim.accepted();
+                Ok::<_, std::io::Error>(true)
+            })
+            .await;
+        assert!(matches!(run, Err(RunError::NotCommitted)), "{run:?}");
+        let next = executor
+            .run_with_claim(&scope, &key, &fp, |claim: Claim<bool>| async move {
+                Ok::<_, std::io::Error>(claim.took_over())
+            })
+            .await
+            .expect("the next run");
+        assert!(next.value, "the next run is told of the earlier attempt");
     }
 
     #[tokio::test(start_paused = true)]
