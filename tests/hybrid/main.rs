@@ -2440,3 +2440,31 @@ fn a_renewal_does_not_wait_for_a_stalled_redis() {
 }
 
 const LONG_RETENTION: Duration = Duration::from_secs(3600);
+
+/// An end (`renew` for zero, how the executor gives back a taken-over lease) refused with
+/// `LeaseLost`, because the token completed the record in the application's transaction,
+/// drops the lease's mirror, as a release does: the retry is replayed the outcome at once.
+/// The mirror stayed, and answered "in flight" until its TTL.
+#[test]
+fn an_end_refused_after_a_completion_in_a_transaction_drops_the_mirror() {
+    block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let id = idempotency_test::conformance::fresh_id();
+        let fp = Fingerprint::of(b"a");
+        let long = idempotency_test::conformance::LONG;
+        let token = idempotency_test::conformance::execute(&*store, &id, &fp, long).await;
+        mirror_landed(&store, &id, &fp).await;
+        // Completed in the application's transaction: Postgres alone knows.
+        store
+            .postgres()
+            .complete(&id, token, &Outcome::new(201), long)
+            .await
+            .expect("complete");
+        let ended = store.renew(&id, token, Duration::ZERO).await;
+        assert!(matches!(ended, Err(Error::LeaseLost)), "{ended:?}");
+        let retry = store.begin(&id, &fp, long).await.expect("begin");
+        assert!(matches!(retry, Begin::Replay(_)), "{retry:?}");
+    });
+}

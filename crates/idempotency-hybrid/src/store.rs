@@ -1224,7 +1224,20 @@ impl Store for HybridStore {
     async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
         idempotency_core::observe(self.name(), "renew", async {
             let asked = Instant::now();
-            self.pg.renew(id, token, lease).await?;
+            let renewed = self.pg.renew(id, token, lease).await;
+            // An end (`renew` for zero, how a taken-over lease is given back) refused with
+            // `LeaseLost` still drops the mirror, as a release does: the token holds nothing
+            // in Postgres (it completed the record in the application's transaction, or
+            // another attempt took the key), so its mirror is stale either way.
+            if let Err(error) = renewed {
+                if lease.is_zero()
+                    && matches!(error, Error::LeaseLost)
+                    && self.may_be_mirrored(&token)
+                {
+                    self.drop_mirror(id, token).await;
+                }
+                return Err(error);
+            }
             if !self.may_be_mirrored(&token) {
                 return Ok(());
             }
