@@ -284,8 +284,23 @@ fn turkish_lowercase(key: &str) -> String {
     while let Some(c) = chars.next() {
         match c {
             '\u{130}' => folded.push('i'),
-            'I' if chars.next_if_eq(&'\u{307}').is_some() => folded.push('i'),
-            'I' => folded.push('\u{131}'),
+            'I' => {
+                // Java drops a dot above that follows other combining marks too (those not
+                // of its class); any combining diacritical mark is skipped here, which can
+                // only join more keys (their body then goes to its raw bytes).
+                let mut marks = String::new();
+                while let Some(mark) = chars.next_if(|m| ('\u{300}'..='\u{36f}').contains(m)) {
+                    marks.push(mark);
+                }
+                match marks.find('\u{307}') {
+                    Some(dot) => {
+                        folded.push('i');
+                        marks.remove(dot);
+                    }
+                    None => folded.push('\u{131}'),
+                }
+                folded.push_str(&marks);
+            }
             c => folded.extend(c.to_lowercase()),
         }
     }

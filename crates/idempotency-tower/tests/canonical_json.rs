@@ -141,6 +141,12 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             "{\"customer_id\":\"alice\",\"customer_I\u{307}d\":\"mallory\"}",
             "{\"customer_I\u{307}d\":\"mallory\",\"customer_id\":\"alice\"}",
         ),
+        // The same with another combining mark between (a cedilla), as Java drops that dot.
+        (
+            "dotted-I-cedilla",
+            "{\"customer_i\u{327}d\":\"alice\",\"customer_I\u{327}\u{307}d\":\"mallory\"}",
+            "{\"customer_I\u{327}\u{307}d\":\"mallory\",\"customer_i\u{327}d\":\"alice\"}",
+        ),
     ] {
         let response = post_charge(&router, key, first).await;
         assert_eq!(response.status(), StatusCode::CREATED, "{key}");
@@ -158,8 +164,9 @@ async fn numbers_as_sent_and_duplicate_keys_make_another_request() {
             ("fold", 422),
             ("sharp-s", 422),
             ("dotted-i", 422),
-            ("dotted-I", 422)
+            ("dotted-I", 422),
+            ("dotted-I-cedilla", 422)
         ]
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 9);
+    assert_eq!(calls.load(Ordering::SeqCst), 10);
 }
