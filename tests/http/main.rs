@@ -794,6 +794,46 @@ fn a_handler_whose_lease_was_lost_is_stopped() {
     });
 }
 
+/// A handler whose await completes while the renewal that hears the lease lost is in flight
+/// is stopped there too: not polled once more to see whether it finished, which ran its next
+/// step (here the effect) beside the attempt that now holds the key.
+#[test]
+fn a_handler_woken_while_its_lease_is_lost_is_not_polled_again() {
+    use std::sync::{
+        Mutex,
+        atomic::{AtomicUsize, Ordering},
+    };
+
+    block_on(async {
+        let store = Arc::new(support::Rigged::default());
+        let (tell, told) = tokio::sync::oneshot::channel();
+        *store.lose_next_renewal.lock().expect("lock") = Some(tell);
+        let told = Arc::new(Mutex::new(Some(told)));
+        let effects = Arc::new(AtomicUsize::new(0));
+        let (handler_told, handler_effects) = (told.clone(), effects.clone());
+        let handler = move || async move {
+            let told = handler_told.lock().expect("lock").take().expect("one call");
+            // The upstream answers just as the operator releases the key.
+            let _ = told.await;
+            handler_effects.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            "charged"
+        };
+        let lease = Duration::from_millis(600);
+        let router = axum::Router::new()
+            .route("/charges", axum::routing::post(handler))
+            .layer(layer(store).policy(idempotency_core::Policy::default().with_lease(lease)));
+        let stopped = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(stopped.status, 503, "{}", stopped.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            effects.load(Ordering::SeqCst),
+            0,
+            "the handler was polled on after its lease was lost"
+        );
+    });
+}
+
 /// Runs `test` on a runtime of one thread, which a test can freeze whole (a blocking
 /// sleep): no task runs meanwhile, as in a process stopped by `SIGSTOP`.
 fn on_one_thread<F: std::future::Future>(test: F) -> F::Output {

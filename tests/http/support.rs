@@ -157,3 +157,86 @@ pub(crate) async fn post_and_hang_up(
     let headers = owned(headers);
     let _ = idempotency_test::http::send(&addr, "POST", path, &headers, body, after).await;
 }
+
+/// A memory store with faults to arm: a renewal that finds its lease released by an operator
+/// (released live, then `LeaseLost`, telling the test when), and a release or an end (a
+/// renewal for zero) that panics once.
+#[derive(Default)]
+pub(crate) struct Rigged {
+    inner: idempotency_core::MemoryStore,
+    /// Armed: the next renewal releases the live lease, sends, and answers `LeaseLost`.
+    pub(crate) lose_next_renewal: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    /// Armed: the next release, or renewal for zero, panics.
+    pub(crate) panic_next_give_back: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for Rigged {
+    async fn begin(
+        &self,
+        id: &idempotency_core::RecordId,
+        fp: &idempotency_core::Fingerprint,
+        lease: Duration,
+    ) -> idempotency_core::Result<idempotency_core::Begin> {
+        self.inner.begin(id, fp, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::LeaseToken,
+        outcome: &idempotency_core::Outcome,
+        retention: Duration,
+    ) -> idempotency_core::Result<()> {
+        self.inner.complete(id, token, outcome, retention).await
+    }
+    async fn release(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::LeaseToken,
+    ) -> idempotency_core::Result<()> {
+        if self.panic_next_give_back.swap(false, Ordering::SeqCst) {
+            panic!("the store's release panics on purpose");
+        }
+        self.inner.release(id, token).await
+    }
+    async fn renew(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::LeaseToken,
+        lease: Duration,
+    ) -> idempotency_core::Result<()> {
+        if lease.is_zero() && self.panic_next_give_back.swap(false, Ordering::SeqCst) {
+            panic!("the store's end of a lease panics on purpose");
+        }
+        let armed = self.lose_next_renewal.lock().expect("lock").take();
+        if let Some(tell) = armed {
+            let scope = idempotency_core::ReleaseScope::default().with_live();
+            self.inner.force_release(id, scope).await?;
+            let _ = tell.send(());
+            return Err(idempotency_core::Error::LeaseLost);
+        }
+        self.inner.renew(id, token, lease).await
+    }
+    async fn purge_expired(&self, batch: usize) -> idempotency_core::Result<u64> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn inspect(
+        &self,
+        id: &idempotency_core::RecordId,
+    ) -> idempotency_core::Result<Option<idempotency_core::Inspection>> {
+        self.inner.inspect(id).await
+    }
+    async fn force_release(
+        &self,
+        id: &idempotency_core::RecordId,
+        scope: idempotency_core::ReleaseScope,
+    ) -> idempotency_core::Result<idempotency_core::ForceReleased> {
+        self.inner.force_release(id, scope).await
+    }
+    fn name(&self) -> &'static str {
+        "rigged"
+    }
+    fn begin_settles_when_dropped(&self) -> bool {
+        true
+    }
+}

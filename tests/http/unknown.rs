@@ -495,6 +495,59 @@ fn a_service_error_under_reject_lets_the_retry_run() {
     });
 }
 
+/// A store whose release panics is taken for a failed call, as every other store call of the
+/// layer is: the handler's own answer goes out (not a 500), and the release is retried until
+/// it lands. Unwound, the lease was left to run out, and under `Reject` the retry of a
+/// request its handler said was not applied met a stored 409 outcome-unknown.
+#[test]
+fn a_release_that_panics_is_retried_and_the_handlers_answer_kept() {
+    use std::sync::atomic::Ordering;
+
+    block_on(async {
+        let store = Arc::new(crate::support::Rigged::default());
+        let layer = layer(store.clone())
+            .policy(Policy::default().with_lease(Duration::from_millis(600)))
+            .on_outcome_unknown(OutcomeUnknown::Reject);
+        let (router, calls, _) = app(layer.clone());
+        store.panic_next_give_back.store(true, Ordering::SeqCst);
+        let failed = send(&router, "POST", Some("k"), &[("x-fail", "503")], "{}").await;
+        assert_eq!(failed.status, 503, "{}", failed.body);
+        layer.drain().await;
+        tokio::time::sleep(Duration::from_millis(700)).await; // past the lease
+        let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(calls.get(), 2, "the retry ran");
+    });
+}
+
+/// A retry that took over a crashed attempt's key and whose handler answers a failure that
+/// is not stored ends its lease and keeps the record, as the executor does: the next retry
+/// is taken over too, and the reconcile hook is asked again (the crashed attempt's effect may
+/// be visible by then). Released, the next retry was a fresh `Execute` that skipped the hook
+/// and charged a second time.
+#[test]
+fn a_run_that_took_over_and_is_not_stored_leaves_the_key_to_the_policy() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (key, _) = crashed_attempt(&*store).await;
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counted = asked.clone();
+        let policy = OutcomeUnknown::reconcile(move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok(None) }
+        });
+        let (router, calls, _) = app(layer(store).on_outcome_unknown(policy));
+        let failed = send(&router, "POST", Some(&key), &[("x-fail", "503")], "{}").await;
+        assert_eq!(failed.status, 503, "{}", failed.body);
+        let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(asked.load(Ordering::SeqCst), 2, "the hook was asked again");
+        assert_eq!(calls.get(), 2);
+    });
+}
+
 /// A failure the handler marks `MaybeApplied` (a processor that timed out after it may have
 /// charged) is not given back under `Reject`: the retry meets an attempt whose outcome is
 /// unknown (409), not a fresh run. Unmarked, or under `Reexecute`, the retry runs.

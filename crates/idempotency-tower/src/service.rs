@@ -217,6 +217,7 @@ where
             scope,
             id,
             fingerprint,
+            took_over: false,
         },
     )
     .instrument(span)
@@ -279,6 +280,10 @@ struct Keyed {
     scope: Scope,
     id: RecordId,
     fingerprint: Fingerprint,
+    /// Whether the lease was taken over from an attempt whose outcome is unknown: a run
+    /// under it that stores nothing ends the lease instead of releasing it (see
+    /// [`give_back`]).
+    took_over: bool,
 }
 
 async fn decide<S, ResBody>(
@@ -411,7 +416,7 @@ async fn outcome_unknown<S, ResBody>(
     inner: S,
     parts: Parts,
     body: Bytes,
-    keyed: Keyed,
+    mut keyed: Keyed,
     token: LeaseToken,
     asked: Instant,
 ) -> Result<Response<Body>, S::Error>
@@ -430,6 +435,7 @@ where
     };
     metrics::counter!("idempotency_outcome_unknown_total", "policy" => label).increment(1);
     tracing::warn!(record = %keyed.id, policy = label, "an earlier attempt's lease ran out before it stored an outcome");
+    keyed.took_over = true;
     let id = keyed.id;
     let known = match policy {
         OutcomeUnknown::Reject => {
@@ -722,7 +728,7 @@ where
         key: keyed.key,
     });
     let request = Request::from_parts(parts, full(body));
-    let id = keyed.id;
+    let (id, took_over) = (keyed.id, keyed.took_over);
     // Counted as running until its end, in whichever task that is (see
     // `IdempotencyLayer::drain`).
     let running = config.detached.token();
@@ -746,8 +752,13 @@ where
             let (reply, answer) = tokio::sync::oneshot::channel();
             let run = async move {
                 let _running = running;
-                let run =
-                    run_detached(config, produce, id, token, (leased, started), (reply, left));
+                let run = run_detached(
+                    config,
+                    produce,
+                    (id, token, took_over),
+                    (leased, started),
+                    (reply, left),
+                );
                 // A panic outside the handler (which is caught itself) drops the reply:
                 // answered below.
                 let _ = AssertUnwindSafe(run).catch_unwind().await;
@@ -758,7 +769,7 @@ where
     };
     let settle = async move {
         let running = running;
-        match settle(&config, id, token, started, result).await {
+        match settle(&config, (id, token, took_over), started, result).await {
             Settled::Answer(answer) => answer,
             Settled::Stream(parts, body) => {
                 let (reply, answer) = tokio::sync::oneshot::channel();
@@ -1000,8 +1011,7 @@ fn gated<F: Future + Unpin>(
 async fn run_detached<ResBody, E>(
     config: Arc<Config>,
     mut produce: BoxFuture<'static, Ran<ResBody, E>>,
-    id: RecordId,
-    token: LeaseToken,
+    (id, token, took_over): (RecordId, LeaseToken, bool),
     (leased, started): (Instant, Instant),
     (mut reply, left): (Reply<E>, tokio::sync::watch::Sender<bool>),
 ) where
@@ -1030,15 +1040,11 @@ async fn run_detached<ResBody, E>(
         }
         // The key is another attempt's now, or an operator released it: the handler is
         // stopped at its await, before effects it has not reached, which the other attempt
-        // runs. Nothing to give back: the token is fenced off. Unless it finished meanwhile
-        // (ready in the same poll as the tick): then it ran, and is settled like any other
-        // (its outcome's write will find the key lost). Not polled to see once its lease may
-        // have run out: that poll would run it on beside the attempt that took over.
-        if !renew.may_be_over()
-            && let Some(result) = (&mut produce).now_or_never()
-        {
-            break result;
-        }
+        // runs. Nothing to give back: the token is fenced off. Not polled once more to see
+        // whether it finished meanwhile: a poll cannot tell "finished" from "woken", and a
+        // woken handler would run its next step beside the attempt that holds the key (see
+        // `a_handler_woken_while_its_lease_is_lost_is_not_polled_again`). One that did
+        // finish is answered 503 like the rest; its retry gets the holder's outcome.
         tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
         let detail = "this attempt lost its idempotency lease to another \
                       attempt and was stopped; retry later with the same key";
@@ -1046,7 +1052,7 @@ async fn run_detached<ResBody, E>(
         let _ = reply.send(Ok(stopped));
         return;
     };
-    match settle(&config, id, token, started, result).await {
+    match settle(&config, (id, token, took_over), started, result).await {
         Settled::Answer(answer) => {
             let _ = reply.send(answer);
         }
@@ -1069,8 +1075,7 @@ enum Settled<ResBody, E> {
 /// a cacheable body to be streamed is left to [`stream`].
 async fn settle<ResBody, E>(
     config: &Config,
-    id: RecordId,
-    token: LeaseToken,
+    (id, token, took_over): (RecordId, LeaseToken, bool),
     started: Instant,
     result: Ran<ResBody, E>,
 ) -> Settled<ResBody, E>
@@ -1092,7 +1097,7 @@ where
         // buffer): released, so the retry runs, as before. Kept as outcome-unknown, one such
         // blip would lock a key under `Reject` for its retention.
         Ok(Err(error)) => {
-            release(config, id, token, "service error").await;
+            give_back(config, id, token, took_over, "service error").await;
             return Settled::Answer(Err(error));
         }
         Ok(Ok(produced)) => {
@@ -1116,7 +1121,7 @@ where
                 advertise_expiry(config, &mut parts);
                 return Settled::Stream(parts, body);
             }
-            not_stored(config, id, token, &parts).await;
+            not_stored(config, id, token, took_over, &parts).await;
             return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
@@ -1132,7 +1137,7 @@ where
                 .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
         }
     } else {
-        not_stored(config, id, token, &parts).await;
+        not_stored(config, id, token, took_over, &parts).await;
     }
     Settled::Answer(Ok(Response::from_parts(
         parts,
@@ -1141,12 +1146,13 @@ where
 }
 
 /// Settles the lease of a response the policy does not store: given back, so the retry runs
-/// again; or, marked [`MaybeApplied`](crate::MaybeApplied) by its handler, settled like a
-/// panic, for the outcome-unknown policy.
+/// again ([`give_back`]); or, marked [`MaybeApplied`](crate::MaybeApplied) by its handler,
+/// settled like a panic, for the outcome-unknown policy.
 async fn not_stored(
     config: &Config,
     id: RecordId,
     token: LeaseToken,
+    took_over: bool,
     parts: &http::response::Parts,
 ) {
     if parts.extensions.get::<crate::MaybeApplied>().is_some() {
@@ -1154,7 +1160,7 @@ async fn not_stored(
         return;
     }
     Metrics::inc(&config.metrics.released, "idempotency_released_total");
-    release(config, id, token, "outcome not cacheable").await;
+    give_back(config, id, token, took_over, "outcome not cacheable").await;
 }
 
 /// Streams a cacheable response to the first client while keeping at most the stored-body
@@ -1432,9 +1438,19 @@ async fn renew_lease(
     idempotency_core::panic_as_unavailable(renew, "the store's renew panicked").await
 }
 
-/// Gives the lease back so that a retry runs again.
-async fn release(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
-    let _ = settle_lease(config, id, token, false, why).await;
+/// Gives back the lease of a run that stored nothing, so that a retry runs again: released;
+/// or, when this run took the key over from an attempt whose outcome is unknown, ended and
+/// kept (renewed for zero), as the executor does: the retry is taken over in turn and the
+/// outcome-unknown policy asked again (a reconcile hook may find that attempt's effect by
+/// then), where a released key would be a fresh run that asks nothing.
+async fn give_back(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    took_over: bool,
+    why: &'static str,
+) {
+    let _ = settle_lease(config, id, token, took_over, why).await;
 }
 
 /// Settles the lease of a handler whose outcome is unknown (it panicked, or answered a failure
@@ -1478,10 +1494,14 @@ async fn settle_lease(
     end: bool,
     why: &'static str,
 ) -> bool {
+    // A store that panics is taken for a failed call, as everywhere in the layer: unwound,
+    // the panic replaced the handler's answer with a 500 and left the lease to run out.
     let settled = if end {
-        config.store.renew(&id, token, Duration::ZERO).await
+        let end = config.store.renew(&id, token, Duration::ZERO);
+        idempotency_core::panic_as_unavailable(end, "the store's renew panicked").await
     } else {
-        config.store.release(&id, token).await
+        let release = config.store.release(&id, token);
+        idempotency_core::panic_as_unavailable(release, "the store's release panicked").await
     };
     if let Err(error) = settled
         && !matches!(error, Error::LeaseLost)
