@@ -2261,18 +2261,11 @@ fn budgets_of_the_largest_duration_do_not_panic() {
 /// then waited on the dead Redis until its caller gave up, though Postgres was fine.
 #[test]
 fn callers_that_give_up_sooner_than_redis_are_still_answered_by_postgres() {
-    use idempotency_test::relay;
-
     block_on(async {
         if services::skipping() {
             return;
         }
-        let pg = services::postgres().await.expect("postgres");
-        let redis = services::redis().await.expect("redis");
-        let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
-        // A reconnect waits as long as a call (the vanished host accepts nothing).
-        let through = relay::through(redis.url(), relay.port);
-        let store = hybrid_within(pg.url(), &through, Duration::from_secs(2)).await;
+        let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
         let fp = Fingerprint::of(b"charge");
         relay.vanish();
         // Three calls that wait out their Redis budget open the breaker.
@@ -2297,6 +2290,51 @@ fn callers_that_give_up_sooner_than_redis_are_still_answered_by_postgres() {
         }
         assert_eq!(unanswered, 0, "calls left waiting on a Redis that is gone");
         assert!(store.metrics().breaker_opened >= 2, "the breaker backs off");
+    });
+}
+
+/// A Redis that hangs while the breaker is closed, met only by callers that give up before
+/// its budget (clients hanging up, an outer timeout shorter than it): the calls they gave
+/// up on after half a budget count as failures, the breaker opens, and the next callers are
+/// answered by Postgres. Before, a dropped call counted for nothing: the breaker stayed
+/// closed with no failure counted, and every call waited on the hung Redis until its caller
+/// gave up, though Postgres was fine.
+#[test]
+fn a_hung_redis_whose_callers_all_give_up_first_still_opens_the_breaker() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
+        let fp = Fingerprint::of(b"charge");
+        // Connected and healthy, and nothing left running in the background to report.
+        assert!(matches!(
+            store.begin(&fresh_id(), &fp, LEASE).await,
+            Ok(Begin::Execute(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(200)).await; // the lease's mirror
+        store.drain().await;
+        relay.vanish();
+        // Callers with three quarters of a Redis budget of patience.
+        let mut answered = Vec::new();
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let id = fresh_id();
+            let call = store.begin(&id, &fp, LEASE);
+            match tokio::time::timeout(Duration::from_millis(1500), call).await {
+                Ok(begun) => {
+                    assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
+                    answered.push(true);
+                }
+                Err(_) => answered.push(false),
+            }
+        }
+        assert_eq!(
+            answered.iter().filter(|a| !**a).count(),
+            3,
+            "the breaker's threshold of calls given up, then Postgres answers: {answered:?}"
+        );
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
     });
 }
 
@@ -2345,6 +2383,19 @@ fn an_operators_release_deletes_the_copy_in_one_round_trip() {
 
 /// A hybrid store on the shared Postgres and the Redis at `redis_url` (through a relay),
 /// whose Redis calls, and connects, each have `budget`.
+/// A hybrid store with Redis calls of `budget`, its Redis reached through a stalling relay
+/// (a reconnect waits as long as a call once the relay's host vanished: it accepts nothing).
+async fn behind_a_stalling_relay(
+    budget: Duration,
+) -> (HybridStore, idempotency_test::relay::StallingRelay) {
+    use idempotency_test::relay;
+    let pg = services::postgres().await.expect("postgres");
+    let redis = services::redis().await.expect("redis");
+    let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
+    let through = relay::through(redis.url(), relay.port);
+    (hybrid_within(pg.url(), &through, budget).await, relay)
+}
+
 async fn hybrid_within(pg_url: &str, redis_url: &str, budget: Duration) -> HybridStore {
     let redis = RedisStore::builder(redis_url)
         .prefix(idempotency_test::unique("h"))

@@ -104,6 +104,11 @@ pub(crate) struct Breaker {
     /// answers nor is dropped, and would keep the breaker half-open, Redis unused, for as
     /// long as it is held.
     probe_limit: Duration,
+    /// How long a call may go unanswered before dropping it counts as a failure: a caller
+    /// that gives up sooner than the call's budget (a client's hang-up, an outer timeout)
+    /// would otherwise never tell the breaker of a Redis that hangs, and every call would
+    /// wait on it until its caller gave up.
+    slow: Duration,
     /// Probes sent, numbering each: only the latest one's answer counts.
     probes: AtomicU64,
     /// Published: `Closed` with no failure counted (healthy). A call is then admitted, and
@@ -119,11 +124,12 @@ pub(crate) struct Breaker {
 }
 
 impl Breaker {
-    pub(crate) fn new(config: BreakerConfig, probe_limit: Duration) -> Self {
+    pub(crate) fn new(config: BreakerConfig, probe_limit: Duration, slow: Duration) -> Self {
         publish(BreakerState::Closed);
         Self {
             config,
             probe_limit,
+            slow,
             probes: AtomicU64::new(0),
             inner: Flagged::new(Inner::Closed { failures: 0 }, |inner| {
                 matches!(inner, Inner::Closed { failures: 0 })
@@ -168,7 +174,9 @@ impl Breaker {
     /// keeps going to Postgres until it reports.
     ///
     /// A permit dropped without a report (the call was cancelled: a client hung up, a
-    /// timeout fired) says nothing about Redis. A dropped probe therefore hands the probe on:
+    /// timeout fired) says nothing about Redis, unless its call had gone unanswered for the
+    /// breaker's `slow` time (half a Redis call's budget, where a healthy Redis answers in
+    /// a millisecond): that counts as a failure. A dropped probe hands the probe on:
     /// the breaker goes back to open with the same backoff, already over, so the next call
     /// probes. Without that, a cancelled probe would leave the breaker half-open for good.
     /// A probe neither answered nor dropped within the probe limit (its call held without
@@ -184,6 +192,7 @@ impl Breaker {
                 probe: None,
                 period: self.period.load(Ordering::Acquire),
                 reported: false,
+                admitted: Instant::now(),
             });
         }
         let mut inner = self.lock();
@@ -219,6 +228,7 @@ impl Breaker {
             probe,
             period: self.period.load(Ordering::Acquire),
             reported: false,
+            admitted: now,
         })
     }
 
@@ -319,6 +329,7 @@ pub(crate) struct Permit<'a> {
     /// The closed period the call was admitted in.
     period: u64,
     reported: bool,
+    admitted: Instant,
 }
 
 /// A probe handed to a call of its own ([`Permit::detach`]): its answer, once it comes, is
@@ -362,6 +373,15 @@ impl Permit<'_> {
         self.breaker.success(self.probe);
     }
 
+    /// The call learnt nothing of Redis (it waited for another caller's work): dropped
+    /// without counting, however long it waited.
+    pub(crate) fn no_news(mut self) {
+        self.reported = true;
+        if let Some(probe) = self.probe {
+            self.breaker.abandon_probe(probe);
+        }
+    }
+
     pub(crate) fn failure(mut self) {
         self.reported = true;
         self.breaker.failure_of(self.probe, self.period);
@@ -370,11 +390,15 @@ impl Permit<'_> {
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        if let Some(probe) = self.probe
-            && !self.reported
-        {
+        if self.reported {
+            return;
+        }
+        if let Some(probe) = self.probe {
             tracing::debug!("Redis breaker probe cancelled; the next call probes");
             self.breaker.abandon_probe(probe);
+        } else if self.admitted.elapsed() >= self.breaker.slow {
+            tracing::debug!("a Redis call given up unanswered after half its budget: a failure");
+            self.breaker.failure_of(None, self.period);
         }
     }
 }
@@ -407,10 +431,12 @@ mod tests {
 
     /// The probe limit of these tests.
     const LIMIT: Duration = Duration::from_secs(2);
+    /// How long a dropped call must have waited to count as a failure in these tests.
+    const SLOW: Duration = Duration::from_millis(250);
 
     #[tokio::test(start_paused = true)]
     async fn opens_probes_backs_off_and_closes() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         breaker.failure_of(None, 0);
         breaker.failure_of(None, 0);
         assert_eq!(breaker.state(), BreakerState::Closed);
@@ -439,7 +465,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_close_it() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
             breaker.failure_of(None, 0);
@@ -453,6 +479,7 @@ mod tests {
             probe: None,
             period: 0,
             reported: false,
+            admitted: Instant::now(),
         };
         late.success(); // another call admitted while closed, answered while half-open
         assert_eq!(breaker.state(), BreakerState::HalfOpen);
@@ -466,7 +493,7 @@ mod tests {
     /// breaker and doubled the backoff.
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_reopen_it_while_it_probes() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         let early = breaker.allow().expect("closed");
         for _ in 0..3 {
             breaker.failure_of(None, 0);
@@ -488,7 +515,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_cancelled_probe_hands_the_probe_on() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         for _ in 0..3 {
             breaker.failure_of(None, 0);
         }
@@ -513,7 +540,7 @@ mod tests {
     /// never hands the probe on at once.
     #[tokio::test(start_paused = true)]
     async fn a_detached_probe_decides_by_its_answer() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         for _ in 0..3 {
             breaker.failure_of(None, 0);
         }
@@ -548,7 +575,7 @@ mod tests {
     /// half-open, and Redis unused, for as long as its future was held.
     #[tokio::test(start_paused = true)]
     async fn a_probe_held_without_an_answer_hands_the_probe_on() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         for _ in 0..3 {
             breaker.failure_of(None, 0);
         }
@@ -583,7 +610,7 @@ mod tests {
     /// failures and one fresh one reopened it.
     #[tokio::test(start_paused = true)]
     async fn a_call_admitted_before_the_breaker_opened_cannot_count_after_it_closed() {
-        let breaker = Breaker::new(BreakerConfig::default(), LIMIT);
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         let stale = [
             breaker.allow().expect("closed"),
             breaker.allow().expect("closed"),
@@ -610,6 +637,34 @@ mod tests {
         );
     }
 
+    /// Calls given up unanswered after the breaker's slow time (their callers hung up, or an
+    /// outer timeout shorter than Redis' budget fired) count as failures and open it; given
+    /// up sooner, they say nothing. Before, no dropped call counted: with every caller
+    /// giving up before the budget, a hung Redis never opened the breaker, and every call
+    /// waited on it until its caller gave up.
+    #[tokio::test(start_paused = true)]
+    async fn calls_given_up_after_waiting_long_open_the_breaker() {
+        let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
+        for _ in 0..5 {
+            let quick = breaker.allow().expect("closed");
+            tokio::time::advance(SLOW / 2).await;
+            drop(quick);
+        }
+        assert!(breaker.inner.holds(), "nothing counted");
+        for _ in 0..3 {
+            let hung = breaker.allow().expect("closed");
+            tokio::time::advance(SLOW).await;
+            drop(hung);
+        }
+        assert_eq!(breaker.state(), BreakerState::Open);
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let waited = breaker.allow().expect("the backoff is over: a probe");
+        tokio::time::advance(SLOW).await;
+        waited.no_news();
+        assert_eq!(breaker.state(), BreakerState::Open, "the probe handed on");
+        assert_eq!(breaker.opened.load(Ordering::Relaxed), 1);
+    }
+
     /// A backoff of `Duration::MAX` (an operator's "until restarted") opens the breaker for
     /// good instead of panicking the call that reports the failure; so does a doubling past
     /// the clock's range.
@@ -620,6 +675,7 @@ mod tests {
                 .failure_threshold(1)
                 .backoff(Duration::MAX, Duration::MAX),
             Duration::MAX,
+            SLOW,
         );
         breaker.allow().expect("closed").failure();
         assert_eq!(breaker.state(), BreakerState::Open);
@@ -631,6 +687,7 @@ mod tests {
                 .failure_threshold(1)
                 .backoff(Duration::from_secs(1), Duration::MAX),
             LIMIT,
+            SLOW,
         );
         doubling.allow().expect("closed").failure();
         *doubling.lock() = Inner::HalfOpen {
@@ -643,6 +700,7 @@ mod tests {
             probe: Some(1),
             period: 0,
             reported: false,
+            admitted: Instant::now(),
         };
         probe.failure();
         assert_eq!(doubling.state(), BreakerState::Open);

@@ -315,8 +315,9 @@ impl HybridStore {
             mirror_ttl: Duration::from_secs(2),
             inner: Arc::new(Shared {
                 // A probe unanswered for four call budgets (its repairs' and its own, twice
-                // over) is held without being polled: the next call probes instead.
-                breaker: Breaker::new(breaker, call_budget * 4),
+                // over) is held without being polled: the next call probes instead. A call
+                // given up after half a budget unanswered is a failure.
+                breaker: Breaker::new(breaker, call_budget * 4, call_budget / 2),
                 repairs: Flagged::new(Repairs::default(), Repairs::is_empty),
                 repairing: tokio::sync::Mutex::new(()),
                 mirrors: std::sync::Mutex::default(),
@@ -555,7 +556,7 @@ impl HybridStore {
                 return None;
             }
             Err(_) if !progress.held => {
-                drop(permit); // waited for another caller's repairs: no news of Redis
+                permit.no_news(); // waited for another caller's repairs: no news of Redis
                 s.fallback();
                 return None;
             }
