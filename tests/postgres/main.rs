@@ -1621,40 +1621,84 @@ fn a_claim_whose_answer_is_lost_leaves_no_lease() {
             reply.windows(7).any(|w| w == b"SELECT ")
         })
         .await;
-        for store in [
-            PostgresStore::builder(relayed.clone())
+        claims_answered_unavailable_leave_no_lease(&shared, &relayed, &armed).await;
+    });
+}
+
+/// On the per-request and the group-commit store through `relayed` (a relay that mangles
+/// the reply of a committed claim while `armed`): the claim answers `Unavailable`, its lease
+/// committed, and once `drain` returns it is given back.
+async fn claims_answered_unavailable_leave_no_lease(
+    shared: &PostgresStore,
+    relayed: &str,
+    armed: &std::sync::atomic::AtomicBool,
+) {
+    for (name, store) in [
+        (
+            "per-request",
+            PostgresStore::builder(relayed)
                 .per_request()
                 .call_timeout(Duration::from_secs(1))
                 .connect()
                 .await
                 .expect("per-request store"),
-            PostgresStore::builder(relayed.clone())
+        ),
+        (
+            "group commit",
+            PostgresStore::builder(relayed)
                 .call_timeout(Duration::from_secs(1))
                 .connect()
                 .await
                 .expect("group commit store"),
-        ] {
-            let id = fresh_id();
-            armed.store(true, std::sync::atomic::Ordering::SeqCst);
-            let begin = store.begin(&id, &fp("a"), SHORT).await;
-            assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
-            assert!(
-                !armed.load(std::sync::atomic::Ordering::SeqCst),
-                "the relay cut a committed claim"
-            );
-            assert!(
-                shared.inspect(&id).await.expect("inspect").is_some(),
-                "the lost claim had committed its lease"
-            );
-            // The give-back waits for the statement to have settled (a call budget); a
-            // graceful shutdown's `drain` waits for the give-back.
-            store.drain().await;
-            assert!(
-                shared.inspect(&id).await.expect("inspect").is_none(),
-                "the lease of a claim nobody was told of is given back once drain returns"
-            );
-            execute(&*shared, &id, &fp("a"), LONG).await;
-        }
+        ),
+    ] {
+        let id = fresh_id();
+        armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let begin = store.begin(&id, &fp("a"), SHORT).await;
+        assert!(
+            matches!(begin, Err(Error::Unavailable(_))),
+            "{name}: {begin:?}"
+        );
+        assert!(
+            !armed.load(std::sync::atomic::Ordering::SeqCst),
+            "{name}: the relay did not mangle a committed claim's reply"
+        );
+        assert!(
+            shared.inspect(&id).await.expect("inspect").is_some(),
+            "{name}: the claim had committed its lease"
+        );
+        // The give-back waits for the statement to have settled (a call budget); a
+        // graceful shutdown's `drain` waits for the give-back.
+        store.drain().await;
+        assert!(
+            shared.inspect(&id).await.expect("inspect").is_none(),
+            "{name}: the lease of a claim nobody was told of is given back once drain returns"
+        );
+        execute(shared, &id, &fp("a"), LONG).await;
+    }
+}
+
+/// A claim whose statement committed but whose caller was told of a database error (a
+/// pooler such as PgBouncer answers `08P01` when its server connection broke after the
+/// statement ran; so does its `query_timeout`) is given back like one whose answer was
+/// lost, on the group-commit store as on the per-request one. Before, the group commit took
+/// every database error for a rollback: the grant was held by nobody, the key answered
+/// `InFlight` for the lease, then `TakeOver` for an operation that never ran.
+#[test]
+fn a_claim_that_committed_but_was_answered_an_error_leaves_no_lease() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let pg = services::postgres().await.expect("postgres");
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let port = idempotency_test::relay::replacing_relay(
+            idempotency_test::relay::upstream(pg.url()),
+            armed.clone(),
+            |reply| reply.windows(7).any(|w| w == b"SELECT "),
+            idempotency_test::relay::postgres_error("08P01", "server conn crashed?"),
+        )
+        .await;
+        let relayed = idempotency_test::relay::through(pg.url(), port);
+        claims_answered_unavailable_leave_no_lease(&shared, &relayed, &armed).await;
     });
 }
 

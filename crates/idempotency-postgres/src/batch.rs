@@ -618,13 +618,25 @@ fn statement_timed_out(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("57014"))
 }
 
-/// Whether a failed statement may have committed all the same: the connection broke after
-/// it was sent. (A database error means it rolled back; a pool timeout, that it never left.)
+/// Whether a failed statement may have committed all the same. Not when it never left the
+/// pool (a pool timeout), nor when Postgres refused it before or while it ran: the errors
+/// [`give_back`] and [`statement_timed_out`] name, and class 42 (no such table, a syntax or
+/// permission error: nothing ran). Every other error may come after the commit: the
+/// connection broke, or a pooler answered for a server connection that broke after the
+/// statement ran (PgBouncer's `08P01`, its `query_timeout`), as the per-request path
+/// assumes too (`claim`: an error is not "nothing happened"). A give-back too many is fenced
+/// on its token and finds nothing.
 fn in_doubt(error: &sqlx::Error) -> bool {
-    !matches!(
-        error,
-        sqlx::Error::Database(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed
-    )
+    match error {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => false,
+        sqlx::Error::Database(db) => {
+            let refused = give_back(error)
+                || statement_timed_out(error)
+                || db.code().is_some_and(|code| code.starts_with("42"));
+            !refused
+        }
+        _ => true,
+    }
 }
 
 /// A lone call's answer. It ran the per-request statement, but on the batches' connections:

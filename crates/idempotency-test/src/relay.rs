@@ -65,13 +65,40 @@ pub async fn cutting_relay(
     armed: Arc<AtomicBool>,
     cut: fn(&[u8]) -> bool,
 ) -> u16 {
+    replacing_relay(upstream, armed, cut, Vec::new()).await
+}
+
+/// A [`cutting_relay`] that sends `instead` in place of the reply it drops, then closes both
+/// sides: the server did the work, the client is told it failed ([`postgres_error`]: what a
+/// pooler such as PgBouncer sends when its server connection broke after the statement ran).
+///
+/// ```no_run
+/// # async fn demo() {
+/// use std::sync::{Arc, atomic::AtomicBool};
+/// let armed = Arc::new(AtomicBool::new(true));
+/// let port = idempotency_test::relay::replacing_relay(
+///     "127.0.0.1:5432".into(),
+///     armed,
+///     |reply| reply.windows(7).any(|w| w == b"SELECT "),
+///     idempotency_test::relay::postgres_error("08P01", "server conn crashed?"),
+/// )
+/// .await;
+/// # let _ = port;
+/// # }
+/// ```
+pub async fn replacing_relay(
+    upstream: String,
+    armed: Arc<AtomicBool>,
+    cut: fn(&[u8]) -> bool,
+    instead: Vec<u8>,
+) -> u16 {
     let (listener, port) = listen().await;
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                 continue;
             };
-            let armed = armed.clone();
+            let (armed, instead) = (armed.clone(), instead.clone());
             tokio::spawn(async move {
                 let (mut client_rx, mut client_tx) = client.into_split();
                 let (mut server_rx, mut server_tx) = server.into_split();
@@ -86,7 +113,9 @@ pub async fn cutting_relay(
                     };
                     let reply = &buf[..n];
                     if cut(reply) && armed.swap(false, Ordering::SeqCst) {
-                        break; // the reply is dropped and both sides are closed
+                        // The reply is dropped (or replaced) and both sides are closed.
+                        let _ = client_tx.write_all(&instead).await;
+                        break;
                     }
                     if client_tx.write_all(reply).await.is_err() {
                         break;
@@ -97,6 +126,33 @@ pub async fn cutting_relay(
         }
     });
     port
+}
+
+/// A Postgres `ErrorResponse` message with SQLSTATE `code`, for [`replacing_relay`].
+///
+/// ```
+/// let error = idempotency_test::relay::postgres_error("08P01", "server conn crashed?");
+/// assert_eq!(error[0], b'E');
+/// assert_eq!(u32::from_be_bytes(error[1..5].try_into().unwrap()) as usize, error.len() - 1);
+/// ```
+pub fn postgres_error(code: &str, message: &str) -> Vec<u8> {
+    let mut fields = Vec::new();
+    for (tag, value) in [
+        (b'S', "ERROR"),
+        (b'V', "ERROR"),
+        (b'C', code),
+        (b'M', message),
+    ] {
+        fields.push(tag);
+        fields.extend_from_slice(value.as_bytes());
+        fields.push(0);
+    }
+    fields.push(0);
+    let mut error = vec![b'E'];
+    let len = u32::try_from(fields.len() + 4).expect("a short message");
+    error.extend_from_slice(&len.to_be_bytes());
+    error.extend_from_slice(&fields);
+    error
 }
 
 /// A relay whose upstream can vanish and come back elsewhere: see [`stalling_relay`].
