@@ -1955,11 +1955,7 @@ fn a_body_whose_head_could_not_be_stored_at_the_limit_is_stopped() {
 /// cleanly, and the client took a truncated body for a whole one.
 #[test]
 fn a_streamed_response_whose_forwarding_stopped_is_cut_off() {
-    let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let server = idempotency_test::doomed_runtime();
     let (router, _, _) = streaming_app(layer(memory()));
     // The first chunk is forwarded; the handler holds the rest back.
     let (response, first) = server.block_on(async {

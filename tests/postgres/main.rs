@@ -1176,11 +1176,7 @@ fn a_claim_whose_runtime_shut_down_mid_statement_is_given_back() {
         let store = Arc::new(store);
         let id = fresh_id();
         let hold = hold_insert(&store, &id).await;
-        let doomed = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let doomed = idempotency_test::doomed_runtime();
         let claim = {
             let store = store.clone();
             doomed.spawn(async move { store.begin(&id, &fp("a"), LONG).await })
@@ -1194,6 +1190,42 @@ fn a_claim_whose_runtime_shut_down_mid_statement_is_given_back() {
         store.drain().await; // the give-back
         let again = store.begin(&id, &fp("a"), LONG).await;
         assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+    });
+}
+
+/// A claim answered `Unavailable` after its statement committed (its reply lost), on a
+/// runtime that shuts down right after: the give-back it left runs on the runtime the store
+/// was made on too. It ran on the caller's alone, waiting out a budget there, and the
+/// runtime shutting down dropped it: the key was held by nobody (`InFlight` for a lease,
+/// then an unknown outcome for an operation that never ran), and `drain` returned at once.
+#[test]
+fn a_give_back_left_on_a_runtime_that_shuts_down_still_runs() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let relayed = losing_a_claims_reply(armed.clone()).await;
+        // Made on this runtime: its home.
+        for (_, store) in both_kinds(&relayed).await {
+            let (store, id) = (Arc::new(store), fresh_id());
+            let doomed = idempotency_test::doomed_runtime();
+            armed.store(true, std::sync::atomic::Ordering::SeqCst);
+            let claim = {
+                let store = store.clone();
+                doomed.spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+            };
+            let begin = claim.await.expect("answered");
+            assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
+            doomed.shutdown_background();
+            assert!(
+                shared.inspect(&id).await.expect("inspect").is_some(),
+                "the claim had committed its lease"
+            );
+            store.drain().await;
+            assert!(
+                shared.inspect(&id).await.expect("inspect").is_none(),
+                "the give-back ran all the same"
+            );
+        }
     });
 }
 
@@ -1216,11 +1248,7 @@ async fn held_pair() -> Option<HeldPair> {
     for id in [&first, &second] {
         holds.push(hold_insert(&store, id).await);
     }
-    let doomed = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let doomed = idempotency_test::doomed_runtime();
     Some(HeldPair {
         store,
         first,
@@ -1420,6 +1448,13 @@ async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -
     idempotency_test::relay::through(pg.url(), port)
 }
 
+/// The shared Postgres's URL through a relay that, while `armed`, loses the reply of a
+/// committed claim. Every claim statement is a `WITH … INSERT … SELECT` run outside a
+/// transaction: a reply carrying the `SELECT n` command tag comes after the commit.
+async fn losing_a_claims_reply(armed: Arc<std::sync::atomic::AtomicBool>) -> String {
+    relayed_url(armed, |reply| reply.windows(7).any(|w| w == b"SELECT ")).await
+}
+
 /// A claim whose statement commits after its caller gave up, and after the store's first
 /// attempt to give its grant back (the statement waited on a lock; so too a commit that
 /// waits on a replica, or a statement whose bytes arrive after a network heals): that grant
@@ -1615,14 +1650,21 @@ fn a_claim_whose_answer_is_lost_leaves_no_lease() {
     block_on(async {
         let Some(shared) = store().await else { return };
         let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        // Every claim statement is a `WITH … INSERT … SELECT` run outside a transaction: a reply
-        // carrying the `SELECT n` command tag comes after the commit.
-        let relayed = relayed_url(armed.clone(), |reply| {
-            reply.windows(7).any(|w| w == b"SELECT ")
-        })
-        .await;
+        let relayed = losing_a_claims_reply(armed.clone()).await;
         claims_answered_unavailable_leave_no_lease(&shared, &relayed, &armed).await;
     });
+}
+
+/// A per-request store and a group-commit store on `url`, each call within a second.
+async fn both_kinds(url: &str) -> [(&'static str, PostgresStore); 2] {
+    let builder = || PostgresStore::builder(url).call_timeout(Duration::from_secs(1));
+    [
+        (
+            "per-request",
+            builder().per_request().connect().await.expect("store"),
+        ),
+        ("group commit", builder().connect().await.expect("store")),
+    ]
 }
 
 /// On the per-request and the group-commit store through `relayed` (a relay that mangles
@@ -1633,25 +1675,7 @@ async fn claims_answered_unavailable_leave_no_lease(
     relayed: &str,
     armed: &std::sync::atomic::AtomicBool,
 ) {
-    for (name, store) in [
-        (
-            "per-request",
-            PostgresStore::builder(relayed)
-                .per_request()
-                .call_timeout(Duration::from_secs(1))
-                .connect()
-                .await
-                .expect("per-request store"),
-        ),
-        (
-            "group commit",
-            PostgresStore::builder(relayed)
-                .call_timeout(Duration::from_secs(1))
-                .connect()
-                .await
-                .expect("group commit store"),
-        ),
-    ] {
+    for (name, store) in both_kinds(relayed).await {
         let id = fresh_id();
         armed.store(true, std::sync::atomic::Ordering::SeqCst);
         let begin = store.begin(&id, &fp("a"), SHORT).await;

@@ -258,6 +258,48 @@ fn a_hung_or_stopped_redis_is_unavailable_then_recovers() {
     });
 }
 
+/// A claim dropped as its caller's runtime shuts down, its `SET` still on its way to Redis,
+/// is cancelled from the runtime the store was made on. The cancel was spawned on the
+/// caller's runtime alone, which was dropping its tasks: the `SET` landed, and the key was
+/// held by nobody (`InFlight` for a lease, then an unknown outcome for an operation that
+/// never ran).
+#[test]
+fn a_claim_dropped_as_its_runtime_shuts_down_is_cancelled() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(redis.url())).await;
+        // Made on this runtime: its home, where its connection's driver runs.
+        let store = RedisStore::builder(relay::through(redis.url(), relay.port))
+            .prefix(idempotency_test::unique("t"))
+            .connect()
+            .await
+            .expect("store");
+        let store = Arc::new(store);
+        execute(&*store, &fresh_id(), &fp("warm"), LONG).await; // connected
+        // The claim's `SET … NX GET PX` reaches Redis late, and what follows behind it.
+        relay.delay_requests_containing(Duration::from_millis(800), b"NX");
+        let id = fresh_id();
+        let doomed = idempotency_test::doomed_runtime();
+        let claim = {
+            let store = store.clone();
+            doomed.spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        doomed.shutdown_background();
+        assert!(claim.await.is_err(), "the caller is gone");
+        tokio::time::sleep(Duration::from_millis(800)).await; // the claim lands
+        relay.delay_requests(Duration::ZERO);
+        store.drain().await;
+        let again = store.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+    });
+}
+
 /// A Redis that answers late but within the call budget (clients paused for a failover, a
 /// slow script) is waited for: the budget bounds every call, and no shorter timer per
 /// command cuts the answer off. Before, the client's 250 ms response timeout answered

@@ -342,6 +342,43 @@ pub async fn panic_as_unavailable<T>(
         .unwrap_or_else(|_| Err(crate::Error::unavailable(what)))
 }
 
+/// Runs a write nobody waits for (a give-back, a cancel), counted by `tracker`, on the
+/// caller's runtime and, when `home` (the runtime the store was made on) is another one, on
+/// that one too: either may be shutting down — an application's worker runtime at its
+/// shutdown, a short-lived runtime the store was built on — and a runtime that shuts down
+/// drops its tasks unrun, which would leave a lease held by nobody. `make` builds each copy;
+/// the write must be fenced (on a lease token) so that a second copy changes nothing more.
+/// Off any runtime only `home`'s copy runs. Returns how many copies were spawned (0: no
+/// runtime to run it on).
+///
+/// ```
+/// use tokio_util::task::TaskTracker;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let (tracker, home) = (TaskTracker::new(), tokio::runtime::Handle::current());
+/// // Made and called on the same runtime: one copy.
+/// let spawned = idempotency_core::spawn_where_it_survives(&tracker, Some(&home), || async {});
+/// assert_eq!(spawned, 1);
+/// # }
+/// ```
+pub fn spawn_where_it_survives<F>(
+    tracker: &tokio_util::task::TaskTracker,
+    home: Option<&tokio::runtime::Handle>,
+    make: impl Fn() -> F,
+) -> usize
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let here = tokio::runtime::Handle::try_current().ok();
+    let away = home.filter(|home| here.as_ref().is_none_or(|here| here.id() != home.id()));
+    let mut spawned = 0;
+    for runtime in here.iter().chain(away) {
+        tracker.spawn_on(make(), runtime);
+        spawned += 1;
+    }
+    spawned
+}
+
 /// Releases a lease whose claimer went away, retrying an unavailable store with backoff (up to
 /// 5 s apart) for as long as a late write is accepted ([`LATE_COMPLETION_GRACE`], an hour, as
 /// an outcome is: [`complete_late`]): orphans appear exactly when the store is slow, and a

@@ -35,7 +35,8 @@ mod store;
 
 pub use detach::{
     FinishOnDrop, GrantsLease, detached_begin, detached_claim, end_orphan, finish_on_drop,
-    give_back_orphan, panic_as_unavailable, release_orphan, within_lease, within_lease_with,
+    give_back_orphan, panic_as_unavailable, release_orphan, spawn_where_it_survives, within_lease,
+    within_lease_with,
 };
 pub use executor::{
     Claim, Completion, Executed, Executor, RunError, accepted_in_transaction, complete_late,

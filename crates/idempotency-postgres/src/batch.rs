@@ -230,12 +230,11 @@ keyed!(CompleteJob, FenceJob);
 /// server has had time to finish or cancel it, and again later for a commit that came late
 /// (see `PostgresStore::give_back_later`).
 fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
-    store.give_back_later(
-        claims
-            .into_iter()
-            .map(|(id, token)| (id, token, false))
-            .collect(),
-    );
+    let grants: Vec<_> = claims
+        .into_iter()
+        .map(|(id, token)| (id, token, false))
+        .collect();
+    store.give_back_later(&grants);
 }
 
 /// Each call's answer: `Ok(None)` when the batch did not settle it and the caller must run

@@ -1169,22 +1169,6 @@ impl PostgresStore {
         }
     }
 
-    /// Runs a write nobody waits for in a task of its own, counted by [`Store::drain`].
-    pub(crate) fn in_background(&self, write: impl Future<Output = ()> + Send + 'static) {
-        self.settling.spawn(write);
-    }
-
-    /// [`in_background`](Self::in_background), on the runtime the store was made on when
-    /// there is one: the caller's may be shutting down (it would drop the task unrun).
-    fn at_home(&self, write: impl Future<Output = ()> + Send + 'static) {
-        match &self.home {
-            Some(home) => {
-                self.settling.spawn_on(write, home);
-            }
-            None => self.in_background(write),
-        }
-    }
-
     /// Gives back the grants a claim nobody will answer may have made, once the server has
     /// had time to finish or cancel its statement: released, or ended and kept when they
     /// took an unfinished lease over. Fenced on each token, so a token never written
@@ -1195,30 +1179,16 @@ impl PostgresStore {
         tokens: Vec<LeaseToken>,
         takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
     ) {
-        self.settle_orphans_later_on(id, tokens, takeovers, false);
-    }
-
-    /// [`settle_orphans_later`](Self::settle_orphans_later), on the store's own runtime when
-    /// `home`.
-    fn settle_orphans_later_on(
-        &self,
-        id: RecordId,
-        tokens: Vec<LeaseToken>,
-        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
-        home: bool,
-    ) {
         let takeovers = takeovers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         // Read when the claim is given up: its rounds are over by then.
-        self.give_back_later_on(
-            tokens
-                .into_iter()
-                .map(|token| (id, token, takeovers.contains(&token)))
-                .collect(),
-            home,
-        );
+        let grants: Vec<_> = tokens
+            .into_iter()
+            .map(|token| (id, token, takeovers.contains(&token)))
+            .collect();
+        self.give_back_later(&grants);
     }
 
     /// Gives back grants nobody holds (`true`: taken over from an unfinished attempt, so
@@ -1233,50 +1203,56 @@ impl PostgresStore {
     /// `drain` waits for the first round only: most tokens given back were never written,
     /// and a shutdown must not wait for the later looks of each claim that timed out. They
     /// are a best effort a shutdown may cut short.
-    pub(crate) fn give_back_later(&self, grants: Vec<(RecordId, LeaseToken, bool)>) {
-        self.give_back_later_on(grants, false);
-    }
-
-    /// [`give_back_later`](Self::give_back_later), on the store's own runtime when `home`
-    /// (see [`at_home`](Self::at_home)).
-    fn give_back_later_on(&self, grants: Vec<(RecordId, LeaseToken, bool)>, home: bool) {
+    ///
+    /// The looks run on the caller's runtime and, when the store was made on another, on
+    /// that one too ([`spawn_where_it_survives`](idempotency_core::spawn_where_it_survives)):
+    /// a worker runtime shutting down drops its tasks, this one's among them (a claim
+    /// dropped mid-statement as its runtime shut down; a give-back waiting out its budget).
+    pub(crate) fn give_back_later(&self, grants: &[(RecordId, LeaseToken, bool)]) {
         if grants.is_empty() {
             return;
         }
-        let late = self.clone();
         let gave_up = tokio::time::Instant::now();
-        let looks = async move {
-            let mut left = late.give_back_round(grants, 1).await;
-            if left.is_empty() {
-                return;
-            }
-            tokio::spawn(async move {
-                for budgets in LATER_LOOKS {
-                    left = late.give_back_round(left, budgets).await;
-                    if left.is_empty() {
-                        return;
-                    }
-                }
-                // A small budget ends those looks early (1,365 budgets of 250 ms are under six
-                // minutes): looks at the latest a statement may still commit, counted from
-                // the give-up, follow, where the budgets' looks ended before them.
-                for at in late.latest_commits() {
-                    let Some(wait) = at.checked_sub(gave_up.elapsed()) else {
-                        continue;
-                    };
-                    tokio::time::sleep(wait).await;
-                    left = late.give_back_round(left, 0).await;
-                    if left.is_empty() {
-                        return;
-                    }
-                }
-            });
-        };
-        if home {
-            self.at_home(looks);
-        } else {
-            self.in_background(looks);
+        let looks = || Self::give_back_looks(self.clone(), grants.to_vec(), gave_up);
+        if idempotency_core::spawn_where_it_survives(&self.settling, self.home.as_ref(), looks) == 0
+        {
+            tracing::warn!(
+                "grants to give back outside any Tokio runtime: they expire by themselves"
+            );
         }
+    }
+
+    /// [`give_back_later`](Self::give_back_later)'s rounds.
+    async fn give_back_looks(
+        late: Self,
+        grants: Vec<(RecordId, LeaseToken, bool)>,
+        gave_up: tokio::time::Instant,
+    ) {
+        let mut left = late.give_back_round(grants, 1).await;
+        if left.is_empty() {
+            return;
+        }
+        tokio::spawn(async move {
+            for budgets in LATER_LOOKS {
+                left = late.give_back_round(left, budgets).await;
+                if left.is_empty() {
+                    return;
+                }
+            }
+            // A small budget ends those looks early (1,365 budgets of 250 ms are under six
+            // minutes): looks at the latest a statement may still commit, counted from
+            // the give-up, follow, where the budgets' looks ended before them.
+            for at in late.latest_commits() {
+                let Some(wait) = at.checked_sub(gave_up.elapsed()) else {
+                    continue;
+                };
+                tokio::time::sleep(wait).await;
+                left = late.give_back_round(left, 0).await;
+                if left.is_empty() {
+                    return;
+                }
+            }
+        });
     }
 
     /// How long after a claim was given up its statement may still commit: once its lock
@@ -1620,7 +1596,7 @@ impl Drop for ClaimDropped<'_> {
             .load(std::sync::atomic::Ordering::Relaxed);
         let tokens = self.tokens[..started.min(self.tokens.len())].to_vec();
         self.store
-            .settle_orphans_later_on(self.id, tokens, &self.rounds.takeovers, true);
+            .settle_orphans_later(self.id, tokens, &self.rounds.takeovers);
     }
 }
 

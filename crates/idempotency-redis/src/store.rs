@@ -136,6 +136,9 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     /// Writes left running in the background (shared by clones): see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
+    /// The runtime the store was made on: a claim's cancel runs there too, for the caller's
+    /// may be shutting down (see [`cancel_later`](Self::cancel_later)).
+    home: Option<tokio::runtime::Handle>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -378,6 +381,7 @@ impl RedisStoreBuilder {
                 read_with_ttl: scripts::read_with_ttl(),
             }),
             settling: tokio_util::task::TaskTracker::new(),
+            home: tokio::runtime::Handle::try_current().ok(),
         };
         match self.eviction {
             EvictionCheck::Skip => {}
@@ -482,10 +486,6 @@ struct Unanswered<'a> {
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if !self.armed {
-            return;
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            tracing::warn!(record = %self.id, "a claim was given up outside any Tokio runtime: a lease it took expires by itself");
             return;
         }
         self.store.cancel_later(&self.id, self.token);
@@ -1145,14 +1145,27 @@ impl RedisStore {
     /// record, leaving only a tombstone; once that record is gone the late claim could
     /// land. The second deletes what it granted then. (One that replaced or ended the
     /// claim's lease is final: its marker or tombstone stops the claim written again.)
+    ///
+    /// It runs on the caller's runtime and, when the store was made on another, on that one
+    /// too ([`spawn_where_it_survives`](idempotency_core::spawn_where_it_survives)): a claim
+    /// dropped as its runtime shuts down would otherwise have its cancel dropped unrun with
+    /// that runtime's tasks. The cancel is fenced on the claim's token: twice, it changes
+    /// nothing more.
     fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
-        let (this, id) = (self.clone(), *id);
-        self.settling.spawn(async move {
-            if !this.cancel_claim(&id, token).await {
-                tokio::time::sleep(this.budget * 3).await;
-                this.cancel_claim(&id, token).await;
+        let cancel = || {
+            let (this, id) = (self.clone(), *id);
+            async move {
+                if !this.cancel_claim(&id, token).await {
+                    tokio::time::sleep(this.budget * 3).await;
+                    this.cancel_claim(&id, token).await;
+                }
             }
-        });
+        };
+        if idempotency_core::spawn_where_it_survives(&self.settling, self.home.as_ref(), cancel)
+            == 0
+        {
+            tracing::warn!(record = %id, "a claim was given up outside any Tokio runtime: a lease it took expires by itself");
+        }
     }
 
     /// The tombstone of one claim: same hash tag, so same cluster slot, as the record.

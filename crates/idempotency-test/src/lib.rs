@@ -42,6 +42,16 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// A runtime of one worker, apart from the shared one: to shut down under a call (an
+/// application's worker runtime at its shutdown drops its tasks unrun).
+pub fn doomed_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("building a runtime")
+}
+
 /// Runs a test body on the shared runtime. Several tests may call it at once.
 pub fn block_on<F: Future>(future: F) -> F::Output {
     runtime().block_on(future)
