@@ -575,6 +575,14 @@ enum Found {
     },
 }
 
+/// Whether `value` is the lease of `token` (current layout), and if so whether that lease
+/// took an unfinished one over.
+fn own_lease(value: &[u8], token: &[u8; 16]) -> Option<bool> {
+    let own =
+        value.len() >= scripts::OUTCOME && value[0] == b'0' && value[scripts::TOKEN] == token[..];
+    own.then(|| value.get(scripts::OUTCOME) == Some(&b't'))
+}
+
 /// Reads a record of the current layout (`value`, with `pttl` ms left) for a claim with
 /// fingerprint `fp` and token `token`.
 fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> Result<Found> {
@@ -590,9 +598,7 @@ fn read_record(value: &[u8], pttl: i64, fp: &Fingerprint, token: &[u8; 16]) -> R
     Ok(match value[0] {
         b'c' if value[scripts::TOKEN] == token[..] => Found::Cancelled,
         b'c' => Found::Free,
-        b'0' if value[scripts::TOKEN] == token[..] => Found::Ours {
-            took: value.get(scripts::OUTCOME) == Some(&b't'),
-        },
+        b'0' if let Some(took) = own_lease(value, token) => Found::Ours { took },
         b'0' => {
             let lease_left = pttl - i64::try_from(grace()).unwrap_or(i64::MAX);
             // Over, but unfinished: taken over by the same request only (another request
@@ -1022,6 +1028,12 @@ impl RedisStore {
         };
         let found = match claimed {
             Ok(None) => return Ok(Begin::Execute(token)),
+            // This claim's own lease (its `SET` sent twice by a cluster client, the first
+            // landed): owned at once. Read again for its TTL first, a read that failed (the
+            // budget spent on the resend) left that lease to nobody, uncancelled.
+            Ok(Some(value)) if let Some(took) = own_lease(&value, &raw) => {
+                return Ok(ours(took, token));
+            }
             // Someone else's record: this claim wrote nothing, so nothing needs cancelling.
             Ok(Some(value)) => {
                 let (value, pttl) = self.pttl_if_live(&key, value, deadline).await?;
@@ -1903,6 +1915,16 @@ mod tests {
             read_record(&lease, ttl, &fp, &other),
             Ok(Found::Answer(Begin::InFlight { .. }))
         ));
+        // Known from the claim's own answer, without the second read for the TTL.
+        assert_eq!(own_lease(&lease, &raw), Some(false));
+        assert_eq!(own_lease(&took, &raw), Some(true));
+        assert_eq!(own_lease(&lease, &other), None);
+        let done = scripts::value(b'1', fp.as_bytes(), &raw, b"");
+        assert_eq!(
+            own_lease(&done, &raw),
+            None,
+            "a completed record is no lease"
+        );
         assert_eq!(ours(true, token), Begin::TakeOver(token));
     }
 }
