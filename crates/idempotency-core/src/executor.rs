@@ -118,7 +118,11 @@ pub enum RunError<E> {
 /// must not run twice — business failures included ("card declined" is a result) — and `Err`
 /// only for transient failures. While the operation runs its lease is renewed, by a task of
 /// its own, so also while the caller holds the future without polling it (the key then stays
-/// in flight), and once it returned `Ok` its outcome is stored whatever the caller does
+/// in flight). That task starts at the operation's first await: an operation that answers at
+/// once pays for no task, and a first step that blocks its thread for longer than a lease
+/// (`block_in_place`, a blocking client called before any await) is not renewed meanwhile,
+/// so a redelivery may take the key over and run it too. Run blocking work through
+/// `spawn_blocking(..).await`, which awaits at once. Once it returned `Ok` its outcome is stored whatever the caller does
 /// ([`finish_in_any_case`](crate::finish_in_any_case)); a panic releases it. A crash leaves the lease to expire, after which a
 /// redelivery runs again: make the effect itself idempotent (a unique constraint on the
 /// record id), or store the result in the effect's own transaction

@@ -97,7 +97,10 @@
 //! once and its outcome is stored for the retry. A panicking handler answers 500 and
 //! releases its lease (kept as outcome-unknown under `Reject` or `Reconcile`, see above). A
 //! handler that runs longer than the lease renews it every third of the lease, counted from
-//! the claim's ask (the store counts the lease from then).
+//! the claim's ask (the store counts the lease from then). The renewals start at the
+//! handler's first await: a first step that blocks its thread for longer than a lease
+//! (`block_in_place`, a blocking client called before any await) is not renewed meanwhile,
+//! and a retry may take the key over; call blocking code through `spawn_blocking(..).await`.
 //!
 //! **Put timeouts outside this layer, never between it and the handler.** A
 //! `tower::timeout::TimeoutLayer` or `tower_http`'s `TimeoutLayer` inside it drops the
