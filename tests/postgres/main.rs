@@ -1595,6 +1595,52 @@ fn connections_that_hang_mid_statement_do_not_hold_the_pool() {
     });
 }
 
+/// A connection whose statement was answered, and whose host vanished while sqlx pinged it
+/// on its way back to the pool (a failover under load: a connection is in that ping about as
+/// often as in a statement), frees its pool slot within seconds: the ping is bounded. sqlx's
+/// own has no timeout: the slot was held for TCP's timeout (about 15 minutes), and a pool of
+/// one answered nothing but pool timeouts though the new primary answered.
+#[test]
+fn a_connection_that_hangs_on_its_way_back_to_the_pool_frees_its_slot() {
+    let url = block_on(async {
+        if services::skipping() {
+            return None;
+        }
+        Some(
+            services::postgres()
+                .await
+                .expect("postgres")
+                .url()
+                .to_owned(),
+        )
+    });
+    let Some(url) = url else { return };
+    // One thread: the task that hands the connection back has not run when the host
+    // vanishes, right after the statement's answer (nor have the relay's).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let relay =
+            idempotency_test::relay::stalling_relay(idempotency_test::relay::upstream(&url)).await;
+        let store = PostgresStore::builder(idempotency_test::relay::through(&url, relay.port))
+            .per_request()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(200))
+            .call_timeout(Duration::from_millis(300))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        execute(&store, &fresh_id(), &fp("a"), LONG).await;
+        relay.vanish();
+        relay.fail_over();
+        let served = executes_within(&store, fresh_id, Duration::from_millis(500)).await;
+        assert!(served.is_ok(), "{served:?}");
+    });
+}
+
 /// [`connections_that_hang_mid_statement_do_not_hold_the_pool`] with claims, or with
 /// operators' releases, hanging.
 async fn hung_calls_free_the_pool(releases: bool) {

@@ -7,7 +7,9 @@
 //! about 15 minutes) keeps its pool slot that long; the four connections of the batches go
 //! first, and every call then fails with a pool timeout although the new primary answers.
 //! A [`Checkout`] dropped mid-statement closes its connection instead (sqlx bounds that close
-//! at 5 s), and the pool opens a fresh one.
+//! at 5 s), and the pool opens a fresh one; a finished one is handed back within 5 s too
+//! (the same unbounded ping, after a statement that answered, hangs as long when the host
+//! vanishes in between).
 
 use std::future::Future;
 
@@ -17,6 +19,10 @@ use sqlx::{
     postgres::{PgArguments, PgQueryResult, PgRow},
     query::{Query, QueryAs},
 };
+
+/// How long a connection may take to be pinged on its way back to the pool (sqlx's bound on
+/// closing one).
+const HAND_BACK_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A pooled connection checked out for one statement: closed if dropped before
 /// [`Checkout::finished`], handed back to the pool after it.
@@ -34,9 +40,21 @@ impl Checkout {
     }
 
     /// The statement ended (answered or failed): the connection goes back to the pool, which
-    /// checks it as usual (a broken one fails that check at once).
+    /// pings it first. sqlx's ping has no timeout: a connection whose host vanished during
+    /// it (a failover under load, when about as many connections are in that ping as in a
+    /// statement) would keep its pool slot for TCP's own timeout. The hand-back is bounded
+    /// here, as sqlx bounds a close: past it the connection is dropped and its slot freed.
     pub(crate) fn finished(mut self) {
-        self.0.take();
+        if let Some(mut conn) = self.0.take() {
+            let back = conn.return_to_pool();
+            // Emptied: its own drop hands nothing back.
+            drop(conn);
+            tokio::spawn(async move {
+                if tokio::time::timeout(HAND_BACK_LIMIT, back).await.is_err() {
+                    tracing::warn!("a connection hung on its way back to the pool; dropped");
+                }
+            });
+        }
     }
 }
 
