@@ -174,9 +174,10 @@ impl Breaker {
     /// keeps going to Postgres until it reports.
     ///
     /// A permit dropped without a report (the call was cancelled: a client hung up, a
-    /// timeout fired) says nothing about Redis, unless its call had gone unanswered for the
-    /// breaker's `slow` time (half a Redis call's budget, where a healthy Redis answers in
-    /// a millisecond): that counts as a failure. A dropped probe hands the probe on:
+    /// timeout fired) says nothing about Redis, unless its Redis call ([`Permit::calling`],
+    /// not the wait for other callers' work before it) had gone unanswered for the breaker's
+    /// `slow` time (a fifth of a Redis call's budget, where a healthy Redis answers in a
+    /// millisecond): that counts as a failure. A dropped probe hands the probe on:
     /// the breaker goes back to open with the same backoff, already over, so the next call
     /// probes. Without that, a cancelled probe would leave the breaker half-open for good.
     /// A probe neither answered nor dropped within the probe limit (its call held without
@@ -192,7 +193,7 @@ impl Breaker {
                 probe: None,
                 period: self.period.load(Ordering::Acquire),
                 reported: false,
-                admitted: Instant::now(),
+                calling: None,
             });
         }
         let mut inner = self.lock();
@@ -228,7 +229,7 @@ impl Breaker {
             probe,
             period: self.period.load(Ordering::Acquire),
             reported: false,
-            admitted: now,
+            calling: None,
         })
     }
 
@@ -329,7 +330,8 @@ pub(crate) struct Permit<'a> {
     /// The closed period the call was admitted in.
     period: u64,
     reported: bool,
-    admitted: Instant,
+    /// When its Redis call went out ([`Permit::calling`]).
+    calling: Option<Instant>,
 }
 
 /// A probe handed to a call of its own ([`Permit::detach`]): its answer, once it comes, is
@@ -373,6 +375,13 @@ impl Permit<'_> {
         self.breaker.success(self.probe);
     }
 
+    /// The Redis call goes out now: dropped unanswered past the breaker's `slow` time from
+    /// here, it counts as a failure. Not before: waiting for another caller's repairs (a
+    /// lock), a caller that gives up says nothing of Redis.
+    pub(crate) fn calling(&mut self) {
+        self.calling = Some(Instant::now());
+    }
+
     /// The call learnt nothing of Redis (it waited for another caller's work): dropped
     /// without counting, however long it waited.
     pub(crate) fn no_news(mut self) {
@@ -396,8 +405,13 @@ impl Drop for Permit<'_> {
         if let Some(probe) = self.probe {
             tracing::debug!("Redis breaker probe cancelled; the next call probes");
             self.breaker.abandon_probe(probe);
-        } else if self.admitted.elapsed() >= self.breaker.slow {
-            tracing::debug!("a Redis call given up unanswered after half its budget: a failure");
+        } else if self
+            .calling
+            .is_some_and(|sent| sent.elapsed() >= self.breaker.slow)
+        {
+            tracing::debug!(
+                "a Redis call given up unanswered for a fifth of its budget: a failure"
+            );
             self.breaker.failure_of(None, self.period);
         }
     }
@@ -479,7 +493,7 @@ mod tests {
             probe: None,
             period: 0,
             reported: false,
-            admitted: Instant::now(),
+            calling: None,
         };
         late.success(); // another call admitted while closed, answered while half-open
         assert_eq!(breaker.state(), BreakerState::HalfOpen);
@@ -639,20 +653,29 @@ mod tests {
 
     /// Calls given up unanswered after the breaker's slow time (their callers hung up, or an
     /// outer timeout shorter than Redis' budget fired) count as failures and open it; given
-    /// up sooner, they say nothing. Before, no dropped call counted: with every caller
+    /// up sooner, or while waiting for other callers' work before their own call, they say
+    /// nothing. Before, no dropped call counted: with every caller
     /// giving up before the budget, a hung Redis never opened the breaker, and every call
     /// waited on it until its caller gave up.
     #[tokio::test(start_paused = true)]
     async fn calls_given_up_after_waiting_long_open_the_breaker() {
         let breaker = Breaker::new(BreakerConfig::default(), LIMIT, SLOW);
         for _ in 0..5 {
-            let quick = breaker.allow().expect("closed");
+            let mut quick = breaker.allow().expect("closed");
+            quick.calling();
             tokio::time::advance(SLOW / 2).await;
             drop(quick);
         }
+        for _ in 0..5 {
+            // Waited long for another caller's repairs, its own call not sent yet.
+            let waiting = breaker.allow().expect("closed");
+            tokio::time::advance(SLOW * 4).await;
+            drop(waiting);
+        }
         assert!(breaker.inner.holds(), "nothing counted");
         for _ in 0..3 {
-            let hung = breaker.allow().expect("closed");
+            let mut hung = breaker.allow().expect("closed");
+            hung.calling();
             tokio::time::advance(SLOW).await;
             drop(hung);
         }
@@ -700,7 +723,7 @@ mod tests {
             probe: Some(1),
             period: 0,
             reported: false,
-            admitted: Instant::now(),
+            calling: None,
         };
         probe.failure();
         assert_eq!(doubling.state(), BreakerState::Open);

@@ -316,8 +316,10 @@ impl HybridStore {
             inner: Arc::new(Shared {
                 // A probe unanswered for four call budgets (its repairs' and its own, twice
                 // over) is held without being polled: the next call probes instead. A call
-                // given up after half a budget unanswered is a failure.
-                breaker: Breaker::new(breaker, call_budget * 4, call_budget / 2),
+                // given up after a fifth of a budget unanswered is a failure: callers that
+                // give up sooner than the budget (hang-ups, outer timeouts) must still open
+                // the breaker on a Redis that hangs.
+                breaker: Breaker::new(breaker, call_budget * 4, call_budget / 5),
                 repairs: Flagged::new(Repairs::default(), Repairs::is_empty),
                 repairing: tokio::sync::Mutex::new(()),
                 mirrors: std::sync::Mutex::default(),
@@ -500,7 +502,7 @@ impl HybridStore {
         F: Future<Output = Result<T>>,
     {
         let s = &self.inner;
-        let Some(permit) = s.breaker.allow() else {
+        let Some(mut permit) = s.breaker.allow() else {
             s.fallback();
             return None;
         };
@@ -566,6 +568,7 @@ impl HybridStore {
             }
         }
         // The call has a budget of its own (the store's).
+        permit.calling();
         match call().await {
             Ok(value) => {
                 permit.success();
