@@ -114,32 +114,29 @@ impl Charges {
                 Ok(Created::New(charge))
             }
             Charges::Postgres(pool) => {
-                let inserted: Option<Row> = sqlx::query_as(
-                    "INSERT INTO charges (id, record_id, amount, currency, customer, status)
-                     VALUES ($1, $2, $3, $4, $5, 'succeeded')
-                     ON CONFLICT (record_id) DO NOTHING
-                     RETURNING id, amount, currency, customer, status, created_at",
-                )
+                // A second run for one record id, what the idempotency layer exists to stop,
+                // is counted (see the migration `charge_runs`) in the same statement: a run
+                // stopped between an insert and a separate count went uncounted. `xmax = 0`:
+                // the row was inserted, not updated.
+                let (id, amount, currency, customer, status, created_at, inserted) =
+                    sqlx::query_as::<_, (String, i64, String, String, String, DateTime<Utc>, bool)>(
+                        "INSERT INTO charges (id, record_id, amount, currency, customer, status)
+                         VALUES ($1, $2, $3, $4, $5, 'succeeded')
+                         ON CONFLICT (record_id) DO UPDATE SET runs = charges.runs + 1
+                         RETURNING id, amount, currency, customer, status, created_at, xmax = 0",
+                    )
                 .bind(&id)
                 .bind(&record.as_bytes()[..])
                 .bind(new.amount)
                 .bind(&new.currency)
                 .bind(&new.customer)
-                .fetch_optional(pool)
-                .await?;
-                if let Some(row) = inserted {
-                    return Ok(Created::New(from_row(row)));
-                }
-                // Counted: a second run for one record id is what the idempotency layer
-                // exists to stop (see the migration `charge_runs`).
-                let existing: Row = sqlx::query_as(
-                    "UPDATE charges SET runs = runs + 1 WHERE record_id = $1
-                     RETURNING id, amount, currency, customer, status, created_at",
-                )
-                .bind(&record.as_bytes()[..])
                 .fetch_one(pool)
                 .await?;
-                Ok(Created::of_existing(from_row(existing), new))
+                let row = from_row((id, amount, currency, customer, status, created_at));
+                if inserted {
+                    return Ok(Created::New(row));
+                }
+                Ok(Created::of_existing(row, new))
             }
         }
     }

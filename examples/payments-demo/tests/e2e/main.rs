@@ -217,6 +217,17 @@ fn exercise(demo: &Demo, mode: &str) {
         ),
         400,
     );
+    // A control character (NUL, which Postgres refuses in text) is bad input, not an outage:
+    // a 503 told the client to retry what could never succeed.
+    assert_problem(
+        &post(
+            demo,
+            Some("nul-customer"),
+            &[],
+            r#"{"amount": 1, "currency": "eur", "customer": "a\u0000b"}"#,
+        ),
+        400,
+    );
 
     // In flight: 409 with Retry-After while a slow first request runs.
     let slow_key = uuid::Uuid::new_v4().to_string();
@@ -367,9 +378,41 @@ fn exercise(demo: &Demo, mode: &str) {
     );
     assert_eq!(
         out.lines().last(),
-        Some("recorded=40 expected=40 duplicated=0 missing=0 wrong=0"),
+        Some("recorded=40 expected=40 duplicated=0 missing=0 ran_again=0 wrong=0"),
         "{out}"
     );
+}
+
+/// The storm sees a second run of the handler: against a demo whose records expire at once
+/// (every send after a charge's first runs the handler again, which finds the charge its
+/// record id made and answers 200), it fails with `ran_again` counted. Before, that 200
+/// counted as a replay and the storm passed: the charge table, one row per record id, cannot
+/// show a second run.
+#[test]
+fn the_storm_fails_when_the_handler_runs_again() {
+    let demo = Demo::start(&[("IDEMPOTENCY_RETENTION_MS", "1")]);
+    let storm = Command::new(BIN)
+        .args([
+            "storm",
+            "--url",
+            &demo.base,
+            "--charges",
+            "6",
+            "--sends",
+            "3",
+            "--client-timeout-ms",
+            "150",
+        ])
+        .output()
+        .expect("storm");
+    let out = String::from_utf8_lossy(&storm.stdout);
+    assert!(!storm.status.success(), "the storm passed:\n{out}");
+    let last = out.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("duplicated=0") && !last.contains("ran_again=0"),
+        "{out}"
+    );
+    assert_eq!(demo.stop(), 0, "graceful shutdown");
 }
 
 /// The orders contract of issue 9: create (idempotent), read with ETag, guarded transitions.
