@@ -328,6 +328,26 @@ http {{
             .map_err(|e| format!("gateway {}: {e}", i + 1))
     }
 
+    /// Fails if a gateway exited on its own (a crash the campaign did not inject): nginx
+    /// would quietly send everything to the other, and a pause "delivered" to an exited
+    /// (unreaped) process would excuse second runs it never caused.
+    pub(crate) fn gateways_alive(&mut self) -> Result<(), String> {
+        for (i, gateway) in self.gateways.iter_mut().enumerate() {
+            if let Some(child) = &mut gateway.child
+                && let Some(status) = child
+                    .try_wait()
+                    .map_err(|e| format!("gateway {}: {e}", i + 1))?
+            {
+                return Err(format!(
+                    "gateway {} exited on its own ({status}): see gateway-{}.log",
+                    i + 1,
+                    i + 1
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Every key nginx passed on, with the gateways (by index) it reached.
     pub(crate) fn keys_reached(&self) -> Result<HashMap<String, HashSet<usize>>, String> {
         let ports: Vec<u16> = self.gateways.iter().map(|g| g.port).collect();

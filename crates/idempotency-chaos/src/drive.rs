@@ -57,8 +57,21 @@ pub(crate) struct Driver {
 }
 
 /// The most attempts on one key; a key still without a definitive answer is left to the final
-/// probe.
+/// probe. Unless it answers 409: see [`gives_up`].
 const MAX_ATTEMPTS: u32 = 15;
+
+/// Whether a client stops retrying a key after `attempts`, its answers 409 without a break
+/// since `in_flight_since` (`None`: the last answer was not a 409). A run of 409s is followed
+/// for more than [`STUCK_AFTER_LEASES`] leases, so that a key stuck that long is seen stuck
+/// even if it is freed before the final probe: fifteen attempts 100–500 ms apart last about
+/// four seconds, under two leases, and the check of such runs could never fire. Bounded all
+/// the same (a key stuck for good is the probe's to find).
+fn gives_up(attempts: u32, in_flight_since: Option<Instant>, lease: Duration) -> bool {
+    const MOST: u32 = 200;
+    let following =
+        in_flight_since.is_some_and(|since| since.elapsed() <= lease * (STUCK_AFTER_LEASES + 1));
+    attempts >= MOST || (attempts >= MAX_ATTEMPTS && !following)
+}
 
 impl Driver {
     pub(crate) fn new(args: &Args, nginx_url: &str) -> Self {
@@ -108,7 +121,8 @@ impl Driver {
                 customer: format!("{}-{c}-{n}", self.run),
                 amount: rng.random_range(1..100_000),
             };
-            for attempt in 1..=MAX_ATTEMPTS {
+            let mut in_flight_since = None;
+            for attempt in 1.. {
                 // Most requests are quick; some are slower than nginx's upstream timeout (it
                 // then retries them on the other gateway), and some clients hang up.
                 let delay = match rng.random_range(0..10) {
@@ -135,8 +149,10 @@ impl Driver {
                     ),
                     _ => Duration::from_millis(rng.random_range(100..400)),
                 };
+                let in_flight = matches!(&answer, Ok(reply) if reply.status == 409);
+                in_flight_since = in_flight.then(|| in_flight_since.unwrap_or(sent));
                 attempts.push(record(n, attempt, sent, answer));
-                if done {
+                if done || gives_up(attempt, in_flight_since, self.lease) {
                     break;
                 }
                 tokio::time::sleep(pause).await;
@@ -631,6 +647,30 @@ mod tests {
         assert_eq!(check(&with(201, body("ch_3", 1_250, "t0"))), Verdict::Wrong);
         assert_eq!(check(&with(201, serde_json::Value::Null)), Verdict::Wrong);
         assert_eq!(check(&with(201, body("ch_9", 1_250, "t0"))), Verdict::Lost);
+    }
+
+    /// A client retries a key that answers 409 for more than the leases after which such a
+    /// run counts as stuck; other answers, fifteen attempts. Before, it gave up after fifteen
+    /// whatever they were (about four seconds of 409s, under the two leases of the check).
+    #[test]
+    fn a_client_follows_a_run_of_409_past_the_stuck_threshold() {
+        let lease = Duration::from_secs(3);
+        let now = Instant::now();
+        assert!(!gives_up(14, None, lease));
+        assert!(gives_up(15, None, lease));
+        let since = |ago: Duration| now.checked_sub(ago).expect("an instant");
+        assert!(!gives_up(15, Some(since(Duration::from_secs(4))), lease));
+        assert!(!gives_up(
+            40,
+            Some(since(lease * STUCK_AFTER_LEASES)),
+            lease
+        ));
+        assert!(gives_up(
+            40,
+            Some(since(lease * (STUCK_AFTER_LEASES + 2))),
+            lease
+        ));
+        assert!(gives_up(200, Some(now), lease), "bounded all the same");
     }
 
     /// 409s for more than two leases that no fault explains are stuck, even when the key

@@ -162,7 +162,7 @@ async fn docker_signal(container: &str, signal: &str) -> Result<(), String> {
         .ok_or_else(|| format!("docker kill --signal {signal} failed"))
 }
 
-async fn redis_command(url: &str, args: &[&str]) -> Result<(), String> {
+pub(crate) async fn redis_command(url: &str, args: &[&str]) -> Result<(), String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let mut conn = client
         .get_multiplexed_async_connection()
@@ -180,6 +180,7 @@ async fn redis_command(url: &str, args: &[&str]) -> Result<(), String> {
 }
 
 async fn inject(cluster: &mut Cluster, fault: Fault, hold: Duration) -> Result<(), String> {
+    cluster.gateways_alive()?;
     match fault {
         Fault::RedisStop => {
             let id = cluster

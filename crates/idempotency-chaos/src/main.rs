@@ -14,7 +14,9 @@
 //! twice for one key, as the demo counts it in `charges.runs`), **lost** (a 2xx whose charge
 //! is not in the table), **wrong** (a 2xx carrying another key's charge, or a 422), **stuck**
 //! (a key whose final probe, one lease after the last fault, gets no 2xx; or one answered 409
-//! on end for more than two leases that no fault explains). The last line is
+//! on end for more than two leases that no fault explains: a client follows a run of 409s
+//! past that). Every key is probed twice: then again with Redis emptied, answered from
+//! Postgres alone. A gateway that exits on its own fails the campaign. The last line is
 //!
 //! ```text
 //! chaos: seed=<s> duration=<d>s requests=<n> faults=<f> duplicates=<d> lost=<l> wrong=<w> stuck=<k>
@@ -100,7 +102,14 @@ async fn run(args: Args) -> Result<bool, String> {
     // Every fault is cleared; wait one lease past the last one, then ask every key again.
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
     let before_probes = drive::runs_before_probes(&history, cluster.postgres_url()).await?;
-    let probes = drive.probe_all(&history).await;
+    let mut probes = drive.probe_all(&history).await;
+    // Those may have been answered from Redis' copies: Redis emptied, every key is asked
+    // again, answered from Postgres alone — its stored outcome, the same body, no run.
+    if cluster.redis.is_some() {
+        faults::redis_command(cluster.redis_url(), &["FLUSHALL"]).await?;
+        probes.extend(drive.probe_all(&history).await);
+    }
+    cluster.gateways_alive()?;
     let reached = cluster.keys_reached()?;
     let report = drive::check(
         &history,
