@@ -2338,6 +2338,48 @@ fn a_hung_redis_whose_callers_all_give_up_first_still_opens_the_breaker() {
     });
 }
 
+/// The same with stale-mirror repairs queued (here by an operator's release that gave up on
+/// a Redis gone meanwhile): each caller that takes the repairs' lock sends their deletes
+/// before its own call, and gives up while Redis leaves them unanswered. Those count against
+/// the breaker too. Before, only a caller's own call counted: every caller spent its
+/// patience on the repairs, none counted, and the breaker stayed closed for good.
+#[test]
+fn a_hung_redis_with_repairs_queued_still_opens_the_breaker() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
+        let fp = Fingerprint::of(b"charge");
+        assert!(matches!(
+            store.begin(&fresh_id(), &fp, LEASE).await,
+            Ok(Begin::Execute(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(200)).await; // the lease's mirror
+        store.drain().await;
+        relay.vanish();
+        let (scope, released) = (ReleaseScope::default(), fresh_id());
+        let release = store.force_release(&released, scope);
+        let gave_up = tokio::time::timeout(Duration::from_millis(600), release).await;
+        assert!(gave_up.is_err(), "the release waits on the hung Redis");
+        let mut answered = Vec::new();
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let id = fresh_id();
+            let call = store.begin(&id, &fp, LEASE);
+            answered.push(
+                tokio::time::timeout(Duration::from_millis(600), call)
+                    .await
+                    .is_ok(),
+            );
+        }
+        let unanswered = answered.iter().filter(|a| !**a).count();
+        assert!(unanswered <= 3, "{answered:?}");
+        assert!(answered[5..].iter().all(|a| *a), "{answered:?}");
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
+    });
+}
+
 /// An operator's release deletes the record's copy in Redis in one round trip: a Redis whose
 /// answers take more than half a call's budget still has it deleted at once. Before, the
 /// delete was the Redis store's own release (its clock read, then its delete: two round

@@ -375,11 +375,14 @@ impl Permit<'_> {
         self.breaker.success(self.probe);
     }
 
-    /// The Redis call goes out now: dropped unanswered past the breaker's `slow` time from
-    /// here, it counts as a failure. Not before: waiting for another caller's repairs (a
-    /// lock), a caller that gives up says nothing of Redis.
+    /// The permit's Redis calls go out now (stale-mirror deletes once it holds the repairs'
+    /// lock, then its own call): dropped unanswered past the breaker's `slow` time from the
+    /// first of them, it counts as a failure. Not before: waiting for another caller's
+    /// repairs (a lock), a caller that gives up says nothing of Redis. (Time the caller's
+    /// future went unpolled counts too: on a runtime starved past `slow`, hang-ups can open
+    /// the breaker on a Redis that answered, sending its calls to Postgres for a backoff.)
     pub(crate) fn calling(&mut self) {
-        self.calling = Some(Instant::now());
+        self.calling.get_or_insert_with(Instant::now);
     }
 
     /// The call learnt nothing of Redis (it waited for another caller's work): dropped

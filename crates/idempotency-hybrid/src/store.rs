@@ -522,7 +522,8 @@ impl HybridStore {
                     let mut progress = RepairProgress::default();
                     let budget = this.redis.call_budget();
                     let repaired =
-                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress)).await;
+                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress, || {}))
+                            .await;
                     // Read as a call's repairs are (`try_redis` below).
                     ok = match repaired {
                         Ok(true) => true,
@@ -548,7 +549,11 @@ impl HybridStore {
         let repaired = if s.repairs.holds() {
             Ok(true)
         } else {
-            tokio::time::timeout(budget, self.repair_mirrors(&mut progress)).await
+            // Its deletes are this call's Redis calls once it holds the repairs' lock: given
+            // up while Redis leaves them unanswered, that counts against the breaker (waiting
+            // for the lock does not).
+            let repairs = self.repair_mirrors(&mut progress, || permit.calling());
+            tokio::time::timeout(budget, repairs).await
         };
         match repaired {
             Ok(true) => {}
@@ -813,7 +818,8 @@ impl HybridStore {
     /// The repairs queued when this caller got its turn, in pipelined chunks; each delete is
     /// forgotten as soon as Redis answers it, so a backlog drains across calls even when no
     /// single call's budget covers it.
-    async fn repair_mirrors(&self, progress: &mut RepairProgress) -> bool {
+    /// `held` is called once this caller holds the repairs' lock, before its deletes go out.
+    async fn repair_mirrors(&self, progress: &mut RepairProgress, held: impl FnOnce()) -> bool {
         let s = &self.inner;
         // `try_redis` skipped the call when the flag said so; this one sees the queue itself.
         if s.repairs().is_empty() {
@@ -821,6 +827,7 @@ impl HybridStore {
         }
         let _repairing = s.repairing.lock().await;
         progress.held = true;
+        held();
         let mut left = s.repairs().queue.len();
         while left > 0 {
             // Whatever this chunk does not finish (failed, or dropped mid-way) goes back in
