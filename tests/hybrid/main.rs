@@ -2305,30 +2305,8 @@ fn a_hung_redis_whose_callers_all_give_up_first_still_opens_the_breaker() {
         if services::skipping() {
             return;
         }
-        let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
-        let fp = Fingerprint::of(b"charge");
-        // Connected and healthy, and nothing left running in the background to report.
-        assert!(matches!(
-            store.begin(&fresh_id(), &fp, LEASE).await,
-            Ok(Begin::Execute(_))
-        ));
-        tokio::time::sleep(Duration::from_millis(200)).await; // the lease's mirror
-        store.drain().await;
-        relay.vanish();
-        // Callers with under a third of a Redis budget of patience.
-        let mut answered = Vec::new();
-        for _ in 0..10 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let id = fresh_id();
-            let call = store.begin(&id, &fp, LEASE);
-            match tokio::time::timeout(Duration::from_millis(600), call).await {
-                Ok(begun) => {
-                    assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
-                    answered.push(true);
-                }
-                Err(_) => answered.push(false),
-            }
-        }
+        let store = hung_redis_behind(|_| async {}).await;
+        let answered = impatient_callers(&store).await;
         assert_eq!(
             answered.iter().filter(|a| !**a).count(),
             3,
@@ -2349,35 +2327,57 @@ fn a_hung_redis_with_repairs_queued_still_opens_the_breaker() {
         if services::skipping() {
             return;
         }
-        let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
-        let fp = Fingerprint::of(b"charge");
-        assert!(matches!(
-            store.begin(&fresh_id(), &fp, LEASE).await,
-            Ok(Begin::Execute(_))
-        ));
-        tokio::time::sleep(Duration::from_millis(200)).await; // the lease's mirror
-        store.drain().await;
-        relay.vanish();
-        let (scope, released) = (ReleaseScope::default(), fresh_id());
-        let release = store.force_release(&released, scope);
-        let gave_up = tokio::time::timeout(Duration::from_millis(600), release).await;
-        assert!(gave_up.is_err(), "the release waits on the hung Redis");
-        let mut answered = Vec::new();
-        for _ in 0..10 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let id = fresh_id();
-            let call = store.begin(&id, &fp, LEASE);
-            answered.push(
-                tokio::time::timeout(Duration::from_millis(600), call)
-                    .await
-                    .is_ok(),
-            );
-        }
+        let store = hung_redis_behind(|store| async move {
+            let (scope, released) = (ReleaseScope::default(), fresh_id());
+            let release = store.force_release(&released, scope);
+            let gave_up = tokio::time::timeout(Duration::from_millis(600), release).await;
+            assert!(gave_up.is_err(), "the release waits on the hung Redis");
+        })
+        .await;
+        let answered = impatient_callers(&store).await;
         let unanswered = answered.iter().filter(|a| !**a).count();
         assert!(unanswered <= 3, "{answered:?}");
         assert!(answered[5..].iter().all(|a| *a), "{answered:?}");
         assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
     });
+}
+
+/// A hybrid store (Redis budget 2 s) connected and healthy, nothing left running in the
+/// background to report, whose Redis then hangs; `then` runs on it once it does.
+async fn hung_redis_behind<F: std::future::Future<Output = ()>>(
+    then: impl FnOnce(HybridStore) -> F,
+) -> HybridStore {
+    let (store, relay) = behind_a_stalling_relay(Duration::from_secs(2)).await;
+    let fp = Fingerprint::of(b"charge");
+    assert!(matches!(
+        store.begin(&fresh_id(), &fp, LEASE).await,
+        Ok(Begin::Execute(_))
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await; // the lease's mirror
+    store.drain().await;
+    relay.vanish();
+    then(store.clone()).await;
+    store
+}
+
+/// Ten callers, 300 ms apart, each with under a third of a Redis budget (600 ms) of
+/// patience: whether each was answered (by `Execute`).
+async fn impatient_callers(store: &HybridStore) -> Vec<bool> {
+    let fp = Fingerprint::of(b"charge");
+    let mut answered = Vec::new();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let id = fresh_id();
+        let call = store.begin(&id, &fp, LEASE);
+        match tokio::time::timeout(Duration::from_millis(600), call).await {
+            Ok(begun) => {
+                assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
+                answered.push(true);
+            }
+            Err(_) => answered.push(false),
+        }
+    }
+    answered
 }
 
 /// An operator's release deletes the record's copy in Redis in one round trip: a Redis whose
