@@ -54,6 +54,8 @@ pub(crate) struct Driver {
     lease: Duration,
     /// The scope of this run's keys (`X-Account-Id`) and its customers' prefix.
     run: String,
+    /// Until when the faults explain a 409 (see [`crate::faults::Explained`]).
+    explained: crate::faults::Explained,
 }
 
 /// The most attempts on one key; a key still without a definitive answer is left to the final
@@ -61,20 +63,28 @@ pub(crate) struct Driver {
 const MAX_ATTEMPTS: u32 = 15;
 
 /// Whether a client stops retrying a key after `attempts`, its answers 409 without a break
-/// since `in_flight_since` (`None`: the last answer was not a 409). A run of 409s is followed
-/// for more than [`STUCK_AFTER_LEASES`] leases, so that a key stuck that long is seen stuck
-/// even if it is freed before the final probe: fifteen attempts 100–500 ms apart last about
-/// four seconds, under two leases, and the check of such runs could never fire. Bounded all
-/// the same (a key stuck for good is the probe's to find).
-fn gives_up(attempts: u32, in_flight_since: Option<Instant>, lease: Duration) -> bool {
-    const MOST: u32 = 200;
-    let following =
-        in_flight_since.is_some_and(|since| since.elapsed() <= lease * (STUCK_AFTER_LEASES + 1));
+/// since `in_flight_since` (`None`: the last answer was not a 409), faults explaining 409s
+/// until `explained_until` (a lease after the last one ended; later while one is on). A run
+/// of 409s is followed for more than [`STUCK_AFTER_LEASES`] leases past what explains it,
+/// as [`in_flight_streaks`] counts, so that a key stuck that long is seen stuck even if it
+/// is freed before the final probe: fifteen attempts 100–500 ms apart last about four
+/// seconds, under two leases, and that check could never fire. Bounded all the same (a key
+/// stuck for good is the probe's to find).
+fn gives_up(
+    attempts: u32,
+    in_flight_since: Option<Instant>,
+    explained_until: Instant,
+    lease: Duration,
+) -> bool {
+    const MOST: u32 = 10_000;
+    let following = in_flight_since.is_some_and(|since| {
+        Instant::now() <= since.max(explained_until) + lease * (STUCK_AFTER_LEASES + 1)
+    });
     attempts >= MOST || (attempts >= MAX_ATTEMPTS && !following)
 }
 
 impl Driver {
-    pub(crate) fn new(args: &Args, nginx_url: &str) -> Self {
+    pub(crate) fn new(args: &Args, nginx_url: &str, explained: crate::faults::Explained) -> Self {
         let run = format!(
             "chaos-{}-{}",
             args.seed,
@@ -86,6 +96,7 @@ impl Driver {
             clients: args.clients,
             lease: Duration::from_millis(args.lease_ms),
             run,
+            explained,
         }
     }
 
@@ -152,7 +163,8 @@ impl Driver {
                 let in_flight = matches!(&answer, Ok(reply) if reply.status == 409);
                 in_flight_since = in_flight.then(|| in_flight_since.unwrap_or(sent));
                 attempts.push(record(n, attempt, sent, answer));
-                if done || gives_up(attempt, in_flight_since, self.lease) {
+                let explained_until = self.explained.until();
+                if done || gives_up(attempt, in_flight_since, explained_until, self.lease) {
                     break;
                 }
                 tokio::time::sleep(pause).await;
@@ -533,12 +545,15 @@ pub(crate) async fn check(
             Verdict::Wrong => wrong += 1,
         }
     }
+    // Once per key, however many of its probes (two rounds) found it stuck.
     let stuck_at_the_end = probes
         .iter()
         .filter(
             |p| !matches!(p.answer, Ok(status) if (200..300).contains(&status) || status == 422),
         )
-        .count();
+        .map(|p| p.charge)
+        .collect::<HashSet<_>>()
+        .len();
     let (stuck_in_run, longest_unexplained_409s) = in_flight_streaks(&by_charge, windows, lease);
     let stuck = stuck_at_the_end + stuck_in_run;
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
@@ -656,21 +671,22 @@ mod tests {
     fn a_client_follows_a_run_of_409_past_the_stuck_threshold() {
         let lease = Duration::from_secs(3);
         let now = Instant::now();
-        assert!(!gives_up(14, None, lease));
-        assert!(gives_up(15, None, lease));
-        let since = |ago: Duration| now.checked_sub(ago).expect("an instant");
-        assert!(!gives_up(15, Some(since(Duration::from_secs(4))), lease));
-        assert!(!gives_up(
-            40,
-            Some(since(lease * STUCK_AFTER_LEASES)),
-            lease
-        ));
-        assert!(gives_up(
-            40,
-            Some(since(lease * (STUCK_AFTER_LEASES + 2))),
-            lease
-        ));
-        assert!(gives_up(200, Some(now), lease), "bounded all the same");
+        let ago = |ago: Duration| now.checked_sub(ago).expect("an instant");
+        let long_ago = ago(lease * 20);
+        assert!(!gives_up(14, None, long_ago, lease));
+        assert!(gives_up(15, None, long_ago, lease));
+        let since = Some(ago(Duration::from_secs(4)));
+        assert!(!gives_up(15, since, long_ago, lease));
+        let since = Some(ago(lease * STUCK_AFTER_LEASES));
+        assert!(!gives_up(40, since, long_ago, lease));
+        let since = Some(ago(lease * (STUCK_AFTER_LEASES + 2)));
+        assert!(gives_up(40, since, long_ago, lease));
+        // A fault that explains the run's start: followed past what it explains.
+        assert!(!gives_up(40, since, ago(lease * STUCK_AFTER_LEASES), lease));
+        assert!(
+            gives_up(10_000, Some(now), now, lease),
+            "bounded all the same"
+        );
     }
 
     /// 409s for more than two leases that no fault explains are stuck, even when the key

@@ -56,12 +56,39 @@ pub(crate) enum Excuse {
     StalledOwner(usize),
 }
 
+/// Until when the faults explain a key answered 409: a lease after the last one ended, and
+/// for as long as one is on. Shared with the clients, who follow a run of 409s past it.
+#[derive(Debug, Clone)]
+pub(crate) struct Explained(std::sync::Arc<std::sync::Mutex<Instant>>);
+
+impl Explained {
+    pub(crate) fn new() -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(Instant::now())))
+    }
+
+    pub(crate) fn until(&self) -> Instant {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set(&self, until: Instant) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = until;
+    }
+}
+
 /// Runs `driver` while injecting faults for `duration`; returns the driver's output, the
 /// fault windows, and how many faults there were (the skewed gateway's clock counts as one).
+/// `explained` is kept up to date as faults come and go.
 pub(crate) async fn run<T>(
     cluster: &mut Cluster,
     seed: u64,
     duration: Duration,
+    explained: &Explained,
     driver: impl Future<Output = T>,
 ) -> Result<(T, Vec<Window>, u64), String> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x0fau64);
@@ -93,7 +120,10 @@ pub(crate) async fn run<T>(
                 started.elapsed().as_secs_f64()
             );
             let start = Instant::now();
-            inject(cluster, fault, hold).await?;
+            explained.set(start + Duration::from_secs(24 * 3600));
+            let injected = inject(cluster, fault, hold).await;
+            explained.set(Instant::now() + cluster.lease());
+            injected?;
             windows.push(Window {
                 start,
                 end: Instant::now(),

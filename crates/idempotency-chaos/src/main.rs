@@ -15,7 +15,7 @@
 //! is not in the table), **wrong** (a 2xx carrying another key's charge, or a 422), **stuck**
 //! (a key whose final probe, one lease after the last fault, gets no 2xx; or one answered 409
 //! on end for more than two leases that no fault explains: a client follows a run of 409s
-//! past that). Every key is probed twice: then again with Redis emptied, answered from
+//! past that, told by the fault schedule until when its faults explain one). Every key is probed twice: then again with Redis emptied, answered from
 //! Postgres alone. A gateway that exits on its own fails the campaign. The last line is
 //!
 //! ```text
@@ -95,9 +95,11 @@ async fn run(args: Args) -> Result<bool, String> {
         cluster.postgres_url(),
         cluster.redis_url()
     );
-    let drive = drive::Driver::new(&args, &cluster.nginx_url());
+    let explained = faults::Explained::new();
+    let drive = drive::Driver::new(&args, &cluster.nginx_url(), explained.clone());
     let duration = Duration::from_secs(args.duration_s);
-    let faults = faults::run(&mut cluster, args.seed, duration, drive.run(duration)).await;
+    let run = drive.run(duration);
+    let faults = faults::run(&mut cluster, args.seed, duration, &explained, run).await;
     let (history, windows, faults) = faults?;
     // Every fault is cleared; wait one lease past the last one, then ask every key again.
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
