@@ -2327,17 +2327,44 @@ fn a_hung_redis_with_repairs_queued_still_opens_the_breaker() {
         if services::skipping() {
             return;
         }
-        let store = hung_redis_behind(|store| async move {
-            let (scope, released) = (ReleaseScope::default(), fresh_id());
-            let release = store.force_release(&released, scope);
-            let gave_up = tokio::time::timeout(Duration::from_millis(600), release).await;
-            assert!(gave_up.is_err(), "the release waits on the hung Redis");
-        })
-        .await;
+        let store = hung_redis_with_repairs_queued().await;
         let answered = impatient_callers(&store).await;
         let unanswered = answered.iter().filter(|a| !**a).count();
         assert!(unanswered <= 3, "{answered:?}");
         assert!(answered[5..].iter().all(|a| *a), "{answered:?}");
+        assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
+    });
+}
+
+/// The same with callers that overlap (100 ms apart, 600 ms of patience each): the lock on
+/// the repairs passes from one caller given up to the next, each holding it for about the
+/// gap between arrivals. The wait for Redis counts from when the deletes first went out,
+/// whoever sent them. Counted from each caller's own taking of the lock, only the first
+/// caller ever counted, and the breaker stayed closed for good.
+#[test]
+fn a_hung_redis_with_repairs_queued_opens_the_breaker_under_overlapping_callers() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let store = hung_redis_with_repairs_queued().await;
+        let mut callers = Vec::new();
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let store = store.clone();
+            callers.push(tokio::spawn(async move {
+                let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+                let call = store.begin(&id, &fp, LEASE);
+                tokio::time::timeout(Duration::from_millis(600), call)
+                    .await
+                    .is_ok()
+            }));
+        }
+        let mut answered = Vec::new();
+        for caller in callers {
+            answered.push(caller.await.expect("caller"));
+        }
+        assert!(answered[30..].iter().all(|a| *a), "{answered:?}");
         assert_ne!(store.metrics().breaker_state, BreakerState::Closed);
     });
 }
@@ -2358,6 +2385,18 @@ async fn hung_redis_behind<F: std::future::Future<Output = ()>>(
     relay.vanish();
     then(store.clone()).await;
     store
+}
+
+/// [`hung_redis_behind`], with stale-mirror repairs queued: an operator's release given up
+/// on the hung Redis leaves its delete of the record's copy in the queue.
+async fn hung_redis_with_repairs_queued() -> HybridStore {
+    hung_redis_behind(|store| async move {
+        let (scope, released) = (ReleaseScope::default(), fresh_id());
+        let release = store.force_release(&released, scope);
+        let gave_up = tokio::time::timeout(Duration::from_millis(600), release).await;
+        assert!(gave_up.is_err(), "the release waits on the hung Redis");
+    })
+    .await
 }
 
 /// Ten callers, 300 ms apart, each with under a third of a Redis budget (600 ms) of

@@ -385,6 +385,13 @@ impl Permit<'_> {
         self.calling.get_or_insert_with(Instant::now);
     }
 
+    /// Since when Redis has left this permit's calls unanswered, when another caller sent
+    /// them first (stale-mirror deletes a caller given up on left in the queue: the wait
+    /// began then); `None` once they are answered.
+    pub(crate) fn calling_since(&mut self, since: Option<Instant>) {
+        self.calling = since;
+    }
+
     /// The call learnt nothing of Redis (it waited for another caller's work): dropped
     /// without counting, however long it waited.
     pub(crate) fn no_news(mut self) {

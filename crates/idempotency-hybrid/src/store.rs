@@ -522,7 +522,7 @@ impl HybridStore {
                     let mut progress = RepairProgress::default();
                     let budget = this.redis.call_budget();
                     let repaired =
-                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress, || {}))
+                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress, |_| {}))
                             .await;
                     // Read as a call's repairs are (`try_redis` below).
                     ok = match repaired {
@@ -552,7 +552,7 @@ impl HybridStore {
             // Its deletes are this call's Redis calls once it holds the repairs' lock: given
             // up while Redis leaves them unanswered, that counts against the breaker (waiting
             // for the lock does not).
-            let repairs = self.repair_mirrors(&mut progress, || permit.calling());
+            let repairs = self.repair_mirrors(&mut progress, |since| permit.calling_since(since));
             tokio::time::timeout(budget, repairs).await
         };
         match repaired {
@@ -624,6 +624,10 @@ struct Repairs {
     queue: std::collections::VecDeque<Repair>,
     /// Taken by the caller running them and not answered yet: reads wait for these too.
     taken: usize,
+    /// When the deletes now unanswered first went out, by whichever caller: a holder of the
+    /// lock given up before they were answered leaves them to the next, whose wait for
+    /// Redis began then, not when it got the lock (see `repair_mirrors`).
+    unanswered_since: Option<tokio::time::Instant>,
 }
 
 impl Repairs {
@@ -818,8 +822,14 @@ impl HybridStore {
     /// The repairs queued when this caller got its turn, in pipelined chunks; each delete is
     /// forgotten as soon as Redis answers it, so a backlog drains across calls even when no
     /// single call's budget covers it.
-    /// `held` is called once this caller holds the repairs' lock, before its deletes go out.
-    async fn repair_mirrors(&self, progress: &mut RepairProgress, held: impl FnOnce()) -> bool {
+    /// `unanswered` is told, as each chunk of deletes goes out, since when Redis has left the
+    /// deletes it holds unanswered (that chunk's, or those a caller given up on before it
+    /// left in the queue), and `None` once a chunk is answered.
+    async fn repair_mirrors(
+        &self,
+        progress: &mut RepairProgress,
+        mut unanswered: impl FnMut(Option<tokio::time::Instant>),
+    ) -> bool {
         let s = &self.inner;
         // `try_redis` skipped the call when the flag said so; this one sees the queue itself.
         if s.repairs().is_empty() {
@@ -827,25 +837,29 @@ impl HybridStore {
         }
         let _repairing = s.repairing.lock().await;
         progress.held = true;
-        held();
         let mut left = s.repairs().queue.len();
         while left > 0 {
             // Whatever this chunk does not finish (failed, or dropped mid-way) goes back in
             // the queue when `pending` drops.
-            let mut pending = {
+            let (mut pending, since) = {
                 let mut repairs = s.repairs();
                 let n = left.min(REPAIR_CHUNK).min(repairs.queue.len());
                 let items: Vec<_> = repairs.queue.drain(..n).collect();
                 repairs.taken += items.len();
-                Requeue {
+                let since = *repairs
+                    .unanswered_since
+                    .get_or_insert_with(tokio::time::Instant::now);
+                let pending = Requeue {
                     shared: s,
                     done: vec![false; items.len()],
                     items,
-                }
+                };
+                (pending, since)
             };
             if pending.items.is_empty() {
                 break;
             }
+            unanswered(Some(since));
             left -= pending.items.len();
             // Concurrent: the deletes pipeline on the multiplexed connection.
             let mut deletes: futures::stream::FuturesUnordered<_> = pending
@@ -874,6 +888,8 @@ impl HybridStore {
             if failed {
                 return false;
             }
+            s.repairs().unanswered_since = None;
+            unanswered(None);
         }
         true
     }
