@@ -392,13 +392,10 @@ impl Permit<'_> {
         self.calling = since;
     }
 
-    /// The call learnt nothing of Redis (it waited for another caller's work): dropped
-    /// without counting, however long it waited.
+    /// The call learnt nothing of Redis (it waited for another caller's work): dropped as a
+    /// permit whose calls never went out, however long it waited.
     pub(crate) fn no_news(mut self) {
-        self.reported = true;
-        if let Some(probe) = self.probe {
-            self.breaker.abandon_probe(probe);
-        }
+        self.calling = None;
     }
 
     pub(crate) fn failure(mut self) {

@@ -356,20 +356,7 @@ fn exercise(demo: &Demo, mode: &str) {
     exercise_orders(demo);
 
     // The storm tool's invariant against this mode.
-    let storm = Command::new(BIN)
-        .args([
-            "storm",
-            "--url",
-            &demo.base,
-            "--charges",
-            "40",
-            "--sends",
-            "4",
-            "--client-timeout-ms",
-            "150",
-        ])
-        .output()
-        .expect("storm");
+    let storm = storm(demo, "40", "4");
     let out = String::from_utf8_lossy(&storm.stdout);
     assert!(
         storm.status.success(),
@@ -383,6 +370,16 @@ fn exercise(demo: &Demo, mode: &str) {
     );
 }
 
+/// `payments-demo storm` against `demo`: `charges` charges, `sends` sends each, a client
+/// that hangs up after 150 ms.
+fn storm(demo: &Demo, charges: &str, sends: &str) -> std::process::Output {
+    Command::new(BIN)
+        .args(["storm", "--url", &demo.base, "--charges", charges])
+        .args(["--sends", sends, "--client-timeout-ms", "150"])
+        .output()
+        .expect("storm")
+}
+
 /// The storm sees a second run of the handler: against a demo whose records expire at once
 /// (every send after a charge's first runs the handler again, which finds the charge its
 /// record id made and answers 200), it fails with `ran_again` counted. Before, that 200
@@ -391,20 +388,7 @@ fn exercise(demo: &Demo, mode: &str) {
 #[test]
 fn the_storm_fails_when_the_handler_runs_again() {
     let demo = Demo::start(&[("IDEMPOTENCY_RETENTION_MS", "1")]);
-    let storm = Command::new(BIN)
-        .args([
-            "storm",
-            "--url",
-            &demo.base,
-            "--charges",
-            "6",
-            "--sends",
-            "3",
-            "--client-timeout-ms",
-            "150",
-        ])
-        .output()
-        .expect("storm");
+    let storm = storm(&demo, "6", "3");
     let out = String::from_utf8_lossy(&storm.stdout);
     assert!(!storm.status.success(), "the storm passed:\n{out}");
     let last = out.lines().last().unwrap_or_default();
