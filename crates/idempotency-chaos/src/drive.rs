@@ -84,6 +84,11 @@ fn gives_up(
 }
 
 impl Driver {
+    /// The scope (`X-Account-Id`) of this run's keys.
+    pub(crate) fn scope(&self) -> &str {
+        &self.run
+    }
+
     pub(crate) fn new(args: &Args, nginx_url: &str, explained: crate::faults::Explained) -> Self {
         let run = format!(
             "chaos-{}-{}",
@@ -400,6 +405,100 @@ async fn charge_rows(
     rows
 }
 
+/// What Postgres holds for a key a client was answered a 2xx for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// Completed, with the status and body of the key's first 2xx.
+    Same,
+    /// No record, or a record still in flight: the outcome a client was given is not stored.
+    Unsettled,
+    /// Completed with another status or body.
+    Other,
+}
+
+/// A record as read for [`outcomes_kept`]: its state, status and encoded outcome.
+type KeyRow = (i32, Option<i32>, Option<Vec<u8>>);
+/// The same, after its record id.
+type IdRow = (Vec<u8>, i32, Option<i32>, Option<Vec<u8>>);
+
+fn kept(status: u16, body: &serde_json::Value, row: Option<&KeyRow>) -> Kept {
+    let Some((1, stored, response)) = row else {
+        return Kept::Unsettled;
+    };
+    let outcome = response
+        .as_deref()
+        .and_then(|bytes| idempotency_core::Outcome::decode(bytes).ok());
+    let same = outcome.is_some_and(|outcome| {
+        let stored_body: serde_json::Value =
+            serde_json::from_slice(&outcome.body).unwrap_or_default();
+        *stored == Some(i32::from(status)) && outcome.status == status && stored_body == *body
+    });
+    if same { Kept::Same } else { Kept::Other }
+}
+
+/// Every key a client was answered a 2xx for must be completed in Postgres with that answer:
+/// the status and body of the key's first 2xx. Read from the table itself, before any probe:
+/// a record left in flight (its outcome lost, its lease run out) would be answered to a probe
+/// by the demo's reconcile hook, which rebuilds the same body from the charge row and stores
+/// it, so the probes alone cannot tell a lost outcome from a kept one. An outcome still being
+/// written in the background (answered while the store was down: the layer keeps trying) is
+/// waited for, up to `settle`. Returns the keys not completed (lost) and those completed with
+/// another answer (wrong).
+pub(crate) async fn outcomes_kept(
+    history: &History,
+    scope: &str,
+    postgres_url: &str,
+    settle: Duration,
+) -> Result<(usize, usize), String> {
+    use idempotency_core::{IdempotencyKey, RecordId, Scope};
+    let scope = Scope::new(scope);
+    let mut due: HashMap<Vec<u8>, (u16, &serde_json::Value)> = HashMap::new();
+    for attempt in &history.attempts {
+        if let (Ok(status @ 200..=299), Some(body)) = (attempt.answer, &attempt.body) {
+            let key = IdempotencyKey::new(history.charges[attempt.charge].key.as_str())
+                .map_err(|e| format!("a campaign key: {e}"))?;
+            let id = RecordId::new(&scope, &key).as_bytes().to_vec();
+            due.entry(id).or_insert((status, body));
+        }
+    }
+    let pool = sqlx::PgPool::connect(postgres_url)
+        .await
+        .map_err(|e| format!("connecting to Postgres for the check: {e}"))?;
+    let deadline = Instant::now() + settle;
+    let mut other = 0;
+    loop {
+        let ids: Vec<Vec<u8>> = due.keys().cloned().collect();
+        let rows: Vec<IdRow> = sqlx::query_as(
+            "SELECT record_id, state::int4, status::int4, response FROM idempotency_keys
+             WHERE record_id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_all(&pool)
+        .await
+        .map_err(|e| format!("reading the idempotency records: {e}"))?;
+        let rows: HashMap<Vec<u8>, KeyRow> = rows
+            .into_iter()
+            .map(|(id, state, status, response)| (id, (state, status, response)))
+            .collect();
+        due.retain(
+            |id, (status, body)| match kept(*status, body, rows.get(id)) {
+                Kept::Same => false,
+                Kept::Other => {
+                    other += 1;
+                    false
+                }
+                Kept::Unsettled => true,
+            },
+        );
+        if due.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    pool.close().await;
+    Ok((due.len(), other))
+}
+
 /// How many times the handler ran for each charge, read before the final probes: a probe
 /// that runs it again shows as a count that grew.
 pub(crate) async fn runs_before_probes(
@@ -418,14 +517,16 @@ pub(crate) async fn runs_before_probes(
 /// - **duplicates**: a key with two charge rows; or a key whose charge handler ran twice —
 ///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
 ///   never reached a client), or seen by a client as the 200 the handler answers a second
-///   run with (the unique record id turns the second charge into a read) — unless a
-///   Postgres outage (a write whose answer was lost) overlapped that key's attempts, or a
-///   gateway that had the key (nginx's log) was paused past the lease just after one of
-///   them was sent (an owner still stalled when taken over). Never a run a final probe saw (every fault was long cleared
-///   by then), and the final probes do not time a run. A gateway killed
-///   after its charge committed excuses nothing (the retry takes the key over and the
-///   demo's reconcile hook finds the charge), nor do Redis faults.
-/// - **lost**: a 2xx whose charge id is not in the table.
+///   run with (the unique record id turns the second charge into a read) — unless one of
+///   that key's attempts was in progress during a Postgres outage (a write whose answer was
+///   lost, or held up to land after the retry's reconcile hook looked). Never a run a final
+///   probe saw (every fault was long cleared by then), and the final probes do not time a
+///   run. A gateway killed after its charge committed excuses nothing (the retry takes the
+///   key over and the demo's reconcile hook finds the charge), nor does a gateway paused
+///   past the lease while it held the key (behind the lease gate it does not run its effect
+///   when it wakes), nor do Redis faults.
+/// - **lost**: a 2xx whose charge id is not in the table (and, checked apart by
+///   [`outcomes_kept`], a 2xx whose outcome Postgres does not hold completed).
 /// - **wrong**: a 2xx carrying another key's charge, or no charge id at all, or a charge of
 ///   another amount, currency or customer than its client asked for (or than the table
 ///   holds), or a body other than the key's first 2xx body (every retry gets the stored
@@ -490,14 +591,21 @@ pub(crate) async fn check(
             || mine.iter().map(|a| a.answered).max().unwrap_or(first),
             |a| a.answered,
         );
-        // A write whose answer was lost: the outage overlapped the key's attempts.
+        // A write whose answer was lost (or held up, to land late): an attempt of the key was
+        // in progress during the outage — its handler possibly a lease past its client, who
+        // may have hung up — and the second run came after the outage began.
         let lost = windows.iter().any(|w| {
-            w.excuse == Some(Excuse::LostAnswer) && w.start <= second && first <= w.end + lease
+            w.excuse == Some(Excuse::LostAnswer)
+                && w.start <= second
+                && mine
+                    .iter()
+                    .any(|a| a.sent <= w.end && w.start <= a.answered + lease)
         });
         // A stalled owner: the paused gateway had the key (nginx's log), an attempt claimed
         // it shortly before the pause froze it (sent within a lease before it), and the run
-        // that took it over came after. A request sent during the pause claims afresh once
-        // the gateway wakes: no excuse.
+        // that took it over came after. Not an excuse: behind the lease gate a holder frozen
+        // past its lease does not run its effect when it wakes (model property (j)); counted
+        // apart only to say what such a second run followed.
         let stalled = windows.iter().any(|w| match w.excuse {
             Some(Excuse::StalledOwner(gateway)) => {
                 reached
@@ -516,6 +624,7 @@ pub(crate) async fn check(
             lost_answer += 1;
         } else if stalled {
             stalled_owner += 1;
+            reexecuted += 1;
         } else {
             reexecuted += 1;
         }
@@ -583,7 +692,7 @@ pub(crate) async fn check(
         })
         .count();
     let details = format!(
-        "chaos: charges={} charged={} second-runs-excused: after-a-postgres-outage={lost_answer} after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-no-fault-explains={longest_unexplained_409s:.1?} attempts-max={}",
+        "chaos: charges={} charged={} second-runs-excused-after-a-postgres-outage={lost_answer} second-runs-after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-no-fault-explains={longest_unexplained_409s:.1?} attempts-max={}",
         history.charges.len(),
         rows.len(),
         history
@@ -620,6 +729,29 @@ mod tests {
             charge_id: None,
             body: None,
         }
+    }
+
+    /// A key answered 2xx must be completed in Postgres with that answer: a record left in
+    /// flight (its lease run out, its outcome lost) is lost, though a probe would be answered
+    /// the same body by the reconcile hook; another status or body is wrong.
+    #[test]
+    fn a_2xx_whose_outcome_postgres_does_not_hold_is_lost() {
+        let body = serde_json::json!({"id": "ch_1", "amount": 5});
+        let stored = |status: u16, body: &serde_json::Value| {
+            let outcome =
+                idempotency_core::Outcome::new(status).with_body(serde_json::to_vec(body).unwrap());
+            (1, Some(i32::from(status)), Some(outcome.encode().to_vec()))
+        };
+        assert_eq!(kept(201, &body, Some(&stored(201, &body))), Kept::Same);
+        assert_eq!(kept(201, &body, None), Kept::Unsettled);
+        assert_eq!(kept(201, &body, Some(&(0, None, None))), Kept::Unsettled);
+        assert_eq!(kept(201, &body, Some(&stored(200, &body))), Kept::Other);
+        let other = serde_json::json!({"id": "ch_2", "amount": 5});
+        assert_eq!(kept(201, &body, Some(&stored(201, &other))), Kept::Other);
+        assert_eq!(
+            kept(201, &body, Some(&(1, Some(201), Some(b"junk".to_vec())))),
+            Kept::Other
+        );
     }
 
     /// Every 2xx of a key carries the key's charge as it was asked for, the same body each

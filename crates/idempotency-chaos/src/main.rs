@@ -16,7 +16,10 @@
 //! (a key whose final probe, one lease after the last fault, gets no 2xx; or one answered 409
 //! on end for more than two leases that no fault explains: a client follows a run of 409s
 //! past that, told by the fault schedule until when its faults explain one). Every key is probed twice: then again with Redis emptied, answered from
-//! Postgres alone. A gateway that exits on its own fails the campaign. The last line is
+//! Postgres alone. Before the probes, every key answered a 2xx must be completed in Postgres'
+//! own table with that answer (**lost** if not, **wrong** if with another): a probe would
+//! have the demo's reconcile hook rebuild it. A gateway that exits on its own fails the
+//! campaign. The last line is
 //!
 //! ```text
 //! chaos: seed=<s> duration=<d>s requests=<n> faults=<f> duplicates=<d> lost=<l> wrong=<w> stuck=<k>
@@ -35,6 +38,10 @@ mod http;
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+
+/// How long an outcome answered while its store was down may take to be written once every
+/// fault is cleared (the layer retries it in the background, at most 5 s apart).
+const SETTLE: Duration = Duration::from_secs(30);
 
 /// A seeded fault campaign: payments-demo gateways behind nginx on real Postgres and Redis.
 #[derive(Debug, Clone, Parser)]
@@ -104,6 +111,9 @@ async fn run(args: Args) -> Result<bool, String> {
     // Every fault is cleared; wait one lease past the last one, then ask every key again.
     tokio::time::sleep(lease + Duration::from_secs(1)).await;
     let before_probes = drive::runs_before_probes(&history, cluster.postgres_url()).await?;
+    // Before any probe: a probe of a record left unsettled would settle it (the reconcile hook).
+    let (unsettled, kept_otherwise) =
+        drive::outcomes_kept(&history, drive.scope(), cluster.postgres_url(), SETTLE).await?;
     let mut probes = drive.probe_all(&history).await;
     // Those may have been answered from Redis' copies: Redis emptied, every key is asked
     // again, answered from Postgres alone — its stored outcome, the same body, no run.
@@ -113,7 +123,7 @@ async fn run(args: Args) -> Result<bool, String> {
     }
     cluster.gateways_alive()?;
     let reached = cluster.keys_reached()?;
-    let report = drive::check(
+    let mut report = drive::check(
         &history,
         &probes,
         &before_probes,
@@ -124,7 +134,12 @@ async fn run(args: Args) -> Result<bool, String> {
     )
     .await?;
     cluster.stop().await;
-    println!("{}", report.details);
+    report.lost += unsettled;
+    report.wrong += kept_otherwise;
+    println!(
+        "{} outcomes-not-in-postgres={unsettled} outcomes-stored-otherwise={kept_otherwise}",
+        report.details
+    );
     let clean =
         report.duplicates == 0 && report.lost == 0 && report.wrong == 0 && report.stuck == 0;
     println!(
