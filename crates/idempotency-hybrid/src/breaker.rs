@@ -124,6 +124,12 @@ pub(crate) struct Breaker {
 }
 
 impl Breaker {
+    /// How long a call may go unanswered before it counts as a failure (see
+    /// [`Permit::calling`]).
+    pub(crate) fn slow(&self) -> Duration {
+        self.slow
+    }
+
     pub(crate) fn new(config: BreakerConfig, probe_limit: Duration, slow: Duration) -> Self {
         publish(BreakerState::Closed);
         Self {
@@ -392,6 +398,13 @@ impl Permit<'_> {
         self.calling = since;
     }
 
+    /// Whether its calls have gone unanswered for the breaker's slow time: given up now, it
+    /// counts as a failure.
+    pub(crate) fn unanswered_past_slow(&self) -> bool {
+        self.calling
+            .is_some_and(|sent| sent.elapsed() >= self.breaker.slow)
+    }
+
     /// The call learnt nothing of Redis (it waited for another caller's work): dropped as a
     /// permit whose calls never went out, however long it waited.
     pub(crate) fn no_news(mut self) {
@@ -412,10 +425,7 @@ impl Drop for Permit<'_> {
         if let Some(probe) = self.probe {
             tracing::debug!("Redis breaker probe cancelled; the next call probes");
             self.breaker.abandon_probe(probe);
-        } else if self
-            .calling
-            .is_some_and(|sent| sent.elapsed() >= self.breaker.slow)
-        {
+        } else if self.unanswered_past_slow() {
             tracing::debug!(
                 "a Redis call given up unanswered for a fifth of its budget: a failure"
             );

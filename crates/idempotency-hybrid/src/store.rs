@@ -521,16 +521,26 @@ impl HybridStore {
                 if ok && !this.inner.repairs.holds() {
                     let mut progress = RepairProgress::default();
                     let budget = this.redis.call_budget();
-                    let repaired =
-                        tokio::time::timeout(budget, this.repair_mirrors(&mut progress, |_| {}))
-                            .await;
+                    let mut unanswered = None;
+                    let deadline = tokio::time::Instant::now() + budget;
+                    let repairs =
+                        this.repair_mirrors(&mut progress, |since| unanswered = since, deadline);
+                    let repaired = tokio::time::timeout_at(deadline, repairs).await;
                     // Read as a call's repairs are (`try_redis` below).
                     ok = match repaired {
                         Ok(true) => true,
                         Err(_) if progress.answered > 0 => true,
-                        // Waited for another caller's repairs: no news of Redis, no answer
-                        // (the next probe goes out past the probe limit).
-                        Err(_) if !progress.held => return,
+                        // Waited for another caller's repairs, or took them over too late
+                        // for Redis to answer in time: no news of Redis, no answer (the next
+                        // probe goes out past the probe limit).
+                        Err(_)
+                            if !progress.held
+                                || unanswered.is_none_or(|since: tokio::time::Instant| {
+                                    since.elapsed() < this.inner.breaker.slow()
+                                }) =>
+                        {
+                            return;
+                        }
                         Ok(false) | Err(_) => false,
                     };
                 }
@@ -552,8 +562,10 @@ impl HybridStore {
             // Its deletes are this call's Redis calls once it holds the repairs' lock: given
             // up while Redis leaves them unanswered, that counts against the breaker (waiting
             // for the lock does not).
-            let repairs = self.repair_mirrors(&mut progress, |since| permit.calling_since(since));
-            tokio::time::timeout(budget, repairs).await
+            let deadline = tokio::time::Instant::now() + budget;
+            let repairs =
+                self.repair_mirrors(&mut progress, |since| permit.calling_since(since), deadline);
+            tokio::time::timeout_at(deadline, repairs).await
         };
         match repaired {
             Ok(true) => {}
@@ -564,6 +576,17 @@ impl HybridStore {
             }
             Err(_) if !progress.held => {
                 permit.no_news(); // waited for another caller's repairs: no news of Redis
+                s.fallback();
+                return None;
+            }
+            // Its deletes unanswered when the budget ran out: a failure only if Redis has said
+            // nothing of them for the breaker's slow time, as for a caller that gave up. A
+            // caller handed the lock as its budget ran out (callers that arrived together,
+            // queued behind one draining a backlog) sent its deletes a moment ago: counted as
+            // failures, they opened the breaker on a healthy Redis, again after each probe,
+            // until the backlog was gone.
+            Err(_) if !permit.unanswered_past_slow() => {
+                permit.no_news();
                 s.fallback();
                 return None;
             }
@@ -829,6 +852,7 @@ impl HybridStore {
         &self,
         progress: &mut RepairProgress,
         mut unanswered: impl FnMut(Option<tokio::time::Instant>),
+        deadline: tokio::time::Instant,
     ) -> bool {
         let s = &self.inner;
         // `try_redis` skipped the call when the flag said so; this one sees the queue itself.
@@ -836,6 +860,13 @@ impl HybridStore {
             return true;
         }
         let _repairing = s.repairing.lock().await;
+        if tokio::time::Instant::now() >= deadline {
+            // Handed the lock once its budget ran out (queued behind a caller draining a
+            // backlog): whatever it sent would go unread, and count against Redis as it went
+            // on unanswered while each caller queued behind it took its turn. It holds no
+            // repairs, and its timeout ends it.
+            return std::future::pending().await;
+        }
         progress.held = true;
         let mut left = s.repairs().queue.len();
         while left > 0 {
@@ -883,6 +914,12 @@ impl HybridStore {
                 } else {
                     pending.done[i] = true;
                     progress.answered += 1;
+                    // News of Redis: what is still out of this chunk counts from here (a
+                    // holder given up mid-chunk leaves the next one this, not the chunk's
+                    // start, which on a healthy Redis draining a long chunk is a while ago).
+                    let now = tokio::time::Instant::now();
+                    s.repairs().unanswered_since = Some(now);
+                    unanswered(Some(now));
                 }
             }
             if failed {
