@@ -144,6 +144,66 @@ mod adaptive {
         idempotency_test::conformance_tests!(cache: async { shared().await.map(|s| s as Arc<dyn Store>) });
     }
 
+    /// An outcome copied to Redis while duplicates were common still replays through a
+    /// Postgres outage once they have become rare (Redis no longer asked first), as under
+    /// `Always`. Before, every retry of it was `Unavailable` for as long as Postgres was down
+    /// (and, never answered, did not count as the duplicates that would turn Redis back on).
+    #[test]
+    fn an_outcome_copied_while_caching_replays_through_a_postgres_outage() {
+        block_on(async {
+            if services::skipping() {
+                return;
+            }
+            let _serial = SERIAL.lock().await;
+            let pg = services::start_postgres().await;
+            let redis = services::redis().await.expect("redis");
+            let store = hybrid(pg_store(pg.url()).await, redis.url())
+                .await
+                .with_cache_policy(CachePolicy::Adaptive {
+                    min_duplicate_share: 0.1,
+                });
+            let fp = idempotency_test::conformance::fp("a");
+            let outcome = Outcome::new(201).with_body("charged");
+            let first_request = || async {
+                let id = idempotency_test::conformance::fresh_id();
+                let token = idempotency_test::conformance::execute(&store, &id, &fp, LEASE).await;
+                store
+                    .complete(&id, token, &outcome, RETENTION)
+                    .await
+                    .expect("complete");
+                id
+            };
+            // Redis is in use at first: the outcome is copied there.
+            let charged = first_request().await;
+            assert_eq!(
+                store.redis().peek(&charged, &fp).await.expect("peek"),
+                idempotency_redis::Peek::Found(Begin::Replay(outcome.clone()))
+            );
+            for _ in 0..200 {
+                first_request().await;
+            }
+            let before = store.metrics().redis_skipped;
+            first_request().await;
+            assert!(
+                store.metrics().redis_skipped > before,
+                "first requests never turned Redis off: {:?}",
+                store.metrics()
+            );
+
+            pg.stop().await;
+            assert_eq!(
+                store.begin(&charged, &fp, LEASE).await.expect("a replay"),
+                Begin::Replay(outcome.clone())
+            );
+            // A key Redis knows nothing of waits for Postgres, as before.
+            let new = idempotency_test::conformance::fresh_id();
+            assert!(matches!(
+                store.begin(&new, &fp, LEASE).await,
+                Err(Error::Unavailable(_))
+            ));
+        });
+    }
+
     /// First requests alone turn Redis off (they cost what they cost on Postgres alone); a
     /// burst of retries turns it back on, and the retries are then answered by Redis.
     #[test]

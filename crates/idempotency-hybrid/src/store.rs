@@ -1030,6 +1030,11 @@ impl HybridStore {
             metrics::counter!("idempotency_redis_skipped_total").increment(1);
             return None;
         }
+        self.ask_redis(id, fp).await
+    }
+
+    /// The peek's Redis read, whatever the policy.
+    async fn ask_redis(&self, id: &RecordId, fp: &Fingerprint) -> Option<Begin> {
         match self.try_redis(|| self.redis.peek(id, fp)).await {
             Some(Peek::Found(answer)) => {
                 self.inner.redis_hits.fetch_add(1, Ordering::Relaxed);
@@ -1131,6 +1136,7 @@ impl Store for HybridStore {
             // (its repairs' budget and its call's).
             let budget = self.pg.call_timeout() + self.redis.call_budget() * 2;
             let deadline = Instant::now() + budget;
+            let skipped = !self.caching();
             // A panic is a failed store call, as in the claim's guard: `Unavailable`.
             match AssertUnwindSafe(self.peek(id, fp)).catch_unwind().await {
                 Ok(Some(answer)) => return Ok(answer),
@@ -1146,11 +1152,27 @@ impl Store for HybridStore {
             let (this, id, fp) = (self.clone(), *id, *fp);
             let claim = async move { this.claim(&id, &fp, lease).await };
             let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.inner.settling);
-            match tokio::time::timeout_at(deadline, claim).await {
+            let answer = match tokio::time::timeout_at(deadline, claim).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(
                     "the claim did not settle within {budget:?}"
                 ))),
+            };
+            match answer {
+                // Postgres could not answer, and Redis was not asked (duplicates were rare,
+                // [`CachePolicy::Adaptive`]): what Redis holds still answers — an outcome
+                // copied while duplicates were common, replayed through a Postgres outage
+                // as under `Always`, rather than `Unavailable` to every retry of it (whose
+                // answers, never observed, would not turn Redis back on either). Redis holds
+                // only what Postgres decided.
+                Err(Error::Unavailable(error)) if skipped => {
+                    let asked = AssertUnwindSafe(self.ask_redis(&id, &fp)).catch_unwind();
+                    match asked.await {
+                        Ok(Some(answer)) => Ok(answer),
+                        Ok(None) | Err(_) => Err(Error::Unavailable(error)),
+                    }
+                }
+                answer => answer,
             }
         })
         .await
