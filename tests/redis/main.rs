@@ -512,6 +512,47 @@ fn a_claim_refused_by_a_full_redis_leaves_nothing_running() {
     });
 }
 
+/// A full `noeviction` Redis refuses every `SET`, even one that would not have written (the
+/// key exists): it checks memory before it runs the command. A retry of a stored operation
+/// is still answered from what Redis holds (its outcome; a live lease's 409; another
+/// request's mismatch) rather than `Unavailable` until TTLs free memory. Before, every one
+/// of them was `Unavailable`.
+#[test]
+fn a_full_redis_still_answers_what_it_holds() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (full, store) = noeviction_redis().await;
+        let (done, running) = (fresh_id(), fresh_id());
+        let Ok(Begin::Execute(token)) = store.begin(&done, &fp("a"), LONG).await else {
+            panic!("a fresh key executes")
+        };
+        let outcome = Outcome::new(201).with_body("charged");
+        store
+            .complete(&done, token, &outcome, LONG)
+            .await
+            .expect("complete");
+        let Ok(Begin::Execute(_)) = store.begin(&running, &fp("a"), LONG).await else {
+            panic!("a fresh key executes")
+        };
+        let _filled = fill(full.url()).await;
+        assert_eq!(
+            store.begin(&done, &fp("a"), LONG).await.expect("a replay"),
+            Begin::Replay(outcome)
+        );
+        assert!(matches!(
+            store.begin(&done, &fp("b"), LONG).await,
+            Ok(Begin::Mismatch)
+        ));
+        let live = store.begin(&running, &fp("a"), LONG).await;
+        assert!(matches!(live, Ok(Begin::InFlight { .. })), "{live:?}");
+        // A new key cannot be claimed: that stays `Unavailable`.
+        let new = store.begin(&fresh_id(), &fp("a"), LONG).await;
+        assert!(matches!(new, Err(Error::Unavailable(_))), "{new:?}");
+    });
+}
+
 #[test]
 fn an_evicting_redis_is_refused_unless_accepted() {
     block_on(async {

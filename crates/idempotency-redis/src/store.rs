@@ -1021,8 +1021,15 @@ impl RedisStore {
             // cancel would only write a marker into a Redis that is full. Only those codes,
             // and only on a direct connection: a cluster client may have resent a claim whose
             // first copy landed, and a proxy's own error says nothing of what it forwarded.
+            // Reads still run there: a record already written (an outcome, a live lease, a
+            // claim of another request) answers as it would have — a full Redis keeps
+            // replaying what it stores, rather than answering every retry `Unavailable`
+            // until TTLs free it.
             Err(error) if refused_unrun(&self.conn, &error) => {
-                return Err(Error::unavailable(error));
+                return match self.answer_refused(&key, fp, &raw, deadline).await {
+                    Some(answer) => Ok(answer),
+                    None => Err(Error::unavailable(error)),
+                };
             }
             Err(error) => Err(Error::unavailable(error)),
         };
@@ -1051,6 +1058,29 @@ impl RedisStore {
                 "the claim ran after it was given up and cancelled",
             )),
             Found::Free => self.take_over(id, fp, lease, token, &fresh).await,
+        }
+    }
+
+    /// What a record already there answers to a claim Redis refused to run (`OOM`,
+    /// `READONLY`, ...): `None` when there is none, or when it is free to take (a claim that
+    /// cannot be written), or cannot be read.
+    async fn answer_refused(
+        &self,
+        key: &str,
+        fp: &Fingerprint,
+        raw: &[u8; 16],
+        deadline: tokio::time::Instant,
+    ) -> Option<Begin> {
+        let mut conn = self.conn.clone();
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .ok()?;
+        let (value, pttl) = self.pttl_if_live(key, value?, deadline).await.ok()?;
+        match read_record(&value, pttl, fp, raw) {
+            Ok(Found::Answer(answer)) => Some(answer),
+            _ => None,
         }
     }
 
