@@ -385,16 +385,25 @@ async fn a_holds_k_then_gives_it_back_before_the_second_ask(
         .path_and_query("/accounts/a/charges")
         .body(b"{}")
         .finish();
+    let (id, token) = hold_k(store, &a).await;
+    store.release_before_begin(2, id, token);
+}
+
+/// Claims key `k` directly on the inner store, under `fp`, for 30 s.
+async fn hold_k(
+    store: &idempotency_test::late::LateBegin<MemoryStore>,
+    fp: &idempotency_core::Fingerprint,
+) -> (idempotency_core::RecordId, idempotency_core::LeaseToken) {
     let id = record_id("k");
     let idempotency_core::Begin::Execute(token) = store
         .inner()
-        .begin(&id, &a, Duration::from_secs(30))
+        .begin(&id, fp, Duration::from_secs(30))
         .await
         .expect("begin")
     else {
         panic!("a fresh key")
     };
-    store.release_before_begin(2, id, token);
+    (id, token)
 }
 
 /// The fallback to the earlier fingerprint only finds what was stored under it; it never runs
@@ -417,6 +426,37 @@ fn the_earlier_fingerprint_never_claims_a_key() {
         assert_eq!(at("/accounts/c/charges").await, (422, false));
         assert_eq!(at("/accounts/b/charges").await, (201, true));
         assert_eq!(calls.get(), 1);
+    });
+}
+
+/// During an upgrade, an old instance holds `k` under the earlier fingerprint; a request to
+/// `/accounts/b/charges` mismatches it, and before it asks again with the earlier one, the
+/// old attempt gives the key back and a duplicate of the same request claims it under its own
+/// fingerprint. The earlier fingerprint then mismatches that live lease: asked once more
+/// with its own, the request learns its duplicate runs (409). Before, it answered a final 422
+/// "key reused for a different request" for its own key, and a client that took a new key
+/// would have been charged twice.
+#[test]
+fn a_key_claimed_by_a_duplicate_between_the_two_asks_is_in_flight_not_reused() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let (inner, calls, _) = app(layer(store.clone()).replay_unprefixed_nested_records(true));
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let (id, token) = hold_k(&store, &earlier_fingerprint()).await;
+        let own = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/accounts/b/charges")
+            .body(b"{}")
+            .finish();
+        store.hand_over_before_begin(2, id, token, own);
+        assert_eq!(
+            post_k(router.clone(), "/accounts/b/charges").await,
+            (409, false)
+        );
+        assert_eq!(calls.get(), 0);
     });
 }
 

@@ -13,6 +13,10 @@ use idempotency_core::{
     Result, Store,
 };
 
+/// A lease to release before the `begin` calls count down to 0 (the count, the record, the
+/// token), and the fingerprint to claim the key under then.
+type HandOver = (u64, RecordId, LeaseToken, Option<Fingerprint>);
+
 /// Wraps a store; its `begin` decides at once and answers `delay` later, and its `release`
 /// and `complete` wait their own delays (none unless set) before they write. Every other
 /// call goes straight through.
@@ -48,8 +52,9 @@ pub struct LateBegin<S> {
     failing_inspects: AtomicU64,
     /// How many of the next `purge_expired` calls panic (nothing purged).
     panicking_purges: AtomicU64,
-    /// A lease released on the inner store just before the `begin` calls count down to 0.
-    release_before: std::sync::Mutex<Option<(u64, RecordId, LeaseToken)>>,
+    /// A lease released on the inner store just before the `begin` calls count down to 0,
+    /// and the fingerprint the key is then claimed under, if any.
+    release_before: std::sync::Mutex<Option<HandOver>>,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -157,7 +162,17 @@ impl<S: Store> LateBegin<S> {
         *self
             .release_before
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token));
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token, None));
+    }
+
+    /// The same, and the key is then claimed (on the inner store, for 30 s) under `fp`:
+    /// another attempt gave the key back and a third claimed it, between two asks of one
+    /// request.
+    pub fn hand_over_before_begin(&self, n: u64, id: RecordId, token: LeaseToken, fp: Fingerprint) {
+        *self
+            .release_before
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token, Some(fp)));
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -223,20 +238,23 @@ impl<S: Store> Store for LateBegin<S> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             match due.as_mut() {
-                Some((1, id, token)) => {
-                    let lease = (*id, *token);
+                Some((1, id, token, then)) => {
+                    let lease = (*id, *token, *then);
                     *due = None;
                     Some(lease)
                 }
-                Some((n, _, _)) => {
+                Some((n, _, _, _)) => {
                     *n -= 1;
                     None
                 }
                 None => None,
             }
         };
-        if let Some((id, token)) = release {
+        if let Some((id, token, then)) = release {
             let _ = self.inner.release(&id, token).await;
+            if let Some(fp) = then {
+                let _ = self.inner.begin(&id, &fp, Duration::from_secs(30)).await;
+            }
         }
         let answer = self.inner.begin(id, fp, lease).await;
         wait(&self.delay_ms).await;

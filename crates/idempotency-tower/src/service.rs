@@ -357,6 +357,15 @@ where
                 return Ok(replay(outcome));
             }
             Ok(Begin::Mismatch) => {
+                if let Some(own) = current.take() {
+                    // A mismatch under the earlier fingerprint too — or the key changed hands
+                    // between the two asks (given back, then claimed by a duplicate of this
+                    // very request under its own): asked once more with the request's own,
+                    // which finds that duplicate in flight, or its replay. Only a mismatch
+                    // under its own is final.
+                    keyed.fingerprint = own;
+                    continue;
+                }
                 // Stored, perhaps, before an upgrade, under the fingerprint earlier versions
                 // gave this request: asked once more with that one.
                 if !asked_legacy {
