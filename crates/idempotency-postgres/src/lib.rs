@@ -16,6 +16,17 @@
 //!   so that live statements keep their latency);
 //! - [`StateMachine`]: guarded status transitions with a version column (optimistic locking).
 //!
+//! ## Behind a connection pooler
+//!
+//! The store's statements are prepared (sqlx's named statements, cached per connection).
+//! A transaction-mode pooler must track them across its server connections (PgBouncer 1.21
+//! or later with `max_prepared_statements` above 0), or run in session mode: one that hands
+//! a prepared name to another server connection can run a statement under another's name
+//! there (two of the store's fenced writes take the same parameter types), a release done as
+//! an expiry. The settings the store sends in its startup packet (`statement_timeout`, the
+//! isolation level) are lost where a pooler ignores `options` (PgBouncer's
+//! `ignore_startup_parameters`): set them on the role instead.
+//!
 //! ## Features
 #![doc = document_features::document_features!()]
 #![cfg_attr(docsrs, feature(doc_cfg))]
