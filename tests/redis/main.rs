@@ -553,6 +553,44 @@ fn a_full_redis_still_answers_what_it_holds() {
     });
 }
 
+/// A claim a full Redis refused to run, whose read of the key (what it answers instead) runs
+/// out of budget, wrote nothing: nothing is cancelled. Cancelled as a claim that may have
+/// landed, it wrote a cancel marker and a tombstone into the Redis that was full.
+#[test]
+fn a_refused_claim_whose_read_times_out_writes_nothing() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let (full, _store) = noeviction_redis().await;
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(full.url()))
+                .await;
+        let late = RedisStore::builder(idempotency_test::relay::through(full.url(), relay.port))
+            .call_budget(Duration::from_millis(500))
+            .eviction_check(EvictionCheck::Skip)
+            .connect()
+            .await
+            .expect("the relayed store");
+        let id = fresh_id();
+        late.inspect(&id).await.expect("connected");
+        let (mut conn, _) = fill(full.url()).await;
+        // The plain `GET` of the key, not the claim's `SET … GET`.
+        relay.delay_requests_containing(Duration::from_secs(2), b"*2\r\n$3\r\nGET\r\n");
+        let refused = late.begin(&id, &fp("a"), LONG).await;
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        let drained = tokio::time::timeout(Duration::from_secs(10), late.drain()).await;
+        assert!(drained.is_ok(), "a cancel is still retrying");
+        tokio::time::sleep(Duration::from_secs(2)).await; // the delayed read has landed
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("*{}*", id.to_hex()))
+            .query_async(&mut conn)
+            .await
+            .expect("keys");
+        assert!(keys.is_empty(), "{keys:?}");
+    });
+}
+
 #[test]
 fn an_evicting_redis_is_refused_unless_accepted() {
     block_on(async {

@@ -5,7 +5,10 @@
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
@@ -481,11 +484,15 @@ struct Unanswered<'a> {
     id: RecordId,
     token: LeaseToken,
     armed: bool,
+    /// Set by the claim once Redis refused its `SET` unrun: it wrote nothing, so nothing is
+    /// cancelled however the reads after it end (a cancel into a full Redis would write its
+    /// marker there; into a read-only one it would be retried for an hour, `drain` with it).
+    unrun: &'a AtomicBool,
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        if !self.armed {
+        if !self.armed || self.unrun.load(Ordering::Relaxed) {
             return;
         }
         self.store.cancel_later(&self.id, self.token);
@@ -984,8 +991,8 @@ impl RedisStore {
     /// The claim: a plain `SET NX GET` (a `PTTL` follows only when it finds a lease); the
     /// takeover script only when the record it found is free to take (a lease that is over,
     /// a cancel marker), the legacy script only for a record of the earlier layout. Bounded
-    /// by `begin`, which cancels it if it stops waiting (see [`Unanswered`]); `deadline` is
-    /// that bound, for the reads after the `SET`.
+    /// by `begin`, which cancels it if it stops waiting (see [`Unanswered`]) unless `unrun`
+    /// says Redis refused the `SET` unrun; `deadline` is that bound, for the reads after it.
     async fn claim(
         &self,
         id: &RecordId,
@@ -993,6 +1000,7 @@ impl RedisStore {
         lease: Duration,
         token: LeaseToken,
         deadline: tokio::time::Instant,
+        unrun: &AtomicBool,
     ) -> Result<Begin> {
         let (raw, _) = token_forms(token);
         let key = self.key(id);
@@ -1026,6 +1034,13 @@ impl RedisStore {
             // replaying what it stores, rather than answering every retry `Unavailable`
             // until TTLs free it.
             Err(error) if refused_unrun(&self.conn, &error) => {
+                unrun.store(true, Ordering::Relaxed);
+                // Not on a replica (`READONLY`: a primary demoted by a failover), whose copy
+                // may lag the primary's: a key deleted or released there would still replay
+                // or mismatch here.
+                if error.code() == Some("READONLY") {
+                    return Err(Error::unavailable(error));
+                }
                 return match self.answer_refused(&key, fp, &raw, deadline).await {
                     Some(answer) => Ok(answer),
                     None => Err(Error::unavailable(error)),
@@ -1776,14 +1791,16 @@ impl Store for RedisStore {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
         idempotency_core::observe(self.name(), "begin", async {
             let token = LeaseToken::generate();
+            let unrun = AtomicBool::new(false);
             let mut unanswered = Unanswered {
                 store: self,
                 id: *id,
                 token,
                 armed: true,
+                unrun: &unrun,
             };
             let deadline = tokio::time::Instant::now() + self.budget;
-            let claim = AssertUnwindSafe(self.claim(id, fp, lease, token, deadline));
+            let claim = AssertUnwindSafe(self.claim(id, fp, lease, token, deadline, &unrun));
             let answer = match tokio::time::timeout_at(deadline, claim.catch_unwind()).await {
                 Ok(Ok(answer)) => answer,
                 Ok(Err(_panic)) => {
