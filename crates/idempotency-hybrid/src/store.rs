@@ -380,6 +380,11 @@ impl HybridStore {
         self.inner.min_duplicates.load(Ordering::Relaxed) == 0
     }
 
+    /// Whether the policy never uses Redis (`Adaptive` above a share of 1).
+    fn never_caches(&self) -> bool {
+        self.inner.min_duplicates.load(Ordering::Relaxed) > DuplicateShare::ONE
+    }
+
     /// Whether Redis is read and written now, by the policy.
     fn caching(&self) -> bool {
         let min = self.inner.min_duplicates.load(Ordering::Relaxed);
@@ -1165,11 +1170,15 @@ impl Store for HybridStore {
                 // as under `Always`, rather than `Unavailable` to every retry of it (whose
                 // answers, never observed, would not turn Redis back on either). Redis holds
                 // only what Postgres decided.
-                Err(Error::Unavailable(error)) if skipped => {
+                // Within the same budget (a Postgres that refused at once leaves it whole; one
+                // that hung spent it), and never under a policy that turned Redis off for good.
+                Err(Error::Unavailable(error))
+                    if skipped && !self.never_caches() && Instant::now() < deadline =>
+                {
                     let asked = AssertUnwindSafe(self.ask_redis(&id, &fp)).catch_unwind();
-                    match asked.await {
-                        Ok(Some(answer)) => Ok(answer),
-                        Ok(None) | Err(_) => Err(Error::Unavailable(error)),
+                    match tokio::time::timeout_at(deadline, asked).await {
+                        Ok(Ok(Some(answer))) => Ok(answer),
+                        Ok(Ok(None) | Err(_)) | Err(_) => Err(Error::Unavailable(error)),
                     }
                 }
                 answer => answer,
