@@ -460,6 +460,42 @@ fn a_key_claimed_by_a_duplicate_between_the_two_asks_is_in_flight_not_reused() {
     });
 }
 
+/// The same, as often as the key changes hands while the request waits for an attempt in
+/// flight: the duplicate that claimed it under the request's own fingerprint fails (its key
+/// given back), and a retry on an old instance claims it under the earlier one. The request
+/// goes on waiting (409 at the end of its wait), never a final 422 for its own key. Before,
+/// only the first change of hands was asked about again.
+#[test]
+fn a_key_changing_hands_again_while_the_request_waits_is_not_reused() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let layer = layer(store.clone())
+            .replay_unprefixed_nested_records(true)
+            .wait_for_in_flight(Duration::from_millis(300));
+        let (inner, calls, _) = app(layer);
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let (id, token) = hold_k(&store, &earlier_fingerprint()).await;
+        let own = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/accounts/b/charges")
+            .body(b"{}")
+            .finish();
+        // Asks: 1 own (mismatch), 2 earlier (handed to a duplicate: mismatch), 3 own (in
+        // flight), 4 own (taken by an old instance under the earlier one: mismatch), 5 …
+        // earlier (in flight until the wait ends).
+        store.hand_over_before_begin(2, id, token, own);
+        store.take_key_before_begin(4, id, earlier_fingerprint());
+        assert_eq!(
+            post_k(router.clone(), "/accounts/b/charges").await,
+            (409, false)
+        );
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 /// The same, when giving back the grant under the earlier fingerprint fails (a store blip):
 /// `b` is told to retry (503), not that its key belongs to another request (a final 422);
 /// the give-back goes on in the background, counted by `drain`, and `b`'s retry runs.

@@ -13,9 +13,17 @@ use idempotency_core::{
     Result, Store,
 };
 
-/// A lease to release before the `begin` calls count down to 0 (the count, the record, the
-/// token), and the fingerprint to claim the key under then.
-type HandOver = (u64, RecordId, LeaseToken, Option<Fingerprint>);
+/// A key to give back just before a `begin`, and perhaps to claim again then.
+#[derive(Debug, Clone, Copy)]
+struct HandOver {
+    /// Before which `begin` from the time it was set (counting from 1); counted down.
+    at: u64,
+    id: RecordId,
+    /// The lease to release; `None`: whatever holds the key, released by an operator.
+    token: Option<LeaseToken>,
+    /// The fingerprint the key is then claimed under (on the inner store, for 30 s).
+    then: Option<Fingerprint>,
+}
 
 /// Wraps a store; its `begin` decides at once and answers `delay` later, and its `release`
 /// and `complete` wait their own delays (none unless set) before they write. Every other
@@ -54,7 +62,7 @@ pub struct LateBegin<S> {
     panicking_purges: AtomicU64,
     /// A lease released on the inner store just before the `begin` calls count down to 0,
     /// and the fingerprint the key is then claimed under, if any.
-    release_before: std::sync::Mutex<Option<HandOver>>,
+    release_before: std::sync::Mutex<Vec<HandOver>>,
     /// The task the last `complete` wrote from.
     complete_task: std::sync::Mutex<Option<tokio::task::Id>>,
 }
@@ -81,7 +89,7 @@ impl<S: Store> LateBegin<S> {
             panicking_renewals: AtomicU64::new(0),
             failing_inspects: AtomicU64::new(0),
             panicking_purges: AtomicU64::new(0),
-            release_before: std::sync::Mutex::new(None),
+            release_before: std::sync::Mutex::new(Vec::new()),
             complete_task: std::sync::Mutex::new(None),
         };
         this.set_delay(delay);
@@ -159,20 +167,42 @@ impl<S: Store> LateBegin<S> {
     /// from now (counting from 1) runs: another attempt that gave its key back between two
     /// asks of one request.
     pub fn release_before_begin(&self, n: u64, id: RecordId, token: LeaseToken) {
-        *self
-            .release_before
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token, None));
+        self.hand_over(HandOver {
+            at: n,
+            id,
+            token: Some(token),
+            then: None,
+        });
     }
 
     /// The same, and the key is then claimed (on the inner store, for 30 s) under `fp`:
     /// another attempt gave the key back and a third claimed it, between two asks of one
     /// request.
     pub fn hand_over_before_begin(&self, n: u64, id: RecordId, token: LeaseToken, fp: Fingerprint) {
-        *self
-            .release_before
+        self.hand_over(HandOver {
+            at: n,
+            id,
+            token: Some(token),
+            then: Some(fp),
+        });
+    }
+
+    /// The same for whatever attempt holds the key then (its lease released as an operator
+    /// would): for a holder whose token the test does not know.
+    pub fn take_key_before_begin(&self, n: u64, id: RecordId, fp: Fingerprint) {
+        self.hand_over(HandOver {
+            at: n,
+            id,
+            token: None,
+            then: Some(fp),
+        });
+    }
+
+    fn hand_over(&self, hand_over: HandOver) {
+        self.release_before
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, id, token, Some(fp)));
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(hand_over);
     }
 
     /// Makes the next `purge_expired` calls take `delay` before they purge (a statement's
@@ -232,26 +262,29 @@ async fn wait(delay_ms: &AtomicU64) {
 #[async_trait::async_trait]
 impl<S: Store> Store for LateBegin<S> {
     async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
-        let release = {
-            let mut due = self
+        let due: Vec<HandOver> = {
+            let mut set = self
                 .release_before
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match due.as_mut() {
-                Some((1, id, token, then)) => {
-                    let lease = (*id, *token, *then);
-                    *due = None;
-                    Some(lease)
-                }
-                Some((n, _, _, _)) => {
-                    *n -= 1;
-                    None
-                }
-                None => None,
+            let due = set.iter().filter(|h| h.at == 1).copied().collect();
+            set.retain(|h| h.at > 1);
+            for hand_over in set.iter_mut() {
+                hand_over.at -= 1;
             }
+            due
         };
-        if let Some((id, token, then)) = release {
-            let _ = self.inner.release(&id, token).await;
+        for HandOver {
+            id, token, then, ..
+        } in due
+        {
+            let _ = match token {
+                Some(token) => self.inner.release(&id, token).await,
+                None => {
+                    let scope = ReleaseScope::default().with_live();
+                    self.inner.force_release(&id, scope).await.map(|_| ())
+                }
+            };
             if let Some(fp) = then {
                 let _ = self.inner.begin(&id, &fp, Duration::from_secs(30)).await;
             }

@@ -70,6 +70,10 @@ impl<S> Idempotency<S> {
     }
 }
 
+/// How many times one request asks again under the earlier fingerprint (see `decide`): the
+/// key would have to change hands that often while it asks.
+const MAX_DETOURS: u8 = 4;
+
 /// Headers never stored: hop-by-hop (RFC 9110 §7.6.1; so are those a response's
 /// `Connection` names), recomputed (`content-length`), or describing this response rather
 /// than the outcome (`date`).
@@ -303,16 +307,21 @@ where
     let m = &config.metrics;
     let span = tracing::Span::current();
     let wait_until = config.wait.map(|w| Instant::now() + w);
-    // Whether a mismatch was asked again under the fingerprint earlier versions gave this
-    // request (see `Config::legacy_fingerprint`): only ever computed on a mismatch. While
-    // asking with it, `current` keeps the request's own.
-    let mut asked_legacy = false;
+    // A mismatch is asked again under the fingerprint earlier versions gave this request
+    // (see `Config::legacy_fingerprint`, only ever computed on a mismatch); while asking with
+    // it, `current` keeps the request's own. A mismatch is final only when both answered it,
+    // one right after the other: between two asks the key can change hands (given back, and
+    // claimed by a duplicate of this request under either fingerprint), as often as a wait
+    // for an attempt in flight lasts. `detours` bounds the back and forth.
+    let mut mismatched_just_before = false;
+    let mut detours = 0_u8;
     let mut current: Option<Fingerprint> = None;
     loop {
         // The lease counts from the ask, not from the answer: so do its renewals.
         let asked = Instant::now();
         match claim(&config, keyed.id, keyed.fingerprint, asked).await {
             Ok(Begin::Execute(token)) if current.is_some() => {
+                mismatched_just_before = false;
                 // The earlier fingerprint only finds what was stored under it (the key was
                 // given back since the mismatch): run under it, and its record would replay
                 // for every other request it stands for. Give the grant back and ask again
@@ -362,19 +371,22 @@ where
                     // between the two asks (given back, then claimed by a duplicate of this
                     // very request under its own): asked once more with the request's own,
                     // which finds that duplicate in flight, or its replay. Only a mismatch
-                    // under its own is final.
+                    // under its own right after this one is final.
                     keyed.fingerprint = own;
+                    mismatched_just_before = true;
                     continue;
                 }
                 // Stored, perhaps, before an upgrade, under the fingerprint earlier versions
                 // gave this request: asked once more with that one.
-                if !asked_legacy {
-                    asked_legacy = true;
-                    if let Some(legacy) = config.legacy_fingerprint(&parts, &body) {
-                        current = Some(keyed.fingerprint);
-                        keyed.fingerprint = legacy;
-                        continue;
-                    }
+                if !mismatched_just_before
+                    && detours < MAX_DETOURS
+                    && let Some(legacy) = config.legacy_fingerprint(&parts, &body)
+                {
+                    detours += 1;
+                    current = Some(keyed.fingerprint);
+                    keyed.fingerprint = legacy;
+                    mismatched_just_before = true;
+                    continue;
                 }
                 span.record("decision", "mismatch");
                 Metrics::inc(&m.mismatches, "idempotency_mismatches_total");
@@ -383,6 +395,7 @@ where
                 return Ok(Problem::Mismatch.response(detail, None));
             }
             Ok(Begin::InFlight { retry_after }) => {
+                mismatched_just_before = false;
                 if let Some(until) = wait_until {
                     let now = Instant::now();
                     if now < until {
