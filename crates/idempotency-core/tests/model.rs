@@ -273,6 +273,11 @@ struct Protocol {
     transactional: bool,
     /// Workers whose effect runs only while they surely hold their lease (the lease gate).
     gated: bool,
+    /// Set once exploring met a fenced write by a token that may not write, refused with the
+    /// store unchanged: (d) was not vacuous. A witness kept out of the state, which it would
+    /// split in two (twice the states for one bit); checked after the exploration, which
+    /// visits every reachable step, as a `sometimes` property would be.
+    stale_write_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn outcome(label: u8) -> Outcome {
@@ -377,6 +382,7 @@ impl Protocol {
             live_operator,
             transactional: false,
             gated: false,
+            stale_write_refused: Default::default(),
         }
     }
 
@@ -509,6 +515,10 @@ impl Protocol {
         let result = write(&next.store.0);
         if !may && (result.is_ok() || next.store != before) {
             next.fence_broken = true;
+        }
+        if !may && matches!(result, Err(Error::LeaseLost)) && next.store == before {
+            self.stale_write_refused
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         if must && result.is_err() {
             next.owner_refused = true;
@@ -1133,6 +1143,7 @@ impl Model for Protocol {
 #[allow(clippy::print_stdout)] // the state counts docs/model.md quotes
 fn check(protocol: Protocol) {
     const CAP: usize = 2_000_000;
+    let stale_write_refused = protocol.stale_write_refused.clone();
     let checker = protocol
         .checker()
         .target_state_count(CAP)
@@ -1148,6 +1159,10 @@ fn check(protocol: Protocol) {
     assert!(
         checker.state_count() < CAP,
         "the model did not finish within {CAP} states"
+    );
+    assert!(
+        stale_write_refused.load(std::sync::atomic::Ordering::Relaxed),
+        "no fenced write by a token that may not write was ever refused: (d) held vacuously"
     );
 }
 
