@@ -1030,11 +1030,17 @@ impl<F: Future + Unpin> Future for Gated<'_, F> {
     }
 }
 
-/// Sleeps until `until`, or for ever.
+/// Sleeps until `until`, or for ever. Off any runtime (a run polled to its end by a plain
+/// thread, its operation still pending) no timer can be made — making one panics, and the
+/// unwinding run's lease guard gave the key back after its effect may have run: for ever
+/// then too. Past `until` the gate holds the operation all the same, and the renewals'
+/// task, on the runtime the run started on, wakes the loop with its next word on the lease.
 async fn sleep_until_some(until: Option<Instant>) {
     match until {
-        Some(until) => tokio::time::sleep_until(until).await,
-        None => std::future::pending().await,
+        Some(until) if tokio::runtime::Handle::try_current().is_ok() => {
+            tokio::time::sleep_until(until).await;
+        }
+        _ => std::future::pending().await,
     }
 }
 
@@ -1972,6 +1978,56 @@ mod tests {
         // Here, outside the runtime.
         let finished =
             std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
+        assert!(
+            matches!(&finished, Ok(Ok(done)) if done.value == 1 && !done.replayed),
+            "{:?}",
+            finished.as_ref().map_err(|_| "panicked")
+        );
+        drop(run);
+        let counted = runs.clone();
+        let redelivered = runtime.block_on(async {
+            executor.drain().await;
+            executor
+                .run(&scope, &k, &fp, || async move {
+                    Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+                })
+                .await
+        });
+        assert!(
+            matches!(&redelivered, Ok(done) if done.value == 1 && done.replayed),
+            "{redelivered:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// The same when the operation is still waiting as the plain thread takes the run over:
+    /// the run's wait for its lease's end makes no timer there. Before, making it panicked,
+    /// and the unwinding run gave the key back: the redelivery ran the operation again.
+    #[test]
+    fn a_run_still_pending_when_a_plain_thread_takes_it_over_stores_its_outcome() {
+        let (runtime, _, (scope, fp, k)) = outside_rig();
+        // A short lease: its renewals move it while the plain thread waits, and each wakes
+        // the run's loop there to wait again.
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let counted = runs.clone();
+        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
+            let _ = wait.await;
+            Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        // Here, outside the runtime, polled while the operation still waits.
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(700));
+            go.send(()).unwrap();
+        });
+        let finished =
+            std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
+        sender.join().unwrap();
         assert!(
             matches!(&finished, Ok(Ok(done)) if done.value == 1 && !done.replayed),
             "{:?}",
