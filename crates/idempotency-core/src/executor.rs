@@ -479,7 +479,7 @@ impl<S: Store + ?Sized> Executor<S> {
                         biased;
                         result = gated(alive_until, &mut operation) => break result,
                         changed = lease.changed(), if !ended => ended = changed.is_err(),
-                        () = sleep_until_some(alive_until) => {}
+                        () = sleep_until_some(alive_until, ended) => {}
                     }
                 }
             }
@@ -1033,13 +1033,18 @@ impl<F: Future + Unpin> Future for Gated<'_, F> {
 /// Sleeps until `until`, or for ever. Off any runtime (a run polled to its end by a plain
 /// thread, its operation still pending) no timer can be made — making one panics, and the
 /// unwinding run's lease guard gave the key back after its effect may have run: for ever
-/// then too. Past `until` the gate holds the operation all the same, and the renewals'
-/// task, on the runtime the run started on, wakes the loop with its next word on the lease.
-async fn sleep_until_some(until: Option<Instant>) {
+/// then too, while the renewals' task, on the runtime the run started on, wakes the loop
+/// with its next word on the lease (past `until` the gate holds the operation all the same).
+/// Once that task is gone (`renewals_ended`: its runtime shut down) nothing would wake it:
+/// that is a panic, as a run finished after its runtime shut down is, not a wait for ever.
+async fn sleep_until_some(until: Option<Instant>, renewals_ended: bool) {
     match until {
         Some(until) if tokio::runtime::Handle::try_current().is_ok() => {
             tokio::time::sleep_until(until).await;
         }
+        Some(_) if renewals_ended => panic!(
+            "a run polled outside any runtime after the runtime it started on shut down:              nothing can time its lease"
+        ),
         _ => std::future::pending().await,
     }
 }
@@ -2086,6 +2091,49 @@ mod tests {
         let panicked = finished.recv_timeout(Duration::from_secs(60));
         assert!(
             matches!(&panicked, Ok(Some(why)) if why.contains("runtime dropped this work")),
+            "a panic, not a wait for ever: {panicked:?}"
+        );
+    }
+
+    /// The same while its operation still waits: nothing outside a runtime can time the
+    /// lease, and no renewal will wake the run. A panic, not a wait for ever.
+    #[test]
+    fn a_run_still_pending_after_its_runtime_shut_down_does_not_wait_for_ever() {
+        let (runtime, _, (scope, fp, k)) = outside_rig();
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
+        let (executor, scope, fp, k) = (
+            &*Box::leak(Box::new(executor)),
+            &*Box::leak(Box::new(scope)),
+            &*Box::leak(Box::new(fp)),
+            &*Box::leak(Box::new(k)),
+        );
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let mut run = Box::pin(executor.run(scope, k, fp, || async move {
+            let _ = wait.await;
+            Ok::<_, &str>(1u32)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        drop(runtime);
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                futures::executor::block_on(&mut run)
+            }));
+            let why = ran
+                .err()
+                .and_then(|panic| panic.downcast_ref::<&str>().copied());
+            let _ = done.send(why.map(str::to_owned));
+        });
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            let _ = go.send(());
+        });
+        let panicked = finished.recv_timeout(Duration::from_secs(10));
+        assert!(
+            matches!(&panicked, Ok(Some(why)) if why.contains("nothing can time its lease")),
             "a panic, not a wait for ever: {panicked:?}"
         );
     }
