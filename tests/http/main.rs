@@ -496,6 +496,44 @@ fn a_key_changing_hands_again_while_the_request_waits_is_not_reused() {
     });
 }
 
+/// A key that keeps changing hands between a request's asks (each time to a duplicate of
+/// it, under one fingerprint or the other) is asked about again a few times, then the request
+/// is told to retry (409): not a final 422 for its own key once the detours run out.
+#[test]
+fn a_key_changing_hands_past_the_detours_is_busy_not_reused() {
+    block_on(async {
+        let store = Arc::new(idempotency_test::late::LateBegin::new(
+            MemoryStore::new(),
+            Duration::ZERO,
+        ));
+        let layer = layer(store.clone())
+            .replay_unprefixed_nested_records(true)
+            .wait_for_in_flight(Duration::from_secs(5));
+        let (inner, calls, _) = app(layer);
+        let router = axum::Router::new().nest("/accounts/{account}", inner);
+        let (id, _) = hold_k(&store, &earlier_fingerprint()).await;
+        let own = idempotency_core::Fingerprint::builder()
+            .method("POST")
+            .path_and_query("/accounts/b/charges")
+            .body(b"{}")
+            .finish();
+        // Ask 1 (own) mismatches; then, four times over: the earlier one finds the key handed
+        // to a duplicate under its own (mismatch), its own finds that duplicate (in flight),
+        // and the next ask finds the key handed back under the earlier one (mismatch).
+        for at in [2, 5, 8, 11] {
+            store.take_key_before_begin(at, id, own);
+        }
+        for at in [4, 7, 10, 13] {
+            store.take_key_before_begin(at, id, earlier_fingerprint());
+        }
+        assert_eq!(
+            post_k(router.clone(), "/accounts/b/charges").await,
+            (409, false)
+        );
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 /// The same, when giving back the grant under the earlier fingerprint fails (a store blip):
 /// `b` is told to retry (503), not that its key belongs to another request (a final 422);
 /// the give-back goes on in the background, counted by `drain`, and `b`'s retry runs.

@@ -71,7 +71,7 @@ impl<S> Idempotency<S> {
 }
 
 /// How many times one request asks again under the earlier fingerprint (see `decide`): the
-/// key would have to change hands that often while it asks.
+/// key would have to change hands that often while it asks (then it is told to retry: 409).
 const MAX_DETOURS: u8 = 4;
 
 /// Headers never stored: hop-by-hop (RFC 9110 §7.6.1; so are those a response's
@@ -379,9 +379,17 @@ where
                 // Stored, perhaps, before an upgrade, under the fingerprint earlier versions
                 // gave this request: asked once more with that one.
                 if !mismatched_just_before
-                    && detours < MAX_DETOURS
                     && let Some(legacy) = config.legacy_fingerprint(&parts, &body)
                 {
+                    if detours == MAX_DETOURS {
+                        // The key keeps changing hands between this request's asks: not
+                        // known to be another request's, so not a final 422. Busy: retry.
+                        span.record("decision", "in_flight");
+                        Metrics::inc(&m.conflicts, "idempotency_conflicts_total");
+                        let detail = "a request with this Idempotency-Key is still being                                       processed; retry after the indicated delay";
+                        let wait = Some(Duration::from_secs(1));
+                        return Ok(Problem::InFlight.response(detail, wait));
+                    }
                     detours += 1;
                     current = Some(keyed.fingerprint);
                     keyed.fingerprint = legacy;
