@@ -96,7 +96,9 @@ pub enum CachePolicy {
     /// Postgres alone; a surge of retries turns Redis back on within a few of them, and each
     /// key's first replay then teaches Redis its outcome. The cost: a key completed while
     /// Redis was off is answered by Postgres until its first replay, so it has no copy in
-    /// Redis to survive a Postgres outage.
+    /// Redis to survive a Postgres outage. (A key copied while Redis was on does: a claim
+    /// Postgres cannot answer, made without asking Redis, asks it then — unless the share is
+    /// above 1.)
     Adaptive {
         /// Between 0 (always use Redis) and 1.
         min_duplicate_share: f64,
