@@ -517,9 +517,10 @@ pub(crate) async fn runs_before_probes(
 /// - **duplicates**: a key with two charge rows; or a key whose charge handler ran twice —
 ///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
 ///   never reached a client), or seen by a client as the 200 the handler answers a second
-///   run with (the unique record id turns the second charge into a read) — unless one of
-///   that key's attempts was in progress during a Postgres outage (a write whose answer was
-///   lost, or held up to land after the retry's reconcile hook looked). Never a run a final
+///   run with (the unique record id turns the second charge into a read) — unless a
+///   Postgres outage began during one of that key's attempts or within a lease after it
+///   ended (its handler may outlive its client): a write whose answer was lost, or held up
+///   to land after the retry's reconcile hook looked. Never a run a final
 ///   probe saw (every fault was long cleared by then), and the final probes do not time a
 ///   run. A gateway killed after its charge committed excuses nothing (the retry takes the
 ///   key over and the demo's reconcile hook finds the charge), nor does a gateway paused

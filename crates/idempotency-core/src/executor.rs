@@ -1043,7 +1043,8 @@ async fn sleep_until_some(until: Option<Instant>, renewals_ended: bool) {
             tokio::time::sleep_until(until).await;
         }
         Some(_) if renewals_ended => panic!(
-            "a run polled outside any runtime after the runtime it started on shut down:              nothing can time its lease"
+            "a run polled outside any runtime after the runtime it started on shut down: \
+             nothing can time its lease"
         ),
         _ => std::future::pending().await,
     }

@@ -97,8 +97,8 @@ pub enum CachePolicy {
     /// key's first replay then teaches Redis its outcome. The cost: a key completed while
     /// Redis was off is answered by Postgres until its first replay, so it has no copy in
     /// Redis to survive a Postgres outage. (A key copied while Redis was on does: a claim
-    /// Postgres cannot answer, made without asking Redis, asks it then — unless the share is
-    /// above 1.)
+    /// Postgres cannot answer, made without asking Redis, asks it then, within the claim's
+    /// budget — a Postgres that hangs spends it — unless the share is above 1.)
     Adaptive {
         /// Between 0 (always use Redis) and 1.
         min_duplicate_share: f64,

@@ -386,7 +386,8 @@ where
                         // known to be another request's, so not a final 422. Busy: retry.
                         span.record("decision", "in_flight");
                         Metrics::inc(&m.conflicts, "idempotency_conflicts_total");
-                        let detail = "a request with this Idempotency-Key is still being                                       processed; retry after the indicated delay";
+                        let detail = "a request with this Idempotency-Key is still being \
+                                      processed; retry after the indicated delay";
                         let wait = Some(Duration::from_secs(1));
                         return Ok(Problem::InFlight.response(detail, wait));
                     }
