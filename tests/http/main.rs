@@ -380,12 +380,7 @@ fn a_nested_record_stored_before_the_prefix_counted_still_replays() {
 async fn a_holds_k_then_gives_it_back_before_the_second_ask(
     store: &idempotency_test::late::LateBegin<MemoryStore>,
 ) {
-    let a = idempotency_core::Fingerprint::builder()
-        .method("POST")
-        .path_and_query("/accounts/a/charges")
-        .body(b"{}")
-        .finish();
-    let (id, token) = hold_k(store, &a).await;
+    let (id, token) = hold_k(store, &charges_of("a")).await;
     store.release_before_begin(2, id, token);
 }
 
@@ -439,24 +434,11 @@ fn the_earlier_fingerprint_never_claims_a_key() {
 #[test]
 fn a_key_claimed_by_a_duplicate_between_the_two_asks_is_in_flight_not_reused() {
     block_on(async {
-        let store = Arc::new(idempotency_test::late::LateBegin::new(
-            MemoryStore::new(),
-            Duration::ZERO,
-        ));
-        let (inner, calls, _) = app(layer(store.clone()).replay_unprefixed_nested_records(true));
-        let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let (id, token) = hold_k(&store, &earlier_fingerprint()).await;
-        let own = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/accounts/b/charges")
-            .body(b"{}")
-            .finish();
-        store.hand_over_before_begin(2, id, token, own);
-        assert_eq!(
-            post_k(router.clone(), "/accounts/b/charges").await,
-            (409, false)
-        );
-        assert_eq!(calls.get(), 0);
+        let answered = during_an_upgrade(None, |store, id, token, own| {
+            store.hand_over_before_begin(2, id, token, own);
+        })
+        .await;
+        assert_eq!(answered, ((409, false), 0));
     });
 }
 
@@ -468,31 +450,16 @@ fn a_key_claimed_by_a_duplicate_between_the_two_asks_is_in_flight_not_reused() {
 #[test]
 fn a_key_changing_hands_again_while_the_request_waits_is_not_reused() {
     block_on(async {
-        let store = Arc::new(idempotency_test::late::LateBegin::new(
-            MemoryStore::new(),
-            Duration::ZERO,
-        ));
-        let layer = layer(store.clone())
-            .replay_unprefixed_nested_records(true)
-            .wait_for_in_flight(Duration::from_millis(300));
-        let (inner, calls, _) = app(layer);
-        let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let (id, token) = hold_k(&store, &earlier_fingerprint()).await;
-        let own = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/accounts/b/charges")
-            .body(b"{}")
-            .finish();
-        // Asks: 1 own (mismatch), 2 earlier (handed to a duplicate: mismatch), 3 own (in
-        // flight), 4 own (taken by an old instance under the earlier one: mismatch), 5 …
-        // earlier (in flight until the wait ends).
-        store.hand_over_before_begin(2, id, token, own);
-        store.take_key_before_begin(4, id, earlier_fingerprint());
-        assert_eq!(
-            post_k(router.clone(), "/accounts/b/charges").await,
-            (409, false)
-        );
-        assert_eq!(calls.get(), 0);
+        let wait = Some(Duration::from_millis(300));
+        let answered = during_an_upgrade(wait, |store, id, token, own| {
+            // Asks: 1 own (mismatch), 2 earlier (handed to a duplicate: mismatch), 3 own (in
+            // flight), 4 own (taken by an old instance under the earlier one: mismatch), 5 …
+            // earlier (in flight until the wait ends).
+            store.hand_over_before_begin(2, id, token, own);
+            store.take_key_before_begin(4, id, earlier_fingerprint());
+        })
+        .await;
+        assert_eq!(answered, ((409, false), 0));
     });
 }
 
@@ -502,36 +469,60 @@ fn a_key_changing_hands_again_while_the_request_waits_is_not_reused() {
 #[test]
 fn a_key_changing_hands_past_the_detours_is_busy_not_reused() {
     block_on(async {
-        let store = Arc::new(idempotency_test::late::LateBegin::new(
-            MemoryStore::new(),
-            Duration::ZERO,
-        ));
-        let layer = layer(store.clone())
-            .replay_unprefixed_nested_records(true)
-            .wait_for_in_flight(Duration::from_secs(5));
-        let (inner, calls, _) = app(layer);
-        let router = axum::Router::new().nest("/accounts/{account}", inner);
-        let (id, _) = hold_k(&store, &earlier_fingerprint()).await;
-        let own = idempotency_core::Fingerprint::builder()
-            .method("POST")
-            .path_and_query("/accounts/b/charges")
-            .body(b"{}")
-            .finish();
-        // Ask 1 (own) mismatches; then, four times over: the earlier one finds the key handed
-        // to a duplicate under its own (mismatch), its own finds that duplicate (in flight),
-        // and the next ask finds the key handed back under the earlier one (mismatch).
-        for at in [2, 5, 8, 11] {
-            store.take_key_before_begin(at, id, own);
-        }
-        for at in [4, 7, 10, 13] {
-            store.take_key_before_begin(at, id, earlier_fingerprint());
-        }
-        assert_eq!(
-            post_k(router.clone(), "/accounts/b/charges").await,
-            (409, false)
-        );
-        assert_eq!(calls.get(), 0);
+        let wait = Some(Duration::from_secs(5));
+        let answered = during_an_upgrade(wait, |store, id, _, own| {
+            // Ask 1 (own) mismatches; then, four times over: the earlier one finds the key
+            // handed to a duplicate under its own (mismatch), its own finds that duplicate
+            // (in flight), and the next ask finds it handed back under the earlier one.
+            for at in [2, 5, 8, 11] {
+                store.take_key_before_begin(at, id, own);
+            }
+            for at in [4, 7, 10, 13] {
+                store.take_key_before_begin(at, id, earlier_fingerprint());
+            }
+        })
+        .await;
+        assert_eq!(answered, ((409, false), 0));
     });
+}
+
+/// During an upgrade: an old instance holds `k` under the earlier fingerprint; `script` sets
+/// what happens to the key between the asks of a request to `/accounts/b/charges` (given
+/// the store, the key's record and the old holder's token, and the request's own
+/// fingerprint), through the nested router with the earlier-fingerprint fallback (and a
+/// wait for attempts in flight, if any). The request's answer, and how often it ran.
+async fn during_an_upgrade(
+    wait: Option<Duration>,
+    script: impl FnOnce(
+        &idempotency_test::late::LateBegin<MemoryStore>,
+        idempotency_core::RecordId,
+        idempotency_core::LeaseToken,
+        idempotency_core::Fingerprint,
+    ),
+) -> ((u16, bool), usize) {
+    let store = Arc::new(idempotency_test::late::LateBegin::new(
+        MemoryStore::new(),
+        Duration::ZERO,
+    ));
+    let mut layer = layer(store.clone()).replay_unprefixed_nested_records(true);
+    if let Some(wait) = wait {
+        layer = layer.wait_for_in_flight(wait);
+    }
+    let (inner, calls, _) = app(layer);
+    let router = axum::Router::new().nest("/accounts/{account}", inner);
+    let (id, token) = hold_k(&store, &earlier_fingerprint()).await;
+    script(&store, id, token, charges_of("b"));
+    let answer = post_k(router, "/accounts/b/charges").await;
+    (answer, calls.get())
+}
+
+/// The fingerprint of `POST /accounts/{account}/charges` with body `{}`.
+fn charges_of(account: &str) -> idempotency_core::Fingerprint {
+    idempotency_core::Fingerprint::builder()
+        .method("POST")
+        .path_and_query(&format!("/accounts/{account}/charges"))
+        .body(b"{}")
+        .finish()
 }
 
 /// The same, when giving back the grant under the earlier fingerprint fails (a store blip):

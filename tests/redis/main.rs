@@ -359,6 +359,23 @@ async fn noeviction_redis() -> (Service, RedisStore) {
     (redis, store)
 }
 
+/// A store on `redis` through a delaying relay, with calls of `budget`.
+async fn relayed(
+    redis: &Service,
+    budget: Duration,
+) -> (idempotency_test::relay::DelayingRelay, RedisStore) {
+    let relay =
+        idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(redis.url()))
+            .await;
+    let store = RedisStore::builder(idempotency_test::relay::through(redis.url(), relay.port))
+        .call_budget(budget)
+        .eviction_check(EvictionCheck::Skip)
+        .connect()
+        .await
+        .expect("the relayed store");
+    (relay, store)
+}
+
 /// Fills a [`noeviction_redis`] until it refuses a small write: a connection of its own and
 /// the filler keys, to free the memory again.
 async fn fill(url: &str) -> (redis::aio::MultiplexedConnection, Vec<String>) {
@@ -439,15 +456,7 @@ fn a_full_redis_still_takes_a_release_and_a_cancel() {
             return;
         }
         let (full, store) = noeviction_redis().await;
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(full.url()))
-                .await;
-        let late = RedisStore::builder(idempotency_test::relay::through(full.url(), relay.port))
-            .call_budget(Duration::from_secs(2))
-            .eviction_check(EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("the relayed store");
+        let (relay, late) = relayed(&full, Duration::from_secs(2)).await;
         let live = fresh_id();
         execute(&store, &live, &fp("a"), LONG).await;
         // A claim whose answer comes after its caller gave up, and so is cancelled.
@@ -563,15 +572,7 @@ fn a_refused_claim_whose_read_times_out_writes_nothing() {
             return;
         }
         let (full, _store) = noeviction_redis().await;
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(full.url()))
-                .await;
-        let late = RedisStore::builder(idempotency_test::relay::through(full.url(), relay.port))
-            .call_budget(Duration::from_millis(500))
-            .eviction_check(EvictionCheck::Skip)
-            .connect()
-            .await
-            .expect("the relayed store");
+        let (relay, late) = relayed(&full, Duration::from_millis(500)).await;
         let id = fresh_id();
         late.inspect(&id).await.expect("connected");
         let (mut conn, _) = fill(full.url()).await;

@@ -1969,18 +1969,52 @@ mod tests {
     /// had run: the redelivery ran it again.
     #[test]
     fn a_run_finished_outside_the_runtime_stores_its_outcome() {
-        let (runtime, executor, (scope, fp, k)) = outside_rig();
+        let (runtime, executor, request) = outside_rig();
+        finished_by_a_plain_thread(&runtime, &executor, &request, None);
+    }
+
+    /// The same when the operation is still waiting as the plain thread takes the run over:
+    /// the run's wait for its lease's end makes no timer there. Before, making it panicked,
+    /// and the unwinding run gave the key back: the redelivery ran the operation again.
+    #[test]
+    fn a_run_still_pending_when_a_plain_thread_takes_it_over_stores_its_outcome() {
+        let (runtime, _, request) = outside_rig();
+        // A short lease: its renewals move it while the plain thread waits, and each wakes
+        // the run's loop there to wait again.
+        let executor = Executor::new(Arc::new(MemoryStore::new()))
+            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
+        let go_after = Some(Duration::from_millis(700));
+        finished_by_a_plain_thread(&runtime, &executor, &request, go_after);
+    }
+
+    /// A run started on `runtime` whose operation waits is polled to its end by a plain
+    /// thread; the operation is let go before (`None`), or that long after the thread began
+    /// polling. It stores its outcome once: a redelivery on the runtime replays it.
+    fn finished_by_a_plain_thread(
+        runtime: &tokio::runtime::Runtime,
+        executor: &Executor<MemoryStore>,
+        (scope, fp, k): &(Scope, Fingerprint, IdempotencyKey),
+        go_after: Option<Duration>,
+    ) {
         let runs = Arc::new(AtomicUsize::new(0));
         let (go, wait) = tokio::sync::oneshot::channel::<()>();
         let counted = runs.clone();
-        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
+        let mut run = Box::pin(executor.run(scope, k, fp, || async move {
             let _ = wait.await;
             Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
         }));
         runtime.block_on(async {
             assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
         });
-        go.send(()).unwrap();
+        let sender = std::thread::spawn(move || {
+            if let Some(after) = go_after {
+                std::thread::sleep(after);
+            }
+            let _ = go.send(());
+        });
+        if go_after.is_none() {
+            sender.join().unwrap(); // let go before the plain thread polls
+        }
         // Here, outside the runtime.
         let finished =
             std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
@@ -1994,57 +2028,7 @@ mod tests {
         let redelivered = runtime.block_on(async {
             executor.drain().await;
             executor
-                .run(&scope, &k, &fp, || async move {
-                    Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
-                })
-                .await
-        });
-        assert!(
-            matches!(&redelivered, Ok(done) if done.value == 1 && done.replayed),
-            "{redelivered:?}"
-        );
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-    }
-
-    /// The same when the operation is still waiting as the plain thread takes the run over:
-    /// the run's wait for its lease's end makes no timer there. Before, making it panicked,
-    /// and the unwinding run gave the key back: the redelivery ran the operation again.
-    #[test]
-    fn a_run_still_pending_when_a_plain_thread_takes_it_over_stores_its_outcome() {
-        let (runtime, _, (scope, fp, k)) = outside_rig();
-        // A short lease: its renewals move it while the plain thread waits, and each wakes
-        // the run's loop there to wait again.
-        let executor = Executor::new(Arc::new(MemoryStore::new()))
-            .with_policy(Policy::default().with_lease(Duration::from_millis(300)));
-        let runs = Arc::new(AtomicUsize::new(0));
-        let (go, wait) = tokio::sync::oneshot::channel::<()>();
-        let counted = runs.clone();
-        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
-            let _ = wait.await;
-            Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
-        }));
-        runtime.block_on(async {
-            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
-        });
-        // Here, outside the runtime, polled while the operation still waits.
-        let sender = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(700));
-            go.send(()).unwrap();
-        });
-        let finished =
-            std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
-        sender.join().unwrap();
-        assert!(
-            matches!(&finished, Ok(Ok(done)) if done.value == 1 && !done.replayed),
-            "{:?}",
-            finished.as_ref().map_err(|_| "panicked")
-        );
-        drop(run);
-        let counted = runs.clone();
-        let redelivered = runtime.block_on(async {
-            executor.drain().await;
-            executor
-                .run(&scope, &k, &fp, || async move {
+                .run(scope, k, fp, || async move {
                     Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
                 })
                 .await
