@@ -1548,6 +1548,11 @@ async fn a_claim_committing_late_is_given_back_with(
     // claim that timed out, most of which wrote nothing).
     let drained = tokio::time::timeout(Duration::from_secs(3), store.drain()).await;
     assert!(drained.is_ok(), "drain waited for the later give-backs");
+    assert_eq!(
+        store.grants_in_doubt(),
+        1,
+        "the claim's grant is looked for"
+    );
     tokio::time::sleep(held).await;
     // The blocker rolls back and the claim's insert commits: a lease for a caller long gone.
     blocker.rollback().await.expect("rollback");
@@ -1556,6 +1561,16 @@ async fn a_claim_committing_late_is_given_back_with(
         answers.is_ok(),
         "the late grant was never given back: {answers:?}"
     );
+    // Found and given back: no longer looked for (counted down as its look returns).
+    let mut left = store.grants_in_doubt();
+    for _ in 0..100 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = store.grants_in_doubt();
+    }
+    assert_eq!(left, 0, "a grant given back is still looked for");
 }
 
 /// Begins on `id()` every `pause`, 40 times at most, until a `begin` executes; else the last

@@ -4,7 +4,7 @@ use std::{
     future::Future,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -74,6 +74,9 @@ pub struct PostgresStore {
     /// The runtime the store was made on, if any: where the grants of a claim dropped
     /// unfinished (its caller's runtime shut down mid-statement) are given back.
     home: Option<tokio::runtime::Handle>,
+    /// Grants being looked for to give back (shared by clones): see
+    /// [`PostgresStore::grants_in_doubt`].
+    in_doubt: Arc<AtomicUsize>,
 }
 
 /// Configures and connects a [`PostgresStore`].
@@ -329,6 +332,7 @@ impl PostgresStoreBuilder {
             batches,
             settling: tokio_util::task::TaskTracker::new(),
             home: tokio::runtime::Handle::try_current().ok(),
+            in_doubt: Arc::default(),
         })
     }
 }
@@ -652,6 +656,7 @@ impl PostgresStore {
             batches: Some(batches),
             settling: tokio_util::task::TaskTracker::new(),
             home: tokio::runtime::Handle::try_current().ok(),
+            in_doubt: Arc::default(),
         }
     }
 
@@ -695,6 +700,24 @@ impl PostgresStore {
             .as_deref()
             .map(Batches::stats)
             .unwrap_or_default()
+    }
+
+    /// How many grants this store is still looking for, to give them back: the leases that
+    /// claims given up (out of budget, failed after their statement was sent, dropped
+    /// mid-statement) may have written unseen. Each is looked for again and again for up to
+    /// 70 minutes, since a statement held up (by a lock, a network that heals) can still
+    /// commit that late; a grant found is given back, one never written is looked for to the
+    /// end. Claims that never reached Postgres are not counted: they wrote nothing. A number
+    /// for a gauge: it rises during an outage that cut claims off mid-statement, and falls
+    /// as their grants are found or their looks end.
+    ///
+    /// ```no_run
+    /// # async fn run(store: idempotency_postgres::PostgresStore) {
+    /// println!("grants being looked for: {}", store.grants_in_doubt());
+    /// # }
+    /// ```
+    pub fn grants_in_doubt(&self) -> usize {
+        self.in_doubt.load(Ordering::Relaxed)
     }
 
     pub(crate) fn batches(&self) -> Option<&Batches> {
@@ -1213,7 +1236,12 @@ impl PostgresStore {
             return;
         }
         let gave_up = tokio::time::Instant::now();
-        let looks = || Self::give_back_looks(self.clone(), grants.to_vec(), gave_up);
+        // One count for the copies on both runtimes: a grant settled by either is found.
+        let looking = Looking::new(&self.in_doubt, grants);
+        let looks = || {
+            let looking = looking.clone();
+            Self::give_back_looks(self.clone(), grants.to_vec(), gave_up, looking)
+        };
         if idempotency_core::spawn_where_it_survives(&self.settling, self.home.as_ref(), looks) == 0
         {
             tracing::warn!(
@@ -1227,14 +1255,17 @@ impl PostgresStore {
         late: Self,
         grants: Vec<(RecordId, LeaseToken, bool)>,
         gave_up: tokio::time::Instant,
+        looking: Arc<Looking>,
     ) {
         let mut left = late.give_back_round(grants, 1).await;
+        looking.left(&left);
         if left.is_empty() {
             return;
         }
         tokio::spawn(async move {
             for budgets in LATER_LOOKS {
                 left = late.give_back_round(left, budgets).await;
+                looking.left(&left);
                 if left.is_empty() {
                     return;
                 }
@@ -1248,6 +1279,7 @@ impl PostgresStore {
                 };
                 tokio::time::sleep(wait).await;
                 left = late.give_back_round(left, 0).await;
+                looking.left(&left);
                 if left.is_empty() {
                     return;
                 }
@@ -1623,6 +1655,46 @@ impl Rounds {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take()
+    }
+}
+
+/// The grants of one give-back still looked for, counted in the store's
+/// [`grants_in_doubt`](PostgresStore::grants_in_doubt) until found or until every task
+/// looking for them ended (all looks done, or dropped by a runtime shutting down).
+struct Looking {
+    count: Arc<AtomicUsize>,
+    unsettled: std::sync::Mutex<Vec<LeaseToken>>,
+}
+
+impl Looking {
+    fn new(count: &Arc<AtomicUsize>, grants: &[(RecordId, LeaseToken, bool)]) -> Arc<Self> {
+        count.fetch_add(grants.len(), Ordering::Relaxed);
+        Arc::new(Self {
+            count: count.clone(),
+            unsettled: std::sync::Mutex::new(grants.iter().map(|g| g.1).collect()),
+        })
+    }
+
+    /// Those not in `left` were found (or given back): no longer counted.
+    fn left(&self, left: &[(RecordId, LeaseToken, bool)]) {
+        let mut unsettled = self
+            .unsettled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = unsettled.len();
+        unsettled.retain(|token| left.iter().any(|g| g.1 == *token));
+        self.count
+            .fetch_sub(before - unsettled.len(), Ordering::Relaxed);
+    }
+}
+
+impl Drop for Looking {
+    fn drop(&mut self) {
+        let unsettled = self
+            .unsettled
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.count.fetch_sub(unsettled.len(), Ordering::Relaxed);
     }
 }
 
