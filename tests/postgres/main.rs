@@ -1573,6 +1573,61 @@ async fn a_claim_committing_late_is_given_back_with(
     assert_eq!(left, 0, "a grant given back is still looked for");
 }
 
+/// Claims cut off before their statement reached Postgres — no connection to send it on:
+/// the server's host resets every connection, or is gone and connects hang — wrote
+/// nothing, so nothing is looked for. Before, each was taken for a grant that might still
+/// commit: looked for again and again for 70 minutes, a statement per claim per look, in a
+/// burst on the new primary after a failover (where the old one's host vanished).
+#[test]
+fn claims_that_never_reached_postgres_leave_nothing_to_look_for() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let url = services::postgres()
+            .await
+            .expect("postgres")
+            .url()
+            .to_owned();
+        // Accepts, finds no server behind it (nothing listens on port 1), closes.
+        let resetting = idempotency_test::relay::cutting_relay(
+            "127.0.0.1:1".into(),
+            Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            |_| false,
+        )
+        .await;
+        // Every connection, from its first byte, passes nothing.
+        let gone =
+            idempotency_test::relay::stalling_relay(idempotency_test::relay::upstream(&url)).await;
+        gone.vanish();
+        for (how, port) in [("reset", resetting), ("hanging", gone.port)] {
+            for per_request in [true, false] {
+                let builder = PostgresStore::builder(idempotency_test::relay::through(&url, port))
+                    .call_timeout(Duration::from_millis(200))
+                    .acquire_timeout(Duration::from_secs(60));
+                let builder = if per_request {
+                    builder.per_request()
+                } else {
+                    builder
+                };
+                let store = builder.connect().await.expect("store");
+                let answer = store.begin(&fresh_id(), &fp("a"), LONG).await;
+                assert!(
+                    matches!(answer, Err(Error::Unavailable(_))),
+                    "{how}: {answer:?}"
+                );
+                // The claim settled, and the first look of any give-back ran.
+                store.drain().await;
+                assert_eq!(
+                    store.grants_in_doubt(),
+                    0,
+                    "{how}, per-request {per_request}: a claim never sent is looked for"
+                );
+            }
+        }
+    });
+}
+
 /// Begins on `id()` every `pause`, 40 times at most, until a `begin` executes; else the last
 /// answer.
 async fn executes_within(

@@ -25,7 +25,10 @@
 
 use std::{
     collections::{HashSet, VecDeque},
-    sync::{Mutex, PoisonError},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU8, Ordering as AtomicOrdering},
+    },
     time::Duration,
 };
 
@@ -35,7 +38,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use crate::{
-    checkout::QueryAsOnPool,
+    checkout::{Checkout, QueryAsOnPool},
     store::{PostgresStore, Round, RowView, millis},
 };
 
@@ -166,6 +169,8 @@ pub(crate) struct BeginJob {
     pub(crate) fp: Fingerprint,
     pub(crate) token: LeaseToken,
     pub(crate) lease: Duration,
+    /// Whether its statement may have reached Postgres (shared with the claim's rounds).
+    pub(crate) wire: Arc<OnWire>,
 }
 
 impl BeginJob {
@@ -175,7 +180,64 @@ impl BeginJob {
             fp: *fp,
             token,
             lease,
+            wire: Arc::default(),
         }
+    }
+}
+
+/// Whether a claim's statement may have reached Postgres, so that a grant of its token may
+/// commit unseen and must be looked for when the claim is given up. A claim is sent only
+/// once a connection was had for it (an error getting one — a connect that failed or hung,
+/// a pool timeout — sent nothing), and never after it was given up: whoever sends it and
+/// whoever gives it up settle which came first here, so a claim given up while its batch
+/// waited for a connection is left out of that batch, and nobody looks for a grant it
+/// could not have written. Looked for in vain, each such grant cost a statement per look
+/// for 70 minutes, a burst of them on a new primary after every failover.
+#[derive(Debug, Default)]
+pub(crate) struct OnWire(AtomicU8);
+
+impl OnWire {
+    const PENDING: u8 = 0;
+    const SENT: u8 = 1;
+    /// Given up before it was sent: it never will be.
+    const DROPPED: u8 = 2;
+    /// Sent, then given up: its grant is being looked for.
+    const GIVEN_BACK: u8 = 3;
+
+    /// With a connection in hand, right before sending: false if the claim was given up
+    /// (then it must not be sent).
+    pub(crate) fn send(&self) -> bool {
+        matches!(
+            self.swap(Self::PENDING, Self::SENT),
+            Ok(()) | Err(Self::SENT)
+        )
+    }
+
+    /// Gives the claim up: whether its grant is to be looked for — its statement may have
+    /// been sent, and nobody gave it up before (a claim cut off by its caller's budget, then
+    /// orphaned by its batch's answer, is looked for once, not twice: the second look would
+    /// find nothing, and keep looking for 70 minutes). If it was not sent, it never will be.
+    pub(crate) fn give_up(&self) -> bool {
+        match self.swap(Self::PENDING, Self::DROPPED) {
+            Ok(()) => false,
+            Err(Self::SENT) => self.swap(Self::SENT, Self::GIVEN_BACK).is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// Whether the statement may have been sent.
+    pub(crate) fn sent(&self) -> bool {
+        matches!(
+            self.0.load(AtomicOrdering::Acquire),
+            Self::SENT | Self::GIVEN_BACK
+        )
+    }
+
+    /// `from` to `to`, or what it is instead.
+    fn swap(&self, from: u8, to: u8) -> std::result::Result<(), u8> {
+        self.0
+            .compare_exchange(from, to, AtomicOrdering::AcqRel, AtomicOrdering::Acquire)
+            .map(|_| ())
     }
 }
 
@@ -199,11 +261,14 @@ pub(crate) struct FenceJob {
 pub(crate) trait Keyed {
     fn id(&self) -> &RecordId;
     fn token(&self) -> LeaseToken;
-    /// The lease a claim may have written (a `begin` job's token).
-    fn claim(&self) -> Option<(RecordId, LeaseToken)> {
+    /// The lease a claim may have written (a `begin` job's token), if it was sent.
+    fn claim(&self) -> Option<Claim> {
         None
     }
 }
+
+/// A claim's record, token and [`OnWire`].
+pub(crate) type Claim = (RecordId, LeaseToken, Arc<OnWire>);
 
 impl Keyed for BeginJob {
     fn id(&self) -> &RecordId {
@@ -212,8 +277,8 @@ impl Keyed for BeginJob {
     fn token(&self) -> LeaseToken {
         self.token
     }
-    fn claim(&self) -> Option<(RecordId, LeaseToken)> {
-        Some((self.id, self.token))
+    fn claim(&self) -> Option<Claim> {
+        Some((self.id, self.token, self.wire.clone()))
     }
 }
 
@@ -229,10 +294,12 @@ keyed!(CompleteJob, FenceJob);
 /// sending): the statement may have committed, and nobody holds those tokens. Once the
 /// server has had time to finish or cancel it, and again later for a commit that came late
 /// (see `PostgresStore::give_back_later`).
-fn release_later(store: &PostgresStore, claims: Vec<(RecordId, LeaseToken)>) {
+/// Only claims that may have been sent: the others are given up here, and never will be.
+fn release_later(store: &PostgresStore, claims: Vec<Claim>) {
     let grants: Vec<_> = claims
         .into_iter()
-        .map(|(id, token)| (id, token, false))
+        .filter(|(_, _, wire)| wire.give_up())
+        .map(|(id, token, _)| (id, token, false))
         .collect();
     store.give_back_later(&grants);
 }
@@ -756,11 +823,28 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
             if let Err(Error::Unavailable(source)) = &answer
                 && source.downcast_ref::<sqlx::Error>().is_some_and(in_doubt)
             {
-                release_later(&store, vec![(job.id, job.token)]);
+                release_later(&store, job.claim().into_iter().collect());
             }
             return vec![lone(answer)];
         }
         let (unique, _repeats) = split_repeats(&jobs);
+        // No connection, nothing sent: every call fails, and nothing is looked for.
+        let mut checkout = match Checkout::acquire(&store.batch_pool()).await {
+            Ok(checkout) => checkout,
+            Err(error) => {
+                let rows = Err::<Vec<(Vec<u8>, ())>, _>(error);
+                return spread(&jobs, &unique, rows, |_, _| Ok(None));
+            }
+        };
+        // Claims given up while the batch waited for its connection stay out of it.
+        let unique: Vec<usize> = unique
+            .into_iter()
+            .filter(|&i| jobs[i].wire.send())
+            .collect();
+        if unique.is_empty() {
+            checkout.finished();
+            return jobs.iter().map(|_| Ok(None)).collect();
+        }
         let each = || unique.iter().map(|&i| &jobs[i]);
         let rows: std::result::Result<Vec<_>, _> =
             sqlx::query_as::<_, BeginBatchRow>(store.sql.get(BEGIN_BATCH_SQL))
@@ -768,13 +852,14 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
                 .bind(each().map(|j| &j.fp.as_bytes()[..]).collect::<Vec<_>>())
                 .bind(tokens(&jobs, &unique))
                 .bind(each().map(|j| millis(j.lease)).collect::<Vec<_>>())
-                .fetch_all_on(&store.batch_pool())
+                .fetch_all(checkout.conn())
                 .await
                 .map(|rows| {
                     rows.into_iter()
                         .map(|(id, inserted, f, s, r, ms)| (id, (inserted, f, s, r, ms)))
                         .collect()
                 });
+        checkout.finished();
         if let Err(error) = &rows
             && in_doubt(error)
         {

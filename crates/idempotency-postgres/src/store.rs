@@ -21,7 +21,7 @@ use sqlx::{
 };
 
 use crate::{
-    batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats},
+    batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats, OnWire},
     checkout::{Checkout, QueryAsOnPool, QueryOnPool},
     table::{Statements, Table, quoted},
 };
@@ -343,14 +343,6 @@ pub fn migrator() -> sqlx::migrate::Migrator {
     let mut migrator = sqlx::migrate!("../../migrations");
     migrator.dangerous_set_table_name("_idempotency_migrations");
     migrator
-}
-
-/// Whether a call failed before its statement left the pool (no connection to send it on),
-/// so it cannot have written anything.
-fn never_sent(error: &Error) -> bool {
-    matches!(error, Error::Unavailable(source)
-        if source.downcast_ref::<sqlx::Error>().is_some_and(|e| matches!(e,
-            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)))
 }
 
 /// Whether a statement failed only because it raced another under a stricter isolation
@@ -1165,7 +1157,6 @@ impl PostgresStore {
         let mut dropped = ClaimDropped {
             store: self,
             id: *id,
-            tokens: &tokens,
             rounds: &rounds,
             armed: true,
         };
@@ -1185,8 +1176,7 @@ impl PostgresStore {
             }
             Ok(answer) => answer,
             Err(_) => {
-                let started = rounds.started.load(std::sync::atomic::Ordering::Relaxed);
-                self.settle_orphans_later(*id, tokens[..started].to_vec(), &rounds.takeovers);
+                self.settle_orphans_later(*id, rounds.give_up(), &rounds.takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
@@ -1367,10 +1357,13 @@ impl PostgresStore {
         };
         let takeovers = &rounds.takeovers;
         for (round, token) in tokens.iter().enumerate() {
-            rounds
-                .started
-                .store(round + 1, std::sync::atomic::Ordering::Relaxed);
             let job = BeginJob::new(id, fp, *token, lease);
+            let wire = job.wire.clone();
+            rounds
+                .wires
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((*token, wire.clone()));
             let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
                 // `None`: the batch gave the call back (a lock, a race): next round.
@@ -1381,7 +1374,7 @@ impl PostgresStore {
             // pool wrote nothing.
             let maybe_written = match &found {
                 Ok(_) => true,
-                Err(error) => !batched && !never_sent(error),
+                Err(_) => !batched && wire.sent(),
             };
             if maybe_written {
                 note(Some(*token));
@@ -1434,17 +1427,28 @@ impl PostgresStore {
     }
 
     /// The per-request claim statement: insert, or read the live row.
+    ///
+    /// Sent only once a connection was had for it, and only if the claim was not given up
+    /// meanwhile (see [`OnWire`](crate::batch::OnWire)).
     pub(crate) async fn begin_statement(&self, job: &BeginJob, pool: &PgPool) -> Result<Round> {
-        let row: Option<BeginRow> = claim_query(
+        let mut checkout = Checkout::acquire(pool).await.map_err(db_error)?;
+        if !job.wire.send() {
+            checkout.finished();
+            return Err(Error::unavailable(
+                "the claim was given up before it was sent",
+            ));
+        }
+        let row: std::result::Result<Option<BeginRow>, _> = claim_query(
             self.sql.get(BEGIN_SQL),
             &job.id,
             &job.fp,
             job.token,
             job.lease,
         )
-        .fetch_optional_on(pool)
-        .await
-        .map_err(db_error)?;
+        .fetch_optional(checkout.conn())
+        .await;
+        checkout.finished();
+        let row = row.map_err(db_error)?;
         match row {
             Some((true, _, _, _, Some(left))) => Ok(Round::Granted(left)),
             Some((false, Some(f), Some(s), r, Some(ms))) => Ok(Round::Row((f, s, r, ms))),
@@ -1612,7 +1616,6 @@ fn fenced(owned: bool) -> Result<()> {
 struct ClaimDropped<'a> {
     store: &'a PostgresStore,
     id: RecordId,
-    tokens: &'a [LeaseToken],
     rounds: &'a Rounds,
     armed: bool,
 }
@@ -1622,13 +1625,8 @@ impl Drop for ClaimDropped<'_> {
         if !self.armed {
             return;
         }
-        let started = self
-            .rounds
-            .started
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let tokens = self.tokens[..started.min(self.tokens.len())].to_vec();
         self.store
-            .settle_orphans_later(self.id, tokens, &self.rounds.takeovers);
+            .settle_orphans_later(self.id, self.rounds.give_up(), &self.rounds.takeovers);
     }
 }
 
@@ -1643,12 +1641,24 @@ struct Rounds {
     /// error from there on may hide a committed grant. Only that round's token can be on the
     /// row; a round that ends without an answer holds nothing.
     in_doubt: std::sync::Mutex<Option<LeaseToken>>,
-    /// How many rounds began: a claim cut off by its budget gives back only their tokens,
-    /// not ones no statement ever carried.
-    started: std::sync::atomic::AtomicUsize,
+    /// The rounds begun, with whether each one's statement was sent: a claim cut off by its
+    /// budget gives back only the tokens of those sent, not ones no statement carried.
+    wires: std::sync::Mutex<Vec<(LeaseToken, Arc<OnWire>)>>,
 }
 
 impl Rounds {
+    /// Gives every round up: the tokens of those whose statement may have been sent (their
+    /// grants are looked for); the others are never sent.
+    fn give_up(&self) -> Vec<LeaseToken> {
+        self.wires
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(_, wire)| wire.give_up())
+            .map(|(token, _)| *token)
+            .collect()
+    }
+
     /// The token of the round whose grant may have been written, taken.
     fn take_in_doubt(&self) -> Option<LeaseToken> {
         self.in_doubt
