@@ -1655,6 +1655,16 @@ async fn completed_then_evicted(
     store: &HybridStore,
     fp: &Fingerprint,
 ) -> RecordId {
+    completed_with_then_evicted(redis_url, store, fp, &Outcome::new(201)).await
+}
+
+/// [`completed_then_evicted`] with `outcome`.
+async fn completed_with_then_evicted(
+    redis_url: &str,
+    store: &HybridStore,
+    fp: &Fingerprint,
+    outcome: &Outcome,
+) -> RecordId {
     let id = fresh_id();
     let Begin::Execute(token) = store
         .begin(&id, fp, idempotency_test::conformance::LONG)
@@ -1664,7 +1674,7 @@ async fn completed_then_evicted(
         panic!("a fresh key")
     };
     store
-        .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
+        .complete(&id, token, outcome, Duration::from_secs(3600))
         .await
         .expect("complete");
     store.drain().await;
@@ -1710,16 +1720,7 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
         // Its copy is evicted: the next claim asks Postgres, whose reply comes late.
         let id = completed_then_evicted(redis.url(), &gateway, &fp).await;
         relay.delay_replies(Duration::from_millis(3200));
-        let slow = {
-            let gateway = gateway.clone();
-            tokio::spawn(async move { gateway.begin(&id, &fp, LONG).await })
-        };
-        tokio::time::sleep(Duration::from_millis(200)).await; // the row is read
-        let released = operator
-            .force_release(&id, ReleaseScope::default().with_completed())
-            .await
-            .expect("release");
-        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        let slow = released_while_read(&gateway, &operator, id, fp).await;
         let gave_up = slow.await.expect("task");
         assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
         operator.drain().await; // the release's second delete
@@ -1731,6 +1732,80 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
             "a deleted record replayed: {again:?}"
         );
     });
+}
+
+/// A replay Postgres read just before an operator's release in the same process deleted the
+/// record, and answered after that release had deleted its copy in Redis, must not copy
+/// the deleted outcome back. The release waits for this process's writes on their way, but
+/// this copy was not on its way yet when it looked. Before, it landed after the release's
+/// delete, and every retry replayed the deleted record until the release's second delete,
+/// seconds later (found by running the linearizability check on the hybrid store).
+#[test]
+fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::delaying_relay(relay::upstream(pg.url())).await;
+        let store = hybrid(
+            PostgresStore::builder(relay::through(pg.url(), relay.port))
+                .per_request()
+                .call_timeout(Duration::from_secs(2))
+                .connect()
+                .await
+                .expect("postgres store"),
+            redis.url(),
+        )
+        .await;
+        store.postgres().migrate().await.expect("migrate");
+        let fp = Fingerprint::of(b"charge");
+        let body = idempotency_test::unique("released-outcome");
+        let outcome = Outcome::new(201).with_body(body.clone());
+        // Its copy is evicted: the next claim asks Postgres.
+        let id = completed_with_then_evicted(redis.url(), &store, &fp, &outcome).await;
+        // Only the reply that carries the outcome is held back, within the claim's budget:
+        // the release's statements pass at once.
+        relay.delay_replies_containing(Duration::from_millis(800), body.as_bytes());
+        let reading = released_while_read(&store, &store, id, fp).await;
+        let read = reading.await.expect("task").expect("begin");
+        assert_eq!(read, Begin::Replay(outcome), "read before the release");
+        // Long enough for a copy to land, well before the release's second delete.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let again = store.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a deleted record replayed: {again:?}"
+        );
+    });
+}
+
+/// Starts a `begin` of `id` on `reader` (a task), and once its row was read (200 ms later),
+/// deletes the completed record with an operator's release on `operator`.
+async fn released_while_read(
+    reader: &HybridStore,
+    operator: &HybridStore,
+    id: RecordId,
+    fp: Fingerprint,
+) -> tokio::task::JoinHandle<idempotency_core::Result<Begin>> {
+    let reading = {
+        let reader = reader.clone();
+        tokio::spawn(async move {
+            reader
+                .begin(&id, &fp, idempotency_test::conformance::LONG)
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await; // the row is read
+    let released = operator
+        .force_release(&id, ReleaseScope::default().with_completed())
+        .await
+        .expect("release");
+    assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+    reading
 }
 
 /// An outcome's copy held up on its way to Redis (a partition TCP retransmits across once

@@ -177,6 +177,14 @@ impl Releases {
     }
 }
 
+/// When Postgres was asked for what a copy copies, and the operators' releases seen just
+/// before (see [`HybridStore::copy_after_answering`]).
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    at: Instant,
+    releases: ReleasesSeen,
+}
+
 /// A release under way, until dropped.
 struct Releasing(Arc<Shared>);
 
@@ -699,6 +707,16 @@ const MAX_REPAIRS: usize = 100_000;
 const REPAIR_CHUNK: usize = 256;
 
 impl HybridStore {
+    /// Notes the releases under way or begun, then the time: to be called right before
+    /// Postgres is asked for what a copy will copy.
+    fn asking(&self) -> Asked {
+        let releases = self.inner.releases.seen();
+        Asked {
+            at: Instant::now(),
+            releases,
+        }
+    }
+
     /// Waits for the lease mirror of `token` written after `begin` answered, if it is still
     /// on its way: at most the budgets of its repairs and its call, with margin.
     ///
@@ -770,11 +788,18 @@ impl HybridStore {
     }
 
     /// Copies a completed outcome into Redis after answering ([`write_after_answering`]
-    /// under `token`), for a record Postgres was asked about at `asked`. Not sent from a task
+    /// under `token`), for a record Postgres was asked about at `asked.at`. Not sent from a task
     /// that started more than a Postgres call budget after that (a starved runtime): an
     /// operator's release of the record and its second delete, which allow for writes on
     /// their way by that much, may be over, and the copy would replay a deleted record; and
     /// it lands by [`copy_deadline`](Self::copy_deadline) or deletes the key.
+    ///
+    /// Nor when an operator's release in this process was under way as Postgres was asked
+    /// (`asked.releases`) or began since: Postgres may have read the record just
+    /// before the release deleted it, and the release, which waits for the writes on their
+    /// way when it deletes in Redis, may have looked before this one was noted. Landing
+    /// after its delete, the copy would replay the deleted record until the second delete.
+    /// A release that begins after this check waits for the copy (noted before it runs).
     ///
     /// [`write_after_answering`]: Self::write_after_answering
     fn copy_after_answering(
@@ -784,12 +809,14 @@ impl HybridStore {
         fp: Fingerprint,
         outcome: &Outcome,
         expires: Instant,
-        asked: Instant,
+        asked: Asked,
     ) {
         let (this, outcome) = (self.clone(), outcome.clone());
         self.write_after_answering(id, token, Written::Copy, async move {
-            if asked.elapsed() <= this.pg.call_timeout() {
-                let by = this.copy_deadline(asked);
+            if asked.at.elapsed() <= this.pg.call_timeout()
+                && this.inner.releases.none_since(asked.releases)
+            {
+                let by = this.copy_deadline(asked.at);
                 this.try_redis(|| {
                     this.redis
                         .cache_completed_within(&id, &fp, &outcome, expires, by)
@@ -1066,7 +1093,7 @@ impl HybridStore {
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
-        let asked = Instant::now();
+        let asked = self.asking();
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
         let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
         self.inner.duplicates.observe(!first);
@@ -1101,10 +1128,10 @@ impl HybridStore {
             // whose second delete allows for a read answered within one budget only. Copied
             // after it, the deleted record would replay from Redis for its whole retention.
             (Begin::Replay(outcome), Some(ttl))
-                if self.caching() && asked.elapsed() <= self.pg.call_timeout() =>
+                if self.caching() && asked.at.elapsed() <= self.pg.call_timeout() =>
             {
                 // The row's retention, counted from before Postgres read it: never later.
-                let expires = until(asked, ttl);
+                let expires = until(asked.at, ttl);
                 // After answering: the retry has its answer from Postgres, and a slow Redis
                 // must not hold it up (awaited here, the copy's budget came on top of a slow
                 // Postgres read and could turn the replay into `Unavailable`). Until the copy
@@ -1200,8 +1227,8 @@ impl Store for HybridStore {
             // Postgres first: once it has the outcome, a lost Redis write costs one Postgres
             // read later. The Redis copy expires no later than the row: the row's retention
             // started when Postgres ran the statement, which was before `sent` returned.
-            let sent = Instant::now();
-            let releases = self.inner.releases.seen();
+            let asked = self.asking();
+            let (sent, releases) = (asked.at, asked.releases);
             let fp = self
                 .pg
                 .complete_with_fingerprint(id, token, outcome, retention)
@@ -1232,7 +1259,7 @@ impl Store for HybridStore {
                 // No lease mirror to replace: until the outcome lands in Redis a retry finds
                 // nothing there and asks Postgres, which replays. So the answer need not wait.
                 // Noted with the record, so that an operator's release waits for it.
-                self.copy_after_answering(*id, token, fp, outcome, expires, sent);
+                self.copy_after_answering(*id, token, fp, outcome, expires, asked);
                 return Ok(());
             }
             // The lease's mirror answers "in flight" until the outcome replaces it (or, past
