@@ -1119,8 +1119,15 @@ impl HybridStore {
                     .max(Duration::from_millis(1));
                 self.note_mirror(token, mirror);
                 self.write_after_answering(id, token, Written::Mirror, async move {
-                    this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
-                        .await;
+                    // Not after an operator's release in this process began (as for a copy:
+                    // see `copy_after_answering`): it may have released this very grant,
+                    // and have looked for the writes on their way before this one was
+                    // noted; landing after its delete, the mirror would say "in flight"
+                    // for a lease that is over. Duplicates then ask Postgres.
+                    if this.inner.releases.none_since(asked.releases) {
+                        this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
+                            .await;
+                    }
                 });
             }
             // Not a replay answered later than one Postgres call budget (a slow server or
