@@ -1742,26 +1742,14 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
 /// seconds later (found by running the linearizability check on the hybrid store).
 #[test]
 fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
-    use idempotency_test::{conformance::LONG, relay};
+    use idempotency_test::conformance::LONG;
 
     block_on(async {
         if services::skipping() {
             return;
         }
-        let pg = services::postgres().await.expect("postgres");
         let redis = services::redis().await.expect("redis");
-        let relay = relay::delaying_relay(relay::upstream(pg.url())).await;
-        let store = hybrid(
-            PostgresStore::builder(relay::through(pg.url(), relay.port))
-                .per_request()
-                .call_timeout(Duration::from_secs(2))
-                .connect()
-                .await
-                .expect("postgres store"),
-            redis.url(),
-        )
-        .await;
-        store.postgres().migrate().await.expect("migrate");
+        let (relay, store) = hybrid_behind_a_delaying_relay(redis.url()).await;
         let fp = Fingerprint::of(b"charge");
         let body = idempotency_test::unique("released-outcome");
         let outcome = Outcome::new(201).with_body(body.clone());
@@ -1790,26 +1778,14 @@ fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
 /// linearizability check on the hybrid store).
 #[test]
 fn a_grant_made_before_this_processs_release_is_not_mirrored_after_it() {
-    use idempotency_test::{conformance::LONG, relay};
+    use idempotency_test::conformance::LONG;
 
     block_on(async {
         if services::skipping() {
             return;
         }
-        let pg = services::postgres().await.expect("postgres");
         let redis = services::redis().await.expect("redis");
-        let relay = relay::delaying_relay(relay::upstream(pg.url())).await;
-        let store = hybrid(
-            PostgresStore::builder(relay::through(pg.url(), relay.port))
-                .per_request()
-                .call_timeout(Duration::from_secs(2))
-                .connect()
-                .await
-                .expect("postgres store"),
-            redis.url(),
-        )
-        .await;
-        store.postgres().migrate().await.expect("migrate");
+        let (relay, store) = hybrid_behind_a_delaying_relay(redis.url()).await;
         let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
         // Only a grant's reply is held back, within the claim's budget: a row of five
         // columns (inserted, three nulls, the lease left: 35 bytes with its length). The
@@ -1828,6 +1804,29 @@ fn a_grant_made_before_this_processs_release_is_not_mirrored_after_it() {
             "a released lease is in flight: {again:?}"
         );
     });
+}
+
+/// A hybrid store on the shared Redis at `redis_url` and, per request with a 2 s budget,
+/// on the shared Postgres through a relay that can hold its replies back.
+async fn hybrid_behind_a_delaying_relay(
+    redis_url: &str,
+) -> (idempotency_test::relay::DelayingRelay, HybridStore) {
+    use idempotency_test::relay;
+
+    let pg = services::postgres().await.expect("postgres");
+    let relay = relay::delaying_relay(relay::upstream(pg.url())).await;
+    let store = hybrid(
+        PostgresStore::builder(relay::through(pg.url(), relay.port))
+            .per_request()
+            .call_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("postgres store"),
+        redis_url,
+    )
+    .await;
+    store.postgres().migrate().await.expect("migrate");
+    (relay, store)
 }
 
 /// Starts a `begin` of `id` on `reader` (a task), and once its row was read (200 ms later),
