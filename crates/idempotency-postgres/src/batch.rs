@@ -1015,6 +1015,24 @@ mod tests {
 
     use super::*;
 
+    /// A claim given up before it was sent is never sent, and nobody looks for it; one sent
+    /// is looked for by the first to give it up, and only by that one.
+    #[test]
+    fn a_claim_is_sent_or_given_up_whichever_comes_first() {
+        let never = OnWire::default();
+        assert!(!never.give_up(), "not sent: nothing to look for");
+        assert!(!never.send(), "given up: must not be sent");
+        assert!(!never.sent());
+
+        let sent = OnWire::default();
+        assert!(sent.send());
+        assert!(sent.send(), "sent already: still sendable until given up");
+        assert!(sent.give_up(), "sent: looked for");
+        assert!(!sent.give_up(), "looked for once");
+        assert!(sent.sent());
+        assert!(!sent.send(), "given up: not sent again");
+    }
+
     /// Rows are written in key order, whatever order their calls came in (and the first
     /// call of a key is the one kept).
     #[test]
