@@ -80,7 +80,7 @@ async fn shared_store() -> Option<Arc<HybridStore>> {
     )
 }
 
-idempotency_test::conformance_tests!(cache: async { shared_store().await.map(|s| s as Arc<dyn Store>) });
+idempotency_test::conformance_tests!(async { shared_store().await.map(|s| s as Arc<dyn Store>) });
 
 /// The suite again without the lease mirror: outcomes are then cached in Redis after
 /// `complete` answered, and a retry that comes first must be replayed by Postgres.
@@ -102,7 +102,7 @@ mod no_mirror {
         )
     }
 
-    idempotency_test::conformance_tests!(cache: async { store().await.map(|s| s as Arc<dyn Store>) });
+    idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 }
 
 /// The suite under `CachePolicy::Adaptive`, twice: once with a share no workload reaches
@@ -130,7 +130,7 @@ mod adaptive {
             STORE.get_or_init(|| store(2.0)).await.clone()
         }
 
-        idempotency_test::conformance_tests!(cache: async { shared().await.map(|s| s as Arc<dyn Store>) });
+        idempotency_test::conformance_tests!(async { shared().await.map(|s| s as Arc<dyn Store>) });
     }
 
     mod switching {
@@ -141,7 +141,7 @@ mod adaptive {
             STORE.get_or_init(|| store(0.1)).await.clone()
         }
 
-        idempotency_test::conformance_tests!(cache: async { shared().await.map(|s| s as Arc<dyn Store>) });
+        idempotency_test::conformance_tests!(async { shared().await.map(|s| s as Arc<dyn Store>) });
     }
 
     /// An outcome copied to Redis while duplicates were common still replays through a

@@ -993,9 +993,9 @@ pub async fn force_release_keeps_a_completed_record_unless_asked(store: &dyn Sto
 /// the store's pooled connections and containers outlive single tests.
 ///
 /// `cache: $store` leaves out [`concurrent_calls_are_linearizable`]: for a store that answers
-/// from a cache written after its answers (the hybrid: a lease's mirror says "in flight"
-/// until the outcome's copy replaces it, after Postgres completed the record; an operator's
-/// release deletes in Postgres, then in Redis), which calls that overlap can see by design.
+/// from a cache written after its answers, which a later call can see stale by design. (The
+/// hybrid store does not need it: a later call of its process never sees its Redis behind
+/// Postgres.)
 ///
 /// ```text
 /// idempotency_test::conformance_tests!(async {

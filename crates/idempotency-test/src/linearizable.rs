@@ -21,8 +21,11 @@
 //! call for zero runs alone, and is answered only [`PAST_ZERO`](crate::differential) later,
 //! when it is over on every clock; every other call overlaps whatever it meets.
 //!
-//! The hybrid store is not held to it: it answers from a cache written after its answers
-//! (see [`conformance_tests!`](crate::conformance_tests)).
+//! The hybrid store is held to it too: what it writes to Redis after answering (a lease's
+//! mirror, an outcome's copy) is replaced or deleted before a later call of the same process
+//! can see it stale, and an operator's release waits for those writes on their way, while
+//! those that began after it send nothing. (Another process's copies on their way are the
+//! release's second delete's business, which one store's calls do not show.)
 
 use std::{
     collections::BTreeMap,
