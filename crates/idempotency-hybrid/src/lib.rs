@@ -13,6 +13,11 @@
 //!
 //! The algorithm is on one screen in [`HybridStore`]'s docs (five steps); its code is the
 //! `Store` impl in `store.rs`, each step's reason in its comments.
+//!
+//! Redis holds copies of one Postgres key table's records, under the Redis store's
+//! [prefix](idempotency_redis::RedisStoreBuilder::prefix): hybrid stores of two key tables
+//! (two services, staging and production) sharing a Redis need a prefix each, or one
+//! replays the other's outcomes.
 
 mod breaker;
 mod flagged;

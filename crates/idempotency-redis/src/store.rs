@@ -201,6 +201,13 @@ pub struct RedisStoreBuilder {
 
 impl RedisStoreBuilder {
     /// Key prefix (default `idem`). Keys are `{prefix}:{<record id hex>}`.
+    ///
+    /// One prefix per key space: stores on one Redis with one prefix share their records.
+    /// Two services (or staging and production) that use the same scope names — the default
+    /// scope is one for everyone — answer each other's keys: a key a client sent to both
+    /// is in flight or "reused" (409, 422) at the second, or replays the first's outcome
+    /// where the fingerprints match. Give each key space its own prefix (`payments`,
+    /// `orders`, `staging-payments`).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
