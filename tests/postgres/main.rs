@@ -1548,11 +1548,15 @@ async fn a_claim_committing_late_is_given_back_with(
     // claim that timed out, most of which wrote nothing).
     let drained = tokio::time::timeout(Duration::from_secs(3), store.drain()).await;
     assert!(drained.is_ok(), "drain waited for the later give-backs");
-    assert_eq!(
-        store.grants_in_doubt(),
-        1,
-        "the claim's grant is looked for"
-    );
+    // Looked for, having been sent. (With a budget of a few milliseconds, a stall as the
+    // claim began can give it up before it is sent: then nothing is looked for, rightly.)
+    if budget >= Duration::from_millis(100) {
+        assert_eq!(
+            store.grants_in_doubt(),
+            1,
+            "the claim's grant is looked for"
+        );
+    }
     tokio::time::sleep(held).await;
     // The blocker rolls back and the claim's insert commits: a lease for a caller long gone.
     blocker.rollback().await.expect("rollback");
