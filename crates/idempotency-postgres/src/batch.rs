@@ -827,24 +827,22 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
             }
             return vec![lone(answer)];
         }
-        let (unique, _repeats) = split_repeats(&jobs);
-        // No connection, nothing sent: every call fails, and nothing is looked for.
-        let mut checkout = match Checkout::acquire(&store.batch_pool()).await {
-            Ok(checkout) => checkout,
+        let (mut unique, _repeats) = split_repeats(&jobs);
+        // Claims given up while the batch waited for its connection stay out of it.
+        let sending = Checkout::acquire_to_send(&store.batch_pool(), || {
+            unique.retain(|&i| jobs[i].wire.send());
+            !unique.is_empty()
+        })
+        .await;
+        let mut checkout = match sending {
+            Ok(Some(checkout)) => checkout,
+            Ok(None) => return jobs.iter().map(|_| Ok(None)).collect(),
+            // No connection, nothing sent: every call fails, and nothing is looked for.
             Err(error) => {
                 let rows = Err::<Vec<(Vec<u8>, ())>, _>(error);
                 return spread(&jobs, &unique, rows, |_, _| Ok(None));
             }
         };
-        // Claims given up while the batch waited for its connection stay out of it.
-        let unique: Vec<usize> = unique
-            .into_iter()
-            .filter(|&i| jobs[i].wire.send())
-            .collect();
-        if unique.is_empty() {
-            checkout.finished();
-            return jobs.iter().map(|_| Ok(None)).collect();
-        }
         let each = || unique.iter().map(|&i| &jobs[i]);
         let rows: std::result::Result<Vec<_>, _> =
             sqlx::query_as::<_, BeginBatchRow>(store.sql.get(BEGIN_BATCH_SQL))

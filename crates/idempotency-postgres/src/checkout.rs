@@ -33,6 +33,23 @@ impl Checkout {
         Ok(Self(Some(pool.acquire().await?)))
     }
 
+    /// A connection to send a statement on, if `send` still says so once one is in hand
+    /// (it settles with whoever gives the statement up whether it is sent: see
+    /// [`OnWire`](crate::batch::OnWire)); `None`, the connection back in the pool, if not.
+    /// An error getting one sent nothing.
+    pub(crate) async fn acquire_to_send(
+        pool: &PgPool,
+        send: impl FnOnce() -> bool,
+    ) -> Result<Option<Self>, sqlx::Error> {
+        let checkout = Self::acquire(pool).await?;
+        if send() {
+            Ok(Some(checkout))
+        } else {
+            checkout.finished();
+            Ok(None)
+        }
+    }
+
     pub(crate) fn conn(&mut self) -> &mut sqlx::PgConnection {
         self.0
             .as_deref_mut()

@@ -1431,13 +1431,14 @@ impl PostgresStore {
     /// Sent only once a connection was had for it, and only if the claim was not given up
     /// meanwhile (see [`OnWire`](crate::batch::OnWire)).
     pub(crate) async fn begin_statement(&self, job: &BeginJob, pool: &PgPool) -> Result<Round> {
-        let mut checkout = Checkout::acquire(pool).await.map_err(db_error)?;
-        if !job.wire.send() {
-            checkout.finished();
+        let Some(mut checkout) = Checkout::acquire_to_send(pool, || job.wire.send())
+            .await
+            .map_err(db_error)?
+        else {
             return Err(Error::unavailable(
                 "the claim was given up before it was sent",
             ));
-        }
+        };
         let row: std::result::Result<Option<BeginRow>, _> = claim_query(
             self.sql.get(BEGIN_SQL),
             &job.id,
