@@ -1742,8 +1742,6 @@ fn a_replay_answered_after_an_operators_release_is_not_copied_to_redis() {
 /// seconds later (found by running the linearizability check on the hybrid store).
 #[test]
 fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
-    use idempotency_test::conformance::LONG;
-
     block_on(async {
         if services::skipping() {
             return;
@@ -1761,13 +1759,7 @@ fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
         let reading = released_while_read(&store, &store, id, fp).await;
         let read = reading.await.expect("task").expect("begin");
         assert_eq!(read, Begin::Replay(outcome), "read before the release");
-        // Long enough for a copy to land, well before the release's second delete.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let again = store.begin(&id, &fp, LONG).await.expect("begin");
-        assert!(
-            matches!(again, Begin::Execute(_)),
-            "a deleted record replayed: {again:?}"
-        );
+        free_once_writes_landed(&store, id, fp, "a deleted record replayed").await;
     });
 }
 
@@ -1778,8 +1770,6 @@ fn a_replay_read_before_this_processs_release_is_not_copied_after_it() {
 /// linearizability check on the hybrid store).
 #[test]
 fn a_grant_made_before_this_processs_release_is_not_mirrored_after_it() {
-    use idempotency_test::conformance::LONG;
-
     block_on(async {
         if services::skipping() {
             return;
@@ -1796,14 +1786,20 @@ fn a_grant_made_before_this_processs_release_is_not_mirrored_after_it() {
         let granted = claiming.await.expect("task").expect("begin");
         assert!(matches!(granted, Begin::Execute(_)), "{granted:?}");
         relay.delay_replies(Duration::ZERO);
-        // Long enough for a mirror to land.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let again = store.begin(&id, &fp, LONG).await.expect("begin");
-        assert!(
-            matches!(again, Begin::Execute(_)),
-            "a released lease is in flight: {again:?}"
-        );
+        free_once_writes_landed(&store, id, fp, "a released lease is in flight").await;
     });
+}
+
+/// Once a write made after answering would have landed (300 ms, well before the release's
+/// second delete), the key is free: the next `begin` executes; `what` says what it found
+/// instead.
+async fn free_once_writes_landed(store: &HybridStore, id: RecordId, fp: Fingerprint, what: &str) {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = store
+        .begin(&id, &fp, idempotency_test::conformance::LONG)
+        .await
+        .expect("begin");
+    assert!(matches!(again, Begin::Execute(_)), "{what}: {again:?}");
 }
 
 /// A hybrid store on the shared Redis at `redis_url` and, per request with a 2 s budget,
