@@ -1632,6 +1632,83 @@ fn claims_that_never_reached_postgres_leave_nothing_to_look_for() {
     });
 }
 
+/// A batch of several claims that waits for its connection (the pool busy) leaves out the
+/// claims dropped meanwhile (a runtime shutting down drops the task that runs a claim):
+/// never sent, they write no grant and nothing is looked for, while the batch still answers
+/// the claims that wait. Sent anyway, such a claim's grant is held by nobody (its give-up
+/// done, its caller gone): `InFlight` for a lease, then `TakeOver` for an operation that
+/// never ran.
+#[test]
+fn a_batch_leaves_out_the_claims_dropped_while_it_waited_for_its_connection() {
+    block_on(async {
+        // Migrates the key table, which the store below (on a pool of its own) uses.
+        let Some(shared) = store().await else { return };
+        let url = services::postgres()
+            .await
+            .expect("postgres")
+            .url()
+            .to_owned();
+        // One connection, held by the test until the batch waits for it.
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect(&url)
+            .await
+            .expect("pool");
+        let store = Arc::new(PostgresStore::from_pool(pool.clone()));
+        let held = pool.acquire().await.expect("the pool's connection");
+        // The claim itself, without `begin`'s wrapper (which would run it on in a task of
+        // its own): aborting the task drops it.
+        let claim = |id| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim_with_ttl(&id, &fp("a"), LONG).await })
+        };
+        let settle = || tokio::time::sleep(Duration::from_millis(200));
+        let (first, dropped, waiting) = (fresh_id(), fresh_id(), fresh_id());
+        // A lone claim takes the batch slot and waits for the connection in its own task;
+        // the next two queue behind it.
+        let lone = claim(first);
+        settle().await;
+        let given_up = claim(dropped);
+        let answered = claim(waiting);
+        settle().await;
+        // The lone claim is dropped unsent: its slot passes to a drain that takes both
+        // queued claims in one batch, which waits for the connection. One of them is
+        // dropped there.
+        lone.abort();
+        settle().await;
+        given_up.abort();
+        settle().await;
+        drop(held);
+        let answer = answered.await.expect("task");
+        assert!(matches!(answer, Ok((Begin::Execute(_), _))), "{answer:?}");
+        assert!(lone.await.is_err_and(|e| e.is_cancelled()));
+        assert!(given_up.await.is_err_and(|e| e.is_cancelled()));
+        let stats = store.group_commit_stats();
+        assert!(
+            stats.statements < stats.calls,
+            "the two queued claims shared a batch: {stats:?}"
+        );
+        store.drain().await;
+        assert_eq!(
+            store.grants_in_doubt(),
+            0,
+            "a claim never sent is looked for"
+        );
+        for (name, id) in [("alone", first), ("in the batch", dropped)] {
+            let (rows,): (i64,) =
+                sqlx::query_as("SELECT count(*) FROM idempotency_keys WHERE record_id = $1")
+                    .bind(&id.as_bytes()[..])
+                    .fetch_one(shared.pool())
+                    .await
+                    .expect("count");
+            assert_eq!(rows, 0, "{name}: a claim dropped unsent wrote a grant");
+            let again = shared.begin(&id, &fp("a"), LONG).await;
+            assert!(matches!(again, Ok(Begin::Execute(_))), "{name}: {again:?}");
+        }
+    });
+}
+
 /// Begins on `id()` every `pause`, 40 times at most, until a `begin` executes; else the last
 /// answer.
 async fn executes_within(
