@@ -330,13 +330,18 @@ impl<S: Store + ?Sized> Executor<S> {
         // that ran would be left to a retry that runs it again. So nothing is claimed then.
         // (Making a timer outside one panics: caught, that is the probe.)
         let timers = || std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
-        if tokio::runtime::Handle::try_current().is_err() || timers().is_err() {
-            return Err(RunError::Store(Error::Config(
-                "the executor runs inside a Tokio runtime with its timer enabled (its renewals \
-                 and writes are tasks on timers)"
-                    .into(),
-            )));
-        }
+        // The runtime the run starts on: its renewals, its writes and give-backs run there,
+        // even once a plain thread polls the run (a claim answered there has no runtime).
+        let home = match tokio::runtime::Handle::try_current() {
+            Ok(home) if timers().is_ok() => home,
+            _ => {
+                return Err(RunError::Store(Error::Config(
+                    "the executor runs inside a Tokio runtime with its timer enabled (its \
+                     renewals and writes are tasks on timers)"
+                        .into(),
+                )));
+            }
+        };
         let id = RecordId::new(scope, key);
         let lease = self.policy.lease();
         // The lease counts from the ask, not from the answer (see `within_lease`).
@@ -345,11 +350,9 @@ impl<S: Store + ?Sized> Executor<S> {
         // clones share the tracker, and a drain must not wait for other runs' claims.
         let answer = self.claim(id, *fingerprint, lease).await;
         let answer = crate::within_lease_with(&id, asked, lease, answer, |grant| {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let store = self.store.clone();
-                let give_back = async move { give_back_orphan(&*store, &id, grant).await };
-                self.settling.spawn_on(give_back, &runtime);
-            }
+            let store = self.store.clone();
+            let give_back = async move { give_back_orphan(&*store, &id, grant).await };
+            self.settling.spawn_on(give_back, &home);
         });
         let (token, took_over) = match answer {
             Ok(Begin::Execute(token)) => (token, false),
@@ -387,7 +390,7 @@ impl<S: Store + ?Sized> Executor<S> {
         let mut guard = LeaseGuard {
             store: self.store.clone(),
             settling: self.settling.clone(),
-            runtime: tokio::runtime::Handle::try_current().ok(),
+            runtime: home.clone(),
             id,
             token,
             took_over,
@@ -429,6 +432,7 @@ impl<S: Store + ?Sized> Executor<S> {
             std::task::Poll::Ready(result) => result,
             std::task::Poll::Pending => {
                 let (renewing, mut lease) = renew_in_a_task(
+                    &home,
                     self.store.clone(),
                     id,
                     token,
@@ -904,6 +908,7 @@ pub fn accepted_in_transaction(id: &RecordId, token: LeaseToken) {
 /// attempt, after a rollback of this one's, is refused by the operation's next fenced
 /// completion); anything else stops it, and no answer is asked again at the next tick.
 fn renew_in_a_task<S: Store + ?Sized>(
+    home: &tokio::runtime::Handle,
     store: Arc<S>,
     id: RecordId,
     token: LeaseToken,
@@ -913,7 +918,7 @@ fn renew_in_a_task<S: Store + ?Sized>(
 ) -> (tokio::task::AbortHandle, tokio::sync::watch::Receiver<Held>) {
     let (lease, every, sure) = (policy.lease(), policy.renew_every(), policy.surely_held());
     let (held, on_held) = tokio::sync::watch::channel(Held::Until(asked + sure));
-    let task = tokio::spawn(async move {
+    let task = home.spawn(async move {
         // The end of the lease last vouched for.
         let mut until = asked + sure;
         // On the schedule the store counts the lease by, from the ask: after a slow claim
@@ -1055,9 +1060,10 @@ struct LeaseGuard<S: Store + ?Sized> {
     store: Arc<S>,
     /// The executor's, so its `drain` waits for what a drop leaves to settle.
     settling: TaskTracker,
-    /// The runtime the run started on: a future dropped outside any runtime's context (held
-    /// by a plain thread) still has its lease released there.
-    runtime: Option<tokio::runtime::Handle>,
+    /// The runtime the run started on: a future dropped, or polled, outside any runtime's
+    /// context (held by a plain thread) still has its lease released, its outcome stored,
+    /// there.
+    runtime: tokio::runtime::Handle,
     id: RecordId,
     token: LeaseToken,
     /// The lease was taken over from an earlier attempt whose outcome is unknown: given
@@ -1096,7 +1102,7 @@ impl<S: Store + ?Sized> LeaseGuard<S> {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        crate::handover::finish_in_any_case_or_on(self.runtime.as_ref(), work)
+        crate::handover::finish_in_any_case_or_on(Some(&self.runtime), work)
     }
 
     /// Gives the lease back: released, or ended and kept after a takeover (see `took_over`).
@@ -1131,12 +1137,8 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         if self.settled {
             return;
         }
-        let Some(runtime) = tokio::runtime::Handle::try_current()
-            .ok()
-            .or_else(|| self.runtime.clone())
-        else {
-            return; // no runtime at all: the lease expires by itself
-        };
+        let runtime =
+            tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
         let (store, id, token) = (self.store.clone(), self.id, self.token);
         self.settling
             .spawn_on(give_back(store, id, token, self.took_over), &runtime);
@@ -1472,10 +1474,6 @@ mod tests {
         IdempotencyKey::new(k).unwrap()
     }
 
-    /// A run whose caller holds its future without polling it (busy in another branch of a
-    /// `select!`) keeps its lease: a redelivery meanwhile finds the key in flight. Before,
-    /// the renewals ran in that future, the lease lapsed, and the redelivery took the key
-    /// over and ran the operation a second time.
     /// A run that took the key over from an attempt whose outcome is unknown, and failed
     /// (or panicked, or was dropped), leaves the key taken over for the next: its lease is
     /// ended and the record kept, so the next attempt is told too (`Claim::took_over`). It
@@ -1551,6 +1549,10 @@ mod tests {
         assert!(next.value, "the next run is told of the earlier attempt");
     }
 
+    /// A run whose caller holds its future without polling it (busy in another branch of a
+    /// `select!`) keeps its lease: a redelivery meanwhile finds the key in flight. Before,
+    /// the renewals ran in that future, the lease lapsed, and the redelivery took the key
+    /// over and ran the operation a second time.
     #[tokio::test(start_paused = true)]
     async fn a_run_held_without_polling_keeps_its_lease() {
         a_waiting_run_keeps_its_lease(MemoryStore::new(), false).await;
@@ -1599,8 +1601,8 @@ mod tests {
 
     /// The memory store with faults: its first `renew` panics (a store's bug, a bad
     /// dependency: what the executor makes of a store that unwinds) unless that panic is
-    /// marked spent; its `release` may be slow; it may refuse large outcomes, or renewals and
-    /// completions as a store whose table is gone.
+    /// marked spent; its `begin` and `release` may be slow; it may refuse large outcomes, or
+    /// renewals and completions as a store whose table is gone, or fail its first completion.
     #[derive(Default)]
     struct FaultyMemory {
         inner: MemoryStore,
@@ -1616,6 +1618,11 @@ mod tests {
         completes_refused: AtomicUsize,
         /// Until then, both are refused so (its table away for a while).
         away_until: Option<Instant>,
+        /// How long each `begin` takes (a store a round trip away).
+        begin_takes: Duration,
+        /// The first `complete` fails (`Unavailable`, a connection reset) after this long.
+        complete_fails_after: Option<Duration>,
+        complete_failed: std::sync::atomic::AtomicBool,
     }
 
     impl FaultyMemory {
@@ -1640,6 +1647,9 @@ mod tests {
             fp: &Fingerprint,
             lease: Duration,
         ) -> crate::Result<Begin> {
+            if !self.begin_takes.is_zero() {
+                tokio::time::sleep(self.begin_takes).await;
+            }
             self.inner.begin(id, fp, lease).await
         }
         async fn complete(
@@ -1649,6 +1659,12 @@ mod tests {
             outcome: &Outcome,
             retention: Duration,
         ) -> crate::Result<()> {
+            if let Some(after) = self.complete_fails_after
+                && !self.complete_failed.swap(true, Ordering::SeqCst)
+            {
+                tokio::time::sleep(after).await;
+                return Err(Error::unavailable("connection reset"));
+            }
             if take_one(&self.completes_refused) || self.away() {
                 return Err(Error::Config(GONE.into()));
             }
@@ -2015,12 +2031,27 @@ mod tests {
         if go_after.is_none() {
             sender.join().unwrap(); // let go before the plain thread polls
         }
-        // Here, outside the runtime.
+        finished_here_and_replayed(runtime, executor, (scope, fp, k), run, &runs, "");
+    }
+
+    /// Polls `run`, started on `runtime`, to its end here (outside the runtime): it answers
+    /// its operation's first value, stored once — a redelivery on the runtime replays it, and
+    /// `runs` counted one run of the operation.
+    fn finished_here_and_replayed<S: Store + ?Sized + 'static>(
+        runtime: &tokio::runtime::Runtime,
+        executor: &Executor<S>,
+        (scope, fp, k): (&Scope, &Fingerprint, &IdempotencyKey),
+        mut run: std::pin::Pin<
+            Box<impl Future<Output = Result<Executed<u32>, RunError<&'static str>>>>,
+        >,
+        runs: &Arc<AtomicUsize>,
+        case: &str,
+    ) {
         let finished =
             std::panic::catch_unwind(AssertUnwindSafe(|| futures::executor::block_on(&mut run)));
         assert!(
             matches!(&finished, Ok(Ok(done)) if done.value == 1 && !done.replayed),
-            "{:?}",
+            "{case}: {:?}",
             finished.as_ref().map_err(|_| "panicked")
         );
         drop(run);
@@ -2035,9 +2066,62 @@ mod tests {
         });
         assert!(
             matches!(&redelivered, Ok(done) if done.value == 1 && done.replayed),
-            "{redelivered:?}"
+            "{case}: {redelivered:?}"
         );
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{case}");
+    }
+
+    /// A run polled once on its runtime, then to its end by a plain thread, on a store a
+    /// round trip away: its claim still waits at the hand-off (its grant then arrives on the
+    /// plain thread), or the write of its outcome does (and fails once there). Its outcome
+    /// is stored once, on the runtime it started on: a redelivery replays it. Before, the
+    /// run's guard took its runtime from the poll that saw the grant, which had none: an
+    /// operation that answered at once panicked storing its outcome (the key then held for
+    /// nobody, the operation run again after the lease), one that waited panicked starting
+    /// its renewals; and a write whose first try failed there panicked making its retry's
+    /// timer.
+    #[test]
+    fn a_run_handed_to_a_plain_thread_mid_claim_or_mid_write_stores_its_outcome() {
+        // A store a round trip away (whose renewals do not panic).
+        let claim_waits = || FaultyMemory {
+            begin_takes: Duration::from_millis(200),
+            renew_has_panicked: true.into(),
+            ..FaultyMemory::default()
+        };
+        let write_fails = || FaultyMemory {
+            complete_fails_after: Some(Duration::from_millis(20)),
+            renew_has_panicked: true.into(),
+            ..FaultyMemory::default()
+        };
+        for (case, store, waits) in [
+            (
+                "claim pending, operation answers at once",
+                claim_waits(),
+                false,
+            ),
+            ("claim pending, operation waits", claim_waits(), true),
+            ("write pending, fails once", write_fails(), false),
+        ] {
+            let runtime = one_worker();
+            let executor = Executor::new(Arc::new(store))
+                .with_policy(Policy::default().with_lease(Duration::from_secs(60)));
+            let (scope, fp, k) = (Scope::new("t"), Fingerprint::of(b"p"), key("k"));
+            let runs = Arc::new(AtomicUsize::new(0));
+            let counted = runs.clone();
+            let mut run = Box::pin(executor.run(&scope, &k, &fp, || async move {
+                if waits {
+                    tokio::task::yield_now().await;
+                }
+                Ok::<_, &str>(counted.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+            }));
+            runtime.block_on(async {
+                assert!(
+                    futures::poll!(&mut run).is_pending(),
+                    "{case}: the store waits"
+                );
+            });
+            finished_here_and_replayed(&runtime, &executor, (&scope, &fp, &k), run, &runs, case);
+        }
     }
 
     /// A run polled to its end by a plain thread after the runtime it started on shut down

@@ -67,8 +67,10 @@ enum State<T> {
 /// Runs `future` in the caller's task while the caller polls it, and in a task of its own
 /// (on the runtime it was made in) if the caller drops it before its end, or has not
 /// finished it [`HANDOVER_AFTER`] after it was made — held without being polled, or merely
-/// slow. The caller still receives the output when it polls again. A future that panics is
-/// not resumed: the panic reaches the caller (at its next poll, if it panicked in its task).
+/// slow. The caller still receives the output when it polls again. Polled where there is no
+/// runtime (a plain thread that took the caller's future over), it moves at once: its timers
+/// would panic there. A future that panics is not resumed: the panic reaches the caller (at
+/// its next poll, if it panicked in its task).
 ///
 /// ```
 /// use idempotency_core::finish_in_any_case;
@@ -221,6 +223,15 @@ impl<T: Send + 'static> Future for FinishInAnyCase<T> {
         let mut state = self.shared.lock();
         // Taken out while polled: a panic leaves `Gone`, so nothing resumes it.
         match std::mem::replace(&mut *state, State::Gone) {
+            // Polled where there is no runtime (a plain thread took the caller's future
+            // over): the work's timers and tasks would panic there, mid-write. It goes on
+            // in its task, on the runtime it was made on.
+            State::Inline(future, _) if tokio::runtime::Handle::try_current().is_err() => {
+                *state = State::Moved(Some(cx.waker().clone()));
+                drop(state);
+                self.shared.spawn(future, true);
+                Poll::Pending
+            }
             State::Inline(mut future, mut waker) => match future.as_mut().poll(cx) {
                 Poll::Ready(output) => Poll::Ready(output),
                 Poll::Pending => {
