@@ -300,6 +300,66 @@ fn a_claim_dropped_as_its_runtime_shuts_down_is_cancelled() {
     });
 }
 
+/// A failover whose old primary keeps this store's connection (a proxy that keeps its
+/// sessions, a managed failover, an operator's `REPLICAOF`) while new connections reach the
+/// new primary: the demoted node answers every write `READONLY`, which the client library
+/// takes for a recoverable error and keeps the connection. The store replaces it then, and
+/// serves again from the new primary. Before, every claim on that connection was
+/// `Unavailable` (a 503) until the process restarted, and the operations running there
+/// could neither renew nor store their outcomes.
+#[test]
+fn a_connection_left_on_a_demoted_primary_is_replaced() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let old = services::start_redis(RedisOptions::default()).await;
+        let new = services::start_redis(RedisOptions::default()).await;
+        let relay =
+            idempotency_test::relay::stalling_relay(idempotency_test::relay::upstream(old.url()))
+                .await;
+        let store = RedisStore::builder(idempotency_test::relay::through(old.url(), relay.port))
+            .call_budget(Duration::from_millis(500))
+            .connect()
+            .await
+            .expect("store");
+        execute(&store, &fresh_id(), &fp("before"), LONG).await;
+        // The failover: the old primary becomes a replica (of a primary it cannot reach: it
+        // answers reads, refuses writes), new connections go to the new one.
+        let mut demoted = redis::Client::open(old.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(1)
+            .query_async(&mut demoted)
+            .await
+            .expect("REPLICAOF");
+        relay.redirect(idempotency_test::relay::upstream(new.url()));
+        let id = fresh_id();
+        let mut answers = Vec::new();
+        for _ in 0..20 {
+            let answer = store.begin(&id, &fp("after"), LONG).await;
+            let granted = matches!(answer, Ok(Begin::Execute(_)));
+            answers.push(answer);
+            if granted {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(
+            matches!(answers.last(), Some(Ok(Begin::Execute(_)))),
+            "still on the demoted primary: {answers:?}"
+        );
+        // The refusals before: `Unavailable`, nothing else (no grant on a replica).
+        for refused in &answers[..answers.len() - 1] {
+            assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        }
+    });
+}
+
 /// A Redis that answers late but within the call budget (clients paused for a failover, a
 /// slow script) is waited for: the budget bounds every call, and no shorter timer per
 /// command cuts the answer off. Before, the client's 250 ms response timeout answered

@@ -50,15 +50,115 @@ pub enum Peek {
 /// Connection to a standalone Redis or a cluster, both cheap to clone.
 #[derive(Clone)]
 enum Conn {
+    /// The application's own connection ([`RedisStore::from_connection_manager`]), kept as
+    /// it is: its reconnects are the application's.
     Single(ConnectionManager),
+    /// The store's own connection to a standalone Redis, replaced when it is found on a
+    /// replica.
+    Own(Arc<Own>),
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// The store's own connection to a standalone Redis. The client library keeps a connection
+/// whose server answers `READONLY`, an error it takes for recoverable: after a failover whose
+/// old primary kept this connection (a proxy that keeps its sessions, a managed failover, an
+/// operator's `REPLICAOF`, or a reconnect made before the DNS name moved), every write would
+/// be refused there until the process restarted — every claim `Unavailable`, and the
+/// operations running could neither renew nor store their outcomes. So the connection that
+/// answered `READONLY` is replaced (once a second at most: a new one that lands on the
+/// demoted node again is replaced at the next second). Commands already sent on it finish
+/// there; a replica runs no write, so none of them lands late.
+struct Own {
+    /// The connection, its generation (bumped by each replacement), and when it was made.
+    current: std::sync::Mutex<(ConnectionManager, u64, Option<std::time::Instant>)>,
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+}
+
+impl Own {
+    fn new(client: redis::Client, config: ConnectionManagerConfig) -> Result<Self> {
+        let first = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+            .map_err(Error::unavailable)?;
+        Ok(Self {
+            current: std::sync::Mutex::new((first, 0, None)),
+            client,
+            config,
+        })
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, (ConnectionManager, u64, Option<std::time::Instant>)> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn connection(&self) -> (ConnectionManager, u64) {
+        let current = self.lock();
+        (current.0.clone(), current.1)
+    }
+
+    /// Replaces connection `generation`, which answered `READONLY`, unless it was replaced
+    /// already or the current one is less than a second old.
+    fn on_replica(&self, generation: u64) {
+        let mut current = self.lock();
+        let young = current
+            .2
+            .is_some_and(|made| made.elapsed() < std::time::Duration::from_secs(1));
+        if current.1 != generation || young {
+            return;
+        }
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => {
+                tracing::warn!(
+                    "Redis answered READONLY (a replica: a failover?); connecting again"
+                );
+                *current = (fresh, generation + 1, Some(std::time::Instant::now()));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not replace a connection to a Redis replica");
+            }
+        }
+    }
+
+    /// Runs `call` on the current connection; a `READONLY` answer (`replica` says which
+    /// replies are one) replaces it.
+    fn run<'a, T: Send + 'a>(
+        self: &Arc<Self>,
+        call: impl FnOnce(ConnectionManager) -> RedisFuture<'a, T> + Send + 'a,
+        replica: fn(&T) -> bool,
+    ) -> RedisFuture<'a, T> {
+        let (this, (conn, generation)) = (self.clone(), self.connection());
+        Box::pin(async move {
+            let answer = call(conn).await;
+            let refused = match &answer {
+                Ok(reply) => replica(reply),
+                Err(error) => error.code() == Some("READONLY"),
+            };
+            if refused {
+                this.on_replica(generation);
+            }
+            answer
+        })
+    }
+}
+
+/// Whether a reply is a replica's refusal of a write (a server's error is a reply here; the
+/// caller's conversion makes it an `Err`).
+fn readonly(reply: &Value) -> bool {
+    matches!(reply, Value::ServerError(error) if error.code() == "READONLY")
 }
 
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Own(own) => own.run(
+                move |mut c| Box::pin(async move { c.send_packed_command(cmd).await }),
+                readonly,
+            ),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.req_packed_command(cmd),
         }
@@ -71,6 +171,12 @@ impl ConnectionLike for Conn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Own(own) => own.run(
+                move |mut c| {
+                    Box::pin(async move { c.send_packed_commands(pipeline, offset, count).await })
+                },
+                |replies| replies.iter().any(readonly),
+            ),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
@@ -78,6 +184,7 @@ impl ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
+            Conn::Own(own) => own.connection().0.get_db(),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.get_db(),
         }
@@ -367,10 +474,7 @@ impl RedisStoreBuilder {
                 // longer than its budget allows.
                 .set_number_of_retries(1)
                 .set_max_delay(self.connect_timeout);
-            Conn::Single(
-                ConnectionManager::new_lazy_with_config(client, config)
-                    .map_err(Error::unavailable)?,
-            )
+            Conn::Own(Arc::new(Own::new(client, config)?))
         };
         let store = RedisStore {
             conn,
@@ -558,7 +662,7 @@ fn by<T>(
 
 /// Whether Redis refused a command without running it, on a connection that does not resend.
 fn refused_unrun(conn: &Conn, error: &redis::RedisError) -> bool {
-    matches!(conn, Conn::Single(_))
+    matches!(conn, Conn::Single(_) | Conn::Own(_))
         && matches!(
             error.code(),
             Some("OOM" | "READONLY" | "NOREPLICAS" | "MISCONF" | "LOADING" | "BUSY")

@@ -164,6 +164,8 @@ pub struct StallingRelay {
     epoch: Arc<AtomicU64>,
     /// Between `vanish` and `fail_over`: new connections are frozen from birth.
     vanished: Arc<AtomicBool>,
+    /// Where new connections go (`redirect` changes it).
+    upstream: Arc<std::sync::Mutex<String>>,
 }
 
 impl StallingRelay {
@@ -179,10 +181,21 @@ impl StallingRelay {
     pub fn fail_over(&self) {
         self.vanished.store(false, Ordering::SeqCst);
     }
+
+    /// New connections go to `upstream` (`host:port`) from now on; open ones stay where they
+    /// are and pass on (a failover's virtual IP or DNS name moved, but a proxy that keeps
+    /// its sessions, or a client that keeps its connection, still reaches the old primary).
+    pub fn redirect(&self, upstream: String) {
+        *self
+            .upstream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = upstream;
+    }
 }
 
 /// Starts a relay on `127.0.0.1` to `upstream` (`host:port`) whose connections pass bytes
-/// both ways untouched until [`StallingRelay::vanish`].
+/// both ways untouched until [`StallingRelay::vanish`]; [`StallingRelay::redirect`] sends
+/// new connections elsewhere.
 ///
 /// ```no_run
 /// # async fn demo() {
@@ -190,6 +203,7 @@ impl StallingRelay {
 /// // … connect through 127.0.0.1:{relay.port} …
 /// relay.vanish(); // every connection hangs
 /// relay.fail_over(); // new connections pass again
+/// relay.redirect("127.0.0.1:5433".into()); // … to another server
 /// # }
 /// ```
 pub async fn stalling_relay(upstream: String) -> StallingRelay {
@@ -198,10 +212,19 @@ pub async fn stalling_relay(upstream: String) -> StallingRelay {
         port,
         epoch: Arc::new(AtomicU64::new(0)),
         vanished: Arc::new(AtomicBool::new(false)),
+        upstream: Arc::new(std::sync::Mutex::new(upstream)),
     };
-    let (epoch, vanished) = (relay.epoch.clone(), relay.vanished.clone());
+    let (epoch, vanished, to) = (
+        relay.epoch.clone(),
+        relay.vanished.clone(),
+        relay.upstream.clone(),
+    );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
+            let upstream = to
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                 continue;
             };
