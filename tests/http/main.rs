@@ -2200,6 +2200,108 @@ fn trailers_reach_the_first_client_and_every_replay() {
     });
 }
 
+/// gRPC answers HTTP 200 whatever happened and carries its status in `grpc-status`: in the
+/// headers of a trailers-only response, or in the trailers after the messages. A failure
+/// there (`UNAVAILABLE`, which gRPC clients retry; `UNAUTHENTICATED`) is not stored, as the
+/// HTTP status it stands for would not be: the retry runs again. Before, the 200 was stored
+/// and every retry replayed the transient failure for the whole retention. A success is
+/// stored and replayed, large (over the stored-body limit: kept without its body, its
+/// trailers stored at its end) or not.
+#[test]
+fn grpc_failures_are_not_stored_and_their_retries_run_again() {
+    block_on(async {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let router = axum::Router::new()
+            .route(
+                "/grpc",
+                axum::routing::post(move |headers: axum::http::HeaderMap| {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async move {
+                        let header = |name: &str| {
+                            headers
+                                .get(name)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or_default()
+                                .to_owned()
+                        };
+                        let (mode, status) = (header("x-mode"), header("x-status"));
+                        let trailers = || {
+                            let mut map = axum::http::HeaderMap::new();
+                            map.insert("grpc-status", status.parse().expect("value"));
+                            map
+                        };
+                        let message = bytes::Bytes::from_static(b"\0\0\0\0\x02ok");
+                        let mut response = match mode.as_str() {
+                            // A call that failed before any message.
+                            "trailers-only" => {
+                                let mut response = axum::response::Response::new(Body::empty());
+                                response
+                                    .headers_mut()
+                                    .insert("grpc-status", status.parse().expect("value"));
+                                response
+                            }
+                            // A known size: read whole, trailers and all.
+                            "whole" => axum::response::Response::new(Body::new(
+                                http_body_util::Full::new(message)
+                                    .with_trailers(std::future::ready(Some(Ok(trailers())))),
+                            )),
+                            // Streamed, within the stored-body limit or far over it.
+                            _ => {
+                                let n = if mode == "large" { 40 } else { 1 };
+                                let frames = std::iter::repeat_n(message, n)
+                                    .map(http_body::Frame::data)
+                                    .chain([http_body::Frame::trailers(trailers())])
+                                    .map(Ok::<_, std::convert::Infallible>);
+                                axum::response::Response::new(Body::new(
+                                    http_body_util::StreamBody::new(futures::stream::iter(frames)),
+                                ))
+                            }
+                        };
+                        response
+                            .headers_mut()
+                            .insert("content-type", "application/grpc".parse().expect("value"));
+                        response
+                    }
+                }),
+            )
+            .layer(layer(memory()).max_stored_body(64));
+        let send = |key: String, mode: &'static str, status: &'static str| {
+            let request = axum::http::Request::post("/grpc")
+                .header("idempotency-key", key)
+                .header("x-mode", mode)
+                .header("x-status", status)
+                .body(Body::empty())
+                .expect("request");
+            router.clone().oneshot(request)
+        };
+        let ran = || calls.swap(0, std::sync::atomic::Ordering::SeqCst);
+        for mode in ["trailers-only", "whole", "streamed", "large"] {
+            for (status, stored) in [("14", false), ("16", false), ("0", true)] {
+                let key = format!("grpc-{mode}-{status}");
+                for attempt in ["first", "retry"] {
+                    let response = send(key.clone(), mode, status).await.expect("infallible");
+                    let replayed = response.headers().contains_key("idempotent-replayed");
+                    let collected = response.into_body().collect().await.expect("body");
+                    let got = collected
+                        .trailers()
+                        .and_then(|t| t.get("grpc-status").cloned());
+                    if mode != "trailers-only" {
+                        assert_eq!(got.as_ref().map(|v| v.as_bytes()), Some(status.as_bytes()));
+                    }
+                    let expect_replay = stored && attempt == "retry";
+                    assert_eq!(
+                        replayed, expect_replay,
+                        "{mode}, status {status}, {attempt}"
+                    );
+                }
+                let runs = if stored { 1 } else { 2 };
+                assert_eq!(ran(), runs, "{mode}, status {status}: runs of the handler");
+            }
+        }
+    });
+}
+
 /// A body read whole whose trailers frame is empty keeps its exact size for the first client,
 /// as its replay does (framed by `Content-Length`, not chunked).
 #[test]

@@ -78,7 +78,13 @@
 //! 423, 425, 428, 429 and 431 ([`Policy`](idempotency_core::Policy) decides; configure it with
 //! [`IdempotencyLayer::policy`]). A 5xx or one of those statuses releases the key, so the retry
 //! runs again: most of them depend on headers the fingerprint leaves out (credentials,
-//! `Accept`, `If-Match`, `Content-Type`, framing), the others say "not now". A failure that may have taken effect
+//! `Accept`, `If-Match`, `Content-Type`, framing), the others say "not now". A gRPC response
+//! (`application/grpc…`, always HTTP 200) is decided by its `grpc-status`, in its headers or
+//! its trailers, taken as the HTTP status it stands for (`UNAVAILABLE` 503, `UNAUTHENTICATED`
+//! 401, `NOT_FOUND` 404, `CANCELLED` 408, …): a transient failure is not replayed to the
+//! retries gRPC clients make of it. A streamed gRPC body is stored at its end, where its
+//! status comes (over the stored-body limit, without its body, its lease held to the end).
+//! A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop
 //! headers (and those the response's `Connection` names), `Content-Length`, `Date` and (by
@@ -147,6 +153,7 @@ mod canonical;
 #[cfg(feature = "axum")]
 mod extract;
 mod future;
+mod grpc;
 mod key;
 mod layer;
 mod metrics;

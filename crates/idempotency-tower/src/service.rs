@@ -807,8 +807,8 @@ where
                 let renew = renewals(&config, leased);
                 let forward = async move {
                     let _running = running;
-                    let mut renew = renew;
-                    stream(&config, id, token, parts, body, reply, &mut renew).await;
+                    let (mut renew, lease) = (renew, (id, token, took_over));
+                    stream(&config, lease, parts, body, reply, &mut renew).await;
                 };
                 tokio::spawn(forward.in_current_span());
                 head(answer).await
@@ -880,7 +880,7 @@ where
             let (parts, body) = response.into_parts();
             let exact = body.size_hint().exact().filter(|&n| n <= limit as u64);
             if let Some(declared) = exact
-                && policy.is_cacheable(parts.status.as_u16())
+                && cacheable(&policy, &parts, None)
             {
                 // The handler has run: a panic while reading its body is a broken body
                 // (stored as incomplete), not a failed operation (released, so run again);
@@ -1089,7 +1089,8 @@ async fn run_detached<ResBody, E>(
         }
         // The same renewal schedule goes on: no gap at the handover.
         Settled::Stream(parts, body) => {
-            stream(&config, id, token, parts, body, reply, &mut renew).await;
+            let lease = (id, token, took_over);
+            stream(&config, lease, parts, body, reply, &mut renew).await;
         }
     }
 }
@@ -1148,16 +1149,16 @@ where
             return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
         }
         Produced::Streaming(mut parts, body) => {
-            if config.policy.is_cacheable(parts.status.as_u16()) {
+            if cacheable(&config.policy, &parts, None) {
                 advertise_expiry(config, &mut parts);
                 return Settled::Stream(parts, body);
             }
-            not_stored(config, id, token, took_over, &parts).await;
+            not_stored(config, id, token, took_over, maybe_applied(&parts)).await;
             return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
     let (body, trailers) = body;
-    if config.policy.is_cacheable(parts.status.as_u16()) {
+    if cacheable(&config.policy, &parts, trailers.as_ref()) {
         advertise_expiry(config, &mut parts);
         let mut outcome = to_outcome(config, &parts, Some(&body), BodyMark::Whole);
         outcome.trailers = trailers.as_ref().map(trailer_fields).unwrap_or_default();
@@ -1168,12 +1169,29 @@ where
                 .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
         }
     } else {
-        not_stored(config, id, token, took_over, &parts).await;
+        not_stored(config, id, token, took_over, maybe_applied(&parts)).await;
     }
     Settled::Answer(Ok(Response::from_parts(
         parts,
         full_with_trailers(body, trailers),
     )))
+}
+
+/// Whether the policy stores a response: by its status, or for gRPC by the status its
+/// `grpc-status` stands for (in its headers, or in `trailers` once they came; see
+/// [`grpc::status`](crate::grpc::status)).
+fn cacheable(
+    policy: &idempotency_core::Policy,
+    parts: &http::response::Parts,
+    trailers: Option<&HeaderMap>,
+) -> bool {
+    let status = crate::grpc::status(&parts.headers, trailers);
+    policy.is_cacheable(status.unwrap_or(parts.status.as_u16()))
+}
+
+/// Whether the handler marked its response [`MaybeApplied`](crate::MaybeApplied).
+fn maybe_applied(parts: &http::response::Parts) -> bool {
+    parts.extensions.get::<crate::MaybeApplied>().is_some()
 }
 
 /// Settles the lease of a response the policy does not store: given back, so the retry runs
@@ -1184,9 +1202,9 @@ async fn not_stored(
     id: RecordId,
     token: LeaseToken,
     took_over: bool,
-    parts: &http::response::Parts,
+    maybe_applied: bool,
 ) {
-    if parts.extensions.get::<crate::MaybeApplied>().is_some() {
+    if maybe_applied {
         give_up(config, id, token, "a failure that may have taken effect").await;
         return;
     }
@@ -1203,7 +1221,10 @@ async fn not_stored(
 ///   omitted`), and the rest is only forwarded — the lease is not held for it;
 /// - the first client goes away (or stops reading for a third of a lease), or the body fails:
 ///   the rest is drained for at most half a lease, then stored; a body that did not end by
-///   then is stored without its body (`Idempotent-Replay-Body: incomplete`).
+///   then is stored without its body (`Idempotent-Replay-Body: incomplete`);
+/// - gRPC: stored only at the end, whose trailers carry its status (over the limit, without
+///   its body, the lease held to the end); a status the policy does not store (see
+///   [`cacheable`]) settles the lease as a response not stored does.
 ///
 /// Until the outcome is stored the lease is renewed on the handler's schedule — while
 /// waiting for the body, while a slow client takes a frame, and while draining — so no retry
@@ -1211,8 +1232,7 @@ async fn not_stored(
 /// gone, the key is answerable within half a lease.
 async fn stream<ResBody, E>(
     config: &Config,
-    id: RecordId,
-    token: LeaseToken,
+    (id, token, took_over): (RecordId, LeaseToken, bool),
     parts: http::response::Parts,
     body: ResBody,
     reply: Reply<E>,
@@ -1223,6 +1243,12 @@ async fn stream<ResBody, E>(
 {
     let (policy, limit) = (&config.policy, config.max_stored_body);
     let head = to_outcome(config, &parts, None, BodyMark::Whole);
+    let grpc = crate::grpc::is_grpc(&parts.headers);
+    let maybe_applied = maybe_applied(&parts);
+    // gRPC's status, from its trailers once they come.
+    let mut grpc_status = None;
+    // Over the limit, gRPC keeps nothing more of its body until its end.
+    let mut omitted = false;
     // With a declared length the client has the whole response once the last byte arrives,
     // before the stream's end: store before forwarding the frame that completes it.
     let declared: Option<usize> = parts
@@ -1322,16 +1348,23 @@ async fn stream<ResBody, E>(
         // (one stored before, at a declared length or over the limit, has none).
         if let Some(map) = frame.trailers_ref() {
             trailers.extend(trailer_fields(map));
+            grpc_status = crate::grpc::status_in(map).or(grpc_status);
         }
         if let (Some(data), false) = (frame.data_ref(), stored) {
-            if kept.len() + data.len() <= limit {
+            if omitted {
+                // gRPC over the limit: nothing more is kept.
+            } else if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
-                if declared == Some(forwarded) {
+                // Not gRPC's, whose status is still to come.
+                if declared == Some(forwarded) && !grpc {
                     stored = true;
                     let mut outcome = head.clone();
                     outcome.body = std::mem::take(&mut kept).freeze();
                     written = complete(config, id, token, &outcome).await;
                 }
+            } else if grpc {
+                omitted = true;
+                kept = bytes::BytesMut::new();
             } else {
                 // Too large to replay: store the head now, before the client can have it all.
                 stored = true;
@@ -1392,13 +1425,22 @@ async fn stream<ResBody, E>(
     let all = ended && declared.is_none_or(|n| forwarded == n);
     if !stored {
         let mut outcome = head;
-        if all {
-            outcome.body = kept.freeze();
-            outcome.trailers = trailers;
-        } else {
+        if !all {
             mark(&mut outcome, BodyMark::Incomplete);
+            complete(config, id, token, &outcome).await;
+        } else if grpc && grpc_status.is_some_and(|status| !config.policy.is_cacheable(status)) {
+            // A failure gRPC reported in its trailers (`UNAVAILABLE`, `UNAUTHENTICATED`):
+            // not stored, as the HTTP status it stands for would not be.
+            not_stored(config, id, token, took_over, maybe_applied).await;
+        } else {
+            if omitted {
+                mark(&mut outcome, BodyMark::Omitted);
+            } else {
+                outcome.body = kept.freeze();
+            }
+            outcome.trailers = trailers;
+            complete(config, id, token, &outcome).await;
         }
-        complete(config, id, token, &outcome).await;
     }
     // Whole for the client only if it was still being fed: one given up on (stalled, gone)
     // missed the frames forwarded after that, and reading on it must see an error.

@@ -1,0 +1,116 @@
+//! gRPC answers `200 OK` at the HTTP level whatever happened, and carries its own status in
+//! `grpc-status`: in the headers of a response that is only trailers (a call that failed
+//! before any message), or in the trailers after the messages. What the store keeps is
+//! decided by that status, read as the HTTP status it stands for, so that the cache rule
+//! treats an `UNAVAILABLE` as the 503 it is (given back, the retry runs) rather than as the
+//! 200 it travels in (stored, and replayed to every retry for the whole retention).
+
+use http::HeaderMap;
+
+/// The HTTP status a gRPC response stands for, for the cache rule: the `grpc-status` of
+/// `headers` (a trailers-only response), else of `trailers`, mapped as `google.rpc.Code`
+/// documents it. `None` for a response that is not gRPC, or whose status is not known yet
+/// (its trailers have not come); `OK` stands for 200. A status that does not parse stands
+/// for 500, as `UNKNOWN` does. `CANCELLED` stands for 408 rather than 499: the call was
+/// given up, and what it did is not known, so it is not stored by the default rule.
+///
+/// ```text
+/// OK 200, CANCELLED 408, UNKNOWN 500, INVALID_ARGUMENT 400, DEADLINE_EXCEEDED 504,
+/// NOT_FOUND 404, ALREADY_EXISTS 409, PERMISSION_DENIED 403, RESOURCE_EXHAUSTED 429,
+/// FAILED_PRECONDITION 400, ABORTED 409, OUT_OF_RANGE 400, UNIMPLEMENTED 501, INTERNAL 500,
+/// UNAVAILABLE 503, DATA_LOSS 500, UNAUTHENTICATED 401
+/// ```
+pub(crate) fn status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<u16> {
+    if !is_grpc(headers) {
+        return None;
+    }
+    status_in(headers).or_else(|| status_in(trailers?))
+}
+
+/// The HTTP status the `grpc-status` of `fields` (a gRPC response's headers or trailers)
+/// stands for (see [`status`]); `None` without one.
+pub(crate) fn status_in(fields: &HeaderMap) -> Option<u16> {
+    let code = fields.get("grpc-status")?;
+    let code = code.to_str().ok().and_then(|c| c.trim().parse::<u8>().ok());
+    Some(match code {
+        Some(0) => 200,
+        Some(1) => 408,
+        Some(3 | 9 | 11) => 400,
+        Some(4) => 504,
+        Some(5) => 404,
+        Some(6 | 10) => 409,
+        Some(7) => 403,
+        Some(8) => 429,
+        Some(12) => 501,
+        Some(14) => 503,
+        Some(16) => 401,
+        // UNKNOWN, INTERNAL, DATA_LOSS, and codes outside the list.
+        _ => 500,
+    })
+}
+
+/// Whether a response is gRPC's (`application/grpc`, `application/grpc+proto`, gRPC-Web's
+/// `application/grpc-web…`, whose trailers travel in its body: only a trailers-only
+/// response's status is read there).
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .get(..16)
+                .is_some_and(|start| start.eq_ignore_ascii_case("application/grpc"))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    http::HeaderName::from_static(k),
+                    http::HeaderValue::from_static(v),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_grpc_status_stands_for_its_http_status() {
+        let grpc = headers(&[("content-type", "application/grpc")]);
+        let only = |code| {
+            let mut h = grpc.clone();
+            h.insert("grpc-status", http::HeaderValue::from_static(code));
+            status(&h, None)
+        };
+        assert_eq!(only("0"), Some(200));
+        assert_eq!(only("14"), Some(503));
+        assert_eq!(only("16"), Some(401));
+        assert_eq!(only("7"), Some(403));
+        assert_eq!(only("1"), Some(408));
+        assert_eq!(only("5"), Some(404));
+        assert_eq!(only("99"), Some(500));
+        assert_eq!(only("nope"), Some(500));
+        // In the trailers, when the headers have none; not known before they come.
+        let trailers = headers(&[("grpc-status", "14")]);
+        assert_eq!(status(&grpc, Some(&trailers)), Some(503));
+        assert_eq!(status(&grpc, None), None);
+        // Not gRPC: its own HTTP status decides.
+        let json = headers(&[("content-type", "application/json"), ("grpc-status", "14")]);
+        assert_eq!(status(&json, None), None);
+        let proto = headers(&[
+            ("content-type", "application/grpc+proto"),
+            ("grpc-status", "4"),
+        ]);
+        assert_eq!(status(&proto, None), Some(504));
+        assert!(is_grpc(&headers(&[(
+            "content-type",
+            "application/grpc-web+proto"
+        )])));
+        assert!(!is_grpc(&headers(&[("content-type", "application/json")])));
+    }
+}
