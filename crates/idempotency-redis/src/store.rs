@@ -125,11 +125,14 @@ impl Own {
 
     /// Runs `call` on the current connection; a `READONLY` answer (`replica` says which
     /// replies are one) replaces it.
-    fn run<'a, T: Send + 'a>(
+    fn run<'a, T: Send + 'a, F>(
         self: &Arc<Self>,
-        call: impl FnOnce(ConnectionManager) -> RedisFuture<'a, T> + Send + 'a,
+        call: impl FnOnce(ConnectionManager) -> F + Send + 'a,
         replica: fn(&T) -> bool,
-    ) -> RedisFuture<'a, T> {
+    ) -> RedisFuture<'a, T>
+    where
+        F: Future<Output = redis::RedisResult<T>> + Send + 'a,
+    {
         let (this, (conn, generation)) = (self.clone(), self.connection());
         Box::pin(async move {
             let answer = call(conn).await;
@@ -156,7 +159,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Own(own) => own.run(
-                move |mut c| Box::pin(async move { c.send_packed_command(cmd).await }),
+                move |mut c| async move { c.send_packed_command(cmd).await },
                 readonly,
             ),
             #[cfg(feature = "cluster")]
@@ -172,9 +175,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Own(own) => own.run(
-                move |mut c| {
-                    Box::pin(async move { c.send_packed_commands(pipeline, offset, count).await })
-                },
+                move |mut c| async move { c.send_packed_commands(pipeline, offset, count).await },
                 |replies| replies.iter().any(readonly),
             ),
             #[cfg(feature = "cluster")]
