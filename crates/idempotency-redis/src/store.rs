@@ -315,7 +315,9 @@ impl RedisStoreBuilder {
     /// scope is one for everyone — answer each other's keys: a key a client sent to both
     /// is in flight or "reused" (409, 422) at the second, or replays the first's outcome
     /// where the fingerprints match. Give each key space its own prefix (`payments`,
-    /// `orders`, `staging-payments`).
+    /// `orders`, `staging-payments`). On a cluster the prefix has no `{` (refused by
+    /// `connect` with [`Error::Config`]): a record's keys share a slot by the store's own hash
+    /// tag, which must be each key's first.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -462,6 +464,19 @@ impl RedisStoreBuilder {
     /// [`Error::Unavailable`]: nothing was checked. A server that refuses `CONFIG` (managed
     /// Redis often does) is only a warning.
     pub async fn connect(self) -> Result<RedisStore> {
+        // A record's keys (the record, its takeover's tombstone, an operator's receipt) share
+        // a cluster slot by the hash tag `{record id}`, which must be each key's first: a
+        // prefix's own `{}` (hashing the whole key) put them in other slots, and every
+        // takeover, cancel and release failed with `CROSSSLOT`.
+        let cluster = self.cluster
+            || matches!(&self.given, Some(Given(c)) if !matches!(c, Conn::Single(_) | Conn::Own(_)));
+        if cluster && self.prefix.contains('{') {
+            return Err(Error::Config(format!(
+                "the Redis key prefix {:?} contains '{{': on a cluster the store's own hash tag \
+                 must be the first in each key",
+                self.prefix
+            )));
+        }
         let conn = if let Some(Given(conn)) = self.given.clone() {
             conn
         } else if self.cluster {
