@@ -1709,6 +1709,71 @@ fn a_batch_leaves_out_the_claims_dropped_while_it_waited_for_its_connection() {
     });
 }
 
+/// A claim that failed without writing its token leaves nothing to look for: it only read
+/// another attempt's row (here an outcome this build cannot decode, as an older build reads a
+/// newer one's during a rolling deploy), or its statement was cancelled by the statement
+/// timeout while another transaction held the key (rolled back). Before, each was taken for
+/// a grant that might still commit and looked for again and again for 70 minutes, a
+/// statement per failed claim per look, while the errors lasted.
+#[test]
+fn claims_that_failed_without_writing_leave_nothing_to_look_for() {
+    block_on(async {
+        // Migrates the key table, which the stores below use.
+        let Some(shared) = store().await else { return };
+        let url = services::postgres()
+            .await
+            .expect("postgres")
+            .url()
+            .to_owned();
+        for per_request in [false, true] {
+            let builder =
+                PostgresStore::builder(&url).statement_timeout(Duration::from_millis(300));
+            let builder = if per_request {
+                builder.per_request()
+            } else {
+                builder
+            };
+            let store = builder.connect().await.expect("store");
+            // Another attempt's outcome, which this build cannot decode.
+            let unreadable = fresh_id();
+            let token = execute(&*shared, &unreadable, &fp("a"), LONG).await;
+            shared
+                .complete(&unreadable, token, &Outcome::new(201), LONG)
+                .await
+                .expect("complete");
+            sqlx::query("UPDATE idempotency_keys SET response = '\\x00ff' WHERE record_id = $1")
+                .bind(&unreadable.as_bytes()[..])
+                .execute(shared.pool())
+                .await
+                .expect("corrupt");
+            let answer = store.begin(&unreadable, &fp("a"), LONG).await;
+            assert!(matches!(answer, Err(Error::Corrupt(_))), "{answer:?}");
+            // Another transaction's uncommitted row: the claim's insert waits on it until
+            // the statement timeout cancels it.
+            let held = fresh_id();
+            let mut blocker = shared.pool().begin().await.expect("transaction");
+            sqlx::query(
+                "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, \
+                 expires_at) VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
+            )
+            .bind(&held.as_bytes()[..])
+            .bind(&fp("a").as_bytes()[..])
+            .execute(&mut *blocker)
+            .await
+            .expect("blocking insert");
+            let answer = store.begin(&held, &fp("a"), LONG).await;
+            assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+            blocker.rollback().await.expect("rollback");
+            store.drain().await;
+            assert_eq!(
+                store.grants_in_doubt(),
+                0,
+                "per-request {per_request}: a claim that wrote nothing is looked for"
+            );
+        }
+    });
+}
+
 /// Begins on `id()` every `pause`, 40 times at most, until a `begin` executes; else the last
 /// answer.
 async fn executes_within(

@@ -692,7 +692,7 @@ fn statement_timed_out(error: &sqlx::Error) -> bool {
 /// statement ran (PgBouncer's `08P01`, its `query_timeout`), as the per-request path
 /// assumes too (`claim`: an error is not "nothing happened"). A give-back too many is fenced
 /// on its token and finds nothing.
-fn in_doubt(error: &sqlx::Error) -> bool {
+pub(crate) fn in_doubt(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => false,
         sqlx::Error::Database(db) => {

@@ -353,6 +353,20 @@ pub(crate) fn is_serialization_race(error: &Error) -> bool {
             sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))))
 }
 
+/// Whether a claim statement that failed with `error` may have written its token, and so
+/// must be looked for (see [`PostgresStore::grants_in_doubt`]): not when the database refused
+/// it before it could commit (a lock or statement timeout, a race, no such table; see
+/// `batch::in_doubt`).
+fn may_have_written(error: &Error) -> bool {
+    match error {
+        Error::Unavailable(source) => source
+            .downcast_ref::<sqlx::Error>()
+            .is_none_or(crate::batch::in_doubt),
+        Error::Config(_) => false,
+        _ => true,
+    }
+}
+
 fn db_error(error: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &error {
         // undefined_table: the migrations have not run. No retry will fix that.
@@ -1349,12 +1363,6 @@ impl PostgresStore {
         tokens: &[LeaseToken],
         rounds: &Rounds,
     ) -> Result<(Begin, Option<Duration>)> {
-        let note = |token| {
-            *rounds
-                .in_doubt
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
-        };
         let takeovers = &rounds.takeovers;
         for (round, token) in tokens.iter().enumerate() {
             let job = BeginJob::new(id, fp, *token, lease);
@@ -1370,22 +1378,24 @@ impl PostgresStore {
                 (Some(batches), 0) => batches.begin.call(self, |b| &b.begin, job).await,
                 _ => self.begin_statement(&job, &self.pool).await.map(Some),
             };
-            // A batch gives back its own in-doubt claims; a statement that never left the
-            // pool wrote nothing.
+            // Only a grant wrote this round's token; a row read (another attempt's, or none)
+            // did not, nor a statement that failed before it could commit (see
+            // `may_have_written`). A batch gives back its own in-doubt claims.
             let maybe_written = match &found {
-                Ok(_) => true,
-                Err(_) => !batched && wire.sent(),
+                Ok(Some(Round::Granted(_))) => true,
+                Ok(_) => false,
+                Err(error) => !batched && wire.sent() && may_have_written(error),
             };
             if maybe_written {
-                note(Some(*token));
+                rounds.note(Some(*token));
             }
             let settled = match found {
-                Ok(Some(found)) => self.follow(id, fp, lease, *token, found, takeovers).await,
+                Ok(Some(found)) => self.follow(id, fp, lease, *token, found, rounds).await,
                 other => other.map(|_| None),
             };
             match settled {
                 Ok(Some(decision)) => return Ok(decision),
-                Ok(None) => note(None),
+                Ok(None) => rounds.note(None),
                 // Another transaction won the race; under READ COMMITTED this cannot happen,
                 // under a pool configured SERIALIZABLE it can: the next round reads the winner.
                 // Raised after this round's grant committed (by a re-arm, a give-back), it
@@ -1468,7 +1478,7 @@ impl PostgresStore {
         lease: Duration,
         token: LeaseToken,
         round: Round,
-        takeovers: &std::sync::Mutex<Vec<LeaseToken>>,
+        rounds: &Rounds,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let view = match round {
             Round::Granted(left) => return self.fresh_grant(id, token, lease, left, false).await,
@@ -1489,11 +1499,14 @@ impl PostgresStore {
             return Ok(Some(decision));
         }
         if unfinished {
-            takeovers
+            rounds
+                .takeovers
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(token);
         }
+        // The takeover writes the token: in doubt from before it is sent.
+        rounds.note(Some(token));
         let taken: Option<(f64,)> = claim_query(self.sql.get(TAKEOVER_SQL), id, fp, token, lease)
             .bind(state)
             .fetch_optional_on(&self.pool)
@@ -1658,6 +1671,15 @@ impl Rounds {
             .filter(|(_, wire)| wire.give_up())
             .map(|(token, _)| *token)
             .collect()
+    }
+
+    /// Notes the token of the round under way as one its statements may have written
+    /// (`None`: none of them did).
+    fn note(&self, token: Option<LeaseToken>) {
+        *self
+            .in_doubt
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
     }
 
     /// The token of the round whose grant may have been written, taken.
