@@ -20,6 +20,15 @@ async fn store() -> Option<Arc<PostgresStore>> {
 
 idempotency_test::conformance_tests!(async { store().await.map(|s| s as Arc<dyn Store>) });
 
+/// The URL of the Postgres the harness runs (the shared store's).
+async fn postgres_url() -> String {
+    services::postgres()
+        .await
+        .expect("postgres")
+        .url()
+        .to_owned()
+}
+
 /// The whole suite again on the per-request store (no group commit): the batched store must
 /// answer exactly as it does.
 mod per_request {
@@ -870,11 +879,7 @@ fn complete_in_a_long_transaction_keeps_the_whole_retention() {
 fn serializable_sessions_do_not_turn_races_into_errors() {
     block_on(async {
         let Some(shared) = store().await else { return };
-        let url = services::postgres()
-            .await
-            .expect("postgres")
-            .url()
-            .to_owned();
+        let url = postgres_url().await;
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(16)
             .after_connect(|conn, _| {
@@ -1588,11 +1593,7 @@ fn claims_that_never_reached_postgres_leave_nothing_to_look_for() {
         if services::skipping() {
             return;
         }
-        let url = services::postgres()
-            .await
-            .expect("postgres")
-            .url()
-            .to_owned();
+        let url = postgres_url().await;
         // Accepts, finds no server behind it (nothing listens on port 1), closes.
         let resetting = idempotency_test::relay::cutting_relay(
             "127.0.0.1:1".into(),
@@ -1643,11 +1644,7 @@ fn a_batch_leaves_out_the_claims_dropped_while_it_waited_for_its_connection() {
     block_on(async {
         // Migrates the key table, which the store below (on a pool of its own) uses.
         let Some(shared) = store().await else { return };
-        let url = services::postgres()
-            .await
-            .expect("postgres")
-            .url()
-            .to_owned();
+        let url = postgres_url().await;
         // One connection, held by the test until the batch waits for it.
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
@@ -1720,11 +1717,7 @@ fn claims_that_failed_without_writing_leave_nothing_to_look_for() {
     block_on(async {
         // Migrates the key table, which the stores below use.
         let Some(shared) = store().await else { return };
-        let url = services::postgres()
-            .await
-            .expect("postgres")
-            .url()
-            .to_owned();
+        let url = postgres_url().await;
         for per_request in [false, true] {
             let builder =
                 PostgresStore::builder(&url).statement_timeout(Duration::from_millis(300));
