@@ -832,7 +832,9 @@ impl PostgresStore {
     /// effect committed then, and must not commit twice).
     ///
     /// The row stays locked until the transaction ends; a concurrent `begin` on the same key
-    /// waits on it meanwhile, then replays (committed) or answers in flight (rolled back).
+    /// waits on it meanwhile, then answers the row as it was when its statement began: in
+    /// flight (a 409). Its retry replays (committed), or finds the record in flight until
+    /// its lease ends (rolled back).
     /// Under `REPEATABLE READ` or `SERIALIZABLE`, complete first (before the effect's
     /// statements): a renewal of the lease committed after the transaction's snapshot makes
     /// the completion fail with a serialization error (`Unavailable`). The retention counts from when the row is written
