@@ -2200,95 +2200,109 @@ fn trailers_reach_the_first_client_and_every_replay() {
     });
 }
 
+/// A gRPC service behind `layer` at `/grpc`, answering as the request's headers say:
+/// `x-mode` (`trailers-only`: a call that failed before any message; `whole`: a known size,
+/// read whole; `streamed`; `large`: streamed far over a 64-byte stored-body limit) and
+/// `x-status` (its `grpc-status`). Counts its runs.
+fn grpc_service(layer: idempotency_tower::IdempotencyLayer) -> (axum::Router, support::Calls) {
+    let calls = support::Calls::default();
+    let counted = calls.0.clone();
+    let router = axum::Router::new()
+        .route(
+            "/grpc",
+            axum::routing::post(move |headers: axum::http::HeaderMap| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    let header = |name: &str| {
+                        headers
+                            .get(name)
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned()
+                    };
+                    let (mode, status) = (header("x-mode"), header("x-status"));
+                    let trailers = || {
+                        let mut map = axum::http::HeaderMap::new();
+                        map.insert("grpc-status", status.parse().expect("value"));
+                        map
+                    };
+                    let message = bytes::Bytes::from_static(b"\0\0\0\0\x02ok");
+                    let mut response = match mode.as_str() {
+                        "trailers-only" => {
+                            let mut response = axum::response::Response::new(Body::empty());
+                            response
+                                .headers_mut()
+                                .insert("grpc-status", status.parse().expect("value"));
+                            response
+                        }
+                        "whole" => axum::response::Response::new(Body::new(
+                            http_body_util::Full::new(message)
+                                .with_trailers(std::future::ready(Some(Ok(trailers())))),
+                        )),
+                        _ => {
+                            let n = if mode == "large" { 40 } else { 1 };
+                            let frames = std::iter::repeat_n(message, n)
+                                .map(http_body::Frame::data)
+                                .chain([http_body::Frame::trailers(trailers())])
+                                .map(Ok::<_, std::convert::Infallible>);
+                            axum::response::Response::new(Body::new(
+                                http_body_util::StreamBody::new(futures::stream::iter(frames)),
+                            ))
+                        }
+                    };
+                    response
+                        .headers_mut()
+                        .insert("content-type", "application/grpc".parse().expect("value"));
+                    response
+                }
+            }),
+        )
+        .layer(layer.max_stored_body(64));
+    (router, calls)
+}
+
+/// Sends a gRPC-shaped call to `router`'s `/grpc` (see [`grpc_service`]); its response's
+/// `Idempotent-Replayed`, its trailers' `grpc-status`, and its body.
+async fn grpc_call(
+    router: &axum::Router,
+    key: &str,
+    mode: &str,
+    status: &str,
+) -> (bool, Option<String>, bytes::Bytes) {
+    let request = axum::http::Request::post("/grpc")
+        .header("idempotency-key", key)
+        .header("x-mode", mode)
+        .header("x-status", status)
+        .body(Body::empty())
+        .expect("request");
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let in_head = response.headers().get("grpc-status").cloned();
+    let collected = response.into_body().collect().await.expect("body");
+    let status = collected
+        .trailers()
+        .and_then(|t| t.get("grpc-status").cloned())
+        .or(in_head)
+        .map(|v| v.to_str().expect("ascii").to_owned());
+    (replayed, status, collected.to_bytes())
+}
+
 /// gRPC answers HTTP 200 whatever happened and carries its status in `grpc-status`: in the
 /// headers of a trailers-only response, or in the trailers after the messages. A failure
 /// there (`UNAVAILABLE`, which gRPC clients retry; `UNAUTHENTICATED`) is not stored, as the
 /// HTTP status it stands for would not be: the retry runs again. Before, the 200 was stored
 /// and every retry replayed the transient failure for the whole retention. A success is
-/// stored and replayed, large (over the stored-body limit: kept without its body, its
-/// trailers stored at its end) or not.
+/// stored and replayed with its status.
 #[test]
 fn grpc_failures_are_not_stored_and_their_retries_run_again() {
     block_on(async {
-        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = calls.clone();
-        let router = axum::Router::new()
-            .route(
-                "/grpc",
-                axum::routing::post(move |headers: axum::http::HeaderMap| {
-                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    async move {
-                        let header = |name: &str| {
-                            headers
-                                .get(name)
-                                .and_then(|v| v.to_str().ok())
-                                .unwrap_or_default()
-                                .to_owned()
-                        };
-                        let (mode, status) = (header("x-mode"), header("x-status"));
-                        let trailers = || {
-                            let mut map = axum::http::HeaderMap::new();
-                            map.insert("grpc-status", status.parse().expect("value"));
-                            map
-                        };
-                        let message = bytes::Bytes::from_static(b"\0\0\0\0\x02ok");
-                        let mut response = match mode.as_str() {
-                            // A call that failed before any message.
-                            "trailers-only" => {
-                                let mut response = axum::response::Response::new(Body::empty());
-                                response
-                                    .headers_mut()
-                                    .insert("grpc-status", status.parse().expect("value"));
-                                response
-                            }
-                            // A known size: read whole, trailers and all.
-                            "whole" => axum::response::Response::new(Body::new(
-                                http_body_util::Full::new(message)
-                                    .with_trailers(std::future::ready(Some(Ok(trailers())))),
-                            )),
-                            // Streamed, within the stored-body limit or far over it.
-                            _ => {
-                                let n = if mode == "large" { 40 } else { 1 };
-                                let frames = std::iter::repeat_n(message, n)
-                                    .map(http_body::Frame::data)
-                                    .chain([http_body::Frame::trailers(trailers())])
-                                    .map(Ok::<_, std::convert::Infallible>);
-                                axum::response::Response::new(Body::new(
-                                    http_body_util::StreamBody::new(futures::stream::iter(frames)),
-                                ))
-                            }
-                        };
-                        response
-                            .headers_mut()
-                            .insert("content-type", "application/grpc".parse().expect("value"));
-                        response
-                    }
-                }),
-            )
-            .layer(layer(memory()).max_stored_body(64));
-        let send = |key: String, mode: &'static str, status: &'static str| {
-            let request = axum::http::Request::post("/grpc")
-                .header("idempotency-key", key)
-                .header("x-mode", mode)
-                .header("x-status", status)
-                .body(Body::empty())
-                .expect("request");
-            router.clone().oneshot(request)
-        };
-        let ran = || calls.swap(0, std::sync::atomic::Ordering::SeqCst);
-        for mode in ["trailers-only", "whole", "streamed", "large"] {
+        let (router, calls) = grpc_service(layer(memory()));
+        for mode in ["trailers-only", "whole", "streamed"] {
             for (status, stored) in [("14", false), ("16", false), ("0", true)] {
                 let key = format!("grpc-{mode}-{status}");
                 for attempt in ["first", "retry"] {
-                    let response = send(key.clone(), mode, status).await.expect("infallible");
-                    let replayed = response.headers().contains_key("idempotent-replayed");
-                    let collected = response.into_body().collect().await.expect("body");
-                    let got = collected
-                        .trailers()
-                        .and_then(|t| t.get("grpc-status").cloned());
-                    if mode != "trailers-only" {
-                        assert_eq!(got.as_ref().map(|v| v.as_bytes()), Some(status.as_bytes()));
-                    }
+                    let (replayed, got, _) = grpc_call(&router, &key, mode, status).await;
+                    assert_eq!(got.as_deref(), Some(status), "{mode}, {status}, {attempt}");
                     let expect_replay = stored && attempt == "retry";
                     assert_eq!(
                         replayed, expect_replay,
@@ -2296,8 +2310,84 @@ fn grpc_failures_are_not_stored_and_their_retries_run_again() {
                     );
                 }
                 let runs = if stored { 1 } else { 2 };
-                assert_eq!(ran(), runs, "{mode}, status {status}: runs of the handler");
+                assert_eq!(
+                    calls.take(),
+                    runs,
+                    "{mode}, status {status}: runs of the handler"
+                );
             }
+        }
+        // Over the stored-body limit, a stream is stored at the limit without its body or
+        // trailers, as any is: its replay has no `grpc-status`, which a gRPC client takes
+        // for an error, not for a success without messages.
+        let (_, first, body) = grpc_call(&router, "grpc-large", "large", "0").await;
+        assert_eq!((first.as_deref(), body.len()), (Some("0"), 280));
+        let (replayed, again, body) = grpc_call(&router, "grpc-large", "large", "0").await;
+        assert!(
+            replayed && again.is_none() && body.is_empty(),
+            "{again:?} {body:?}"
+        );
+        assert_eq!(calls.take(), 1);
+    });
+}
+
+/// A gRPC failure that may have taken effect (`DEADLINE_EXCEEDED`: a downstream charge whose
+/// answer came late; `INTERNAL`) is kept for the outcome-unknown policy, as a response marked
+/// `MaybeApplied` is: a gRPC handler has no way to mark one. Under `Reject` the retry is
+/// refused rather than run again; `UNAVAILABLE` is given back and runs again.
+#[test]
+fn grpc_failures_that_may_have_taken_effect_are_kept_for_the_outcome_unknown_policy() {
+    block_on(async {
+        let reject = layer(memory()).on_outcome_unknown(idempotency_tower::OutcomeUnknown::Reject);
+        let (router, calls) = grpc_service(reject);
+        for (status, runs) in [("4", 1), ("13", 1), ("14", 2)] {
+            for mode in ["trailers-only", "streamed"] {
+                let key = format!("grpc-unknown-{mode}-{status}");
+                grpc_call(&router, &key, mode, status).await;
+                let request = axum::http::Request::post("/grpc")
+                    .header("idempotency-key", key.as_str())
+                    .header("x-mode", mode)
+                    .header("x-status", status)
+                    .body(Body::empty())
+                    .expect("request");
+                let retry = router.clone().oneshot(request).await.expect("infallible");
+                assert_eq!(calls.take(), runs, "{mode}, status {status}: {retry:?}");
+            }
+        }
+    });
+}
+
+/// Trailers end the response for the client (hyper sends them with the stream's end), so
+/// they reach it only once the outcome is stored: a client that read the whole response and
+/// retries at once gets the replay. Before, they were forwarded first, and a retry made
+/// while the store's write was on its way found the key in flight (409, which gRPC clients
+/// do not retry).
+#[test]
+fn trailers_reach_the_client_only_once_the_outcome_is_stored() {
+    block_on(async {
+        let slow = Arc::new(support::Rigged {
+            complete_takes: Duration::from_millis(300),
+            ..support::Rigged::default()
+        });
+        let (router, calls) = grpc_service(layer(slow));
+        let addr = serve(router).await;
+        for status in ["0", "14"] {
+            let key = format!("grpc-held-{status}");
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                ("x-mode", "streamed"),
+                ("x-status", status),
+                ("te", "trailers"),
+            ];
+            let first = post(addr, "/grpc", &headers, "").await;
+            let retry = post(addr, "/grpc", &headers, "").await;
+            assert_eq!(retry.status, 200, "{status}: {:?}", retry.headers);
+            let replayed = retry
+                .headers
+                .iter()
+                .any(|(k, _)| k == "idempotent-replayed");
+            assert_eq!(replayed, status == "0", "{status}: {:?}", first.headers);
+            assert_eq!(calls.take(), if status == "0" { 1 } else { 2 }, "{status}");
         }
     });
 }

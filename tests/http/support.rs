@@ -28,6 +28,11 @@ impl Calls {
     pub(crate) fn get(&self) -> usize {
         self.0.load(Ordering::SeqCst)
     }
+
+    /// The count so far, starting again from zero.
+    pub(crate) fn take(&self) -> usize {
+        self.0.swap(0, Ordering::SeqCst)
+    }
 }
 
 /// `POST /charges`: counts a call; `x-delay-ms` sleeps first, `x-fail: <status>` answers
@@ -163,11 +168,13 @@ pub(crate) async fn post_and_hang_up(
 /// renewal for zero) that panics once.
 #[derive(Default)]
 pub(crate) struct Rigged {
-    inner: idempotency_core::MemoryStore,
+    pub(crate) inner: idempotency_core::MemoryStore,
     /// Armed: the next renewal releases the live lease, sends, and answers `LeaseLost`.
     pub(crate) lose_next_renewal: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
     /// Armed: the next release, or renewal for zero, panics.
     pub(crate) panic_next_give_back: std::sync::atomic::AtomicBool,
+    /// How long each `complete` takes (a store a round trip away).
+    pub(crate) complete_takes: Duration,
 }
 
 #[async_trait::async_trait]
@@ -187,6 +194,9 @@ impl Store for Rigged {
         outcome: &idempotency_core::Outcome,
         retention: Duration,
     ) -> idempotency_core::Result<()> {
+        if !self.complete_takes.is_zero() {
+            tokio::time::sleep(self.complete_takes).await;
+        }
         self.inner.complete(id, token, outcome, retention).await
     }
     async fn release(

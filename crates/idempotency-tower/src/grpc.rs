@@ -49,6 +49,17 @@ pub(crate) fn status_in(fields: &HeaderMap) -> Option<u16> {
     })
 }
 
+/// Whether a gRPC failure, by the HTTP status it stands for ([`status`]), may have taken
+/// effect: `CANCELLED` (408), `DEADLINE_EXCEEDED` (504), `UNKNOWN`, `INTERNAL` and
+/// `DATA_LOSS` (500) come from a call that may have done its work (a downstream charge whose
+/// answer came late). Settled as a response marked `MaybeApplied` is: kept for the
+/// outcome-unknown policy, not given back. `UNAVAILABLE`, `RESOURCE_EXHAUSTED`,
+/// `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNIMPLEMENTED` and `ABORTED` say the call did
+/// not run (or rolled back): given back, the retry runs.
+pub(crate) fn may_have_applied(http: u16) -> bool {
+    matches!(http, 408 | 500 | 504)
+}
+
 /// Whether a response is gRPC's (`application/grpc`, `application/grpc+proto`, gRPC-Web's
 /// `application/grpc-web…`, whose trailers travel in its body: only a trailers-only
 /// response's status is read there).

@@ -82,8 +82,13 @@
 //! (`application/grpc…`, always HTTP 200) is decided by its `grpc-status`, in its headers or
 //! its trailers, taken as the HTTP status it stands for (`UNAVAILABLE` 503, `UNAUTHENTICATED`
 //! 401, `NOT_FOUND` 404, `CANCELLED` 408, …): a transient failure is not replayed to the
-//! retries gRPC clients make of it. A streamed gRPC body is stored at its end, where its
-//! status comes (over the stored-body limit, without its body, its lease held to the end).
+//! retries gRPC clients make of it. One that may have taken effect (`DEADLINE_EXCEEDED`,
+//! `CANCELLED`, `UNKNOWN`, `INTERNAL`, `DATA_LOSS`) is kept for the outcome-unknown policy,
+//! as a response marked `MaybeApplied` is (a gRPC handler cannot mark one). A streamed gRPC
+//! body is stored at its end, where its status comes; over the stored-body limit it is
+//! stored at the limit without its body or trailers, as any body is, and its replay has no
+//! `grpc-status` (an error to a gRPC client, never a success without messages). Trailers
+//! reach the first client only once the outcome is stored (they end its stream).
 //! A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop

@@ -1150,10 +1150,13 @@ where
         }
         Produced::Streaming(mut parts, body) => {
             if cacheable(&config.policy, &parts, None) {
-                advertise_expiry(config, &mut parts);
+                // Not for gRPC, whose status (in its trailers) may yet say "not stored".
+                if !crate::grpc::is_grpc(&parts.headers) {
+                    advertise_expiry(config, &mut parts);
+                }
                 return Settled::Stream(parts, body);
             }
-            not_stored(config, id, token, took_over, maybe_applied(&parts)).await;
+            not_stored(config, id, token, took_over, maybe_applied(&parts, None)).await;
             return Settled::Answer(Ok(Response::from_parts(parts, boxed(body))));
         }
     };
@@ -1169,7 +1172,8 @@ where
                 .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
         }
     } else {
-        not_stored(config, id, token, took_over, maybe_applied(&parts)).await;
+        let unknown = maybe_applied(&parts, trailers.as_ref());
+        not_stored(config, id, token, took_over, unknown).await;
     }
     Settled::Answer(Ok(Response::from_parts(
         parts,
@@ -1189,9 +1193,13 @@ fn cacheable(
     policy.is_cacheable(status.unwrap_or(parts.status.as_u16()))
 }
 
-/// Whether the handler marked its response [`MaybeApplied`](crate::MaybeApplied).
-fn maybe_applied(parts: &http::response::Parts) -> bool {
+/// Whether the handler marked its response [`MaybeApplied`](crate::MaybeApplied), or it is a
+/// gRPC failure that may have taken effect (`DEADLINE_EXCEEDED`, `CANCELLED`, `UNKNOWN`,
+/// `INTERNAL`, `DATA_LOSS`: see [`grpc::may_have_applied`](crate::grpc::may_have_applied)),
+/// which a gRPC handler has no way to mark.
+fn maybe_applied(parts: &http::response::Parts, trailers: Option<&HeaderMap>) -> bool {
     parts.extensions.get::<crate::MaybeApplied>().is_some()
+        || crate::grpc::status(&parts.headers, trailers).is_some_and(crate::grpc::may_have_applied)
 }
 
 /// Settles the lease of a response the policy does not store: given back, so the retry runs
@@ -1222,9 +1230,13 @@ async fn not_stored(
 /// - the first client goes away (or stops reading for a third of a lease), or the body fails:
 ///   the rest is drained for at most half a lease, then stored; a body that did not end by
 ///   then is stored without its body (`Idempotent-Replay-Body: incomplete`);
-/// - gRPC: stored only at the end, whose trailers carry its status (over the limit, without
-///   its body, the lease held to the end); a status the policy does not store (see
-///   [`cacheable`]) settles the lease as a response not stored does.
+/// - trailers end the stream for the client (hyper sends them with its end): they are held
+///   until the outcome is stored, and forwarded after it;
+/// - gRPC within the limit: stored at the end, whose trailers carry its status; a status the
+///   policy does not store (see [`cacheable`]) settles the lease as a response not stored
+///   does. Over the limit it is stored as any body is, at the limit, without its body or
+///   trailers: its replay carries no `grpc-status`, an error to a gRPC client, not a
+///   success without messages.
 ///
 /// Until the outcome is stored the lease is renewed on the handler's schedule — while
 /// waiting for the body, while a slow client takes a frame, and while draining — so no retry
@@ -1244,11 +1256,11 @@ async fn stream<ResBody, E>(
     let (policy, limit) = (&config.policy, config.max_stored_body);
     let head = to_outcome(config, &parts, None, BodyMark::Whole);
     let grpc = crate::grpc::is_grpc(&parts.headers);
-    let maybe_applied = maybe_applied(&parts);
+    let maybe_applied = maybe_applied(&parts, None);
     // gRPC's status, from its trailers once they come.
     let mut grpc_status = None;
-    // Over the limit, gRPC keeps nothing more of its body until its end.
-    let mut omitted = false;
+    // The trailers frame, the body's last: forwarded once the outcome is stored.
+    let mut last: Option<http_body::Frame<Bytes>> = None;
     // With a declared length the client has the whole response once the last byte arrives,
     // before the stream's end: store before forwarding the frame that completes it.
     let declared: Option<usize> = parts
@@ -1344,16 +1356,23 @@ async fn stream<ResBody, E>(
                 break false;
             }
         }
+        if last.is_some() {
+            // A frame after the trailers: a broken body (trailers end a response).
+            tracing::warn!("the response body went on after its trailers");
+            abandon(&mut client);
+            break false;
+        }
         // Trailers come after the last data frame: kept for an outcome stored at the end
-        // (one stored before, at a declared length or over the limit, has none).
+        // (one stored before, at a declared length or over the limit, has none), and held
+        // until it is: they end the stream for the client.
         if let Some(map) = frame.trailers_ref() {
             trailers.extend(trailer_fields(map));
             grpc_status = crate::grpc::status_in(map).or(grpc_status);
+            last = Some(frame);
+            continue;
         }
         if let (Some(data), false) = (frame.data_ref(), stored) {
-            if omitted {
-                // gRPC over the limit: nothing more is kept.
-            } else if kept.len() + data.len() <= limit {
+            if kept.len() + data.len() <= limit {
                 kept.extend_from_slice(data);
                 // Not gRPC's, whose status is still to come.
                 if declared == Some(forwarded) && !grpc {
@@ -1362,9 +1381,6 @@ async fn stream<ResBody, E>(
                     outcome.body = std::mem::take(&mut kept).freeze();
                     written = complete(config, id, token, &outcome).await;
                 }
-            } else if grpc {
-                omitted = true;
-                kept = bytes::BytesMut::new();
             } else {
                 // Too large to replay: store the head now, before the client can have it all.
                 stored = true;
@@ -1431,16 +1447,20 @@ async fn stream<ResBody, E>(
         } else if grpc && grpc_status.is_some_and(|status| !config.policy.is_cacheable(status)) {
             // A failure gRPC reported in its trailers (`UNAVAILABLE`, `UNAUTHENTICATED`):
             // not stored, as the HTTP status it stands for would not be.
-            not_stored(config, id, token, took_over, maybe_applied).await;
+            let unknown = maybe_applied || grpc_status.is_some_and(crate::grpc::may_have_applied);
+            not_stored(config, id, token, took_over, unknown).await;
         } else {
-            if omitted {
-                mark(&mut outcome, BodyMark::Omitted);
-            } else {
-                outcome.body = kept.freeze();
-            }
+            outcome.body = kept.freeze();
             outcome.trailers = trailers;
             complete(config, id, token, &outcome).await;
         }
+    }
+    // The trailers, now that the outcome is settled; a client that went away meanwhile
+    // missed them, and reading on must see an error.
+    if let (Some(frame), Some(sender)) = (last, &client)
+        && sender.send(Ok(frame)).await.is_err()
+    {
+        client = None;
     }
     // Whole for the client only if it was still being fed: one given up on (stalled, gone)
     // missed the frames forwarded after that, and reading on it must see an error.
