@@ -262,8 +262,16 @@ impl DuplicateShare {
 
     fn observe(&self, duplicate: bool) {
         let old = u64::from(self.0.load(Ordering::Relaxed));
-        let sample = if duplicate { u64::from(Self::ONE) } else { 0 };
-        let new = (old * 63 + sample) / 64; // ≤ ONE
+        // A duplicate weighs a hair over one, so that a run of them reaches one exactly:
+        // rounded down, the average stopped up to 63 steps short of it, and
+        // `Adaptive { min_duplicate_share: 1.0 }` never used Redis again after one first
+        // request. A run of first requests still reaches zero.
+        let sample = if duplicate {
+            u64::from(Self::ONE) + 63
+        } else {
+            0
+        };
+        let new = ((old * 63 + sample) / 64).min(u64::from(Self::ONE));
         // Written only when it moves: at a steady share the cache line stays shared by the
         // cores instead of bouncing between them on every `begin`.
         if new != old {
@@ -1510,5 +1518,27 @@ impl Store for HybridStore {
         self.inner.settling.wait().await;
         self.pg.drain().await;
         self.redis.drain().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DuplicateShare;
+
+    /// The average reaches one again after a run of duplicates, and falls under any share
+    /// above zero after a run of first requests.
+    #[test]
+    fn the_duplicate_share_reaches_both_ends() {
+        let share = DuplicateShare::new();
+        share.observe(false);
+        assert!(!share.at_least(DuplicateShare::ONE));
+        for _ in 0..2_000 {
+            share.observe(true);
+        }
+        assert!(share.at_least(DuplicateShare::ONE), "{share:?}");
+        for _ in 0..2_000 {
+            share.observe(false);
+        }
+        assert!(!share.at_least(1), "{share:?}");
     }
 }
