@@ -2202,7 +2202,8 @@ fn trailers_reach_the_first_client_and_every_replay() {
 
 /// A gRPC service behind `layer` at `/grpc`, answering as the request's headers say:
 /// `x-mode` (`trailers-only`: a call that failed before any message; `whole`: a known size,
-/// read whole; `streamed`; `large`: streamed far over a 64-byte stored-body limit) and
+/// read whole; `streamed`; `large`: streamed far over a 64-byte stored-body limit;
+/// `after-trailers` and `pending-after`: streamed, then more after its trailers) and
 /// `x-status` (its `grpc-status`). Counts its runs.
 fn grpc_service(layer: idempotency_tower::IdempotencyLayer) -> (axum::Router, support::Calls) {
     let calls = support::Calls::default();
@@ -2241,13 +2242,26 @@ fn grpc_service(layer: idempotency_tower::IdempotencyLayer) -> (axum::Router, su
                         )),
                         _ => {
                             let n = if mode == "large" { 40 } else { 1 };
+                            // tonic's body after an error's trailers polls the handler's
+                            // stream on: more messages, or a wait.
+                            let after = match mode.as_str() {
+                                "after-trailers" => vec![http_body::Frame::data(message.clone())],
+                                _ => vec![],
+                            };
                             let frames = std::iter::repeat_n(message, n)
                                 .map(http_body::Frame::data)
                                 .chain([http_body::Frame::trailers(trailers())])
+                                .chain(after)
                                 .map(Ok::<_, std::convert::Infallible>);
-                            axum::response::Response::new(Body::new(
-                                http_body_util::StreamBody::new(futures::stream::iter(frames)),
-                            ))
+                            let frames = futures::stream::iter(frames);
+                            let body = if mode == "pending-after" {
+                                Body::new(http_body_util::StreamBody::new(
+                                    futures::StreamExt::chain(frames, futures::stream::pending()),
+                                ))
+                            } else {
+                                Body::new(http_body_util::StreamBody::new(frames))
+                            };
+                            axum::response::Response::new(body)
                         }
                     };
                     response
@@ -2297,7 +2311,7 @@ async fn grpc_call(
 fn grpc_failures_are_not_stored_and_their_retries_run_again() {
     block_on(async {
         let (router, calls) = grpc_service(layer(memory()));
-        for mode in ["trailers-only", "whole", "streamed"] {
+        for mode in ["trailers-only", "whole", "streamed", "after-trailers"] {
             for (status, stored) in [("14", false), ("16", false), ("0", true)] {
                 let key = format!("grpc-{mode}-{status}");
                 for attempt in ["first", "retry"] {
@@ -2318,15 +2332,13 @@ fn grpc_failures_are_not_stored_and_their_retries_run_again() {
             }
         }
         // Over the stored-body limit, a stream is stored at the limit without its body or
-        // trailers, as any is: its replay has no `grpc-status`, which a gRPC client takes
-        // for an error, not for a success without messages.
+        // trailers, as any is: its replay is a trailers-only `INTERNAL`, never a success
+        // without messages (which a missing `grpc-status` was to some clients).
         let (_, first, body) = grpc_call(&router, "grpc-large", "large", "0").await;
         assert_eq!((first.as_deref(), body.len()), (Some("0"), 280));
         let (replayed, again, body) = grpc_call(&router, "grpc-large", "large", "0").await;
-        assert!(
-            replayed && again.is_none() && body.is_empty(),
-            "{again:?} {body:?}"
-        );
+        assert!(replayed && body.is_empty(), "{again:?} {body:?}");
+        assert_eq!(again.as_deref(), Some("13"));
         assert_eq!(calls.take(), 1);
     });
 }
@@ -2389,6 +2401,20 @@ fn trailers_reach_the_client_only_once_the_outcome_is_stored() {
             assert_eq!(replayed, status == "0", "{status}: {:?}", first.headers);
             assert_eq!(calls.take(), if status == "0" { 1 } else { 2 }, "{status}");
         }
+        // A body that waits after its trailers (tonic's, polling a handler's stream that
+        // stays open) ends at them, as without the layer. (The guard turns a hang into a
+        // failure.)
+        let headers = [
+            ("idempotency-key", "grpc-pending-after"),
+            ("x-mode", "pending-after"),
+            ("x-status", "14"),
+            ("te", "trailers"),
+        ];
+        let answered =
+            tokio::time::timeout(Duration::from_secs(20), post(addr, "/grpc", &headers, "")).await;
+        let reply = answered.expect("the response ends at its trailers");
+        assert_eq!(reply.status, 200);
+        assert_eq!(calls.take(), 1);
     });
 }
 

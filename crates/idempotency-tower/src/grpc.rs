@@ -60,6 +60,31 @@ pub(crate) fn may_have_applied(http: u16) -> bool {
     matches!(http, 408 | 500 | 504)
 }
 
+/// Marks a stored gRPC outcome kept without its messages (over the stored-body limit, or
+/// broken off: `why`) as a trailers-only `INTERNAL`, so that its replay fails clearly: with
+/// no `grpc-status` at all, some clients (older tonic, gRPC-Web) took a replay without
+/// messages for a success. Any other outcome is left as it is.
+pub(crate) fn mark_not_replayable(outcome: &mut idempotency_core::Outcome, why: &str) {
+    let grpc = outcome.headers.iter().any(|(name, value)| {
+        name == "content-type"
+            && value
+                .get(..16)
+                .is_some_and(|start| start.eq_ignore_ascii_case(b"application/grpc"))
+    });
+    if !grpc {
+        return;
+    }
+    outcome
+        .headers
+        .retain(|(name, _)| name != "grpc-status" && name != "grpc-message");
+    let message = format!("the idempotent replay has no messages: the response was {why}");
+    outcome.headers.push(("grpc-status".into(), "13".into()));
+    outcome
+        .headers
+        .push(("grpc-message".into(), message.into()));
+    outcome.trailers.clear();
+}
+
 /// Whether a response is gRPC's (`application/grpc`, `application/grpc+proto`, gRPC-Web's
 /// `application/grpc-web…`, whose trailers travel in its body: only a trailers-only
 /// response's status is read there).

@@ -317,7 +317,8 @@ impl IdempotencyLayer {
     /// A buffered response whose outcome could not be stored (its lease was taken, or the
     /// store stayed down) carries no date. A streamed one (larger than the stored-body
     /// limit) sends its head before the outcome is stored, so it carries the date whenever
-    /// its status is stored.
+    /// its status is stored; a streamed gRPC response does not, its status (which may say
+    /// "not stored") coming in its trailers.
     ///
     /// ```
     /// use std::sync::Arc;

@@ -86,8 +86,8 @@
 //! `CANCELLED`, `UNKNOWN`, `INTERNAL`, `DATA_LOSS`) is kept for the outcome-unknown policy,
 //! as a response marked `MaybeApplied` is (a gRPC handler cannot mark one). A streamed gRPC
 //! body is stored at its end, where its status comes; over the stored-body limit it is
-//! stored at the limit without its body or trailers, as any body is, and its replay has no
-//! `grpc-status` (an error to a gRPC client, never a success without messages). Trailers
+//! stored at the limit without its body or trailers, as any body is, and its replay is a
+//! trailers-only `INTERNAL` (never a success without messages). Trailers
 //! reach the first client only once the outcome is stored (they end its stream).
 //! A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its

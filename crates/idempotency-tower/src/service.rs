@@ -1356,20 +1356,15 @@ async fn stream<ResBody, E>(
                 break false;
             }
         }
-        if last.is_some() {
-            // A frame after the trailers: a broken body (trailers end a response).
-            tracing::warn!("the response body went on after its trailers");
-            abandon(&mut client);
-            break false;
-        }
-        // Trailers come after the last data frame: kept for an outcome stored at the end
-        // (one stored before, at a declared length or over the limit, has none), and held
-        // until it is: they end the stream for the client.
+        // Trailers end the body, as they do for hyper (which polls no further: tonic's body
+        // would go on polling a handler's stream after an error's trailers). Kept for an
+        // outcome stored now (one stored before, at a declared length or over the limit,
+        // has none), and held until it is: they end the stream for the client.
         if let Some(map) = frame.trailers_ref() {
             trailers.extend(trailer_fields(map));
-            grpc_status = crate::grpc::status_in(map).or(grpc_status);
+            grpc_status = crate::grpc::status_in(map);
             last = Some(frame);
-            continue;
+            break true;
         }
         if let (Some(data), false) = (frame.data_ref(), stored) {
             if kept.len() + data.len() <= limit {
@@ -1455,9 +1450,10 @@ async fn stream<ResBody, E>(
             complete(config, id, token, &outcome).await;
         }
     }
-    // The trailers, now that the outcome is settled; a client that went away meanwhile
-    // missed them, and reading on must see an error.
-    if let (Some(frame), Some(sender)) = (last, &client)
+    // The trailers, now that the outcome is settled (not after a body shorter than its
+    // declared length: they would end it cleanly); a client that went away meanwhile missed
+    // them, and reading on must see an error.
+    if let (Some(frame), Some(sender), true) = (last, &client, all)
         && sender.send(Ok(frame)).await.is_err()
     {
         client = None;
@@ -1692,6 +1688,9 @@ fn mark(outcome: &mut Outcome, body: BodyMark) {
         "idempotent-replay-body".into(),
         Bytes::from_static(value.as_bytes()),
     ));
+    // gRPC: a replay without its messages says so in its status (a trailers-only `INTERNAL`);
+    // with no `grpc-status` at all, some clients took it for a success without messages.
+    crate::grpc::mark_not_replayable(outcome, value);
 }
 
 fn to_outcome(
