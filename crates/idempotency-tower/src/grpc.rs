@@ -65,12 +65,10 @@ pub(crate) fn may_have_applied(http: u16) -> bool {
 /// no `grpc-status` at all, some clients (older tonic, gRPC-Web) took a replay without
 /// messages for a success. Any other outcome is left as it is.
 pub(crate) fn mark_not_replayable(outcome: &mut idempotency_core::Outcome, why: &str) {
-    let grpc = outcome.headers.iter().any(|(name, value)| {
-        name == "content-type"
-            && value
-                .get(..16)
-                .is_some_and(|start| start.eq_ignore_ascii_case(b"application/grpc"))
-    });
+    let grpc = outcome
+        .headers
+        .iter()
+        .any(|(name, value)| name == "content-type" && grpc_content_type(value));
     if !grpc {
         return;
     }
@@ -91,12 +89,15 @@ pub(crate) fn mark_not_replayable(outcome: &mut idempotency_core::Outcome, why: 
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.trim_start()
-                .get(..16)
-                .is_some_and(|start| start.eq_ignore_ascii_case("application/grpc"))
-        })
+        .is_some_and(|v| grpc_content_type(v.as_bytes()))
+}
+
+/// Whether a `Content-Type` value is gRPC's (see [`is_grpc`]).
+fn grpc_content_type(value: &[u8]) -> bool {
+    value
+        .trim_ascii_start()
+        .get(..16)
+        .is_some_and(|start| start.eq_ignore_ascii_case(b"application/grpc"))
 }
 
 #[cfg(test)]

@@ -1235,8 +1235,7 @@ async fn not_stored(
 /// - gRPC within the limit: stored at the end, whose trailers carry its status; a status the
 ///   policy does not store (see [`cacheable`]) settles the lease as a response not stored
 ///   does. Over the limit it is stored as any body is, at the limit, without its body or
-///   trailers: its replay carries no `grpc-status`, an error to a gRPC client, not a
-///   success without messages.
+///   trailers, as a trailers-only `INTERNAL` (see `mark`): never a success without messages.
 ///
 /// Until the outcome is stored the lease is renewed on the handler's schedule — while
 /// waiting for the body, while a slow client takes a frame, and while draining — so no retry
