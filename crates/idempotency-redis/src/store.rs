@@ -70,10 +70,18 @@ enum Conn {
 /// demoted node again is replaced at the next second). Commands already sent on it finish
 /// there; a replica runs no write, so none of them lands late.
 struct Own {
-    /// The connection, its generation (bumped by each replacement), and when it was made.
-    current: std::sync::Mutex<(ConnectionManager, u64, Option<std::time::Instant>)>,
+    current: std::sync::Mutex<Current>,
     client: redis::Client,
     config: ConnectionManagerConfig,
+}
+
+/// The connection [`Own`] hands out now.
+struct Current {
+    conn: ConnectionManager,
+    /// Bumped by each replacement: only the connection that answered `READONLY` is replaced.
+    generation: u64,
+    /// When it replaced the one before (`None`: the first).
+    made: Option<std::time::Instant>,
 }
 
 impl Own {
@@ -81,15 +89,17 @@ impl Own {
         let first = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(Error::unavailable)?;
         Ok(Self {
-            current: std::sync::Mutex::new((first, 0, None)),
+            current: std::sync::Mutex::new(Current {
+                conn: first,
+                generation: 0,
+                made: None,
+            }),
             client,
             config,
         })
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, (ConnectionManager, u64, Option<std::time::Instant>)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
         self.current
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -97,7 +107,7 @@ impl Own {
 
     fn connection(&self) -> (ConnectionManager, u64) {
         let current = self.lock();
-        (current.0.clone(), current.1)
+        (current.conn.clone(), current.generation)
     }
 
     /// Replaces connection `generation`, which answered `READONLY`, unless it was replaced
@@ -105,9 +115,9 @@ impl Own {
     fn on_replica(&self, generation: u64) {
         let mut current = self.lock();
         let young = current
-            .2
+            .made
             .is_some_and(|made| made.elapsed() < std::time::Duration::from_secs(1));
-        if current.1 != generation || young {
+        if current.generation != generation || young {
             return;
         }
         match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
@@ -115,7 +125,11 @@ impl Own {
                 tracing::warn!(
                     "Redis answered READONLY (a replica: a failover?); connecting again"
                 );
-                *current = (fresh, generation + 1, Some(std::time::Instant::now()));
+                *current = Current {
+                    conn: fresh,
+                    generation: generation + 1,
+                    made: Some(std::time::Instant::now()),
+                };
             }
             Err(error) => {
                 tracing::warn!(%error, "could not replace a connection to a Redis replica");
