@@ -759,6 +759,25 @@ fn the_purge_keeps_an_unknown_outcome_for_a_day_not_an_hour() {
     });
 }
 
+/// A transaction that inserted the key's row (a lease of an hour) and has not committed:
+/// a claim's insert on the key waits on it until it ends.
+async fn insert_uncommitted(
+    store: &PostgresStore,
+    id: &idempotency_core::RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = store.pool().begin().await.expect("transaction");
+    sqlx::query(
+        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
+         VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
+    )
+    .bind(&id.as_bytes()[..])
+    .bind(&fp("a").as_bytes()[..])
+    .execute(&mut *blocker)
+    .await
+    .expect("blocking insert");
+    blocker
+}
+
 /// A transaction holding the row's lock (`FOR UPDATE`) until it ends.
 async fn lock_row(
     store: &PostgresStore,
@@ -1534,16 +1553,7 @@ async fn a_claim_committing_late_is_given_back_with(
         .expect("reader");
     let id = fresh_id();
     // Another transaction holds the key's row, uncommitted: the claim's insert waits.
-    let mut blocker = store.pool().begin().await.expect("transaction");
-    sqlx::query(
-        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
-         VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
-    )
-    .bind(&id.as_bytes()[..])
-    .bind(&fp("a").as_bytes()[..])
-    .execute(&mut *blocker)
-    .await
-    .expect("blocking insert");
+    let blocker = insert_uncommitted(&store, &id).await;
     let given_up = store.begin(&id, &fp("a"), LONG).await;
     assert!(
         matches!(given_up, Err(Error::Unavailable(_))),
@@ -1744,16 +1754,7 @@ fn claims_that_failed_without_writing_leave_nothing_to_look_for() {
             // Another transaction's uncommitted row: the claim's insert waits on it until
             // the statement timeout cancels it.
             let held = fresh_id();
-            let mut blocker = shared.pool().begin().await.expect("transaction");
-            sqlx::query(
-                "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, \
-                 expires_at) VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
-            )
-            .bind(&held.as_bytes()[..])
-            .bind(&fp("a").as_bytes()[..])
-            .execute(&mut *blocker)
-            .await
-            .expect("blocking insert");
+            let blocker = insert_uncommitted(&shared, &held).await;
             let answer = store.begin(&held, &fp("a"), LONG).await;
             assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
             blocker.rollback().await.expect("rollback");
