@@ -1112,7 +1112,8 @@ fn a_late_mirror_write_never_answers_after_completion() {
                 store.metrics()
             );
         }
-        assert_eq!(store.metrics().breaker_state, BreakerState::Closed);
+        // The probe answers in a task of its own: closed once it has, not at once.
+        assert!(breaker_closes(&store).await, "{:?}", store.metrics());
     });
 }
 
