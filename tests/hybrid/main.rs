@@ -268,7 +268,7 @@ async fn mirror_landed(store: &HybridStore, id: &RecordId, fp: &Fingerprint) {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the lease was never mirrored");
+    panic!("the lease was never mirrored: {:?}", store.metrics());
 }
 
 /// The lease's mirror is written after `begin` answered; a `release` right after must still
@@ -1431,6 +1431,183 @@ fn a_hung_redis_queues_no_call_behind_the_repairs() {
             store.metrics()
         );
     });
+}
+
+/// A caller polled once, as it ran the stale-mirror repairs, then held without a poll (a
+/// future parked in a `select!` arm, a request whose task is starved): it held the repairs'
+/// lock, and every other Redis call waited a whole budget for it and went to Postgres, for as
+/// long as that future lived. The breaker heard nothing (they only waited), so nothing
+/// turned Redis back on. Now the repairs run in a task of their own, which ends at its
+/// caller's deadline however that caller is polled.
+#[test]
+fn a_caller_held_without_a_poll_mid_repairs_keeps_no_call_from_redis() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let (_redis, store) = store_with_a_repair_queued(b"held").await;
+        let fp = Fingerprint::of(b"held");
+        // Polled once: it takes the repairs' lock and sends the delete. Then held.
+        let id = fresh_id();
+        let mut held = Box::pin(store.begin(&id, &fp, LEASE));
+        assert!(futures::poll!(held.as_mut()).is_pending());
+        first_requests_use_redis(&store, &fp, "behind a caller held mid-repairs").await;
+        // Polled again, the held caller is answered too.
+        assert!(matches!(held.await, Ok(Begin::Execute(_))));
+    });
+}
+
+/// The same with the caller on a second runtime, current-thread, left idle once its
+/// `block_on` returned (a sync worker's between two jobs): a caller there that gave up
+/// mid-repairs left their task queued on it, unrun, holding the repairs' lock, so every
+/// other call waited a budget and went to Postgres for as long as that thread ran nothing
+/// else. The store runs the work it leaves behind where it was made.
+#[test]
+fn a_caller_on_a_runtime_left_idle_mid_repairs_keeps_no_call_from_redis() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let (redis, store) = store_with_a_repair_queued(b"idle repairs").await;
+        let fp = Fingerprint::of(b"idle repairs");
+        // The repairs' deletes wait on Redis; the caller gives up meanwhile.
+        pause_writes(redis.url(), 400).await;
+        let (gave_up, _idle) = on_an_idle_runtime({
+            let (store, id) = (store.clone(), fresh_id());
+            move |rt| {
+                rt.block_on(async {
+                    let begin = store.begin(&id, &fp, LEASE);
+                    tokio::time::timeout(Duration::from_millis(50), begin).await
+                })
+                .is_err()
+            }
+        })
+        .await;
+        assert!(gave_up, "the caller gives up while Redis holds the deletes");
+        tokio::time::sleep(Duration::from_millis(500)).await; // the pause is over
+        first_requests_use_redis(&store, &fp, "behind repairs left on an idle runtime").await;
+    });
+}
+
+/// A claim answered on a runtime left idle once its `block_on` returned: the lease's mirror,
+/// written after answering, was spawned there and never ran, and the `complete` (on the
+/// main runtime) that waits for it, and cancels it past its budget, waited for the
+/// cancelled task to end: for good, since nothing ran that runtime again.
+#[test]
+fn a_claim_answered_on_a_runtime_left_idle_can_be_completed() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        // A store of its own, its connections made here first: a connection a runtime
+        // makes is driven by that runtime, and a shared store's would then stall for every
+        // test while this one keeps its runtime idle.
+        let _serial = SERIAL.lock().await;
+        let (_redis, store) = dedicated_hybrid().await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"idle claim"));
+        load_scripts(&store, &fp).await;
+        let (begun, _idle) = on_an_idle_runtime({
+            let store = store.clone();
+            move |rt| rt.block_on(store.begin(&id, &fp, LEASE))
+        })
+        .await;
+        let Ok(Begin::Execute(token)) = begun else {
+            panic!("a fresh key: {begun:?}")
+        };
+        let outcome = Outcome::new(201).with_body("idle");
+        // Far past every budget the complete waits on: it is waiting for good.
+        let completed = tokio::time::timeout(
+            Duration::from_secs(10),
+            store.complete(&id, token, &outcome, RETENTION),
+        )
+        .await;
+        assert!(
+            matches!(completed, Ok(Ok(()))),
+            "the complete waited on a task nobody runs: {completed:?}"
+        );
+        assert_eq!(
+            store.begin(&id, &fp, LEASE).await.expect("retry"),
+            Begin::Replay(outcome)
+        );
+    });
+}
+
+/// Five first requests, each asking Redis first, none sent to Postgres alone for want of it.
+async fn first_requests_use_redis(store: &HybridStore, fp: &Fingerprint, behind: &str) {
+    let before = store.metrics();
+    for _ in 0..5 {
+        let begun = store.begin(&fresh_id(), fp, LEASE).await;
+        assert!(matches!(begun, Ok(Begin::Execute(_))), "{begun:?}");
+    }
+    let after = store.metrics();
+    assert_eq!(
+        after.fallbacks, before.fallbacks,
+        "calls went to Postgres alone {behind}: {after:?}"
+    );
+    assert!(after.redis_misses >= before.redis_misses + 5, "{after:?}");
+}
+
+/// A hybrid store whose breaker never opens, on a Redis of its own, with one stale-mirror
+/// repair queued: a first request completed while Redis was paused.
+async fn store_with_a_repair_queued(fp: &[u8]) -> (Service, Arc<HybridStore>) {
+    let redis = services::start_redis(RedisOptions::default()).await;
+    let pg = services::postgres().await.expect("postgres");
+    let store = {
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let config = BreakerConfig::default().failure_threshold(u32::MAX);
+        Arc::new(HybridStore::new(
+            store.postgres().clone(),
+            store.redis().clone(),
+            config,
+        ))
+    };
+    redis.pause().await;
+    first_requests(&store, &[fresh_id()], &Fingerprint::of(fp), 1, true).await;
+    redis.unpause().await;
+    (redis, store)
+}
+
+/// Runs `work` on a current-thread runtime of its own, on a thread of its own, then keeps
+/// that runtime alive and idle (a sync worker's between two jobs: what was spawned on it
+/// waits for its next `block_on`) until the returned guard drops.
+async fn on_an_idle_runtime<T: Send + 'static>(
+    work: impl FnOnce(&tokio::runtime::Runtime) -> T + Send + 'static,
+) -> (T, IdleRuntime) {
+    let (done, result) = tokio::sync::oneshot::channel();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let _ = done.send(work(&rt));
+        let _ = stopped.recv();
+    });
+    let result = result.await.expect("the work on the idle runtime");
+    (
+        result,
+        IdleRuntime {
+            stop: Some(stop),
+            thread: Some(thread),
+        },
+    )
+}
+
+/// See [`on_an_idle_runtime`]: dropped, the runtime is dropped with what it never ran.
+struct IdleRuntime {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for IdleRuntime {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// A hybrid store on a Redis of its own whose calls have `budget`, with `n` stale-mirror

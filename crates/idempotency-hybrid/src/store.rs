@@ -131,8 +131,11 @@ struct Shared {
     /// Under `Adaptive`, the leases whose mirror may be in Redis, until when (see
     /// [`HybridStore::may_be_mirrored`]).
     mirrored: std::sync::Mutex<Mirrored>,
-    /// Claims left running in the background: see [`Store::drain`].
+    /// Claims and writes left running in the background: see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
+    /// The runtime the store was made on, if any: where the work a call leaves running runs
+    /// (see [`HybridStore::spawn`]).
+    home: Option<tokio::runtime::Handle>,
     /// This process's operators' releases: a completion's copy finding its lease's mirror
     /// gone is written only if none was under way at its Postgres write or began since.
     releases: Releases,
@@ -350,6 +353,7 @@ impl HybridStore {
                 min_duplicates: AtomicU32::new(0),
                 mirrored: std::sync::Mutex::default(),
                 settling: tokio_util::task::TaskTracker::new(),
+                home: tokio::runtime::Handle::try_current().ok(),
                 releases: Releases::default(),
             }),
         }
@@ -536,35 +540,29 @@ impl HybridStore {
             // the next call probed again at once, and every call waited on a Redis that was
             // gone until its caller gave up.
             let (this, probe) = (self.clone(), permit.detach());
-            s.settling.spawn(async move {
+            self.spawn(async move {
                 // A write, then the stale-mirror repairs a probing call runs first (an
                 // operator's second delete among them), which would otherwise wait for a
                 // call after the breaker closed.
                 let mut ok = this.redis.probe_write().await.is_ok();
                 if ok && !this.inner.repairs.holds() {
-                    let mut progress = RepairProgress::default();
-                    let budget = this.redis.call_budget();
-                    let mut unanswered = None;
-                    let deadline = tokio::time::Instant::now() + budget;
-                    let repairs =
-                        this.repair_mirrors(&mut progress, |since| unanswered = since, deadline);
-                    let repaired = tokio::time::timeout_at(deadline, repairs).await;
+                    let deadline = tokio::time::Instant::now() + this.redis.call_budget();
+                    let (repaired, progress) = this.repairs_by(deadline, |_| {}).await;
                     // Read as a call's repairs are (`try_redis` below).
                     ok = match repaired {
-                        Ok(true) => true,
-                        Err(_) if progress.answered > 0 => true,
+                        Some(true) => true,
+                        None if progress.answered > 0 => true,
                         // Waited for another caller's repairs, or took them over too late
                         // for Redis to answer in time: no news of Redis, no answer (the next
                         // probe goes out past the probe limit).
-                        Err(_)
-                            if !progress.held
-                                || unanswered.is_none_or(|since: tokio::time::Instant| {
-                                    since.elapsed() < this.inner.breaker.slow()
-                                }) =>
+                        None if !progress.held
+                            || progress.unanswered.is_none_or(|since| {
+                                since.elapsed() < this.inner.breaker.slow()
+                            }) =>
                         {
                             return;
                         }
-                        Ok(false) | Err(_) => false,
+                        Some(false) | None => false,
                     };
                 }
                 if !ok {
@@ -576,28 +574,25 @@ impl HybridStore {
             s.fallback();
             return None;
         }
-        let budget = self.redis.call_budget();
-        let mut progress = RepairProgress::default();
-        // Nothing to repair (the usual case): no lock, no timer.
-        let repaired = if s.repairs.holds() {
-            Ok(true)
+        // Nothing to repair (the usual case): no lock, no task, no timer.
+        let (repaired, progress) = if s.repairs.holds() {
+            (Some(true), RepairProgress::default())
         } else {
-            // Its deletes are this call's Redis calls once it holds the repairs' lock: given
-            // up while Redis leaves them unanswered, that counts against the breaker (waiting
-            // for the lock does not).
-            let deadline = tokio::time::Instant::now() + budget;
-            let repairs =
-                self.repair_mirrors(&mut progress, |since| permit.calling_since(since), deadline);
-            tokio::time::timeout_at(deadline, repairs).await
+            // Its deletes are this call's Redis calls once they go out: given up while Redis
+            // leaves them unanswered, that counts against the breaker (waiting for the
+            // repairs' lock does not).
+            let deadline = tokio::time::Instant::now() + self.redis.call_budget();
+            self.repairs_by(deadline, |since| permit.calling_since(since))
+                .await
         };
         match repaired {
-            Ok(true) => {}
-            Err(_) if progress.answered > 0 => {
+            Some(true) => {}
+            None if progress.answered > 0 => {
                 permit.success();
                 s.fallback();
                 return None;
             }
-            Err(_) if !progress.held => {
+            None if !progress.held => {
                 permit.no_news(); // waited for another caller's repairs: no news of Redis
                 s.fallback();
                 return None;
@@ -608,12 +603,12 @@ impl HybridStore {
             // queued behind one draining a backlog) sent its deletes a moment ago: counted as
             // failures, they opened the breaker on a healthy Redis, again after each probe,
             // until the backlog was gone.
-            Err(_) if !permit.unanswered_past_slow() => {
+            None if !permit.unanswered_past_slow() => {
                 permit.no_news();
                 s.fallback();
                 return None;
             }
-            Ok(false) | Err(_) => {
+            Some(false) | None => {
                 s.redis_failed(permit, "repairing stale mirrors failed or timed out");
                 return None;
             }
@@ -700,12 +695,14 @@ impl Repairs {
 }
 
 /// What a call's repair step got done before its budget ran out.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct RepairProgress {
     /// It ran repairs (rather than only waiting for another caller's).
     held: bool,
     /// Deletes Redis answered.
     answered: usize,
+    /// Since when Redis has left the deletes it holds unanswered (see `repair_mirrors`).
+    unanswered: Option<tokio::time::Instant>,
 }
 
 /// The most stale mirrors remembered; past it the oldest are dropped and expire by TTL.
@@ -761,6 +758,26 @@ impl HybridStore {
         }
     }
 
+    /// Spawns `task`, which a call leaves running (a write after answering, the repairs, a
+    /// probe, an operator's second delete), on the runtime the store was made on, tracked
+    /// for [`drain`](Store::drain). Spawned on the caller's runtime, it ran only while that
+    /// runtime was driven: a second, current-thread runtime left idle once its `block_on`
+    /// returned (a sync worker's, between jobs) kept a lease's mirror there unrun, and the
+    /// `complete` that waits for it (and, past its budget, for its cancellation) waited
+    /// for good; repairs there kept their lock from every other call, and an operator's
+    /// release kept outcomes from being copied to Redis. The Redis connection's own task
+    /// runs where the store was made, so nothing Redis does depends on any other.
+    fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match &self.inner.home {
+            Some(home) => self.inner.settling.spawn_on(task, home),
+            None => self.inner.settling.spawn(task),
+        }
+    }
+
     /// Spawns `write`, made after answering, noted under `token` and `kind` with its record
     /// until it lands (see [`Shared::mirrors`]).
     fn write_after_answering(
@@ -775,7 +792,7 @@ impl HybridStore {
         // Spawned under the map's lock: the task removes its entry only after it was put
         // there.
         let mut mirrors = self.mirrors();
-        let task = tokio::spawn(async move {
+        let task = self.spawn(async move {
             write.await;
             this.mirrors().remove(&(token, kind));
         });
@@ -887,13 +904,14 @@ impl HybridStore {
     /// The repairs queued when this caller got its turn, in pipelined chunks; each delete is
     /// forgotten as soon as Redis answers it, so a backlog drains across calls even when no
     /// single call's budget covers it.
-    /// `unanswered` is told, as each chunk of deletes goes out, since when Redis has left the
+    /// `progress` is told, as each chunk of deletes goes out, since when Redis has left the
     /// deletes it holds unanswered (that chunk's, or those a caller given up on before it
     /// left in the queue), and `None` once a chunk is answered.
+    ///
+    /// Run by [`repairs_by`](Self::repairs_by), in a task of its own.
     async fn repair_mirrors(
         &self,
-        progress: &mut RepairProgress,
-        mut unanswered: impl FnMut(Option<tokio::time::Instant>),
+        progress: &tokio::sync::watch::Sender<RepairProgress>,
         deadline: tokio::time::Instant,
     ) -> bool {
         let s = &self.inner;
@@ -909,7 +927,7 @@ impl HybridStore {
             // repairs, and its timeout ends it.
             return std::future::pending().await;
         }
-        progress.held = true;
+        progress.send_modify(|p| p.held = true);
         let mut left = s.repairs().queue.len();
         while left > 0 {
             // Whatever this chunk does not finish (failed, or dropped mid-way) goes back in
@@ -932,7 +950,7 @@ impl HybridStore {
             if pending.items.is_empty() {
                 break;
             }
-            unanswered(Some(since));
+            progress.send_modify(|p| p.unanswered = Some(since));
             left -= pending.items.len();
             // Concurrent: the deletes pipeline on the multiplexed connection.
             let mut deletes: futures::stream::FuturesUnordered<_> = pending
@@ -955,22 +973,71 @@ impl HybridStore {
                     failed = true;
                 } else {
                     pending.done[i] = true;
-                    progress.answered += 1;
                     // News of Redis: what is still out of this chunk counts from here (a
                     // holder given up mid-chunk leaves the next one this, not the chunk's
                     // start, which on a healthy Redis draining a long chunk is a while ago).
                     let now = tokio::time::Instant::now();
                     s.repairs().unanswered_since = Some(now);
-                    unanswered(Some(now));
+                    progress.send_modify(|p| {
+                        p.answered += 1;
+                        p.unanswered = Some(now);
+                    });
                 }
             }
             if failed {
                 return false;
             }
             s.repairs().unanswered_since = None;
-            unanswered(None);
+            progress.send_modify(|p| p.unanswered = None);
         }
         true
+    }
+
+    /// Runs the queued repairs ([`repair_mirrors`](Self::repair_mirrors)) until `deadline`,
+    /// in a task of its own; `None` when the deadline passed first. `unanswered` hears the
+    /// task's news of Redis as it comes (see `repair_mirrors`), so a caller given up
+    /// mid-way reports what it waited for.
+    ///
+    /// Run in the caller's future, a caller polled once and then held without a poll (a
+    /// future parked in a `select!` arm, a request on a starved task) kept the repairs'
+    /// lock, and every other Redis call waited a whole budget for it and went to Postgres
+    /// for as long as that future lived: nothing the breaker heard. The task ends at
+    /// `deadline` however its caller is polled, and is aborted when the caller drops this
+    /// (what it had taken goes back in the queue), so repairs still run only within their
+    /// callers' budgets.
+    async fn repairs_by(
+        &self,
+        deadline: tokio::time::Instant,
+        mut unanswered: impl FnMut(Option<tokio::time::Instant>),
+    ) -> (Option<bool>, RepairProgress) {
+        use futures::future::Either;
+        let (progress, mut seen) = tokio::sync::watch::channel(RepairProgress::default());
+        let this = self.clone();
+        let mut task = tokio_util::task::AbortOnDropHandle::new(self.spawn(async move {
+            let repairs = this.repair_mirrors(&progress, deadline);
+            tokio::time::timeout_at(deadline, repairs).await.ok()
+        }));
+        let repaired = {
+            let follow = std::pin::pin!(async {
+                while seen.changed().await.is_ok() {
+                    unanswered(seen.borrow_and_update().unanswered);
+                }
+                std::future::pending::<std::convert::Infallible>().await
+            });
+            let ended = futures::future::select(&mut task, follow);
+            match tokio::time::timeout_at(deadline, ended).await {
+                Ok(Either::Left((Ok(ended), _))) => ended,
+                // Its runtime shut down before it ran: nothing sent, no news of Redis.
+                Ok(Either::Left((Err(error), _))) if error.is_cancelled() => None,
+                // A panic is a failed repair.
+                Ok(Either::Left((Err(_), _))) => Some(false),
+                Ok(Either::Right((never, _))) => match never {},
+                Err(_) => None,
+            }
+        };
+        let progress = seen.borrow().clone();
+        unanswered(progress.unanswered);
+        (repaired, progress)
     }
 
     /// Deletes the token's lease mirror now, after a mirror write still on its way (fenced
@@ -1399,7 +1466,7 @@ impl Store for HybridStore {
             // extension up once sent (the repairs run first, a Redis paused then resumed):
             // 409s for at most the mirror's TTL, never a second run.
             let (this, id) = (self.clone(), *id);
-            tokio::spawn(async move {
+            self.spawn(async move {
                 let left = lease.min(this.mirror_ttl).saturating_sub(asked.elapsed());
                 if left < Duration::from_millis(1) {
                     return; // Redis refuses a TTL of zero, and the mirror ends by itself.
@@ -1463,7 +1530,7 @@ impl Store for HybridStore {
             let writes_over = self.pg.call_timeout() * 2 + self.redis.call_budget() * 10;
             // Tracked: a process that exits after an operator's release (the admin CLI)
             // waits for it with `drain`.
-            self.inner.settling.spawn(async move {
+            self.spawn(async move {
                 let _releasing = releasing;
                 tokio::time::sleep(writes_over).await;
                 if called_off.load(Ordering::Acquire) {
@@ -1504,9 +1571,9 @@ impl Store for HybridStore {
     }
 
     /// Waits for the claims this store stopped waiting for to settle (with the release of
-    /// what they granted) and for the second delete of an operator's release (below), then
-    /// for the Postgres and Redis stores' own background writes. Not for what it writes to
-    /// Redis after answering: a lost copy costs a Redis miss.
+    /// what they granted), for the second delete of an operator's release (below) and for
+    /// what it writes to Redis after answering (each within its Redis budgets), then for the
+    /// Postgres and Redis stores' own background writes.
     ///
     /// An operator's release (`force_release` of a record that is then gone) deletes its
     /// copy in Redis at once and again once every copy that was on its way has landed (two
