@@ -91,6 +91,15 @@
 //! and the message is acknowledged, counted in [`Polled::not_stored`] and logged at error
 //! level.
 //!
+//! # Its connection
+//!
+//! A consumer makes its Redis connection itself, on first use, and makes it again after
+//! one that closed (Redis restarted, a proxy or the network reset it), timed out (a peer
+//! gone without a reset), or answered `READONLY` (a failover left it on the demoted primary):
+//! the poll that met it fails, and the next one goes on. Needs Redis 7.0 or later: before,
+//! `XAUTOCLAIM` keeps a message trimmed while pending in the pending list and reports it as
+//! nil, so it would be skipped, not dead-lettered.
+//!
 //! # Shutting down
 //!
 //! Stop polling between messages, or drop a poll anywhere: either way nothing is applied
@@ -107,8 +116,8 @@ use idempotency::{
     postgres::{CommitClaimError, PostgresStore},
 };
 use redis::{
-    AsyncCommands, Script, Value,
-    aio::MultiplexedConnection,
+    AsyncCommands, Cmd, Pipeline, RedisFuture, RedisResult, Script, Value,
+    aio::{ConnectionLike, MultiplexedConnection},
     streams::{StreamPendingCountReply, StreamReadOptions},
 };
 use sqlx::PgPool;
@@ -190,6 +199,94 @@ fn applied_otherwise_reason(charge_id: &str) -> String {
     )
 }
 
+/// The consumer's own Redis connection: made on first use, and made again by the call after
+/// one that left it unusable. A multiplexed connection is never remade by redis-rs: once its
+/// socket closed (Redis restarted, a proxy or the network reset it) every command on it
+/// failed, and a consumer given one stopped consuming for good; one left on a demoted
+/// primary by a failover (a proxy that keeps its sessions) answered `READONLY` to every
+/// acknowledgement for as long. Messages stay pending meanwhile, and a stream capped by
+/// its producer trims those never read.
+struct Connection {
+    client: redis::Client,
+    config: redis::AsyncConnectionConfig,
+    current: Option<MultiplexedConnection>,
+}
+
+impl Connection {
+    async fn current(&mut self) -> RedisResult<&mut MultiplexedConnection> {
+        let current = match self.current.take() {
+            Some(current) => current,
+            None => {
+                self.client
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await?
+            }
+        };
+        Ok(self.current.insert(current))
+    }
+
+    /// Forgets the connection after an error that leaves it unusable, or on the wrong
+    /// server: closed, timed out (a peer gone without a reset answers nothing, ever), or
+    /// refusing writes as a replica (`replica`: a server's error is a reply here, made an
+    /// `Err` by the caller's conversion).
+    fn after<T>(&mut self, result: RedisResult<T>, replica: fn(&T) -> bool) -> RedisResult<T> {
+        let spent = match &result {
+            Ok(reply) => replica(reply),
+            Err(error) => {
+                error.is_io_error()
+                    || error.is_connection_dropped()
+                    || error.is_timeout()
+                    || error.is_unrecoverable_error()
+                    || error.code() == Some("READONLY")
+            }
+        };
+        if spent {
+            self.current = None;
+        }
+        result
+    }
+}
+
+/// Whether a reply is a replica's refusal of a write.
+fn readonly(reply: &Value) -> bool {
+    matches!(reply, Value::ServerError(error) if error.code() == "READONLY")
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let result = match self.current().await {
+                Ok(connection) => connection.req_packed_command(cmd).await,
+                Err(error) => Err(error),
+            };
+            self.after(result, readonly)
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let result = match self.current().await {
+                Ok(connection) => {
+                    connection
+                        .req_packed_commands(pipeline, offset, count)
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+            self.after(result, |replies| replies.iter().any(readonly))
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.client.get_connection_info().redis_settings().db()
+    }
+}
+
 /// What the record a charge had under the previous scope says.
 enum Previously {
     /// None: apply it under the current scope.
@@ -206,7 +303,7 @@ enum Previously {
 
 /// One consumer of a group.
 pub struct Consumer {
-    redis: MultiplexedConnection,
+    redis: Connection,
     pool: PgPool,
     store: Arc<PostgresStore>,
     executor: Executor<PostgresStore>,
@@ -245,15 +342,23 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// A consumer `name` in `group` on `stream`, writing its effect to the `ledger` table.
+    /// A consumer `name` in `group` on `stream`, writing its effect to the `ledger` table,
+    /// reading from the Redis `redis` opens.
     ///
-    /// Give every consumer its own connection: `XREADGROUP BLOCK` holds the connection it
-    /// runs on, so consumers sharing one would wait on each other's reads. Its response
-    /// timeout must exceed the 100 ms block (redis-rs' default, 500 ms, does); a read that
-    /// times out after Redis delivered leaves its messages pending, and `claim_idle` later
-    /// hands them out again.
+    /// Every consumer makes its own connection, on first use: `XREADGROUP BLOCK` holds the
+    /// connection it runs on, so consumers sharing one would wait on each other's reads. It
+    /// makes it again after a failure that leaves it unusable (see
+    /// [`with_connection_config`](Self::with_connection_config)).
+    ///
+    /// ```no_run
+    /// # async fn doc(store: std::sync::Arc<idempotency::postgres::PostgresStore>) -> redis::RedisResult<()> {
+    /// let redis = redis::Client::open("redis://127.0.0.1:6379")?;
+    /// let consumer =
+    ///     stream_consumer::Consumer::new(redis, store, "charges", "ledger", "consumer-1", "ledger_entries");
+    /// # Ok(()) }
+    /// ```
     pub fn new(
-        redis: MultiplexedConnection,
+        redis: redis::Client,
         store: Arc<PostgresStore>,
         stream: &str,
         group: &str,
@@ -261,7 +366,11 @@ impl Consumer {
         ledger: &str,
     ) -> Self {
         Self {
-            redis,
+            redis: Connection {
+                client: redis,
+                config: redis::AsyncConnectionConfig::new(),
+                current: None,
+            },
             pool: store.pool().clone(),
             executor: Executor::new(store.clone())
                 .with_policy(Policy::default().with_retention(FOR_GOOD)),
@@ -281,6 +390,26 @@ impl Consumer {
             after_effect: None,
             after_commit: None,
         }
+    }
+
+    /// Sets how the consumer's connection is made (default:
+    /// `redis::AsyncConnectionConfig::new()`). Its response timeout must exceed the 100 ms
+    /// block of each read and what the largest batch of messages takes to arrive (redis-rs'
+    /// default, 500 ms, covers small messages on a local network): a read that times out
+    /// after Redis delivered leaves its messages pending, and `claim_idle` later hands them
+    /// out again.
+    ///
+    /// ```
+    /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
+    /// let config = redis::AsyncConnectionConfig::new()
+    ///     .set_response_timeout(Some(std::time::Duration::from_secs(5)));
+    /// consumer.with_connection_config(config)
+    /// # }
+    /// ```
+    pub fn with_connection_config(mut self, config: redis::AsyncConnectionConfig) -> Self {
+        self.redis.config = config;
+        self.redis.current = None;
+        self
     }
 
     /// Replaces the executor's policy (default: [`Policy::default`] with a retention

@@ -24,11 +24,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis_url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL")?;
     let store = PostgresStore::builder(db).connect().await?;
     store.migrate().await?;
-    let mut redis = redis::Client::open(redis_url)?
-        .get_multiplexed_async_connection()
-        .await?;
+    let client = redis::Client::open(redis_url)?;
+    // The producer's connection; the consumer makes its own.
+    let mut redis = client.get_multiplexed_async_connection().await?;
     let mut consumer = Consumer::new(
-        redis.clone(),
+        client,
         Arc::new(store),
         "charges",
         "ledger",

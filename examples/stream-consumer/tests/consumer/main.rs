@@ -60,16 +60,24 @@ impl Rig {
         // (500 ms) leaves a loaded machine 400 ms of slack.
         let config =
             redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
-        let conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .expect("redis");
         Consumer::new(
-            conn,
+            self.client.clone(),
             self.store.clone(),
             &self.stream,
             group,
+            name,
+            &self.ledger,
+        )
+        .with_connection_config(config)
+    }
+
+    /// A consumer of the group `ledger` whose connections `redis` makes (through a relay).
+    fn consumer_through(&self, redis: redis::Client, name: &str) -> Consumer {
+        Consumer::new(
+            redis,
+            self.store.clone(),
+            &self.stream,
+            "ledger",
             name,
             &self.ledger,
         )
@@ -1245,20 +1253,10 @@ fn trimmed_messages_are_dead_lettered_when_the_claims_answer_is_lost() {
         let ids = trimmed_while_pending(&mut rig).await;
         let url = services::redis().await.expect("redis").url().to_owned();
         let slow = relay::delaying_relay(relay::upstream(&url)).await;
-        let conn = redis::Client::open(relay::through(&url, slow.port))
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis through the relay");
-        let mut consumer = Consumer::new(
-            conn,
-            rig.store.clone(),
-            &rig.stream,
-            "ledger",
-            "c1",
-            &rig.ledger,
-        );
+        let through = redis::Client::open(relay::through(&url, slow.port)).expect("client");
+        let mut consumer = rig.consumer_through(through, "c1");
         consumer.claim_idle = Duration::from_millis(50);
+        consumer.setup().await.expect("connected"); // before the replies are held back
         tokio::time::sleep(Duration::from_millis(100)).await;
         slow.delay_replies(Duration::from_secs(2));
         let given_up = tokio::time::timeout(Duration::from_millis(300), consumer.poll(10)).await;
@@ -1582,4 +1580,109 @@ fn a_consumer_dying_between_the_decision_and_the_dead_letter_applies_nothing() {
         );
         assert_eq!(rig.pending().await, 0);
     });
+}
+
+/// The consumer's connection closed under it (Redis restarted, a proxy or the network reset
+/// it): the next poll makes a new one and goes on. Before, the consumer held one multiplexed
+/// connection, which redis-rs never makes again: every poll after the reset failed, for
+/// good, and the messages stayed pending.
+#[test]
+fn a_consumer_whose_connection_was_cut_goes_on_consuming() {
+    use std::sync::atomic::AtomicBool;
+
+    use idempotency_test::relay;
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let url = services::redis().await.expect("redis").url().to_owned();
+        let armed = Arc::new(AtomicBool::new(false));
+        let port = relay::cutting_relay(relay::upstream(&url), armed.clone(), |_| true).await;
+        let through = redis::Client::open(relay::through(&url, port)).expect("client");
+        let mut consumer = rig.consumer_through(through, "c1");
+        consumer.setup().await.expect("setup");
+        // The next reply on the consumer's connection is lost, and the connection closed.
+        armed.store(true, Ordering::SeqCst);
+        let cut = consumer.poll(10).await;
+        assert!(cut.is_err(), "the poll met the reset: {cut:?}");
+        publish(&mut rig.redis, &rig.stream, "ch_after_reset", 100)
+            .await
+            .expect("publish");
+        let polls = polls_until_applied(&mut consumer, 3).await;
+        assert_eq!(
+            rig.effects().await.get("ch_after_reset"),
+            Some(&1),
+            "the consumer stopped consuming: {polls:?}"
+        );
+    });
+}
+
+/// A failover that leaves the consumer's connection on the demoted primary (a proxy that
+/// keeps its sessions, an operator's `REPLICAOF`): it answers `READONLY` to every claim and
+/// acknowledgement. The consumer makes its connection again and reaches the new primary.
+#[test]
+fn a_consumer_left_on_a_demoted_primary_moves_to_the_new_one() {
+    use idempotency_test::{relay, services::RedisOptions};
+
+    block_on(async {
+        let Some(rig) = rig().await else { return };
+        let old = services::start_redis(RedisOptions::default()).await;
+        let new = services::start_redis(RedisOptions::default()).await;
+        let relay = relay::stalling_relay(relay::upstream(old.url())).await;
+        let through = redis::Client::open(relay::through(old.url(), relay.port)).expect("client");
+        let mut consumer = rig.consumer_through(through, "c1");
+        consumer.setup().await.expect("setup");
+        consumer.poll(10).await.expect("a poll on the primary");
+        // The failover: the old primary becomes a replica (of a primary it cannot reach: it
+        // answers reads, refuses writes); new connections go to the new one, which holds
+        // the stream and its group, as replication would have left them.
+        let connect = |url: &str| {
+            let client = redis::Client::open(url).expect("client");
+            async move {
+                client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("connection")
+            }
+        };
+        let mut demoted = connect(old.url()).await;
+        let () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(1)
+            .query_async(&mut demoted)
+            .await
+            .expect("REPLICAOF");
+        relay.redirect(relay::upstream(new.url()));
+        let mut primary = connect(new.url()).await;
+        let () =
+            redis::AsyncCommands::xgroup_create_mkstream(&mut primary, &rig.stream, "ledger", "0")
+                .await
+                .expect("the group on the new primary");
+        publish(&mut primary, &rig.stream, "ch_after_failover", 100)
+            .await
+            .expect("publish");
+        let polls = polls_until_applied(&mut consumer, 5).await;
+        assert_eq!(
+            rig.effects().await.get("ch_after_failover"),
+            Some(&1),
+            "still on the demoted primary: {polls:?}"
+        );
+    });
+}
+
+/// Polls until one applies a charge, `n` polls at most, 100 ms apart: what each answered.
+async fn polls_until_applied(
+    consumer: &mut Consumer,
+    n: usize,
+) -> Vec<Result<Polled, ConsumeError>> {
+    let mut polls = Vec::new();
+    for _ in 0..n {
+        let polled = consumer.poll(10).await;
+        let applied = matches!(&polled, Ok(polled) if polled.applied > 0);
+        polls.push(polled);
+        if applied {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    polls
 }
