@@ -604,3 +604,41 @@ fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
         assert_eq!(calls.get(), 0);
     });
 }
+
+/// With `advertise_expiry`, every stored response and its replays say until when the key is
+/// kept: the `Reject` verdict and an outcome a reconcile hook found are stored responses too.
+/// Before, both were stored, and replayed, without the header.
+#[test]
+fn the_outcomes_the_unknown_policies_store_advertise_their_expiry() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let (rejected, _) = crashed_attempt(&*store).await;
+        let (router, _, _) = app(layer(store.clone())
+            .advertise_expiry(true)
+            .on_outcome_unknown(OutcomeUnknown::Reject));
+        let first = send(&router, "POST", Some(&rejected), &[], "{}").await;
+        let replay = send(&router, "POST", Some(&rejected), &[], "{}").await;
+        assert_eq!((first.status, replay.status), (409, 409), "{}", first.body);
+        let expires = first.headers.get("idempotency-expires");
+        assert!(expires.is_some(), "the verdict: {:?}", first.headers);
+        assert_eq!(replay.headers.get("idempotency-expires"), expires);
+
+        let (found, _) = crashed_attempt(&*store).await;
+        let policy = OutcomeUnknown::reconcile(|_| async {
+            Ok(Some(Outcome::new(201).with_body(r#"{"id":"ch_found"}"#)))
+        });
+        let (router, calls, _) = app(layer(store.clone())
+            .policy(Policy::default())
+            .advertise_expiry(true)
+            .on_outcome_unknown(policy));
+        let first = send(&router, "POST", Some(&found), &[], "{}").await;
+        let replay = send(&router, "POST", Some(&found), &[], "{}").await;
+        assert_eq!((first.status, replay.status), (201, 201), "{}", first.body);
+        let expires = first.headers.get("idempotency-expires");
+        assert!(expires.is_some(), "the hook's outcome: {:?}", first.headers);
+        assert_eq!(replay.headers.get("idempotency-expires"), expires);
+        assert_eq!(calls.get(), 0);
+    });
+}

@@ -480,9 +480,10 @@ where
                 "status": problem.status().as_u16(),
                 "detail": detail,
             });
-            Outcome::new(problem.status().as_u16())
+            let verdict = Outcome::new(problem.status().as_u16())
                 .with_header("content-type", "application/problem+json")
-                .with_body(body.to_string())
+                .with_body(body.to_string());
+            advertise_expiry_of(&config, verdict)
         }
         OutcomeUnknown::Reconcile(hook) => {
             // In a task of its own, like the operation: a hook that found the effect gets
@@ -530,6 +531,7 @@ where
                     // unresolved: the lease ended, the record kept, so the next retry asks
                     // the hook again rather than be replayed that answer for the retention.
                     Ok(Ok(Some(outcome))) if config.policy.is_cacheable(outcome.status) => {
+                        let outcome = advertise_expiry_of(&config, outcome);
                         complete(&config, id, token, &outcome).await;
                         Reconciled::Found(outcome)
                     }
@@ -624,12 +626,19 @@ where
         })
     };
     let _ = store_it.await;
+    let expires = expiry_in(&known);
     let mut response = Response::new(full(known.body));
     *response.status_mut() = Problem::OutcomeUnknown.status();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/problem+json"),
     );
+    if let Some(value) = expires {
+        response.headers_mut().insert(
+            http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES),
+            value,
+        );
+    }
     Ok(response)
 }
 
@@ -1640,16 +1649,43 @@ async fn complete(config: &Config, id: RecordId, token: LeaseToken, outcome: &Ou
 /// it, every replay says the same date. Read before the outcome is written, so the date is
 /// never after the store's own expiry (clock skew aside).
 fn advertise_expiry(config: &Config, parts: &mut http::response::Parts) {
-    if !config.advertise_expiry {
-        return;
-    }
-    let until = std::time::SystemTime::now() + config.policy.retention();
-    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(until)) {
+    if let Some(value) = expiry(config) {
         parts.headers.insert(
             http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES),
             value,
         );
     }
+}
+
+/// [`advertise_expiry`] for an outcome the layer stores itself (an outcome-unknown verdict,
+/// what a reconcile hook found), in place of any such header it had.
+fn advertise_expiry_of(config: &Config, mut outcome: Outcome) -> Outcome {
+    if let Some(value) = expiry(config) {
+        let name = crate::IDEMPOTENCY_EXPIRES;
+        outcome
+            .headers
+            .retain(|(header, _)| !header.eq_ignore_ascii_case(name));
+        outcome = outcome.with_header(name, Bytes::copy_from_slice(value.as_bytes()));
+    }
+    outcome
+}
+
+/// The `Idempotency-Expires` an outcome carries, if any.
+fn expiry_in(outcome: &Outcome) -> Option<HeaderValue> {
+    let (_, value) = outcome
+        .headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case(crate::IDEMPOTENCY_EXPIRES))?;
+    HeaderValue::from_bytes(value).ok()
+}
+
+/// The `Idempotency-Expires` of an outcome stored now, if configured.
+fn expiry(config: &Config) -> Option<HeaderValue> {
+    if !config.advertise_expiry {
+        return None;
+    }
+    let until = std::time::SystemTime::now() + config.policy.retention();
+    HeaderValue::from_str(&httpdate::fmt_http_date(until)).ok()
 }
 
 /// How much of the body an outcome carries; replays say so in `Idempotent-Replay-Body`.
