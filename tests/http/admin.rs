@@ -352,7 +352,7 @@ fn paths_and_methods_the_admin_routes_do_not_serve_are_problems() {
                 .expect("request");
             let response = router.clone().oneshot(request).await.expect("infallible");
             assert_eq!(response.status(), 405);
-            assert_eq!(response.headers()["allow"], "GET,HEAD,DELETE");
+            assert_eq!(response.headers()["allow"], "GET,HEAD,DELETE,PUT");
             assert_eq!(
                 response.headers()["content-type"],
                 "application/problem+json"

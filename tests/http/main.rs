@@ -63,6 +63,11 @@ async fn send(
         .oneshot(request.body(body.into()).expect("request"))
         .await
         .expect("infallible");
+    answer(response).await
+}
+
+/// A response, read to its end.
+async fn answer(response: axum::http::Response<Body>) -> Answer {
     let status = response.status().as_u16();
     let headers = response.headers().clone();
     let collected = response.into_body().collect().await.expect("body");

@@ -83,8 +83,11 @@ fn reexecute_runs_the_operation_again() {
     });
 }
 
+/// `Reject` keeps the attempt as what it is, one whose outcome is unknown: each retry is told
+/// so, and the record stays for an operator to resolve. Found nothing: the operator releases
+/// it, and the key runs again.
 #[test]
-fn reject_answers_409_and_keeps_answering_it_until_an_operator_deletes_the_record() {
+fn reject_answers_409_and_keeps_answering_it_until_an_operator_releases_the_record() {
     block_on(async {
         let Some(store) = postgres().await else {
             return;
@@ -92,34 +95,32 @@ fn reject_answers_409_and_keeps_answering_it_until_an_operator_deletes_the_recor
         let (router, calls, _) =
             app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
         let (key, id) = crashed_attempt(&*store).await;
-        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
-        assert_eq!(answer.status, 409, "{}", answer.body);
-        assert_eq!(
-            answer.problem_type(),
-            "urn:idempotency:problem:outcome-unknown"
-        );
-        assert!(answer.headers.get("retry-after").is_none());
-        let again = send(&router, "POST", Some(&key), &[], "{}").await;
-        assert_eq!(again.status, 409);
-        assert_eq!(
-            again.problem_type(),
-            "urn:idempotency:problem:outcome-unknown"
-        );
-        assert_eq!(again.headers["idempotent-replayed"], "true");
+        for _ in 0..2 {
+            let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(answer.status, 409, "{}", answer.body);
+            assert_eq!(
+                answer.problem_type(),
+                "urn:idempotency:problem:outcome-unknown"
+            );
+            assert!(answer.headers.get("retry-after").is_none());
+        }
         assert_eq!(calls.get(), 0, "the operation never ran again");
         let kept = store.inspect(&id).await.expect("inspect").expect("kept");
         assert_eq!(
             kept.state,
-            idempotency_core::RecordState::Completed { status: 409 }
+            idempotency_core::RecordState::InFlight {
+                lease_remaining: Duration::ZERO
+            },
+            "kept as an attempt whose outcome is unknown"
         );
 
-        // The operator reconciled it and deletes the verdict: the key runs again.
+        // The operator found no effect and releases the record: the key runs again.
         assert_eq!(
             store
-                .force_release(&id, ReleaseScope::default().with_completed())
+                .force_release(&id, ReleaseScope::default())
                 .await
                 .expect("force_release"),
-            idempotency_core::ForceReleased::Deleted
+            idempotency_core::ForceReleased::Released
         );
         let after = send(&router, "POST", Some(&key), &[], "{}").await;
         assert_eq!(after.status, 201, "{}", after.body);
@@ -606,25 +607,14 @@ fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
 }
 
 /// With `advertise_expiry`, every stored response and its replays say until when the key is
-/// kept: the `Reject` verdict and an outcome a reconcile hook found are stored responses too.
-/// Before, both were stored, and replayed, without the header.
+/// kept: an outcome a reconcile hook found is a stored response too. Before, it was stored,
+/// and replayed, without the header.
 #[test]
-fn the_outcomes_the_unknown_policies_store_advertise_their_expiry() {
+fn an_outcome_a_reconcile_hook_found_advertises_its_expiry() {
     block_on(async {
         let Some(store) = postgres().await else {
             return;
         };
-        let (rejected, _) = crashed_attempt(&*store).await;
-        let (router, _, _) = app(layer(store.clone())
-            .advertise_expiry(true)
-            .on_outcome_unknown(OutcomeUnknown::Reject));
-        let first = send(&router, "POST", Some(&rejected), &[], "{}").await;
-        let replay = send(&router, "POST", Some(&rejected), &[], "{}").await;
-        assert_eq!((first.status, replay.status), (409, 409), "{}", first.body);
-        let expires = first.headers.get("idempotency-expires");
-        assert!(expires.is_some(), "the verdict: {:?}", first.headers);
-        assert_eq!(replay.headers.get("idempotency-expires"), expires);
-
         let (found, _) = crashed_attempt(&*store).await;
         let policy = OutcomeUnknown::reconcile(|_| async {
             Ok(Some(Outcome::new(201).with_body(r#"{"id":"ch_found"}"#)))
@@ -640,5 +630,137 @@ fn the_outcomes_the_unknown_policies_store_advertise_their_expiry() {
         assert!(expires.is_some(), "the hook's outcome: {:?}", first.headers);
         assert_eq!(replay.headers.get("idempotency-expires"), expires);
         assert_eq!(calls.get(), 0);
+    });
+}
+
+/// `PUT`, `DELETE` or `GET` on the admin routes for `key` (global scope: the layer's default
+/// is "anonymous" here), with `body`.
+async fn operator(store: &Arc<dyn Store>, method: &str, key: &str, body: &str) -> crate::Answer {
+    use tower::ServiceExt;
+
+    let request = axum::http::Request::builder()
+        .method(method)
+        .uri(format!("/idempotency/scopes/anonymous/keys/{key}"))
+        .body(axum::body::Body::from(body.to_owned()))
+        .expect("request");
+    let response = idempotency_tower::admin_router(store.clone())
+        .oneshot(request)
+        .await
+        .expect("infallible");
+    crate::answer(response).await
+}
+
+/// The operator reconciled an attempt whose outcome is unknown and found its effect: the
+/// response they `PUT` is the key's outcome, and its retries replay it without running the
+/// operation. Before, a `Reject` verdict was stored as the key's outcome, and the operator's
+/// only way on (deleting it) ran the operation again: a second charge.
+#[test]
+fn an_operator_resolves_an_unknown_outcome_and_its_retries_replay_it() {
+    block_on(async {
+        let Some(pg) = postgres().await else {
+            return;
+        };
+        let memory: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let redis = crate::redis_store().await.expect("redis");
+        let hybrid = crate::hybrid_store().await.expect("hybrid");
+        for store in [memory, pg, redis, hybrid] {
+            resolved_and_replayed(store).await;
+        }
+    });
+}
+
+/// [`an_operator_resolves_an_unknown_outcome_and_its_retries_replay_it`] on `store`.
+async fn resolved_and_replayed(store: Arc<dyn Store>) {
+    let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+    let (key, id) = crashed_attempt(&*store).await;
+    let told = send(&router, "POST", Some(&key), &[], "{}").await;
+    assert_eq!(told.status, 409, "{}", told.body);
+
+    let found = r#"{"status": 201, "headers": {"Content-Type": "application/json"},
+                    "body": "{\"id\":\"ch_found\"}", "retention_seconds": 3600}"#;
+    let resolved = operator(&store, "PUT", &key, found).await;
+    assert_eq!(resolved.status, 204, "{}", resolved.body);
+    for _ in 0..2 {
+        let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(retry.body, r#"{"id":"ch_found"}"#);
+        assert_eq!(retry.headers["content-type"], "application/json");
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+    }
+    assert_eq!(calls.get(), 0, "the operation never ran again");
+    let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+    assert_eq!(
+        kept.state,
+        idempotency_core::RecordState::Completed { status: 201 }
+    );
+    // Resolved once: a second resolution is refused.
+    let again = operator(&store, "PUT", &key, found).await;
+    assert_eq!(again.status, 409, "{}", again.body);
+    assert_eq!(
+        again.problem_type(),
+        "urn:idempotency:problem:record-completed"
+    );
+}
+
+/// What the resolving `PUT` refuses, each with a problem that says why, storing nothing: a
+/// body it cannot read, a record that is not an attempt whose outcome is unknown.
+#[test]
+fn an_operators_resolution_is_refused_unless_it_names_an_outcome_for_an_unknown_attempt() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let (key, id) = crashed_attempt(&*store).await;
+        for (body, why) in [
+            ("not json", "not JSON"),
+            ("[]", "an array"),
+            (r#"{"status": 99}"#, "a status below 200"),
+            (r#"{"status": 600}"#, "a status above 599"),
+            (r#"{"body": "x"}"#, "no status"),
+            (r#"{"status": 201, "colour": "red"}"#, "an unknown field"),
+            (
+                r#"{"status": 201, "headers": {"content-length": "3"}}"#,
+                "a framing header",
+            ),
+            (
+                r#"{"status": 201, "headers": {"bad name": "x"}}"#,
+                "a malformed name",
+            ),
+            (
+                r#"{"status": 201, "headers": {"x-n": 1}}"#,
+                "a value not a string",
+            ),
+            (r#"{"status": 201, "body": 5}"#, "a body not a string"),
+            (r#"{"status": 201, "retention_seconds": 0}"#, "no retention"),
+        ] {
+            let refused = operator(&store, "PUT", &key, body).await;
+            assert_eq!(refused.status, 400, "{why}: {}", refused.body);
+            assert_eq!(
+                refused.problem_type(),
+                "urn:idempotency:problem:invalid-request",
+                "{why}"
+            );
+        }
+        let still = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert!(
+            matches!(still.state, idempotency_core::RecordState::InFlight { .. }),
+            "nothing stored: {still:?}"
+        );
+
+        let outcome = r#"{"status": 201}"#;
+        let none = operator(&store, "PUT", &idempotency_test::unique("never"), outcome).await;
+        assert_eq!(none.status, 404, "{}", none.body);
+        // A live lease: its holder may be running the operation.
+        let live = idempotency_test::unique("live");
+        let live_id = RecordId::new(
+            &Scope::new("anonymous"),
+            &IdempotencyKey::new(live.clone()).expect("key"),
+        );
+        let fp = Fingerprint::of(b"live");
+        let claimed = store.begin(&live_id, &fp, Duration::from_secs(30)).await;
+        assert!(matches!(claimed, Ok(Begin::Execute(_))), "{claimed:?}");
+        let held = operator(&store, "PUT", &live, outcome).await;
+        assert_eq!(held.status, 409, "{}", held.body);
+        assert_eq!(held.problem_type(), "urn:idempotency:problem:lease-live");
     });
 }

@@ -1,5 +1,5 @@
-//! What an operator sees of a record, and what they may do to it: [`Store::inspect`] and
-//! [`Store::force_release`](crate::Store::force_release).
+//! What an operator sees of a record, and what they may do to it: [`Store::inspect`],
+//! [`Store::force_release`](crate::Store::force_release) and [`resolve_unknown`].
 
 use std::time::{Duration, SystemTime};
 
@@ -149,6 +149,95 @@ pub enum ForceReleased {
     Completed,
     /// There is no live record under this id.
     Absent,
+}
+
+/// What [`resolve_unknown`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Resolved {
+    /// The outcome is stored: the key's retries replay it. The attempt's own late
+    /// completion is refused.
+    Stored,
+    /// The record's lease is live: its holder may still be running the operation, or a
+    /// retry is being told its outcome is unknown. Nothing changed: look again once the
+    /// lease ran out.
+    Live,
+    /// The record is completed (now or since it was read): its outcome replays already, or
+    /// another request used the key. Nothing changed.
+    Completed,
+    /// There is no live record under this id. Nothing changed.
+    Absent,
+}
+
+/// The lease [`resolve_unknown`] holds while it stores the outcome.
+const RESOLVING_LEASE: Duration = Duration::from_secs(30);
+
+/// Resolves an attempt whose outcome is unknown (an in-flight record whose lease ran out) as
+/// having taken effect, for an operator who reconciled it and found its effect: `outcome`
+/// becomes the key's outcome, kept for `retention`, and its retries replay it instead of
+/// meeting the outcome-unknown policy or running the operation again. (Found no effect:
+/// [`Store::force_release`](crate::Store::force_release) it, and the next request runs.)
+///
+/// The record is taken over as a retry of the attempt would take it (under its own
+/// fingerprint: the store checks that the lease ran out in the same step), then completed.
+/// A retry that took the key over since it was read keeps it ([`Resolved::Live`]), and the
+/// attempt's late completion is refused. Dropped, or failing after the takeover, it leaves
+/// the record an attempt whose outcome is unknown again (at once, or when its 30 s lease
+/// runs out).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{resolve_unknown, Begin, Fingerprint, MemoryStore, Outcome, RecordId, Resolved, Store};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() -> Result<(), idempotency_core::Error> {
+/// let store = MemoryStore::new();
+/// let (id, fp) = (RecordId::from_bytes([7; 32]), Fingerprint::of(b"charge 1000"));
+/// store.begin(&id, &fp, Duration::from_secs(1)).await?; // an attempt that crashed
+/// tokio::time::advance(Duration::from_secs(2)).await;
+/// // The operator found the charge it made:
+/// let found = Outcome::new(201).with_body(r#"{"id":"ch_1"}"#);
+/// let day = Duration::from_secs(86_400);
+/// assert_eq!(resolve_unknown(&store, &id, &found, day).await?, Resolved::Stored);
+/// assert_eq!(store.begin(&id, &fp, Duration::from_secs(30)).await?, Begin::Replay(found));
+/// # Ok(()) }
+/// ```
+pub async fn resolve_unknown<S: crate::Store + ?Sized>(
+    store: &S,
+    id: &crate::RecordId,
+    outcome: &crate::Outcome,
+    retention: Duration,
+) -> crate::Result<Resolved> {
+    use crate::{Begin, Error};
+
+    let Some(record) = store.inspect(id).await? else {
+        return Ok(Resolved::Absent);
+    };
+    match record.state {
+        RecordState::InFlight { lease_remaining } if lease_remaining.is_zero() => {}
+        RecordState::InFlight { .. } => return Ok(Resolved::Live),
+        RecordState::Completed { .. } => return Ok(Resolved::Completed),
+    }
+    // `Execute`: the record was purged since it was read; the operator's answer stands.
+    let token = match store
+        .begin(id, &record.fingerprint, RESOLVING_LEASE)
+        .await?
+    {
+        Begin::TakeOver(token) | Begin::Execute(token) => token,
+        Begin::InFlight { .. } => return Ok(Resolved::Live),
+        Begin::Replay(_) | Begin::Mismatch => return Ok(Resolved::Completed),
+    };
+    match store.complete(id, token, outcome, retention).await {
+        Ok(()) => Ok(Resolved::Stored),
+        // Held past the takeover's lease (a store that answered late), and taken over by a
+        // retry since: nothing stored.
+        Err(Error::LeaseLost) => Ok(Resolved::Live),
+        Err(error) => {
+            // Not stored: the record is an attempt whose outcome is unknown again now,
+            // rather than "in flight" to its retries for a lease.
+            let _ = store.renew(id, token, Duration::ZERO).await;
+            Err(error)
+        }
+    }
 }
 
 /// A time given in milliseconds since the Unix epoch (what SQL's `extract(epoch …)` and

@@ -44,7 +44,10 @@ pub use executor::{
 };
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};
-pub use inspect::{ForceReleased, Inspection, RecordState, ReleaseScope, system_time_from_millis};
+pub use inspect::{
+    ForceReleased, Inspection, RecordState, ReleaseScope, Resolved, resolve_unknown,
+    system_time_from_millis,
+};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;
 pub use observe::{Answer, Observed, observe};

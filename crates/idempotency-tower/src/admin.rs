@@ -1,20 +1,29 @@
-//! The operator's routes: read a key's record, release a stuck one.
+//! The operator's routes: read a key's record, release a stuck one, resolve an attempt whose
+//! outcome is unknown.
 //!
 //! Mount [`admin_router`] behind the application's own authentication: it answers for any
 //! scope it is asked about.
 
-use std::{collections::HashMap, sync::Arc, time::SystemTime};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use axum::{
     Router,
-    extract::{Path, RawQuery, State, rejection::PathRejection},
+    body::Bytes,
+    extract::{
+        Path, RawQuery, State,
+        rejection::{BytesRejection, PathRejection},
+    },
     response::{IntoResponse, Response},
     routing::{any, get},
 };
 use http::{HeaderValue, StatusCode, header};
 use idempotency_core::{
-    Error, ForceReleased, IdempotencyKey, Inspection, RecordId, RecordState, ReleaseScope, Scope,
-    Store,
+    Error, ForceReleased, IdempotencyKey, Inspection, Outcome, Policy, RecordId, RecordState,
+    ReleaseScope, Resolved, Scope, Store,
 };
 
 use crate::Problem;
@@ -29,7 +38,32 @@ use crate::Problem;
 ///   says `?completed=true` (then it is deleted, and the key runs again on its next request);
 ///   `404` when there is none. Whether the lease ran out is checked by the store with the
 ///   delete, so a retry that took the key over since you looked keeps its lease;
-/// - the same two at `/idempotency/keys/{key}` for the global scope.
+/// - `PUT /idempotency/scopes/{scope}/keys/{key}`: resolves an attempt whose outcome is
+///   unknown (an in-flight record whose lease ran out) as having taken effect: the JSON body
+///   is the response its retries get from now on, stored as the key's outcome, and `204`
+///   (below). `409` problem+json for a live lease (its holder, or a retry being told the
+///   outcome is unknown, holds it: look again) and for a completed record; `404` when there
+///   is none;
+/// - the same three at `/idempotency/keys/{key}` for the global scope.
+///
+/// **Resolving.** Under [`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject) an
+/// attempt that never stored its outcome is kept, and its retries are told `409`
+/// outcome-unknown, until an operator reconciles it: found its effect (the card was
+/// charged) — `PUT` the response the retries should get; found none — `DELETE`, and the next
+/// request runs. The `PUT` is [`resolve_unknown`](idempotency_core::resolve_unknown): it takes
+/// the record over under the attempt's own fingerprint and completes it, so a retry that took
+/// the key over meanwhile keeps it (`409`), and the attempt's own late completion is
+/// refused. Its body:
+///
+/// ```json
+/// {"status": 201, "headers": {"content-type": "application/json"},
+///  "body": "{\"id\":\"ch_1\"}", "retention_seconds": 86400}
+/// ```
+///
+/// `status` is 200 to 599; `headers` (optional) are sent with every replay, except those the
+/// server sets itself (`content-length`, `transfer-encoding`, `date`, hop-by-hop fields),
+/// which are a `400`; `body` (optional) is text; `retention_seconds` (optional, a day by
+/// default) is how long the outcome is kept.
 ///
 /// **Releasing a live lease (`?live=true`) lets the operation run again while its holder may
 /// still be running it.** Fencing refuses the holder's later writes to the store (its outcome
@@ -89,9 +123,12 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
     Router::new()
         .route(
             "/idempotency/scopes/{scope}/keys/{key}",
-            get(inspect).delete(release),
+            get(inspect).delete(release).put(resolve),
         )
-        .route("/idempotency/keys/{key}", get(inspect).delete(release))
+        .route(
+            "/idempotency/keys/{key}",
+            get(inspect).delete(release).put(resolve),
+        )
         .route("/idempotency/keys/{key}/{*rest}", any(too_many_segments))
         .route(
             "/idempotency/scopes/{scope}/keys/{key}/{*rest}",
@@ -110,7 +147,7 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
 async fn method_not_allowed() -> Response {
     problem(
         Problem::MethodNotAllowed,
-        "a record is read with GET and released with DELETE",
+        "a record is read with GET, released with DELETE and resolved with PUT",
     )
 }
 
@@ -308,6 +345,134 @@ async fn release(
         ),
         // `ForceReleased` may grow: an answer this version does not know changed nothing it
         // can vouch for.
+        Ok(other) => problem(Problem::Internal, &format!("unexpected answer {other:?}")),
+        Err(error) => store_problem(&error),
+    }
+}
+
+/// Fields the server sets itself: never part of a stored outcome.
+const SERVER_SET: [&str; 9] = [
+    "connection",
+    "content-length",
+    "date",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// The outcome and retention a `PUT` body names; a 400 problem when it does not.
+fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
+    let bad = |detail: String| Box::new(problem(Problem::InvalidRequest, &detail));
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+    let Some(fields) = value.as_object() else {
+        return Err(bad("the body is a JSON object: {\"status\": 201, …}".into()));
+    };
+    if let Some(unknown) = fields
+        .keys()
+        .find(|name| !["status", "headers", "body", "retention_seconds"].contains(&name.as_str()))
+    {
+        return Err(bad(format!(
+            "unknown field {unknown:?}: the fields are status, headers, body and retention_seconds"
+        )));
+    }
+    let status = fields
+        .get("status")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|status| u16::try_from(status).ok())
+        .filter(|status| (200..=599).contains(status))
+        .ok_or_else(|| bad("\"status\" is a number from 200 to 599".into()))?;
+    let mut outcome = Outcome::new(status);
+    match fields.get("headers") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Object(headers)) => {
+            for (name, value) in headers {
+                let lower = name.to_ascii_lowercase();
+                let value = value.as_str().ok_or_else(|| {
+                    bad(format!(
+                        "the header {name:?} has a value that is not a string"
+                    ))
+                })?;
+                if http::HeaderName::from_bytes(lower.as_bytes()).is_err()
+                    || HeaderValue::from_str(value).is_err()
+                {
+                    return Err(bad(format!("{name:?}: {value:?} is not a valid header")));
+                }
+                if SERVER_SET.contains(&lower.as_str()) {
+                    return Err(bad(format!(
+                        "{name:?} is set by the server on each replay, not stored"
+                    )));
+                }
+                outcome = outcome.with_header(lower, value.to_owned());
+            }
+        }
+        Some(_) => {
+            return Err(bad(
+                "\"headers\" is an object of names and string values".into()
+            ));
+        }
+    }
+    match fields.get("body") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(body)) => outcome = outcome.with_body(body.clone()),
+        Some(_) => return Err(bad("\"body\" is a string".into())),
+    }
+    let retention = match fields.get("retention_seconds") {
+        None | Some(serde_json::Value::Null) => Policy::default().retention(),
+        Some(seconds) => seconds
+            .as_u64()
+            .filter(|seconds| *seconds > 0)
+            .map(Duration::from_secs)
+            .ok_or_else(|| bad("\"retention_seconds\" is a whole number above 0".into()))?,
+    };
+    Ok((outcome, retention))
+}
+
+/// `PUT`: stores the outcome an operator found for an attempt whose outcome is unknown (see
+/// [`admin_router`]).
+async fn resolve(
+    State(store): State<Arc<dyn Store>>,
+    named: Named,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (_, _, id) = match record_id(named) {
+        Ok(named) => named,
+        Err(response) => return *response,
+    };
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            return problem(
+                Problem::InvalidRequest,
+                &format!("the body could not be read: {rejection}"),
+            );
+        }
+    };
+    let (outcome, retention) = match resolution(&body) {
+        Ok(resolution) => resolution,
+        Err(response) => return *response,
+    };
+    match idempotency_core::resolve_unknown(&*store, &id, &outcome, retention).await {
+        Ok(Resolved::Stored) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Resolved::Live) => problem(
+            Problem::LeaseLive,
+            "the record's lease is live: its holder may still be running the operation, or a \
+             retry is being told its outcome is unknown; look again once the lease ran out",
+        ),
+        Ok(Resolved::Completed) => problem(
+            Problem::RecordCompleted,
+            "the record is completed: its outcome replays to retries already (or another \
+             request used the key since it was read)",
+        ),
+        Ok(Resolved::Absent) => problem(
+            Problem::RecordNotFound,
+            "no live record for this scope and key (never used, released, or past its retention)",
+        ),
+        // `Resolved` may grow: an answer this version does not know changed nothing it can
+        // vouch for.
         Ok(other) => problem(Problem::Internal, &format!("unexpected answer {other:?}")),
         Err(error) => store_problem(&error),
     }

@@ -468,22 +468,19 @@ where
     tracing::warn!(record = %keyed.id, policy = label, "an earlier attempt's lease ran out before it stored an outcome");
     keyed.took_over = true;
     let id = keyed.id;
-    let known = match policy {
+    match policy {
         OutcomeUnknown::Reject => {
+            // The record stays what it is, an attempt whose outcome is unknown, for an
+            // operator to resolve: its lease ended at once, so the next retry takes it over
+            // and is told the same. Stored as this key's outcome, the 409 left the operator
+            // no way to record what the attempt did (deleting it let the key run again) and
+            // ran the operation again once its retention was over.
+            let why = "an attempt whose outcome is unknown, kept for an operator";
+            settle_lease_in_any_case(&config, id, token, true, why).await;
             let detail = "an earlier request with this Idempotency-Key did not finish, and \
                           whether its operation took effect is unknown: it must be reconciled \
                           before this key can be used again";
-            let problem = Problem::OutcomeUnknown;
-            let body = serde_json::json!({
-                "type": problem.type_uri(),
-                "title": problem.title(),
-                "status": problem.status().as_u16(),
-                "detail": detail,
-            });
-            let verdict = Outcome::new(problem.status().as_u16())
-                .with_header("content-type", "application/problem+json")
-                .with_body(body.to_string());
-            advertise_expiry_of(&config, verdict)
+            Ok(Problem::OutcomeUnknown.response(detail, None))
         }
         OutcomeUnknown::Reconcile(hook) => {
             // In a task of its own, like the operation: a hook that found the effect gets
@@ -612,34 +609,10 @@ where
             // the question. The lease runs out, and the next retry asks again.
             let detail = "an earlier request with this Idempotency-Key did not finish, and \
                           whether it took effect could not be checked; retry later with the same key";
-            return Ok(Problem::StoreUnavailable.response(detail, Some(config.policy.lease())));
+            Ok(Problem::StoreUnavailable.response(detail, Some(config.policy.lease())))
         }
-        _ => return execute(config, inner, parts, body, keyed, token, asked).await,
-    };
-    // Reject: the verdict is the key's outcome until an operator deletes it.
-    let store_it = {
-        let (config, outcome) = (config.clone(), known.clone());
-        let running = config.detached.token();
-        tokio::spawn(async move {
-            let _running = running;
-            complete(&config, id, token, &outcome).await;
-        })
-    };
-    let _ = store_it.await;
-    let expires = expiry_in(&known);
-    let mut response = Response::new(full(known.body));
-    *response.status_mut() = Problem::OutcomeUnknown.status();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    if let Some(value) = expires {
-        response.headers_mut().insert(
-            http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES),
-            value,
-        );
+        _ => execute(config, inner, parts, body, keyed, token, asked).await,
     }
-    Ok(response)
 }
 
 /// What a reconcile hook settled.
@@ -1657,8 +1630,8 @@ fn advertise_expiry(config: &Config, parts: &mut http::response::Parts) {
     }
 }
 
-/// [`advertise_expiry`] for an outcome the layer stores itself (an outcome-unknown verdict,
-/// what a reconcile hook found), in place of any such header it had.
+/// [`advertise_expiry`] for an outcome the layer stores itself (what a reconcile hook
+/// found), in place of any such header it had.
 fn advertise_expiry_of(config: &Config, mut outcome: Outcome) -> Outcome {
     if let Some(value) = expiry(config) {
         let name = crate::IDEMPOTENCY_EXPIRES;
@@ -1668,15 +1641,6 @@ fn advertise_expiry_of(config: &Config, mut outcome: Outcome) -> Outcome {
         outcome = outcome.with_header(name, Bytes::copy_from_slice(value.as_bytes()));
     }
     outcome
-}
-
-/// The `Idempotency-Expires` an outcome carries, if any.
-fn expiry_in(outcome: &Outcome) -> Option<HeaderValue> {
-    let (_, value) = outcome
-        .headers
-        .iter()
-        .find(|(name, _)| name.eq_ignore_ascii_case(crate::IDEMPOTENCY_EXPIRES))?;
-    HeaderValue::from_bytes(value).ok()
 }
 
 /// The `Idempotency-Expires` of an outcome stored now, if configured.

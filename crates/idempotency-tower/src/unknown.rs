@@ -87,11 +87,16 @@ pub enum OutcomeUnknown {
     /// itself: its effect is keyed by the record id under a unique constraint.
     #[default]
     Reexecute,
-    /// Answer `409` problem+json `urn:idempotency:problem:outcome-unknown` and keep that
-    /// answer: it is stored as the key's outcome (for the policy's retention), so every
-    /// retry gets it until an operator reconciles the operation and deletes the record (the
-    /// admin routes, `DELETE …?completed=true`), after which the next request runs. Past
-    /// the retention the key is forgotten like any other: reconcile within it.
+    /// Answer `409` problem+json `urn:idempotency:problem:outcome-unknown`, and keep the
+    /// record what it is, an attempt whose outcome is unknown (its lease ended at once), so
+    /// every retry is told the same until an operator reconciles the operation: found its
+    /// effect — store the response its retries should get (the admin routes' `PUT`,
+    /// [`resolve_unknown`](idempotency_core::resolve_unknown)), and they replay it; found
+    /// none — release the record (`DELETE`), and the next request runs. The record is kept
+    /// as long as the store keeps an unfinished attempt, counted from the last retry (see
+    /// above); past that the key runs as new: reconcile within it. (Before 6 December 2026
+    /// the `409` was stored as the key's outcome: such a record is deleted with `DELETE
+    /// …?completed=true`.)
     Reject,
     /// Ask the application first: the hook gets the record id and the request
     /// ([`Unresolved`]) and looks for the earlier attempt's effect. `Some(outcome)`: the effect happened; the outcome is stored and
