@@ -1923,6 +1923,50 @@ async fn both_kinds(url: &str) -> [(&'static str, PostgresStore); 2] {
     ]
 }
 
+/// A claim whose reply was lost as Postgres went away (it had committed): while Postgres
+/// cannot be reached, the store looks for the grant every budget, and gives it back as soon
+/// as Postgres is back. Looked for on its schedule alone (1, 5, then 21 budgets after the
+/// give-up), the look after the outage came long after the grant's lease ran out, and a
+/// retry in between took the key over as an attempt whose outcome is unknown — a 409 under
+/// `Reject` — for an operation that never ran.
+#[test]
+fn a_grant_whose_reply_an_outage_lost_is_given_back_once_postgres_is_back() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        // The store reaches Postgres through a relay that goes down (every connection
+        // closed, new ones refused) and one behind it that loses a committed claim's reply.
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let losing = losing_a_claims_reply(armed.clone()).await;
+        let outage = relay::stalling_relay(relay::upstream(&losing)).await;
+        let store = PostgresStore::builder(relay::through(&losing, outage.port))
+            .per_request()
+            .acquire_timeout(Duration::from_millis(300))
+            .call_timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .expect("store");
+        execute(&store, &fresh_id(), &fp("a"), LONG).await;
+        let id = fresh_id();
+        armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let begin = store.begin(&id, &fp("a"), Duration::from_secs(1)).await;
+        assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
+        // Down before the first look (0.5 s after the give-up) and past the second (2.5 s).
+        outage.cut_off();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        outage.fail_over();
+        // Back, well before the schedule's next look (10.5 s after the give-up), and after
+        // the grant's lease (1 s) ran out: a few budgets for the looks to find it.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let retry = shared.begin(&id, &fp("a"), LONG).await;
+        assert!(
+            matches!(retry, Ok(Begin::Execute(_))),
+            "a claim that never ran is reported unknown: {retry:?}"
+        );
+    });
+}
+
 /// On the per-request and the group-commit store through `relayed` (a relay that mangles
 /// the reply of a committed claim while `armed`): the claim answers `Unavailable`, its lease
 /// committed, and once `drain` returns it is given back.

@@ -1225,9 +1225,10 @@ impl PostgresStore {
     /// answer `Execute`), one budget from now. A grant not found then may be one whose
     /// statement has not committed yet: it waits on a lock, its commit on a replica, its
     /// bytes on a network that heals (a kernel retransmits a closed socket's unsent bytes for
-    /// about 15 minutes). It is looked for again [`LATER_LOOKS`] from then: left, nobody would
-    /// hold it, and the key would answer `InFlight` for the lease, then `TakeOver`, an
-    /// outcome reported unknown for an operation that never ran.
+    /// about 15 minutes). It is looked for again [`LATER_LOOKS`] from then, and every budget
+    /// while the store cannot be reached: left, nobody would hold it, and the key would
+    /// answer `InFlight` for the lease, then `TakeOver`, an outcome reported unknown for an
+    /// operation that never ran.
     ///
     /// `drain` waits for the first round only: most tokens given back were never written,
     /// and a shutdown must not wait for the later looks of each claim that timed out. They
@@ -1263,14 +1264,29 @@ impl PostgresStore {
         gave_up: tokio::time::Instant,
         looking: Arc<Looking>,
     ) {
-        let mut left = late.give_back_round(grants, 1).await;
+        let (mut left, mut unreachable) = late.give_back_round(grants, 1).await;
         looking.left(&left);
         if left.is_empty() {
             return;
         }
+        let horizon = late.latest_commits()[2];
         tokio::spawn(async move {
             for budgets in LATER_LOOKS {
-                left = late.give_back_round(left, budgets).await;
+                // While the store cannot be reached, every budget until it answers: a claim
+                // whose reply an outage lost committed before it, and its grant's lease runs
+                // out meanwhile. Looked for on the schedule alone (4, then 16 budgets on),
+                // it was found long after the store was back, and a retry in between took
+                // the key over as an attempt whose outcome is unknown (a 409 under
+                // `Reject`, a question to the reconcile hook) for an operation that never
+                // ran.
+                while unreachable && gave_up.elapsed() < horizon {
+                    (left, unreachable) = late.give_back_round(left, 1).await;
+                    looking.left(&left);
+                    if left.is_empty() {
+                        return;
+                    }
+                }
+                (left, unreachable) = late.give_back_round(left, budgets).await;
                 looking.left(&left);
                 if left.is_empty() {
                     return;
@@ -1284,7 +1300,7 @@ impl PostgresStore {
                     continue;
                 };
                 tokio::time::sleep(wait).await;
-                left = late.give_back_round(left, 0).await;
+                (left, _) = late.give_back_round(left, 0).await;
                 looking.left(&left);
                 if left.is_empty() {
                     return;
@@ -1309,40 +1325,42 @@ impl PostgresStore {
     /// After `budgets` call budgets, gives back `grants`, all at once (one after the other, a
     /// long outage held a shutdown for each); those not settled are returned for the next
     /// look: not found (not committed yet, or never written), or the store unreachable (a
-    /// partition: the claim's bytes may still arrive once it heals).
+    /// partition: the claim's bytes may still arrive once it heals), which it says.
     async fn give_back_round(
         &self,
         grants: Vec<(RecordId, LeaseToken, bool)>,
         budgets: u32,
-    ) -> Vec<(RecordId, LeaseToken, bool)> {
+    ) -> (Vec<(RecordId, LeaseToken, bool)>, bool) {
         tokio::time::sleep(self.call_timeout.saturating_mul(budgets)).await;
-        let settled = futures::future::join_all(
+        let looked = futures::future::join_all(
             grants
                 .iter()
                 .map(|(id, token, took)| self.give_back_once(id, *token, *took)),
         )
         .await;
-        grants
+        let unreachable = looked.contains(&Look::Unreachable);
+        let left = grants
             .into_iter()
-            .zip(settled)
-            .filter_map(|(grant, settled)| (!settled).then_some(grant))
-            .collect()
+            .zip(looked)
+            .filter_map(|(grant, look)| (look != Look::Settled).then_some(grant))
+            .collect();
+        (left, unreachable)
     }
 
-    /// Releases (or, `took`, ends and keeps) the grant of `token`, fenced on it; whether it
-    /// is settled. One try: the looks after this one are the retries.
-    async fn give_back_once(&self, id: &RecordId, token: LeaseToken, took: bool) -> bool {
+    /// Releases (or, `took`, ends and keeps) the grant of `token`, fenced on it. One try:
+    /// the looks after this one are the retries.
+    async fn give_back_once(&self, id: &RecordId, token: LeaseToken, took: bool) -> Look {
         let given = if took {
             self.renew(id, token, Duration::ZERO).await
         } else {
             self.release(id, token).await
         };
         match given {
-            Ok(()) => true,
-            Err(Error::LeaseLost) => false,
+            Ok(()) => Look::Settled,
+            Err(Error::LeaseLost) => Look::NotFound,
             Err(error) => {
-                tracing::debug!(%error, record = %id, "could not give back a grant; looking again later");
-                false
+                tracing::debug!(%error, record = %id, "could not give back a grant; looking again");
+                Look::Unreachable
             }
         }
     }
@@ -1738,6 +1756,17 @@ impl Drop for Looking {
 /// hour with the default budget (3 s). Each look is one fenced statement per grant still
 /// missing.
 const LATER_LOOKS: [u32; 5] = [4, 16, 64, 256, 1024];
+
+/// What one look for a grant to give back found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Look {
+    /// Given back.
+    Settled,
+    /// Not held by its token: not committed yet, never written, or taken over since.
+    NotFound,
+    /// The store did not answer.
+    Unreachable,
+}
 
 impl PostgresStore {
     async fn inspect_row(&self, id: &RecordId) -> Result<Option<Inspection>> {

@@ -164,6 +164,9 @@ pub struct StallingRelay {
     epoch: Arc<AtomicU64>,
     /// Between `vanish` and `fail_over`: new connections are frozen from birth.
     vanished: Arc<AtomicBool>,
+    /// Set by `cut_off`: frozen connections are closed rather than held, and new ones
+    /// refused, until `fail_over`.
+    closing: Arc<AtomicBool>,
     /// Where new connections go (`redirect` changes it).
     upstream: Arc<std::sync::Mutex<String>>,
 }
@@ -177,9 +180,18 @@ impl StallingRelay {
         self.epoch.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// The upstream host goes down and says so: every open connection is closed, and new
+    /// ones are closed as they come, until [`fail_over`](Self::fail_over) (a server that
+    /// crashed and restarts: calls fail at once rather than hang).
+    pub fn cut_off(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        self.vanish();
+    }
+
     /// A new primary answers: connections opened from now on pass. Those frozen stay so.
     pub fn fail_over(&self) {
         self.vanished.store(false, Ordering::SeqCst);
+        self.closing.store(false, Ordering::SeqCst);
     }
 
     /// New connections go to `upstream` (`host:port`) from now on; open ones stay where they
@@ -212,15 +224,20 @@ pub async fn stalling_relay(upstream: String) -> StallingRelay {
         port,
         epoch: Arc::new(AtomicU64::new(0)),
         vanished: Arc::new(AtomicBool::new(false)),
+        closing: Arc::new(AtomicBool::new(false)),
         upstream: Arc::new(std::sync::Mutex::new(upstream)),
     };
-    let (epoch, vanished, to) = (
+    let (epoch, vanished, closing, to) = (
         relay.epoch.clone(),
         relay.vanished.clone(),
+        relay.closing.clone(),
         relay.upstream.clone(),
     );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
+            if closing.load(Ordering::SeqCst) {
+                continue; // closed as it comes
+            }
             let upstream = to
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -236,34 +253,67 @@ pub async fn stalling_relay(upstream: String) -> StallingRelay {
             };
             let (client_rx, client_tx) = client.into_split();
             let (server_rx, server_tx) = server.into_split();
-            tokio::spawn(pass_until_frozen(client_rx, server_tx, epoch.clone(), born));
-            tokio::spawn(pass_until_frozen(server_rx, client_tx, epoch.clone(), born));
+            let frozen = Frozen {
+                epoch: epoch.clone(),
+                born,
+                closing: closing.clone(),
+            };
+            tokio::spawn(pass_until_frozen(client_rx, server_tx, frozen.clone()));
+            tokio::spawn(pass_until_frozen(server_rx, client_tx, frozen));
         }
     });
     relay
 }
 
+/// When a relayed connection freezes: see [`pass_until_frozen`].
+#[derive(Clone)]
+struct Frozen {
+    epoch: Arc<AtomicU64>,
+    born: u64,
+    closing: Arc<AtomicBool>,
+}
+
+impl Frozen {
+    fn now(&self) -> bool {
+        self.epoch.load(Ordering::SeqCst) != self.born
+    }
+}
+
 /// Copies `from` to `to` until the connection is frozen (its epoch is not the current one),
-/// then holds both halves open, passing nothing, for good.
+/// then holds both halves open, passing nothing, for good — or closes them, when cut off.
 async fn pass_until_frozen(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    epoch: Arc<AtomicU64>,
-    born: u64,
+    frozen: Frozen,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        let n = match from.read(&mut buf).await {
+        let read = tokio::select! {
+            read = from.read(&mut buf) => read,
+            // Cut off while idle: closed at once, as a crashed server's connections are.
+            () = cut_off(&frozen) => return,
+        };
+        let n = match read {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if epoch.load(Ordering::SeqCst) != born {
+        if frozen.now() {
+            if frozen.closing.load(Ordering::SeqCst) {
+                return;
+            }
             // Both halves stay open, and nothing passes, for good.
             return std::future::pending::<()>().await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
         }
+    }
+}
+
+/// Ends once the connection is frozen by a cut-off (polled every 10 ms).
+async fn cut_off(frozen: &Frozen) {
+    while !(frozen.now() && frozen.closing.load(Ordering::SeqCst)) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
 
