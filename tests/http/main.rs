@@ -2233,8 +2233,11 @@ fn grpc_service(layer: idempotency_tower::IdempotencyLayer) -> (axum::Router, su
                         map
                     };
                     let message = bytes::Bytes::from_static(b"\0\0\0\0\x02ok");
+                    if mode == "slow" {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
                     let mut response = match mode.as_str() {
-                        "trailers-only" => {
+                        "trailers-only" | "slow" => {
                             let mut response = axum::response::Response::new(Body::empty());
                             response
                                 .headers_mut()
@@ -2304,6 +2307,54 @@ async fn grpc_call(
         .or(in_head)
         .map(|v| v.to_str().expect("ascii").to_owned());
     (replayed, status, collected.to_bytes())
+}
+
+/// The layer's own refusals reach a gRPC client as gRPC statuses (a trailers-only response,
+/// `grpc-status`, the detail in `grpc-message`), not as HTTP problems, which gRPC clients
+/// read as `UNKNOWN` or `INTERNAL`: a retry of a call still running is `UNAVAILABLE`, which
+/// their retry policies retry (with the layer's `Retry-After` as the server's pushback),
+/// a key reused for another call `ALREADY_EXISTS`, a malformed key `INVALID_ARGUMENT`.
+#[test]
+fn the_layers_refusals_reach_grpc_clients_as_grpc_statuses() {
+    block_on(async {
+        let (router, calls) = grpc_service(layer(memory()));
+        let call = |key: &str, mode: &str, message: &'static [u8]| {
+            let request = axum::http::Request::post("/grpc")
+                .header("content-type", "application/grpc")
+                .header("idempotency-key", key)
+                .header("x-mode", mode)
+                .header("x-status", "0")
+                .body(Body::from(message))
+                .expect("request");
+            let router = router.clone();
+            async move { router.oneshot(request).await.expect("infallible") }
+        };
+        let status_of = |response: &axum::http::Response<Body>| {
+            assert_eq!(response.status(), 200, "gRPC travels in HTTP 200");
+            assert_eq!(response.headers()["content-type"], "application/grpc");
+            assert!(response.headers().contains_key("grpc-message"));
+            response.headers()["grpc-status"]
+                .to_str()
+                .expect("ascii")
+                .to_owned()
+        };
+        // A retry while the first call still runs.
+        let charge = b"\0\0\0\0\x021k";
+        let (first, retry) = tokio::join!(call("running", "slow", charge), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            call("running", "slow", charge).await
+        });
+        assert_eq!(first.headers()["grpc-status"], "0");
+        assert_eq!(status_of(&retry), "14", "in flight: UNAVAILABLE");
+        assert!(retry.headers().contains_key("grpc-retry-pushback-ms"));
+        // The key reused for another call.
+        let reused = call("running", "slow", b"\0\0\0\0\x022k").await;
+        assert_eq!(status_of(&reused), "6", "key reused: ALREADY_EXISTS");
+        // A malformed key.
+        let malformed = call("", "slow", charge).await;
+        assert_eq!(status_of(&malformed), "3", "INVALID_ARGUMENT");
+        assert_eq!(calls.get(), 1, "only the first call ran");
+    });
 }
 
 /// gRPC answers HTTP 200 whatever happened and carries its status in `grpc-status`: in the

@@ -92,8 +92,98 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|v| grpc_content_type(v.as_bytes()))
 }
 
+/// The layer's own refusal (`response`, a problem+json it made: no key, in flight, key
+/// reused, store unavailable, …) as the gRPC client of a request whose `Content-Type` was
+/// `content_type` can read it: a trailers-only response (HTTP 200) whose `grpc-status`
+/// stands for it, the problem's detail in `grpc-message`, and a `Retry-After` as
+/// `grpc-retry-pushback-ms`. Sent as HTTP, a gRPC client read a 409 or a 422 as `UNKNOWN`
+/// ("grpc-status header missing") and a 400 as `INTERNAL`: "in flight, retry later" looked
+/// like a failure of unknown effect, which its retry policy does not retry, and a client
+/// that started over with a new key ran the operation twice. Any other response is left as
+/// it is.
+///
+/// ```text
+/// in flight 409, store unavailable 503                          UNAVAILABLE 14 (retried)
+/// outcome unknown 409                                           FAILED_PRECONDITION 9
+/// key reused 422                                                ALREADY_EXISTS 6
+/// no key, a malformed key or request 400                        INVALID_ARGUMENT 3
+/// body too large 413                                            RESOURCE_EXHAUSTED 8
+/// unauthenticated 401                                           UNAUTHENTICATED 16
+/// anything else                                                 INTERNAL 13
+/// ```
+pub(crate) async fn refusal_as_status(
+    response: http::Response<crate::Body>,
+    content_type: http::HeaderValue,
+) -> http::Response<crate::Body> {
+    use http_body_util::BodyExt;
+
+    let problem = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| {
+            v.as_bytes()
+                .eq_ignore_ascii_case(b"application/problem+json")
+        });
+    if !problem {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    // A problem the layer made: a few hundred bytes, in memory.
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let kind = json["type"].as_str().unwrap_or_default();
+    let code: u8 = match parts.status.as_u16() {
+        409 if kind.ends_with(":outcome-unknown") => 9,
+        409 | 503 => 14,
+        422 => 6,
+        400 => 3,
+        413 => 8,
+        401 => 16,
+        _ => 13,
+    };
+    let detail = json["detail"]
+        .as_str()
+        .unwrap_or("refused by the idempotency layer");
+    let mut answer = http::Response::new(crate::full(bytes::Bytes::new()));
+    let headers = answer.headers_mut();
+    headers.insert(http::header::CONTENT_TYPE, content_type);
+    headers.insert("grpc-status", http::HeaderValue::from(u16::from(code)));
+    if let Ok(message) = http::HeaderValue::from_str(&percent_encoded(detail)) {
+        headers.insert("grpc-message", message);
+    }
+    let seconds = parts
+        .headers
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(seconds) = seconds {
+        headers.insert(
+            "grpc-retry-pushback-ms",
+            http::HeaderValue::from(seconds.saturating_mul(1000)),
+        );
+    }
+    answer
+}
+
+/// `grpc-message`'s encoding: bytes outside printable ASCII, and `%`, percent-encoded.
+fn percent_encoded(message: &str) -> String {
+    use std::fmt::Write as _;
+    let mut encoded = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (0x20..=0x7e).contains(&byte) && byte != b'%' {
+            encoded.push(char::from(byte));
+        } else {
+            let _ = write!(encoded, "%{byte:02X}");
+        }
+    }
+    encoded
+}
+
 /// Whether a `Content-Type` value is gRPC's (see [`is_grpc`]).
-fn grpc_content_type(value: &[u8]) -> bool {
+pub(crate) fn grpc_content_type(value: &[u8]) -> bool {
     value
         .trim_ascii_start()
         .get(..16)

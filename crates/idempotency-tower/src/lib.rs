@@ -88,7 +88,12 @@
 //! body is stored at its end, where its status comes; over the stored-body limit it is
 //! stored at the limit without its body or trailers, as any body is, and its replay is a
 //! trailers-only `INTERNAL` (never a success without messages). Trailers
-//! reach the first client only once the outcome is stored (they end its stream).
+//! reach the first client only once the outcome is stored (they end its stream). The layer's
+//! own refusals of a gRPC request are gRPC statuses too, trailers-only: a retry of a call
+//! still running is `UNAVAILABLE` (which gRPC retry policies retry; `Retry-After` is sent as
+//! `grpc-retry-pushback-ms`), a key reused for another call `ALREADY_EXISTS`, an outcome
+//! unknown `FAILED_PRECONDITION`, a missing or malformed key `INVALID_ARGUMENT`, the detail in
+//! `grpc-message`.
 //! A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop

@@ -113,7 +113,20 @@ where
         // tower's rule: the service that was driven to readiness is the one that is called.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(handle(self.config.clone(), inner, request))
+        let grpc = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .filter(|v| crate::grpc::grpc_content_type(v.as_bytes()))
+            .cloned();
+        let handled = handle(self.config.clone(), inner, request);
+        match grpc {
+            None => ResponseFuture::new(handled),
+            // The layer's own refusals in gRPC's terms.
+            Some(content_type) => ResponseFuture::new(async move {
+                let response = handled.await?;
+                Ok(crate::grpc::refusal_as_status(response, content_type).await)
+            }),
+        }
     }
 }
 
