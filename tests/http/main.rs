@@ -1415,6 +1415,35 @@ fn an_oversized_response_still_completes_the_record() {
     });
 }
 
+/// A response streamed through the layer (over the stored-body limit) whose body has an
+/// exact size keeps it: hyper frames it by `Content-Length`, so a response the layer cuts off
+/// reads as short. Before, the layer's body declared no size, and an HTTP/1.0 response (a
+/// proxy's default upstream protocol: nginx's) was framed by the connection's close, which
+/// made a cut-off response look whole.
+#[test]
+fn a_streamed_response_of_known_length_is_framed_by_its_length() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    block_on(async {
+        let (router, _, _) = app(layer(memory()).max_stored_body(8));
+        let addr = support::serve(router).await;
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let request = "POST /charges HTTP/1.0\r\nhost: x\r\nidempotency-key: http10\r\n\
+                       content-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+        client.write_all(request.as_bytes()).await.expect("write");
+        let mut response = Vec::new();
+        client.read_to_end(&mut response).await.expect("read");
+        let response = String::from_utf8_lossy(&response).to_ascii_lowercase();
+        let (head, body) = response.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with("http/1.0 201"), "{head}");
+        let length = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .unwrap_or_else(|| panic!("framed by the connection's close: {head}"));
+        assert_eq!(length.parse::<usize>().expect("a length"), body.len());
+    });
+}
+
 // ---------------------------------------------------------------------------------------
 // End to end over TCP, on every store.
 

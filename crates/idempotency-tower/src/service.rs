@@ -1256,17 +1256,20 @@ async fn stream<ResBody, E>(
     // The trailers frame, the body's last: forwarded once the outcome is stored.
     let mut last: Option<http_body::Frame<Bytes>> = None;
     // With a declared length the client has the whole response once the last byte arrives,
-    // before the stream's end: store before forwarding the frame that completes it.
+    // before the stream's end: store before forwarding the frame that completes it. Declared
+    // by a header, or by the body's exact size (which hyper sends as `Content-Length`).
     let declared: Option<usize> = parts
         .headers
         .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse().ok());
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .or_else(|| usize::try_from(body.size_hint().exact()?).ok());
     let mut forwarded = 0usize;
     let (frames, receiver) = tokio::sync::mpsc::channel(4);
     let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let streamed = Streamed {
         frames: receiver,
         whole: whole.clone(),
+        length: declared.map(|n| n as u64),
     };
     let mut client = (reply
         .send(Ok(Response::from_parts(parts, streamed.boxed_unsync())))
@@ -1483,9 +1486,15 @@ async fn sleep_until_some(deadline: Option<Instant>) {
 /// before its sender is dropped); any other end (it gave up on the response, panicked, or
 /// was dropped) is an error, so hyper aborts the response instead of ending it cleanly: a
 /// client never takes a truncated body for a whole one.
+///
+/// Its length, when the handler's body declared one, is its exact size: hyper frames it by
+/// `Content-Length`, so an abort shows as a short body. Without it an HTTP/1.0 response (a
+/// proxy's default upstream protocol) is framed by the connection's close, and an abort is
+/// a clean end: a client took a truncated body for the whole response.
 struct Streamed {
     frames: tokio::sync::mpsc::Receiver<Result<http_body::Frame<Bytes>, BodyError>>,
     whole: Arc<std::sync::atomic::AtomicBool>,
+    length: Option<u64>,
 }
 
 impl HttpBody for Streamed {
@@ -1504,6 +1513,13 @@ impl HttpBody for Streamed {
             }
             other => other,
         }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.length.map_or_else(
+            http_body::SizeHint::default,
+            http_body::SizeHint::with_exact,
+        )
     }
 }
 
