@@ -732,6 +732,14 @@ fn an_operators_resolution_is_refused_unless_it_names_an_outcome_for_an_unknown_
             ),
             (r#"{"status": 201, "body": 5}"#, "a body not a string"),
             (r#"{"status": 201, "retention_seconds": 0}"#, "no retention"),
+            (
+                r#"{"status": 201, "headers": {"Content-Type": "a/b", "content-type": "c/d"}}"#,
+                "a header twice",
+            ),
+            (
+                r#"{"status": 201, "headers": {"content-encoding": "gzip"}}"#,
+                "an encoding for a text body",
+            ),
         ] {
             let refused = operator(&store, "PUT", &key, body).await;
             assert_eq!(refused.status, 400, "{why}: {}", refused.body);

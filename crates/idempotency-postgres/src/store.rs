@@ -1280,6 +1280,8 @@ impl PostgresStore {
                 // `Reject`, a question to the reconcile hook) for an operation that never
                 // ran.
                 while unreachable && gave_up.elapsed() < horizon {
+                    // A budget of zero (a store that cannot serve anyway) does not spin.
+                    tokio::time::sleep(MIN_LOOK_GAP.saturating_sub(late.call_timeout)).await;
                     (left, unreachable) = late.give_back_round(left, 1).await;
                     looking.left(&left);
                     if left.is_empty() {
@@ -1358,9 +1360,15 @@ impl PostgresStore {
         match given {
             Ok(()) => Look::Settled,
             Err(Error::LeaseLost) => Look::NotFound,
-            Err(error) => {
+            Err(error @ Error::Unavailable(_)) => {
                 tracing::debug!(%error, record = %id, "could not give back a grant; looking again");
                 Look::Unreachable
+            }
+            // Anything else (a corrupt row, a misconfiguration) is no outage to look through
+            // every budget: the schedule's next look.
+            Err(error) => {
+                tracing::warn!(%error, record = %id, "could not give back a grant; looking again later");
+                Look::NotFound
             }
         }
     }
@@ -1756,6 +1764,9 @@ impl Drop for Looking {
 /// hour with the default budget (3 s). Each look is one fenced statement per grant still
 /// missing.
 const LATER_LOOKS: [u32; 5] = [4, 16, 64, 256, 1024];
+
+/// The least time between two looks for a grant while the store cannot be reached.
+const MIN_LOOK_GAP: Duration = Duration::from_millis(100);
 
 /// What one look for a grant to give back found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

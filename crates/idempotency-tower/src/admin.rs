@@ -60,10 +60,12 @@ use crate::Problem;
 ///  "body": "{\"id\":\"ch_1\"}", "retention_seconds": 86400}
 /// ```
 ///
-/// `status` is 200 to 599; `headers` (optional) are sent with every replay, except those the
-/// server sets itself (`content-length`, `transfer-encoding`, `date`, hop-by-hop fields),
-/// which are a `400`; `body` (optional) is text; `retention_seconds` (optional, a day by
-/// default) is how long the outcome is kept.
+/// `status` is 200 to 599; `headers` (optional; each name once, in any case) are sent with
+/// every replay, except those the server sets itself (`content-length`,
+/// `transfer-encoding`, `date`, hop-by-hop fields), a proxy's, and `content-encoding` (the
+/// body is text), which are a `400`; `body` (optional) is text; `retention_seconds`
+/// (optional, a day by default, not the layer's retention, which these routes do not know)
+/// is how long the outcome is kept.
 ///
 /// **Releasing a live lease (`?live=true`) lets the operation run again while its holder may
 /// still be running it.** Fencing refuses the holder's later writes to the store (its outcome
@@ -350,12 +352,16 @@ async fn release(
     }
 }
 
-/// Fields the server sets itself: never part of a stored outcome.
-const SERVER_SET: [&str; 9] = [
+/// Fields a stored outcome never carries: those the server sets itself (framing, hop-by-hop,
+/// `date`), those of a proxy, and `content-encoding` (the body given is text, not encoded).
+const NOT_STORED: [&str; 12] = [
     "connection",
+    "content-encoding",
     "content-length",
     "date",
     "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
     "proxy-connection",
     "te",
     "trailer",
@@ -401,10 +407,14 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
                 {
                     return Err(bad(format!("{name:?}: {value:?} is not a valid header")));
                 }
-                if SERVER_SET.contains(&lower.as_str()) {
+                if NOT_STORED.contains(&lower.as_str()) {
                     return Err(bad(format!(
-                        "{name:?} is set by the server on each replay, not stored"
+                        "{name:?} is not stored: the server frames each replay itself, and \
+                         the body given is text"
                     )));
+                }
+                if outcome.headers.iter().any(|(stored, _)| *stored == lower) {
+                    return Err(bad(format!("the header {name:?} is given twice")));
                 }
                 outcome = outcome.with_header(lower, value.to_owned());
             }

@@ -94,9 +94,13 @@ pub enum OutcomeUnknown {
     /// [`resolve_unknown`](idempotency_core::resolve_unknown)), and they replay it; found
     /// none — release the record (`DELETE`), and the next request runs. The record is kept
     /// as long as the store keeps an unfinished attempt, counted from the last retry (see
-    /// above); past that the key runs as new: reconcile within it. (Before 6 December 2026
-    /// the `409` was stored as the key's outcome: such a record is deleted with `DELETE
-    /// …?completed=true`.)
+    /// above: on Postgres and in memory its unknown-outcome retention, a day by default —
+    /// set it to the longest retention of your policies; **on Redis alone an hour**, so use
+    /// Postgres or the hybrid with `Reject`); past that the key runs as new: reconcile within
+    /// it. Before 6 December 2026 the `409` was stored as the key's outcome, for the
+    /// policy's retention: such a verdict cannot be resolved as found (it answers `409`
+    /// until its retention ends, or runs again once deleted with `DELETE
+    /// …?completed=true`).
     Reject,
     /// Ask the application first: the hook gets the record id and the request
     /// ([`Unresolved`]) and looks for the earlier attempt's effect. `Some(outcome)`: the effect happened; the outcome is stored and
