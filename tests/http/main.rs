@@ -2265,6 +2265,15 @@ fn grpc_service(layer: idempotency_tower::IdempotencyLayer) -> (axum::Router, su
                     if mode == "slow" {
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
+                    if mode == "problem" {
+                        let mut response = axum::response::Response::new(Body::from("{}"));
+                        *response.status_mut() = axum::http::StatusCode::UNPROCESSABLE_ENTITY;
+                        response.headers_mut().insert(
+                            "content-type",
+                            "application/problem+json".parse().expect("value"),
+                        );
+                        return response;
+                    }
                     let mut response = match mode.as_str() {
                         "trailers-only" | "slow" => {
                             let mut response = axum::response::Response::new(Body::empty());
@@ -2342,7 +2351,8 @@ async fn grpc_call(
 /// `grpc-status`, the detail in `grpc-message`), not as HTTP problems, which gRPC clients
 /// read as `UNKNOWN` or `INTERNAL`: a retry of a call still running is `UNAVAILABLE`, which
 /// their retry policies retry (with the layer's `Retry-After` as the server's pushback),
-/// a key reused for another call `ALREADY_EXISTS`, a malformed key `INVALID_ARGUMENT`.
+/// a key reused for another call or a malformed key `INVALID_ARGUMENT`. A handler's own
+/// problem+json, and its replay, are left as they are.
 #[test]
 fn the_layers_refusals_reach_grpc_clients_as_grpc_statuses() {
     block_on(async {
@@ -2378,11 +2388,21 @@ fn the_layers_refusals_reach_grpc_clients_as_grpc_statuses() {
         assert!(retry.headers().contains_key("grpc-retry-pushback-ms"));
         // The key reused for another call.
         let reused = call("running", "slow", b"\0\0\0\0\x022k").await;
-        assert_eq!(status_of(&reused), "6", "key reused: ALREADY_EXISTS");
+        assert_eq!(status_of(&reused), "3", "key reused: INVALID_ARGUMENT");
         // A malformed key.
         let malformed = call("", "slow", charge).await;
         assert_eq!(status_of(&malformed), "3", "INVALID_ARGUMENT");
         assert_eq!(calls.get(), 1, "only the first call ran");
+        // The handler's own problem (a validation error, stored): not the layer's to recast.
+        for attempt in ["first", "replay"] {
+            let own = call("its-own", "problem", charge).await;
+            assert_eq!(own.status(), 422, "{attempt}");
+            assert_eq!(own.headers()["content-type"], "application/problem+json");
+            assert_eq!(
+                own.headers().contains_key("idempotent-replayed"),
+                attempt == "replay"
+            );
+        }
     });
 }
 

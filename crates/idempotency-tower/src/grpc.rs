@@ -92,41 +92,42 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|v| grpc_content_type(v.as_bytes()))
 }
 
-/// The layer's own refusal (`response`, a problem+json it made: no key, in flight, key
-/// reused, store unavailable, …) as the gRPC client of a request whose `Content-Type` was
+/// The layer's own refusal (`response`, a problem+json it made, marked [`Refused`]: no key,
+/// in flight, key reused, store unavailable, …) as the gRPC client of a request whose
+/// `Content-Type` was
 /// `content_type` can read it: a trailers-only response (HTTP 200) whose `grpc-status`
 /// stands for it, the problem's detail in `grpc-message`, and a `Retry-After` as
 /// `grpc-retry-pushback-ms`. Sent as HTTP, a gRPC client read a 409 or a 422 as `UNKNOWN`
 /// ("grpc-status header missing") and a 400 as `INTERNAL`: "in flight, retry later" looked
 /// like a failure of unknown effect, which its retry policy does not retry, and a client
-/// that started over with a new key ran the operation twice. Any other response is left as
-/// it is.
+/// that started over with a new key ran the operation twice. Any other response — a
+/// handler's, a replay of a stored outcome, even one in problem+json — is left as it is.
 ///
 /// ```text
 /// in flight 409, store unavailable 503                          UNAVAILABLE 14 (retried)
 /// outcome unknown 409                                           FAILED_PRECONDITION 9
-/// key reused 422                                                ALREADY_EXISTS 6
-/// no key, a malformed key or request 400                        INVALID_ARGUMENT 3
+/// key reused for another request 422, no key, a malformed key
+/// or request 400                                                INVALID_ARGUMENT 3
 /// body too large 413                                            RESOURCE_EXHAUSTED 8
 /// unauthenticated 401                                           UNAUTHENTICATED 16
 /// anything else                                                 INTERNAL 13
 /// ```
+///
+/// A key reused is not `ALREADY_EXISTS`, which create-if-absent clients take for "done":
+/// the second operation would be dropped unseen.
+///
+/// [`Refused`]: crate::problem::Refused
 pub(crate) async fn refusal_as_status(
     response: http::Response<crate::Body>,
     content_type: http::HeaderValue,
 ) -> http::Response<crate::Body> {
     use http_body_util::BodyExt;
 
-    let problem = response
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| {
-            v.as_bytes()
-                .eq_ignore_ascii_case(b"application/problem+json")
-        });
-    if !problem {
+    use crate::{Problem, problem::Refused};
+
+    let Some(&Refused(problem)) = response.extensions().get::<Refused>() else {
         return response;
-    }
+    };
     let (parts, body) = response.into_parts();
     // A problem the layer made: a few hundred bytes, in memory.
     let body = body
@@ -135,14 +136,14 @@ pub(crate) async fn refusal_as_status(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let kind = json["type"].as_str().unwrap_or_default();
-    let code: u8 = match parts.status.as_u16() {
-        409 if kind.ends_with(":outcome-unknown") => 9,
-        409 | 503 => 14,
-        422 => 6,
-        400 => 3,
-        413 => 8,
-        401 => 16,
+    let code: u8 = match problem {
+        Problem::InFlight | Problem::StoreUnavailable => 14,
+        Problem::OutcomeUnknown => 9,
+        Problem::Mismatch | Problem::MissingKey | Problem::InvalidKey | Problem::InvalidRequest => {
+            3
+        }
+        Problem::PayloadTooLarge => 8,
+        Problem::Unauthenticated => 16,
         _ => 13,
     };
     let detail = json["detail"]

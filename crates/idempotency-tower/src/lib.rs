@@ -91,9 +91,9 @@
 //! reach the first client only once the outcome is stored (they end its stream). The layer's
 //! own refusals of a gRPC request are gRPC statuses too, trailers-only: a retry of a call
 //! still running is `UNAVAILABLE` (which gRPC retry policies retry; `Retry-After` is sent as
-//! `grpc-retry-pushback-ms`), a key reused for another call `ALREADY_EXISTS`, an outcome
-//! unknown `FAILED_PRECONDITION`, a missing or malformed key `INVALID_ARGUMENT`, the detail in
-//! `grpc-message`.
+//! `grpc-retry-pushback-ms`), an outcome unknown `FAILED_PRECONDITION`, a key reused for
+//! another call or a missing or malformed key `INVALID_ARGUMENT`, the detail in
+//! `grpc-message`. A handler's own responses, and replays, are left as they are.
 //! A failure that may have taken effect
 //! all the same (a processor that timed out) is marked [`MaybeApplied`] by its handler: its
 //! key is then kept for the [`OutcomeUnknown`] policy instead of given back. Hop-by-hop

@@ -109,6 +109,13 @@ impl Problem {
         }
     }
 
+    /// [`response`](Self::response), marked as the layer's own refusal ([`Refused`]).
+    pub(crate) fn refusal(self, detail: &str, retry_after: Option<Duration>) -> Response<Body> {
+        let mut response = self.response(detail, retry_after);
+        response.extensions_mut().insert(Refused(self));
+        response
+    }
+
     /// Builds the response; `retry_after` adds a `Retry-After` header (whole seconds, at
     /// least 1).
     pub fn response(self, detail: &str, retry_after: Option<Duration>) -> Response<Body> {
@@ -133,3 +140,9 @@ impl Problem {
         response
     }
 }
+
+/// Marks a response the layer made itself to refuse a request (never a handler's, nor a
+/// replay of a stored outcome): only those are put in gRPC's terms for a gRPC client
+/// ([`refusal_as_status`](crate::grpc::refusal_as_status)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Refused(pub(crate) Problem);

@@ -163,16 +163,16 @@ where
         Ok(None) => {
             Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
             let detail = "this endpoint requires an Idempotency-Key header: send one unique key per operation";
-            return Ok(Problem::MissingKey.response(detail, None));
+            return Ok(Problem::MissingKey.refusal(detail, None));
         }
         Err(KeyProblem::Multiple) => {
             Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
             let detail = "send the Idempotency-Key header exactly once";
-            return Ok(Problem::InvalidKey.response(detail, None));
+            return Ok(Problem::InvalidKey.refusal(detail, None));
         }
         Err(KeyProblem::Invalid(why)) => {
             Metrics::inc(&m.bad_keys, "idempotency_bad_keys_total");
-            return Ok(Problem::InvalidKey.response(&why, None));
+            return Ok(Problem::InvalidKey.refusal(&why, None));
         }
     };
     let (parts, body) = request.into_parts();
@@ -182,16 +182,16 @@ where
     let scope = match std::panic::catch_unwind(AssertUnwindSafe(|| (config.scope)(&parts))) {
         Err(_panic) => {
             let detail = "the idempotency scope could not be determined; nothing was processed";
-            return Ok(Problem::Internal.response(detail, None));
+            return Ok(Problem::Internal.refusal(detail, None));
         }
         Ok(Ok(scope)) => scope,
         Ok(Err(NoScope::Unauthenticated(detail))) => {
             Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
-            return Ok(Problem::Unauthenticated.response(&detail, None));
+            return Ok(Problem::Unauthenticated.refusal(&detail, None));
         }
         Ok(Err(NoScope::Invalid(detail))) => {
             Metrics::inc(&m.unscoped, "idempotency_unscoped_total");
-            return Ok(Problem::InvalidRequest.response(&detail, None));
+            return Ok(Problem::InvalidRequest.refusal(&detail, None));
         }
     };
     let body = match buffer_request(&config, &parts, body).await {
@@ -202,7 +202,7 @@ where
                 "the request body is larger than {} bytes, the most this endpoint accepts",
                 config.max_request_body
             );
-            return Ok(Problem::PayloadTooLarge.response(&detail, None));
+            return Ok(Problem::PayloadTooLarge.refusal(&detail, None));
         }
         // Nothing ran, and resending the same request may well succeed: not a 413, which
         // clients take as final.
@@ -210,7 +210,7 @@ where
             tracing::debug!(%error, "the request body broke off");
             let detail = "the request body could not be read in full (it broke off or timed \
                           out); nothing was processed: resend the request with the same key";
-            return Ok(Problem::InvalidRequest.response(detail, None));
+            return Ok(Problem::InvalidRequest.refusal(detail, None));
         }
     };
     let id = RecordId::new(&scope, &key);
@@ -220,7 +220,7 @@ where
         Ok(fingerprint) => fingerprint,
         Err(_panic) => {
             let detail = "the request's fingerprint could not be computed; nothing was processed";
-            return Ok(Problem::Internal.response(detail, None));
+            return Ok(Problem::Internal.refusal(detail, None));
         }
     };
     let span = tracing::info_span!("idempotency", record = %id, store = config.store.name(), decision = tracing::field::Empty);
@@ -350,7 +350,7 @@ where
                 Metrics::inc(&m.unavailable, "idempotency_unavailable_total");
                 let detail = "the request was not processed because its idempotency could not \
                               be guaranteed; retry later with the same key";
-                return Ok(Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1))));
+                return Ok(Problem::StoreUnavailable.refusal(detail, Some(Duration::from_secs(1))));
             }
             Ok(Begin::TakeOver(token)) if current.is_some() => {
                 // An attempt under the earlier fingerprint never finished (killed at an
@@ -363,7 +363,7 @@ where
                 let detail = "an earlier request with this Idempotency-Key, made before an \
                               upgrade, did not finish, and whether its operation took effect is \
                               unknown: it must be reconciled before this key can be used again";
-                return Ok(Problem::OutcomeUnknown.response(detail, None));
+                return Ok(Problem::OutcomeUnknown.refusal(detail, None));
             }
             Ok(Begin::Execute(token)) => {
                 span.record("decision", "execute");
@@ -402,7 +402,7 @@ where
                         let detail = "a request with this Idempotency-Key is still being \
                                       processed; retry after the indicated delay";
                         let wait = Some(Duration::from_secs(1));
-                        return Ok(Problem::InFlight.response(detail, wait));
+                        return Ok(Problem::InFlight.refusal(detail, wait));
                     }
                     detours += 1;
                     current = Some(keyed.fingerprint);
@@ -414,7 +414,7 @@ where
                 Metrics::inc(&m.mismatches, "idempotency_mismatches_total");
                 let detail = "this Idempotency-Key was already used for a different request \
                               (method, path or body differ); use a new key for a new operation";
-                return Ok(Problem::Mismatch.response(detail, None));
+                return Ok(Problem::Mismatch.refusal(detail, None));
             }
             Ok(Begin::InFlight { retry_after }) => {
                 mismatched_just_before = false;
@@ -432,20 +432,20 @@ where
                 let wait = config
                     .run_time
                     .retry_after(config.policy.lease(), retry_after);
-                return Ok(Problem::InFlight.response(detail, Some(wait)));
+                return Ok(Problem::InFlight.refusal(detail, Some(wait)));
             }
             Err(Error::Unavailable(error)) => {
                 span.record("decision", "unavailable");
                 Metrics::inc(&m.unavailable, "idempotency_unavailable_total");
                 tracing::warn!(%error, "idempotency store unavailable; refusing to run unguarded");
                 let detail = "the request was not processed because its idempotency could not be guaranteed; retry later with the same key";
-                return Ok(Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1))));
+                return Ok(Problem::StoreUnavailable.refusal(detail, Some(Duration::from_secs(1))));
             }
             Err(error) => {
                 span.record("decision", "error");
                 tracing::error!(%error, "idempotency store failed");
                 let detail = "the request was not processed; retry later with the same key";
-                return Ok(Problem::Internal.response(detail, None));
+                return Ok(Problem::Internal.refusal(detail, None));
             }
         }
     }
@@ -493,7 +493,7 @@ where
             let detail = "an earlier request with this Idempotency-Key did not finish, and \
                           whether its operation took effect is unknown: it must be reconciled \
                           before this key can be used again";
-            Ok(Problem::OutcomeUnknown.response(detail, None))
+            Ok(Problem::OutcomeUnknown.refusal(detail, None))
         }
         OutcomeUnknown::Reconcile(hook) => {
             // In a task of its own, like the operation: a hook that found the effect gets
@@ -598,7 +598,7 @@ where
                     let detail = "the request was not processed because its idempotency could \
                                   not be guaranteed; retry later with the same key";
                     return Ok(
-                        Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)))
+                        Problem::StoreUnavailable.refusal(detail, Some(Duration::from_secs(1)))
                     );
                 }
                 Ok(Reconciled::Lost(error)) => {
@@ -609,7 +609,7 @@ where
                     // time, as every other in-flight answer advertises.
                     let lease = config.policy.lease();
                     let wait = config.run_time.retry_after(lease, lease);
-                    return Ok(Problem::InFlight.response(detail, Some(wait)));
+                    return Ok(Problem::InFlight.refusal(detail, Some(wait)));
                 }
                 Ok(Reconciled::Unknown(error)) => {
                     tracing::error!(%error, record = %id, "the reconcile hook failed; the key stays unresolved");
@@ -622,7 +622,7 @@ where
             // the question. The lease runs out, and the next retry asks again.
             let detail = "an earlier request with this Idempotency-Key did not finish, and \
                           whether it took effect could not be checked; retry later with the same key";
-            Ok(Problem::StoreUnavailable.response(detail, Some(config.policy.lease())))
+            Ok(Problem::StoreUnavailable.refusal(detail, Some(config.policy.lease())))
         }
         _ => execute(config, inner, parts, body, keyed, token, asked).await,
     }
@@ -815,7 +815,7 @@ where
     let settle = finish_in_any_case(settle.in_current_span());
     match AssertUnwindSafe(settle).catch_unwind().await {
         Ok(answer) => answer,
-        Err(_panic) => Ok(Problem::Internal.response(FAILED, None)),
+        Err(_panic) => Ok(Problem::Internal.refusal(FAILED, None)),
     }
 }
 
@@ -828,7 +828,7 @@ async fn head<E>(
     match answer.await {
         Ok(result) => result,
         // The operation died (a panic outside the handler): the lease expires on its own.
-        Err(_) => Ok(Problem::Internal.response(FAILED, None)),
+        Err(_) => Ok(Problem::Internal.refusal(FAILED, None)),
     }
 }
 
@@ -1074,7 +1074,7 @@ async fn run_detached<ResBody, E>(
         tracing::warn!(record = %id, "the idempotency lease was lost while the handler ran; stopping it");
         let detail = "this attempt lost its idempotency lease to another \
                       attempt and was stopped; retry later with the same key";
-        let stopped = Problem::StoreUnavailable.response(detail, Some(Duration::from_secs(1)));
+        let stopped = Problem::StoreUnavailable.refusal(detail, Some(Duration::from_secs(1)));
         let _ = reply.send(Ok(stopped));
         return;
     };
@@ -1118,7 +1118,7 @@ where
             Metrics::inc(&m.panics, "idempotency_panics_total");
             give_up(config, id, token, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
-            return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
+            return Settled::Answer(Ok(Problem::Internal.refusal(detail, None)));
         }
         // A service error is most often a refusal before anything ran (load shed, a closed
         // buffer): released, so the retry runs, as before. Kept as outcome-unknown, one such
@@ -1141,7 +1141,7 @@ where
             let outcome = to_outcome(config, &parts, None, BodyMark::Incomplete);
             complete(config, id, token, &outcome).await;
             let detail = "the response could not be produced in full; its outcome is stored";
-            return Settled::Answer(Ok(Problem::Internal.response(detail, None)));
+            return Settled::Answer(Ok(Problem::Internal.refusal(detail, None)));
         }
         Produced::Streaming(mut parts, body) => {
             if cacheable(&config.policy, &parts, None) {
