@@ -45,7 +45,7 @@ pub(crate) struct Config {
     /// Counts running operations (in their own tasks, or in their first step in the
     /// request's), the rest of a claim whose request went away, leases being given back (that
     /// claim's, a grant read too late), and the outcome-unknown work that settles a key in a
-    /// task of its own (a reconcile hook, storing a `Reject` verdict), so shutdown can wait
+    /// task of its own (a reconcile hook, ending a `Reject` retry's lease), so shutdown can wait
     /// for them ([`IdempotencyLayer::drain`]).
     pub(crate) detached: TaskTracker,
     /// How long operations here take: the 409's `Retry-After`.
