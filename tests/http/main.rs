@@ -2393,6 +2393,19 @@ fn the_layers_refusals_reach_grpc_clients_as_grpc_statuses() {
         let malformed = call("", "slow", charge).await;
         assert_eq!(status_of(&malformed), "3", "INVALID_ARGUMENT");
         assert_eq!(calls.get(), 1, "only the first call ran");
+        // A request body that broke off: nothing ran, and the same call sent again may well
+        // succeed.
+        let broken = axum::http::Request::post("/grpc")
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "broken")
+            .header("x-mode", "slow")
+            .body(Body::from_stream(futures::stream::iter([
+                Ok(bytes::Bytes::from_static(b"\0\0\0")),
+                Err(std::io::Error::other("the client's stream broke")),
+            ])))
+            .expect("request");
+        let broken = router.clone().oneshot(broken).await.expect("infallible");
+        assert_eq!(status_of(&broken), "14", "broke off: UNAVAILABLE");
         // The handler's own problem (a validation error, stored): not the layer's to recast.
         for attempt in ["first", "replay"] {
             let own = call("its-own", "problem", charge).await;

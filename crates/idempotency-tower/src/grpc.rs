@@ -104,7 +104,8 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
 /// handler's, a replay of a stored outcome, even one in problem+json — is left as it is.
 ///
 /// ```text
-/// in flight 409, store unavailable 503                          UNAVAILABLE 14 (retried)
+/// in flight 409, store unavailable 503, a request body that
+/// broke off 400                                                 UNAVAILABLE 14 (retried)
 /// outcome unknown 409                                           FAILED_PRECONDITION 9
 /// key reused for another request 422, no key, a malformed key
 /// or request 400                                                INVALID_ARGUMENT 3
@@ -125,7 +126,7 @@ pub(crate) async fn refusal_as_status(
 
     use crate::{Problem, problem::Refused};
 
-    let Some(&Refused(problem)) = response.extensions().get::<Refused>() else {
+    let Some(&Refused { problem, transient }) = response.extensions().get::<Refused>() else {
         return response;
     };
     let (parts, body) = response.into_parts();
@@ -137,6 +138,7 @@ pub(crate) async fn refusal_as_status(
         .unwrap_or_default();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let code: u8 = match problem {
+        _ if transient => 14,
         Problem::InFlight | Problem::StoreUnavailable => 14,
         Problem::OutcomeUnknown => 9,
         Problem::Mismatch | Problem::MissingKey | Problem::InvalidKey | Problem::InvalidRequest => {

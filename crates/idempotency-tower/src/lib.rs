@@ -91,8 +91,9 @@
 //! trailers-only `INTERNAL` (never a success without messages). Trailers
 //! reach the first client only once the outcome is stored (they end its stream). The layer's
 //! own refusals of a gRPC request are gRPC statuses too, trailers-only: a retry of a call
-//! still running is `UNAVAILABLE` (which gRPC retry policies retry; `Retry-After` is sent as
-//! `grpc-retry-pushback-ms`), an outcome unknown `FAILED_PRECONDITION`, a key reused for
+//! still running, or one whose request body broke off, is `UNAVAILABLE` (which gRPC retry
+//! policies retry; `Retry-After` is sent as `grpc-retry-pushback-ms`), an outcome unknown
+//! `FAILED_PRECONDITION`, a key reused for
 //! another call or a missing or malformed key `INVALID_ARGUMENT`, the detail in
 //! `grpc-message`. A handler's own responses, and replays, are left as they are.
 //! A failure that may have taken effect

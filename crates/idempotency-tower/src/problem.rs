@@ -111,8 +111,26 @@ impl Problem {
 
     /// [`response`](Self::response), marked as the layer's own refusal ([`Refused`]).
     pub(crate) fn refusal(self, detail: &str, retry_after: Option<Duration>) -> Response<Body> {
+        self.marked(detail, retry_after, false)
+    }
+
+    /// [`refusal`](Self::refusal) of a request that may well succeed if sent again as it
+    /// is (nothing ran): a gRPC client is told `UNAVAILABLE`, which its retry policy retries.
+    pub(crate) fn transient_refusal(self, detail: &str) -> Response<Body> {
+        self.marked(detail, None, true)
+    }
+
+    fn marked(
+        self,
+        detail: &str,
+        retry_after: Option<Duration>,
+        transient: bool,
+    ) -> Response<Body> {
         let mut response = self.response(detail, retry_after);
-        response.extensions_mut().insert(Refused(self));
+        response.extensions_mut().insert(Refused {
+            problem: self,
+            transient,
+        });
         response
     }
 
@@ -145,4 +163,8 @@ impl Problem {
 /// replay of a stored outcome): only those are put in gRPC's terms for a gRPC client
 /// ([`refusal_as_status`](crate::grpc::refusal_as_status)).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Refused(pub(crate) Problem);
+pub(crate) struct Refused {
+    pub(crate) problem: Problem,
+    /// Sent again as it is, the request may well succeed.
+    pub(crate) transient: bool,
+}
