@@ -606,6 +606,40 @@ fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
     });
 }
 
+/// An outcome a reconcile hook found that could not be stored (here an operator released the
+/// key while the hook looked) promises no date: its retries are not replayed it. Before, it
+/// carried `Idempotency-Expires` all the same.
+#[test]
+fn a_found_outcome_that_was_not_stored_advertises_no_expiry() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let operator = store.clone();
+        let policy = OutcomeUnknown::reconcile(move |unresolved| {
+            let operator = operator.clone();
+            async move {
+                let scope = ReleaseScope::default().with_live();
+                operator
+                    .force_release(&unresolved.record_id, scope)
+                    .await
+                    .expect("release");
+                Ok(Some(Outcome::new(201).with_body(r#"{"id":"ch_found"}"#)))
+            }
+        });
+        let (router, _, _) = app(layer(store.clone())
+            .policy(Policy::default())
+            .advertise_expiry(true)
+            .on_outcome_unknown(policy));
+        let (key, _) = crashed_attempt(&*store).await;
+        let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(answer.status, 201, "{}", answer.body);
+        assert!(
+            answer.headers.get("idempotency-expires").is_none(),
+            "a date for an outcome not stored: {:?}",
+            answer.headers
+        );
+    });
+}
+
 /// With `advertise_expiry`, every stored response and its replays say until when the key is
 /// kept: an outcome a reconcile hook found is a stored response too. Before, it was stored,
 /// and replayed, without the header.

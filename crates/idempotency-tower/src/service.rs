@@ -210,7 +210,7 @@ where
             tracing::debug!(%error, "the request body broke off");
             let detail = "the request body could not be read in full (it broke off or timed \
                           out); nothing was processed: resend the request with the same key";
-            return Ok(Problem::InvalidRequest.refusal(detail, None));
+            return Ok(Problem::InvalidRequest.transient_refusal(detail));
         }
     };
     let id = RecordId::new(&scope, &key);
@@ -541,8 +541,15 @@ where
                     // unresolved: the lease ended, the record kept, so the next retry asks
                     // the hook again rather than be replayed that answer for the retention.
                     Ok(Ok(Some(outcome))) if config.policy.is_cacheable(outcome.status) => {
-                        let outcome = advertise_expiry_of(&config, outcome);
-                        complete(&config, id, token, &outcome).await;
+                        let mut outcome = advertise_expiry_of(&config, outcome);
+                        if !complete(&config, id, token, &outcome).await {
+                            // Not stored (the lease was taken, the store stayed down): no
+                            // date promised, as for a handler's answer.
+                            let name = crate::IDEMPOTENCY_EXPIRES;
+                            outcome
+                                .headers
+                                .retain(|(h, _)| !h.eq_ignore_ascii_case(name));
+                        }
                         Reconciled::Found(outcome)
                     }
                     Ok(Ok(Some(outcome))) => {
