@@ -226,7 +226,8 @@ impl Connection {
     }
 
     /// Forgets the connection after an error that leaves it unusable, or on the wrong
-    /// server: closed, timed out (a peer gone without a reset answers nothing, ever), or
+    /// server: closed, timed out (a peer gone without a reset answers nothing, ever; so too
+    /// a call dropped while it waited, [`ForgetIfDropped`]), or
     /// refusing writes as a replica (`replica`: a server's error is a reply here, made an
     /// `Err` by the caller's conversion).
     fn after<T>(&mut self, result: RedisResult<T>, replica: fn(&T) -> bool) -> RedisResult<T> {
@@ -252,13 +253,28 @@ fn readonly(reply: &Value) -> bool {
     matches!(reply, Value::ServerError(error) if error.code() == "READONLY")
 }
 
+/// Forgets the connection unless disarmed: a call dropped while it waited for Redis (a poll
+/// under an outer timeout shorter than the response timeout) may have met one that answers
+/// nothing, ever (a peer gone behind a proxy that keeps its session). Kept, every poll after
+/// queued on it and was dropped the same way, for good.
+struct ForgetIfDropped<'a>(Option<&'a mut Option<MultiplexedConnection>>);
+
+impl Drop for ForgetIfDropped<'_> {
+    fn drop(&mut self) {
+        if let Some(current) = self.0.take() {
+            *current = None;
+        }
+    }
+}
+
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let result = match self.current().await {
-                Ok(connection) => connection.req_packed_command(cmd).await,
-                Err(error) => Err(error),
-            };
+            let mut connection = self.current().await?.clone();
+            let mut dropped = ForgetIfDropped(Some(&mut self.current));
+            let result = connection.req_packed_command(cmd).await;
+            dropped.0 = None;
+            drop(dropped);
             self.after(result, readonly)
         })
     }
@@ -270,14 +286,13 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let result = match self.current().await {
-                Ok(connection) => {
-                    connection
-                        .req_packed_commands(pipeline, offset, count)
-                        .await
-                }
-                Err(error) => Err(error),
-            };
+            let mut connection = self.current().await?.clone();
+            let mut dropped = ForgetIfDropped(Some(&mut self.current));
+            let result = connection
+                .req_packed_commands(pipeline, offset, count)
+                .await;
+            dropped.0 = None;
+            drop(dropped);
             self.after(result, |replies| replies.iter().any(readonly))
         })
     }

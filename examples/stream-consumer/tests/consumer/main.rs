@@ -1669,6 +1669,54 @@ fn a_consumer_left_on_a_demoted_primary_moves_to_the_new_one() {
     });
 }
 
+/// A peer gone behind a proxy that keeps its session (nothing is answered, nothing closed),
+/// and polls under an outer timeout shorter than the connection's response timeout: each
+/// poll is dropped while it waits. The dropped call forgets the connection, and the next
+/// poll reaches Redis on a new one. Before, the connection was forgotten only once a call
+/// on it failed, which a dropped call never does: every poll queued on it, for good.
+#[test]
+fn a_consumer_whose_polls_are_cut_short_leaves_a_silent_connection() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let url = services::redis().await.expect("redis").url().to_owned();
+        let relay = relay::stalling_relay(relay::upstream(&url)).await;
+        let through = redis::Client::open(relay::through(&url, relay.port)).expect("client");
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(2)));
+        let mut consumer = rig
+            .consumer_through(through, "c1")
+            .with_connection_config(config);
+        consumer.setup().await.expect("setup");
+        consumer
+            .poll(10)
+            .await
+            .expect("a poll on the live connection");
+        // Its host vanishes; a new one answers new connections.
+        relay.vanish();
+        relay.fail_over();
+        publish(&mut rig.redis, &rig.stream, "ch_after_silence", 100)
+            .await
+            .expect("publish");
+        let mut polls = Vec::new();
+        for _ in 0..5 {
+            let polled = tokio::time::timeout(Duration::from_secs(1), consumer.poll(10)).await;
+            let applied = matches!(&polled, Ok(Ok(polled)) if polled.applied > 0);
+            polls.push(polled.map(|p| p.map(|p| p.applied).map_err(|e| e.to_string())));
+            if applied {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            rig.effects().await.get("ch_after_silence"),
+            Some(&1),
+            "every poll waited on the silent connection: {polls:?}"
+        );
+    });
+}
+
 /// Polls until one applies a charge, `n` polls at most, 100 ms apart: what each answered.
 async fn polls_until_applied(
     consumer: &mut Consumer,
