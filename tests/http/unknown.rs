@@ -36,6 +36,23 @@ async fn crashed_attempt(store: &dyn Store) -> (String, RecordId) {
     (key, id)
 }
 
+/// A reconcile hook that, like an operator acting while it looks, releases the key (its live
+/// lease included) and then answers `found`.
+fn releasing_hook(store: &Arc<dyn Store>, found: Option<Outcome>) -> OutcomeUnknown {
+    let operator = store.clone();
+    OutcomeUnknown::reconcile(move |unresolved| {
+        let (operator, found) = (operator.clone(), found.clone());
+        async move {
+            let scope = ReleaseScope::default().with_live();
+            operator
+                .force_release(&unresolved.record_id, scope)
+                .await
+                .expect("release");
+            Ok(found)
+        }
+    })
+}
+
 /// `POST /charges` with `key` and `{}`, sent without being awaited: a request future to poll
 /// once, hold, or drop.
 fn charge(
@@ -584,18 +601,7 @@ fn a_failure_that_may_have_taken_effect_is_an_unknown_outcome() {
 fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
     block_on(async {
         let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
-        let operator = store.clone();
-        let policy = OutcomeUnknown::reconcile(move |unresolved| {
-            let operator = operator.clone();
-            async move {
-                let scope = ReleaseScope::default().with_live();
-                operator
-                    .force_release(&unresolved.record_id, scope)
-                    .await
-                    .expect("release");
-                Ok(None)
-            }
-        });
+        let policy = releasing_hook(&store, None);
         let (router, calls, _) = app(layer(store.clone()).on_outcome_unknown(policy));
         let (key, _) = crashed_attempt(&*store).await;
         let answer = send(&router, "POST", Some(&key), &[], "{}").await;
@@ -613,18 +619,8 @@ fn a_key_taken_while_reconciling_advertises_the_run_time_not_the_lease() {
 fn a_found_outcome_that_was_not_stored_advertises_no_expiry() {
     block_on(async {
         let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
-        let operator = store.clone();
-        let policy = OutcomeUnknown::reconcile(move |unresolved| {
-            let operator = operator.clone();
-            async move {
-                let scope = ReleaseScope::default().with_live();
-                operator
-                    .force_release(&unresolved.record_id, scope)
-                    .await
-                    .expect("release");
-                Ok(Some(Outcome::new(201).with_body(r#"{"id":"ch_found"}"#)))
-            }
-        });
+        let found = Outcome::new(201).with_body(r#"{"id":"ch_found"}"#);
+        let policy = releasing_hook(&store, Some(found));
         let (router, _, _) = app(layer(store.clone())
             .policy(Policy::default())
             .advertise_expiry(true)

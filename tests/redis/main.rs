@@ -365,17 +365,7 @@ fn a_connection_left_on_a_demoted_primary_is_replaced() {
         execute(&store, &fresh_id(), &fp("before"), LONG).await;
         // The failover: the old primary becomes a replica (of a primary it cannot reach: it
         // answers reads, refuses writes), new connections go to the new one.
-        let mut demoted = redis::Client::open(old.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
-        let () = redis::cmd("REPLICAOF")
-            .arg("127.0.0.1")
-            .arg(1)
-            .query_async(&mut demoted)
-            .await
-            .expect("REPLICAOF");
+        old.demote().await;
         relay.redirect(idempotency_test::relay::upstream(new.url()));
         let id = fresh_id();
         let mut answers = Vec::new();

@@ -125,6 +125,24 @@ impl Service {
         .await;
     }
 
+    /// Demotes a Redis primary, as a failover does to the old one: it becomes a replica of a
+    /// primary it cannot reach, answers reads, and refuses every write with `READONLY`.
+    /// Connections already made to it stay open.
+    pub async fn demote(&self) {
+        assert_eq!(self.kind, Kind::Redis, "only a standalone Redis is demoted");
+        let mut connection = redis::Client::open(self.url.as_str())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(1)
+            .query_async(&mut connection)
+            .await
+            .expect("REPLICAOF");
+    }
+
     /// Freezes the server: connections stay open and calls hang (the "hung server" fault).
     pub async fn pause(&self) {
         self.container()

@@ -1644,13 +1644,7 @@ fn a_consumer_left_on_a_demoted_primary_moves_to_the_new_one() {
                     .expect("connection")
             }
         };
-        let mut demoted = connect(old.url()).await;
-        let () = redis::cmd("REPLICAOF")
-            .arg("127.0.0.1")
-            .arg(1)
-            .query_async(&mut demoted)
-            .await
-            .expect("REPLICAOF");
+        old.demote().await;
         relay.redirect(relay::upstream(new.url()));
         let mut primary = connect(new.url()).await;
         let () =
