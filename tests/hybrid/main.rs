@@ -1534,6 +1534,71 @@ fn a_claim_answered_on_a_runtime_left_idle_can_be_completed() {
     });
 }
 
+/// A store made on a runtime that has since shut down (built in a setup `block_on`, then
+/// used from the application's runtime): what its calls leave running (the copies written to
+/// Redis after answering, the stale-mirror repairs, the breaker's probe, an operator's
+/// second delete) was spawned there, and a runtime that has shut down drops what is spawned
+/// on it unrun. Outcomes were then never copied to Redis, and an operator's release
+/// answered `Unavailable` on every try, its repair never run.
+#[test]
+fn a_store_made_on_a_runtime_since_shut_down_runs_what_its_calls_leave() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let pg = services::postgres().await.expect("postgres");
+        let (pg_url, redis_url) = (pg.url().to_owned(), redis.url().to_owned());
+        let store = std::thread::spawn(move || {
+            let setup = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            setup.block_on(async { hybrid(pg_store(&pg_url).await, &redis_url).await })
+        })
+        .join()
+        .expect("the setup thread");
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"made elsewhere"));
+        // The connections made on the setup runtime went with it: made again here.
+        let mut begun = store.begin(&id, &fp, LEASE).await;
+        for _ in 0..20 {
+            if begun.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            begun = store.begin(&id, &fp, LEASE).await;
+        }
+        let Ok(Begin::Execute(token)) = begun else {
+            panic!("a fresh key: {begun:?}")
+        };
+        let outcome = Outcome::new(201).with_body("elsewhere");
+        store
+            .complete(&id, token, &outcome, RETENTION)
+            .await
+            .expect("complete");
+        store.drain().await;
+        let copied = store.redis().peek(&id, &fp).await.expect("peek");
+        assert!(
+            matches!(&copied, idempotency_redis::Peek::Found(Begin::Replay(o)) if *o == outcome),
+            "the outcome never reached Redis: {copied:?}"
+        );
+        let released = store
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await;
+        assert!(
+            matches!(released, Ok(idempotency_core::ForceReleased::Deleted)),
+            "{released:?}"
+        );
+        store.drain().await;
+        let left = store.redis().peek(&id, &fp).await.expect("peek");
+        assert!(
+            matches!(left, idempotency_redis::Peek::Absent),
+            "the released outcome is still replayed from Redis: {left:?}"
+        );
+        first_requests_use_redis(&store, &fp, "made on a runtime since shut down").await;
+    });
+}
+
 /// Five first requests, each asking Redis first, none sent to Postgres alone for want of it.
 async fn first_requests_use_redis(store: &HybridStore, fp: &Fingerprint, behind: &str) {
     let before = store.metrics();

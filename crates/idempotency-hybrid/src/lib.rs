@@ -21,6 +21,7 @@
 
 mod breaker;
 mod flagged;
+mod home;
 mod store;
 
 pub use breaker::{BreakerConfig, BreakerState};

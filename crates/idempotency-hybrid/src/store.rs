@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::{
     breaker::{Breaker, BreakerConfig, BreakerState},
     flagged::{Flagged, Guard},
+    home::Home,
 };
 
 /// A [`Store`] that answers from Redis when it can and decides in Postgres always.
@@ -134,8 +135,8 @@ struct Shared {
     /// Claims and writes left running in the background: see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
     /// The runtime the store was made on, if any: where the work a call leaves running runs
-    /// (see [`HybridStore::spawn`]).
-    home: Option<tokio::runtime::Handle>,
+    /// while it runs (see [`HybridStore::spawn`]).
+    home: Home,
     /// This process's operators' releases: a completion's copy finding its lease's mirror
     /// gone is written only if none was under way at its Postgres write or began since.
     releases: Releases,
@@ -353,7 +354,7 @@ impl HybridStore {
                 min_duplicates: AtomicU32::new(0),
                 mirrored: std::sync::Mutex::default(),
                 settling: tokio_util::task::TaskTracker::new(),
-                home: tokio::runtime::Handle::try_current().ok(),
+                home: Home::here(),
                 releases: Releases::default(),
             }),
         }
@@ -766,16 +767,14 @@ impl HybridStore {
     /// `complete` that waits for it (and, past its budget, for its cancellation) waited
     /// for good; repairs there kept their lock from every other call, and an operator's
     /// release kept outcomes from being copied to Redis. The Redis connection's own task
-    /// runs where the store was made, so nothing Redis does depends on any other.
+    /// runs where the store was made, so nothing Redis does depends on any other. Once that
+    /// runtime has shut down (a setup `block_on`'s), the caller's runs them ([`Home`]).
     fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        match &self.inner.home {
-            Some(home) => self.inner.settling.spawn_on(task, home),
-            None => self.inner.settling.spawn(task),
-        }
+        self.inner.home.spawn(&self.inner.settling, task)
     }
 
     /// Spawns `write`, made after answering, noted under `token` and `kind` with its record
