@@ -941,26 +941,7 @@ fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
         let fp_a = fp("a");
         let (warm, over) = (fresh_id(), fresh_id());
         for id in [&warm, &over] {
-            // A lease of the earlier layout that ran out unfinished a second ago.
-            let _: () = redis::pipe()
-                .cmd("HSET")
-                .arg(store.key(id))
-                .arg("st")
-                .arg("0")
-                .arg("fp")
-                .arg(fp_a.as_bytes().to_vec())
-                .arg("tok")
-                .arg(idempotency_core::LeaseToken::generate().to_string())
-                .arg("exp")
-                .arg("1")
-                .ignore()
-                .cmd("PEXPIRE")
-                .arg(store.key(id))
-                .arg(3_600_000)
-                .ignore()
-                .query_async(&mut conn)
-                .await
-                .expect("an earlier-layout lease");
+            earlier_layout_lease_ran_out(&mut conn, &store, id, &fp_a).await;
         }
         // Loads the legacy script, so the armed call below is the takeover itself.
         idempotency_test::conformance::take_over(&store, &warm, &fp_a, LONG).await;
@@ -975,6 +956,60 @@ fn a_lost_takeover_of_an_earlier_layout_record_keeps_the_outcome_unknown() {
         match idempotency_test::conformance::answer_within(&direct, &over, &fp_a).await {
             Begin::TakeOver(_) => {}
             other => panic!("the first attempt's trace was deleted: {other:?}"),
+        }
+    });
+}
+
+/// Writes, under `id`, a lease of the earlier (hash) layout for `fp` that ran out unfinished
+/// long ago; the key itself is kept an hour.
+async fn earlier_layout_lease_ran_out(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    id: &idempotency_core::RecordId,
+    fp: &idempotency_core::Fingerprint,
+) {
+    let () = redis::pipe()
+        .cmd("HSET")
+        .arg(store.key(id))
+        .arg("st")
+        .arg("0")
+        .arg("fp")
+        .arg(fp.as_bytes().to_vec())
+        .arg("tok")
+        .arg(idempotency_core::LeaseToken::generate().to_string())
+        .arg("exp")
+        .arg("1")
+        .ignore()
+        .cmd("PEXPIRE")
+        .arg(store.key(id))
+        .arg(3_600_000)
+        .ignore()
+        .query_async(conn)
+        .await
+        .expect("an earlier-layout lease");
+}
+
+/// A claim of a record of the earlier (hash) layout sent twice, as a cluster connection
+/// resends a script whose answer came later than its response timeout: the second copy finds
+/// the lease the first one wrote, and that lease is the claim's own. Before, it answered
+/// `InFlight` (a 409 for the caller's own claim), and the lease, held by nobody, kept every
+/// retry out until it ran out.
+#[test]
+fn a_claim_of_an_earlier_layout_record_sent_twice_owns_its_lease() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let mut conn = shared_connection().await;
+        let fp_a = fp("a");
+        let over = fresh_id();
+        earlier_layout_lease_ran_out(&mut conn, &store, &over, &fp_a).await;
+        let token = idempotency_core::LeaseToken::generate();
+        for copy in ["first", "second"] {
+            let claimed = store.claim_legacy(&over, &fp_a, LONG, token).await;
+            assert_eq!(
+                claimed.expect("claim"),
+                Begin::TakeOver(token),
+                "the {copy} copy of the takeover"
+            );
         }
     });
 }

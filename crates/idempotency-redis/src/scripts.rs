@@ -87,14 +87,16 @@ return {'x'}
 /// `KEYS[1]` record, `KEYS[2]` this claim's tombstone; `ARGV` fingerprint, token (text),
 /// lease ms, grace ms. Returns `{'x'}` execute, `{'t'}` execute after a lease that ran out
 /// unfinished (the new lease is marked `to`, so a [`cancel`] ends it rather than deleting
-/// the only trace of that attempt), `{'r', outcome}` replay, `{'i', ms left}` in flight, `{'m'}` mismatch, `{'c'}`
-/// cancelled, `{'s'}` no hash there any more (claim again).
+/// the only trace of that attempt), `{'r', outcome}` replay, `{'i', ms left}` in flight,
+/// `{'m'}` mismatch, `{'c'}` cancelled, `{'s'}` no hash there any more (claim again). A live
+/// lease under this claim's own token is its own (a cluster client resent the script; the
+/// first copy landed): answered as that copy was.
 pub(crate) fn legacy_begin() -> Script {
     Script::new(&format!(
         r"{NOW_MS}
 if redis.call('EXISTS', KEYS[2]) == 1 then return {{'c'}} end
 if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {{'s'}} end
-local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp')
+local cur = redis.call('HMGET', KEYS[1], 'st', 'fp', 'out', 'exp', 'tok', 'to')
 local live = cur[1] and (cur[1] == '1' or not cur[4] or tonumber(cur[4]) > now)
 if not live and cur[1] == '0' and cur[2] ~= ARGV[1] then return {{'m'}} end
 if not live then
@@ -110,6 +112,10 @@ if not live then
 end
 if cur[2] ~= ARGV[1] then return {{'m'}} end
 if cur[1] == '1' then return {{'r', cur[3]}} end
+if cur[5] == ARGV[2] then
+  if cur[6] == '1' then return {{'t'}} end
+  return {{'x'}}
+end
 if cur[4] then return {{'i', tonumber(cur[4]) - now}} end
 return {{'i', redis.call('PTTL', KEYS[1])}}
 "

@@ -1299,8 +1299,11 @@ impl RedisStore {
         }
     }
 
-    /// The claim on a key that still holds a record of the earlier (hash) layout.
-    async fn claim_legacy(
+    /// The claim on a key that still holds a record of the earlier (hash) layout, under
+    /// `token`. Public for tests, which send one claim twice as a cluster client's resend
+    /// does; every other caller wants `begin`.
+    #[doc(hidden)]
+    pub async fn claim_legacy(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
