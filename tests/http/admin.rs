@@ -310,6 +310,47 @@ fn a_key_with_a_slash_left_unencoded_names_no_other_record() {
     });
 }
 
+/// The key in the path is read as the layer reads the header: an sf-string (`"k-1"`, the
+/// IETF draft's form, quotes included, as an operator copies it from a request log) names
+/// the same record as the bare `k-1`. Before, the quotes were taken as part of the key: a 404
+/// for a record that exists, and an operator told there was nothing to resolve.
+#[test]
+fn a_key_in_the_path_is_read_as_the_header_is() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (charges, _, _) = app(layer(store.clone()));
+        let router = charges.nest("/admin", admin_router(store.clone()));
+        let account = idempotency_test::unique("acct");
+        let key = idempotency_test::unique("order");
+        let quoted = format!("\"{key}\"");
+        let charge = [
+            ("idempotency-key", quoted.as_str()),
+            ("x-account-id", account.as_str()),
+        ];
+        assert_eq!(call(&router, "POST", "/charges", &charge).await.status, 201);
+        for named in [
+            key.clone(),
+            format!("%22{key}%22"),
+            format!("%20%22{key}%22"),
+        ] {
+            let path = format!("/admin/idempotency/scopes/{account}/keys/{named}");
+            let view = call(&router, "GET", &path, &[]).await;
+            assert_eq!(view.status, 200, "{named}: {}", view.json);
+            assert_eq!(view.json["key"], key.as_str(), "{named}");
+        }
+        // As in the header: a bare key holding a space or a comma, or a quoted one with a
+        // parameter, is refused, not read as some other key.
+        for refused in ["a%20b", "a,b", "%22a%22;p=1"] {
+            let path = format!("/admin/idempotency/scopes/{account}/keys/{refused}");
+            problem(
+                &call(&router, "GET", &path, &[]).await,
+                400,
+                "urn:idempotency:problem:invalid-key",
+            );
+        }
+    });
+}
+
 /// Every answer of the admin routes is problem+json, the paths and methods they do not serve
 /// included: a scope with an unencoded `/` is a 400 that says to encode it (it names no other
 /// record), a path under them that names nothing is a 404, and a method they do not take is

@@ -75,7 +75,8 @@ use crate::Problem;
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
-/// hold `/`: `order/42` is `order%2F42`). A path with a segment too many (a `/` left
+/// hold `/`: `order/42` is `order%2F42`). The key is read as the layer reads the header: the
+/// sf-string `"order-42"` (`%22order-42%22`) and the bare `order-42` name one record. A path with a segment too many (a `/` left
 /// unencoded) is `400`, never another record: `/idempotency/keys/a/b` does not name key `b`
 /// of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
 /// routes that names nothing `404` (`400` under `idempotency/scopes/`, most often an
@@ -209,10 +210,16 @@ fn record_id(named: Named) -> Result<(String, IdempotencyKey, RecordId), Box<Res
     })?;
     let scope = params.remove("scope").unwrap_or_default();
     let key = params.remove("key").unwrap_or_default();
-    let key = IdempotencyKey::new(key.clone()).map_err(|e| {
+    // Read as the layer reads the header (an sf-string or a bare key): the quoted form an
+    // operator copies from a request log names the record the layer wrote.
+    let key = crate::key::parse_value(key.as_bytes()).map_err(|e| {
+        let why = match e {
+            crate::key::KeyProblem::Invalid(why) => why,
+            crate::key::KeyProblem::Multiple => "more than one key".to_owned(),
+        };
         Box::new(problem(
             Problem::InvalidKey,
-            &format!("{key:?} is not a valid key: {e}"),
+            &format!("{key:?} is not a valid key: {why}"),
         ))
     })?;
     let id = RecordId::new(&Scope::new(scope.clone()), &key);
