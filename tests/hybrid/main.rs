@@ -1506,32 +1506,39 @@ fn a_claim_answered_on_a_runtime_left_idle_can_be_completed() {
         // test while this one keeps its runtime idle.
         let _serial = SERIAL.lock().await;
         let (_redis, store) = dedicated_hybrid().await;
-        let (id, fp) = (fresh_id(), Fingerprint::of(b"idle claim"));
+        let fp = Fingerprint::of(b"idle claim");
         load_scripts(&store, &fp).await;
-        let (begun, _idle) = on_an_idle_runtime({
-            let store = store.clone();
-            move |rt| rt.block_on(store.begin(&id, &fp, LEASE))
-        })
-        .await;
-        let Ok(Begin::Execute(token)) = begun else {
-            panic!("a fresh key: {begun:?}")
-        };
-        let outcome = Outcome::new(201).with_body("idle");
-        // Far past every budget the complete waits on: it is waiting for good.
-        let completed = tokio::time::timeout(
-            Duration::from_secs(10),
-            store.complete(&id, token, &outcome, RETENTION),
-        )
-        .await;
-        assert!(
-            matches!(completed, Ok(Ok(()))),
-            "the complete waited on a task nobody runs: {completed:?}"
-        );
-        assert_eq!(
-            store.begin(&id, &fp, LEASE).await.expect("retry"),
-            Begin::Replay(outcome)
-        );
+        a_claim_on_an_idle_runtime_completes(&store, &fp).await;
     });
+}
+
+/// Claims a fresh key on a runtime left idle once its `block_on` returned, then completes it
+/// here and replays it.
+async fn a_claim_on_an_idle_runtime_completes(store: &HybridStore, fp: &Fingerprint) {
+    let id = fresh_id();
+    let (begun, _idle) = on_an_idle_runtime({
+        let (store, fp) = (store.clone(), *fp);
+        move |rt| rt.block_on(store.begin(&id, &fp, LEASE))
+    })
+    .await;
+    let Ok(Begin::Execute(token)) = begun else {
+        panic!("a fresh key: {begun:?}")
+    };
+    let outcome = Outcome::new(201).with_body("idle");
+    // Far past every budget the complete waits on: it is waiting for good.
+    let completed = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.complete(&id, token, &outcome, RETENTION),
+    )
+    .await;
+    assert!(
+        matches!(completed, Ok(Ok(()))),
+        "the complete waited on a task nobody runs: {completed:?}"
+    );
+    assert_eq!(
+        store.begin(&id, fp, LEASE).await.expect("retry"),
+        Begin::Replay(outcome)
+    );
 }
 
 /// A store made on a runtime that has since shut down (built in a setup `block_on`, then
@@ -1546,30 +1553,10 @@ fn a_store_made_on_a_runtime_since_shut_down_runs_what_its_calls_leave() {
         if services::skipping() {
             return;
         }
-        let redis = services::start_redis(RedisOptions::default()).await;
-        let pg = services::postgres().await.expect("postgres");
-        let (pg_url, redis_url) = (pg.url().to_owned(), redis.url().to_owned());
-        let store = std::thread::spawn(move || {
-            let setup = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            setup.block_on(async { hybrid(pg_store(&pg_url).await, &redis_url).await })
-        })
-        .join()
-        .expect("the setup thread");
+        let (_redis, store) = made_on_a_runtime_since_shut_down().await;
         let (id, fp) = (fresh_id(), Fingerprint::of(b"made elsewhere"));
-        // The connections made on the setup runtime went with it: made again here.
-        let mut begun = store.begin(&id, &fp, LEASE).await;
-        for _ in 0..20 {
-            if begun.is_ok() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            begun = store.begin(&id, &fp, LEASE).await;
-        }
-        let Ok(Begin::Execute(token)) = begun else {
-            panic!("a fresh key: {begun:?}")
+        let Ok(Begin::Execute(token)) = store.begin(&id, &fp, LEASE).await else {
+            panic!("a fresh key")
         };
         let outcome = Outcome::new(201).with_body("elsewhere");
         store
@@ -1597,6 +1584,56 @@ fn a_store_made_on_a_runtime_since_shut_down_runs_what_its_calls_leave() {
         );
         first_requests_use_redis(&store, &fp, "made on a runtime since shut down").await;
     });
+}
+
+/// A claim answered on a runtime left idle (a sync worker's, between jobs) by a store made on a
+/// runtime that has since shut down: the lease's mirror, written after answering, must run
+/// somewhere that runs. Spawned on the caller's idle runtime, it never ran, and the
+/// `complete` that waits for it (and past its budget for its cancellation) waited for good.
+#[test]
+fn a_claim_answered_on_an_idle_runtime_by_a_store_whose_own_has_shut_down_can_be_completed() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        let (_redis, store) = made_on_a_runtime_since_shut_down().await;
+        let fp = Fingerprint::of(b"idle, home gone");
+        first_requests_use_redis(&store, &fp, "made on a runtime since shut down").await;
+        a_claim_on_an_idle_runtime_completes(&store, &fp).await;
+        let drained = tokio::time::timeout(Duration::from_secs(10), store.drain()).await;
+        assert!(drained.is_ok(), "drain waited on a task nobody runs");
+    });
+}
+
+/// A hybrid store on a Redis of its own, made on a runtime that has shut down since (a
+/// setup `block_on` on a thread of its own), its connections made again on this one.
+async fn made_on_a_runtime_since_shut_down() -> (Service, HybridStore) {
+    let redis = services::start_redis(RedisOptions::default()).await;
+    let pg = services::postgres().await.expect("postgres");
+    let (pg_url, redis_url) = (pg.url().to_owned(), redis.url().to_owned());
+    let store = std::thread::spawn(move || {
+        let setup = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        setup.block_on(async { hybrid(pg_store(&pg_url).await, &redis_url).await })
+    })
+    .join()
+    .expect("the setup thread");
+    // The connections made on the setup runtime went with it.
+    let id = fresh_id();
+    for _ in 0..20 {
+        if store
+            .begin(&id, &Fingerprint::of(b"reconnect"), LEASE)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    (redis, store)
 }
 
 /// Five first requests, each asking Redis first, none sent to Postgres alone for want of it.

@@ -1,32 +1,40 @@
 //! Where the work a call leaves running runs: the runtime the store was made on, for as long
-//! as it runs ([`Home`]).
+//! as it runs, then a runtime of the store's own ([`Home`]).
 
 use std::{
     future::Future,
     pin::Pin,
     sync::{
-        Arc, Mutex, PoisonError,
+        Arc, Mutex, OnceLock, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
     task::{Context, Poll},
 };
 
-use tokio::{runtime::Handle, task::JoinHandle};
+use tokio::{
+    runtime::{Handle, Runtime},
+    task::JoinHandle,
+};
 use tokio_util::task::TaskTracker;
 
-/// The runtime a store was made on, where the work its calls leave running is spawned
-/// (see `HybridStore::spawn` for why not the caller's), until that runtime shuts down.
+/// Where the work a store's calls leave running is spawned: the runtime the store was made
+/// on (see `HybridStore::spawn` for why not the caller's), until that runtime shuts down;
+/// then, or when the store was made off any runtime, a runtime of the store's own (one
+/// thread, made when first needed, shut down with the store).
 ///
-/// A store is often made in a setup `block_on` whose runtime is then dropped, and used from
-/// the application's: a runtime that has shut down drops every task spawned on it, unrun,
-/// and the store's copies to Redis, its repairs, its breaker's probe and an operator's
-/// second delete never ran. A task that runtime refuses comes back here, and it and every
-/// later one are spawned on the caller's runtime instead.
+/// Not the caller's: a store is often made in a setup `block_on` whose runtime is then
+/// dropped, and used from the application's. A runtime that has shut down drops every task
+/// spawned on it, unrun: the store's copies to Redis, its repairs, its breaker's probe and
+/// an operator's second delete never ran. And the caller's may be a current-thread runtime
+/// left idle once its `block_on` returned (a sync worker's), where they would not run
+/// either, and a `complete` waiting for a lease's mirror would wait for good.
 #[derive(Debug)]
 pub(crate) struct Home {
     handle: Option<Handle>,
     /// Set once `handle`'s runtime refused a task: it has shut down, for good.
     gone: AtomicBool,
+    /// The store's own runtime, once needed (`None`: it could not be made).
+    own: OnceLock<Option<Runtime>>,
 }
 
 impl Home {
@@ -35,13 +43,13 @@ impl Home {
         Self {
             handle: Handle::try_current().ok(),
             gone: AtomicBool::new(false),
+            own: OnceLock::new(),
         }
     }
 
-    /// Spawns `task` on the home runtime, or on the caller's once that one has shut down,
-    /// tracked by `tracker`. Off any runtime, with no home, it panics as `tokio::spawn`
-    /// does; with a home that has shut down, the task is dropped unrun (the handle answers
-    /// cancelled): there is no runtime to run it on.
+    /// Spawns `task`, tracked by `tracker`, on the home runtime, or on the store's own once
+    /// that one has shut down. A runtime that refuses a task drops it as it is spawned:
+    /// such a task comes back here (see [`Unrun`]).
     ///
     /// A task already on the home runtime when it shuts down is dropped with it: what is
     /// spawned there is made to survive being dropped (fenced writes, repairs put back in
@@ -56,7 +64,7 @@ impl Home {
             .as_ref()
             .filter(|_| !self.gone.load(Ordering::Acquire))
         else {
-            return tracker.spawn(task);
+            return self.spawn_on_own(tracker, task);
         };
         let refused = Arc::new(Mutex::new(None));
         let unrun = Unrun {
@@ -75,9 +83,40 @@ impl Home {
             return handle;
         };
         self.gone.store(true, Ordering::Release);
-        match Handle::try_current() {
-            Ok(here) => tracker.spawn_on(task, &here),
-            Err(_) => handle,
+        self.spawn_on_own(tracker, task)
+    }
+
+    /// `task` on the store's own runtime; on the caller's if it cannot be made (off any
+    /// runtime, that panics as `tokio::spawn` does).
+    fn spawn_on_own<F>(&self, tracker: &TaskTracker, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let own = self.own.get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("idempotency-hybrid")
+                .enable_all()
+                .build()
+                .inspect_err(|error| {
+                    tracing::warn!(%error, "could not make the hybrid store's own runtime");
+                })
+                .ok()
+        });
+        match own {
+            Some(own) => tracker.spawn_on(task, own.handle()),
+            None => tracker.spawn(task),
+        }
+    }
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        // Without waiting: the store may be dropped in an async context, or on that
+        // runtime's own thread, by the last task that held it.
+        if let Some(Some(own)) = self.own.take() {
+            own.shutdown_background();
         }
     }
 }
@@ -139,17 +178,36 @@ mod tests {
     }
 
     #[test]
-    fn a_task_runs_on_the_callers_runtime_once_home_has_shut_down() {
+    fn a_task_runs_on_a_runtime_of_its_own_once_home_has_shut_down() {
         let home = runtime().block_on(async { Home::here() });
         let (caller, tracker) = (runtime(), TaskTracker::new());
-        for _ in 0..2 {
-            let ran_on = caller.block_on(async {
-                let handle = home.spawn(&tracker, async { Handle::current().id() });
-                handle.await.expect("the task ran")
-            });
-            assert_eq!(ran_on, caller.handle().id());
-        }
+        // Spawned from a runtime left idle once its `block_on` returned: it runs all the
+        // same, and every later one on the same runtime.
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let _on_the_caller = caller.enter();
+                home.spawn(&tracker, async { Handle::current().id() })
+            })
+            .collect();
+        let ran_on: Vec<_> = handles
+            .into_iter()
+            .map(|handle| futures::executor::block_on(handle).expect("the task ran"))
+            .collect();
+        assert_ne!(ran_on[0], caller.handle().id());
+        assert_eq!(ran_on[0], ran_on[1]);
         assert!(home.gone.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn off_any_runtime_a_store_made_off_any_runtime_runs_its_tasks() {
+        let (home, tracker) = (Home::here(), TaskTracker::new());
+        let handle = home.spawn(&tracker, async { 7 });
+        assert_eq!(
+            futures::executor::block_on(handle).expect("the task ran"),
+            7
+        );
+        // Dropped from within a runtime: no panic for shutting one down there.
+        runtime().block_on(async move { drop(home) });
     }
 
     #[test]

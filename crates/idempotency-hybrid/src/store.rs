@@ -768,7 +768,8 @@ impl HybridStore {
     /// for good; repairs there kept their lock from every other call, and an operator's
     /// release kept outcomes from being copied to Redis. The Redis connection's own task
     /// runs where the store was made, so nothing Redis does depends on any other. Once that
-    /// runtime has shut down (a setup `block_on`'s), the caller's runs them ([`Home`]).
+    /// runtime has shut down (a setup `block_on`'s), a runtime of the store's own runs them
+    /// ([`Home`]).
     fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: Future + Send + 'static,
