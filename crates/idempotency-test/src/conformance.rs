@@ -591,6 +591,111 @@ pub async fn renew_extends_the_lease(store: &dyn Store) {
         .expect("complete after renew");
 }
 
+/// A lease renewed after it ran out, while nobody took it over, is its owner's again and live:
+/// the token owned the record all along (a slow owner's renewal after a store blip), so the
+/// next `begin` is `InFlight`, not a takeover.
+pub async fn a_renewal_after_the_lease_ran_out_untaken_holds_it_again(store: &dyn Store) {
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    store
+        .renew(&id, token, LONG)
+        .await
+        .expect("a late renewal nobody overtook is accepted");
+    assert!(matches!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::InFlight { .. }
+    ));
+    store
+        .complete(&id, token, &sample_outcome(), LONG)
+        .await
+        .expect("complete after the renewal");
+}
+
+/// An owner that ended its own lease (`renew` for zero: a caller going away) still owns the
+/// record until another `begin` takes it over: its completion is accepted and replayed, and
+/// so is its release, after which the key runs again as new.
+pub async fn the_owner_settles_after_ending_its_own_lease(store: &dyn Store) {
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), LONG).await;
+    store.renew(&id, token, Duration::ZERO).await.expect("end");
+    store
+        .complete(&id, token, &sample_outcome(), LONG)
+        .await
+        .expect("the owner's completion after its own end");
+    assert_eq!(
+        store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+        Begin::Replay(sample_outcome())
+    );
+
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), LONG).await;
+    store.renew(&id, token, Duration::ZERO).await.expect("end");
+    store
+        .release(&id, token)
+        .await
+        .expect("the owner's release after its own end");
+    execute(store, &id, &fp("a"), LONG).await;
+}
+
+/// A record its owner released is gone for an operator too: `inspect` finds nothing.
+pub async fn inspect_finds_nothing_after_a_release(store: &dyn Store) {
+    let id = fresh_id();
+    let token = execute(store, &id, &fp("a"), LONG).await;
+    assert!(store.inspect(&id).await.expect("inspect").is_some());
+    store.release(&id, token).await.expect("release");
+    let found = store.inspect(&id).await.expect("inspect");
+    assert!(found.is_none(), "a released record: {found:?}");
+}
+
+/// An operator resolving an unknown outcome ([`resolve_unknown`]) and the attempt's own late
+/// completion racing, many keys at once: exactly one outcome is stored per key, and the
+/// key's retries replay that one. Either the completion landed first (the resolution finds
+/// the record completed) or the resolution did (the completion is `LeaseLost`): never both
+/// accepted, never one overwriting the other.
+///
+/// [`resolve_unknown`]: idempotency_core::resolve_unknown
+pub async fn resolving_an_unknown_outcome_races_the_late_completion(store: Arc<dyn Store>) {
+    use idempotency_core::{Resolved, resolve_unknown};
+
+    let (late, found) = (
+        Outcome::new(201).with_body("late"),
+        Outcome::new(201).with_body("found by the operator"),
+    );
+    let mut keys = Vec::new();
+    for _ in 0..16 {
+        let id = fresh_id();
+        keys.push((id, execute(&*store, &id, &fp("a"), SHORT).await));
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    // Every other key sends the resolution first (see `takeover_races_late_completion`).
+    let races = keys.into_iter().enumerate().map(|(i, (id, stale))| {
+        let (store, late, found) = (store.clone(), late.clone(), found.clone());
+        async move {
+            let complete = store.complete(&id, stale, &late, LONG);
+            let resolve = resolve_unknown(&*store, &id, &found, LONG);
+            let (completed, resolved) = if i % 2 == 0 {
+                tokio::join!(complete, resolve)
+            } else {
+                let (resolved, completed) = tokio::join!(resolve, complete);
+                (completed, resolved)
+            };
+            let stored = match (completed, resolved.expect("resolve")) {
+                (Ok(()), Resolved::Completed) => &late,
+                (Err(Error::LeaseLost), Resolved::Stored) => &found,
+                (completed, resolved) => {
+                    panic!("both or neither stored: {completed:?} / {resolved:?}")
+                }
+            };
+            assert_eq!(
+                store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+                Begin::Replay(stored.clone())
+            );
+        }
+    });
+    futures::future::join_all(races).await;
+}
+
 /// A completed record past its retention behaves as absent.
 pub async fn retention_expiry_makes_the_record_absent(store: &dyn Store) {
     let id = fresh_id();
@@ -1030,6 +1135,9 @@ macro_rules! conformance_tests {
             completed_record_is_final,
             a_release_then_a_completion_tell_a_commit_from_a_rollback,
             renew_extends_the_lease,
+            a_renewal_after_the_lease_ran_out_untaken_holds_it_again,
+            the_owner_settles_after_ending_its_own_lease,
+            inspect_finds_nothing_after_a_release,
             retention_expiry_makes_the_record_absent,
             purge_removes_only_expired_records,
             scopes_are_isolated,
@@ -1043,6 +1151,7 @@ macro_rules! conformance_tests {
             concurrent_takeovers_grant_once,
             concurrent_mixed_calls_answer_as_alone,
             takeover_races_late_completion,
+            resolving_an_unknown_outcome_races_the_late_completion,
             dropped_calls_leave_the_key_answerable,
             answers_as_the_model_store,
             $($more,)?
