@@ -138,8 +138,13 @@
 //!
 //! - it ends within the limit: stored whole before the client sees the end of the stream;
 //! - it crosses the limit: stored at once without its body; replays carry the status and
-//!   headers, an empty body and `Idempotent-Replay-Body: omitted`;
-//! - its client leaves, stalls for a third of a lease, or the body fails, before the end:
+//!   headers, an empty body and `Idempotent-Replay-Body: omitted`. Stored then, the record
+//!   does not say how the rest of the stream went: `omitted` means "too large to keep", not
+//!   "sent whole" (a body that fails past the limit cuts its first client off with an error,
+//!   and is still replayed `omitted`). The lease is not held for the rest, so a slow reader
+//!   of a large download is never cut off for its pace;
+//! - its client leaves, stalls for a third of a lease, or the body fails, before the end
+//!   (and before the limit):
 //!   the first client's response is cut off (an error, never a clean truncated end), the rest
 //!   is drained for at most half a lease, then stored; a body that has not ended by then is
 //!   replayed empty with `Idempotent-Replay-Body: incomplete`.

@@ -1228,7 +1228,8 @@ async fn not_stored(
 /// - the body ends within the limit: stored whole, *before* the client sees the end, so a
 ///   client that read the whole response and retries gets the replay;
 /// - the body crosses the limit: stored at once without its body (`Idempotent-Replay-Body:
-///   omitted`), and the rest is only forwarded — the lease is not held for it;
+///   omitted`), and the rest is only forwarded — the lease is not held for it, and how the
+///   rest went is not recorded (a body failing past the limit is still `omitted`);
 /// - the first client goes away (or stops reading for a third of a lease), or the body fails:
 ///   the rest is drained for at most half a lease, then stored; a body that did not end by
 ///   then is stored without its body (`Idempotent-Replay-Body: incomplete`);
