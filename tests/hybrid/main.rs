@@ -1606,6 +1606,39 @@ fn a_claim_answered_on_an_idle_runtime_by_a_store_whose_own_has_shut_down_can_be
     });
 }
 
+/// A store made on a current-thread runtime that is kept but left idle (a setup runtime kept
+/// in `main` while the application serves from another): what its calls leave running was
+/// spawned there, never ran, and the `complete` waiting for a lease's mirror waited for good.
+#[test]
+fn a_store_made_on_a_runtime_left_idle_runs_what_its_calls_leave() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let _serial = SERIAL.lock().await;
+        // Its parts connected here: only the store is made on the idle runtime.
+        let (_redis, parts) = dedicated_hybrid().await;
+        let (store, _idle) = on_an_idle_runtime(move |rt| {
+            rt.block_on(async {
+                HybridStore::new(
+                    parts.postgres().clone(),
+                    parts.redis().clone(),
+                    BreakerConfig::default(),
+                )
+            })
+        })
+        .await;
+        let fp = Fingerprint::of(b"made on an idle runtime");
+        let calls = async {
+            load_scripts(&store, &fp).await;
+            a_claim_on_an_idle_runtime_completes(&store, &fp).await;
+            store.drain().await;
+        };
+        let ended = tokio::time::timeout(Duration::from_secs(30), calls).await;
+        assert!(ended.is_ok(), "a call waited on a task nobody runs");
+    });
+}
+
 /// A hybrid store on a Redis of its own, made on a runtime that has shut down since (a
 /// setup `block_on` on a thread of its own), its connections made again on this one.
 async fn made_on_a_runtime_since_shut_down() -> (Service, HybridStore) {

@@ -1,5 +1,5 @@
-//! Where the work a call leaves running runs: the runtime the store was made on, for as long
-//! as it runs, then a runtime of the store's own ([`Home`]).
+//! Where the work a call leaves running runs: the multi-thread runtime the store was made
+//! on, for as long as it runs, else a background runtime of this crate's ([`Home`]).
 
 use std::{
     future::Future,
@@ -12,44 +12,45 @@ use std::{
 };
 
 use tokio::{
-    runtime::{Handle, Runtime},
+    runtime::{Handle, Runtime, RuntimeFlavor},
     task::JoinHandle,
 };
 use tokio_util::task::TaskTracker;
 
-/// Where the work a store's calls leave running is spawned: the runtime the store was made
-/// on (see `HybridStore::spawn` for why not the caller's), until that runtime shuts down;
-/// then, or when the store was made off any runtime, a runtime of the store's own (one
-/// thread, made when first needed, shut down with the store).
+/// Where the work a store's calls leave running is spawned: a runtime that runs its tasks
+/// whoever calls. That is the runtime the store was made on when it is a multi-thread one
+/// (its workers run its tasks), until it shuts down; otherwise a background runtime of this
+/// crate's, one thread for the whole process, made when first needed and never shut down.
 ///
-/// Not the caller's: a store is often made in a setup `block_on` whose runtime is then
-/// dropped, and used from the application's. A runtime that has shut down drops every task
-/// spawned on it, unrun: the store's copies to Redis, its repairs, its breaker's probe and
-/// an operator's second delete never ran. And the caller's may be a current-thread runtime
-/// left idle once its `block_on` returned (a sync worker's), where they would not run
-/// either, and a `complete` waiting for a lease's mirror would wait for good.
+/// Not the caller's runtime, nor a current-thread one: such a runtime runs its tasks only
+/// inside a `block_on`. Left idle once that returned (a sync worker's between jobs; a setup
+/// runtime kept in `main` while the application serves from another), it ran none of them:
+/// a lease's mirror never landed and the `complete` waiting for it waited for good, the
+/// breaker's probe never answered, repairs kept their lock. And a runtime that has shut down
+/// (a setup `block_on`'s, dropped) drops what is spawned on it unrun: outcomes were never
+/// copied, and an operator's release answered `Unavailable` on every try.
 #[derive(Debug)]
 pub(crate) struct Home {
     handle: Option<Handle>,
     /// Set once `handle`'s runtime refused a task: it has shut down, for good.
     gone: AtomicBool,
-    /// The store's own runtime, once needed (`None`: it could not be made).
-    own: OnceLock<Option<Runtime>>,
 }
 
 impl Home {
-    /// The runtime this is called on, if any.
+    /// The runtime this is called on, if it is a multi-thread one.
     pub(crate) fn here() -> Self {
+        let handle = Handle::try_current()
+            .ok()
+            .filter(|handle| matches!(handle.runtime_flavor(), RuntimeFlavor::MultiThread));
         Self {
-            handle: Handle::try_current().ok(),
+            handle,
             gone: AtomicBool::new(false),
-            own: OnceLock::new(),
         }
     }
 
-    /// Spawns `task`, tracked by `tracker`, on the home runtime, or on the store's own once
-    /// that one has shut down. A runtime that refuses a task drops it as it is spawned:
-    /// such a task comes back here (see [`Unrun`]).
+    /// Spawns `task`, tracked by `tracker`, on the home runtime, or on the background one
+    /// when there is none or it has shut down. A runtime that has shut down drops a task as
+    /// it is spawned: such a task comes back here (see [`Unrun`]).
     ///
     /// A task already on the home runtime when it shuts down is dropped with it: what is
     /// spawned there is made to survive being dropped (fenced writes, repairs put back in
@@ -64,7 +65,7 @@ impl Home {
             .as_ref()
             .filter(|_| !self.gone.load(Ordering::Acquire))
         else {
-            return self.spawn_on_own(tracker, task);
+            return spawn_in_background(tracker, task);
         };
         let refused = Arc::new(Mutex::new(None));
         let unrun = Unrun {
@@ -83,40 +84,49 @@ impl Home {
             return handle;
         };
         self.gone.store(true, Ordering::Release);
-        self.spawn_on_own(tracker, task)
-    }
-
-    /// `task` on the store's own runtime; on the caller's if it cannot be made (off any
-    /// runtime, that panics as `tokio::spawn` does).
-    fn spawn_on_own<F>(&self, tracker: &TaskTracker, task: F) -> JoinHandle<F::Output>
-    where
-        F: Future + Send + 'static,
-        F::Output: Send + 'static,
-    {
-        let own = self.own.get_or_init(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .thread_name("idempotency-hybrid")
-                .enable_all()
-                .build()
-                .inspect_err(|error| {
-                    tracing::warn!(%error, "could not make the hybrid store's own runtime");
-                })
-                .ok()
-        });
-        match own {
-            Some(own) => tracker.spawn_on(task, own.handle()),
-            None => tracker.spawn(task),
-        }
+        spawn_in_background(tracker, task)
     }
 }
 
-impl Drop for Home {
-    fn drop(&mut self) {
-        // Without waiting: the store may be dropped in an async context, or on that
-        // runtime's own thread, by the last task that held it.
-        if let Some(Some(own)) = self.own.take() {
-            own.shutdown_background();
+/// `task` on the background runtime; on the caller's if it cannot be made (off any
+/// runtime, that panics as `tokio::spawn` does).
+fn spawn_in_background<F>(tracker: &TaskTracker, task: F) -> JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match background() {
+        Some(runtime) => tracker.spawn_on(task, runtime.handle()),
+        None => tracker.spawn(task),
+    }
+}
+
+/// The process's background runtime for hybrid stores: one worker thread. Never shut down
+/// (a static is never dropped): a Redis connection made or remade by a task there (redis-rs
+/// drives it on the runtime of the call that connects) serves every store that shares it.
+/// Made again on the next need if it could not be made.
+fn background() -> Option<&'static Runtime> {
+    static BACKGROUND: OnceLock<Runtime> = OnceLock::new();
+    if let Some(runtime) = BACKGROUND.get() {
+        return Some(runtime);
+    }
+    let made = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("idempotency-hybrid")
+        .enable_all()
+        .build();
+    match made {
+        Ok(runtime) => {
+            // Made twice at once: the one not kept is shut down without blocking (this may
+            // be an async context).
+            if let Err(spare) = BACKGROUND.set(runtime) {
+                spare.shutdown_background();
+            }
+            BACKGROUND.get()
+        }
+        Err(error) => {
+            tracing::warn!(%error, "could not make the hybrid stores' background runtime");
+            None
         }
     }
 }
@@ -157,63 +167,76 @@ impl<F> Drop for Unrun<F> {
 mod tests {
     use super::*;
 
-    fn runtime() -> tokio::runtime::Runtime {
+    fn current_thread() -> Runtime {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("runtime")
     }
 
-    #[test]
-    fn a_task_runs_on_the_home_runtime_while_it_runs() {
-        let (home_rt, caller) = (runtime(), runtime());
-        let home = home_rt.block_on(async { Home::here() });
-        let tracker = TaskTracker::new();
+    fn multi_thread() -> Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    /// Where a task spawned from a current-thread runtime left idle ran.
+    fn ran_on(home: &Home) -> tokio::runtime::Id {
+        let (caller, tracker) = (current_thread(), TaskTracker::new());
         let handle = {
             let _on_the_caller = caller.enter();
             home.spawn(&tracker, async { Handle::current().id() })
         };
-        let ran_on = home_rt.block_on(handle).expect("the task");
-        assert_eq!(ran_on, home_rt.handle().id());
+        let ran_on = futures::executor::block_on(handle).expect("the task ran");
+        assert_ne!(ran_on, caller.handle().id());
+        ran_on
     }
 
     #[test]
-    fn a_task_runs_on_a_runtime_of_its_own_once_home_has_shut_down() {
-        let home = runtime().block_on(async { Home::here() });
-        let (caller, tracker) = (runtime(), TaskTracker::new());
-        // Spawned from a runtime left idle once its `block_on` returned: it runs all the
-        // same, and every later one on the same runtime.
-        let handles: Vec<_> = (0..2)
-            .map(|_| {
-                let _on_the_caller = caller.enter();
-                home.spawn(&tracker, async { Handle::current().id() })
-            })
-            .collect();
-        let ran_on: Vec<_> = handles
-            .into_iter()
-            .map(|handle| futures::executor::block_on(handle).expect("the task ran"))
-            .collect();
-        assert_ne!(ran_on[0], caller.handle().id());
-        assert_eq!(ran_on[0], ran_on[1]);
+    fn a_task_runs_on_a_multi_thread_home_while_it_runs() {
+        let home_rt = multi_thread();
+        let home = home_rt.block_on(async { Home::here() });
+        assert_eq!(ran_on(&home), home_rt.handle().id());
+        assert!(!home.gone.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn a_task_runs_in_the_background_once_home_has_shut_down() {
+        let home = multi_thread().block_on(async { Home::here() });
+        let background = background().expect("the background runtime").handle().id();
+        assert_eq!(ran_on(&home), background);
         assert!(home.gone.load(Ordering::Acquire));
+        assert_eq!(ran_on(&home), background);
     }
 
     #[test]
-    fn off_any_runtime_a_store_made_off_any_runtime_runs_its_tasks() {
+    fn a_current_thread_runtime_is_no_home() {
+        let home_rt = current_thread();
+        let home = home_rt.block_on(async { Home::here() });
+        let background = background().expect("the background runtime").handle().id();
+        // Alive, but idle: it would never run the task.
+        assert_eq!(ran_on(&home), background);
+    }
+
+    #[test]
+    fn off_any_runtime_a_store_runs_its_tasks_in_the_background() {
         let (home, tracker) = (Home::here(), TaskTracker::new());
         let handle = home.spawn(&tracker, async { 7 });
         assert_eq!(
             futures::executor::block_on(handle).expect("the task ran"),
             7
         );
-        // Dropped from within a runtime: no panic for shutting one down there.
-        runtime().block_on(async move { drop(home) });
     }
 
     #[test]
     fn a_task_aborted_before_its_first_poll_stays_aborted() {
-        let (home_rt, tracker) = (runtime(), TaskTracker::new());
-        let home = home_rt.block_on(async { Home::here() });
+        let (home_rt, tracker) = (current_thread(), TaskTracker::new());
+        let home = Home {
+            handle: Some(home_rt.handle().clone()),
+            gone: AtomicBool::new(false),
+        };
         let ran = Arc::new(AtomicBool::new(false));
         let handle = home.spawn(&tracker, {
             let ran = ran.clone();

@@ -134,8 +134,7 @@ struct Shared {
     mirrored: std::sync::Mutex<Mirrored>,
     /// Claims and writes left running in the background: see [`Store::drain`].
     settling: tokio_util::task::TaskTracker,
-    /// The runtime the store was made on, if any: where the work a call leaves running runs
-    /// while it runs (see [`HybridStore::spawn`]).
+    /// Where the work a call leaves running runs (see [`HybridStore::spawn`]).
     home: Home,
     /// This process's operators' releases: a completion's copy finding its lease's mirror
     /// gone is written only if none was under way at its Postgres write or began since.
@@ -760,16 +759,14 @@ impl HybridStore {
     }
 
     /// Spawns `task`, which a call leaves running (a write after answering, the repairs, a
-    /// probe, an operator's second delete), on the runtime the store was made on, tracked
-    /// for [`drain`](Store::drain). Spawned on the caller's runtime, it ran only while that
-    /// runtime was driven: a second, current-thread runtime left idle once its `block_on`
-    /// returned (a sync worker's, between jobs) kept a lease's mirror there unrun, and the
-    /// `complete` that waits for it (and, past its budget, for its cancellation) waited
-    /// for good; repairs there kept their lock from every other call, and an operator's
-    /// release kept outcomes from being copied to Redis. The Redis connection's own task
-    /// runs where the store was made, so nothing Redis does depends on any other. Once that
-    /// runtime has shut down (a setup `block_on`'s), a runtime of the store's own runs them
-    /// ([`Home`]).
+    /// probe, an operator's second delete), on a runtime that runs it whoever calls, tracked
+    /// for [`drain`](Store::drain): the multi-thread runtime the store was made on while it
+    /// runs, else a background one ([`Home`]). Spawned on the caller's runtime, it ran only
+    /// while that runtime was driven: a second, current-thread runtime left idle once its
+    /// `block_on` returned (a sync worker's, between jobs) kept a lease's mirror there
+    /// unrun, and the `complete` that waits for it (and, past its budget, for its
+    /// cancellation) waited for good; repairs there kept their lock from every other call,
+    /// and an operator's release kept outcomes from being copied to Redis.
     fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: Future + Send + 'static,
