@@ -28,7 +28,15 @@
 //!             _ => Err(NoScope::Unauthenticated("send X-Account-Id".into())),
 //!         }
 //!     });
-//! let app: Router = Router::new().route("/charges", post(create_charge)).layer(layer);
+//! // `route_layer`: a request to no route (a typo'd path) is not claimed, its 404 not stored.
+//! let app: Router = Router::new()
+//!     .route("/charges", post(create_charge))
+//!     .route_layer(layer.clone());
+//! // After `axum::serve(..).with_graceful_shutdown(..)` returns: handlers whose client left
+//! // run on in tasks of their own; let them store their outcomes before the process exits.
+//! # async fn after_serving(layer: IdempotencyLayer) {
+//! layer.drain().await;
+//! # }
 //! ```
 //!
 //! # The protocol

@@ -1,5 +1,10 @@
 //! The protocol on the embedded memory store, no services needed.
 //!
+//! It shows the store's answers, one at a time. To run an operation, use an `Executor` or
+//! the HTTP layer: they renew the lease while it runs and stop it when the lease is lost, so
+//! a slow attempt and a retry that took its key over never both run; a raw `begin` …
+//! `complete` does neither.
+//!
 //! Run with: `cargo run -p idempotency --example quickstart`
 #![allow(clippy::print_stdout)]
 

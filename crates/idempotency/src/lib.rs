@@ -12,32 +12,35 @@
 //! brings its own pool (`PostgresStore::from_pool`) or connection
 //! (`RedisStore::from_connection_manager`) builds it with the same version.
 //!
-//! ```
-//! use std::time::Duration;
-//! use idempotency::{Begin, Fingerprint, IdempotencyKey, MemoryStore, Outcome, RecordId, Scope, Store};
+//! Over HTTP, put `idempotency::tower::IdempotencyLayer` (feature `tower`) in front of the
+//! routes that create things. Elsewhere (a message consumer, a job), run the operation
+//! through an [`Executor`]: it claims the key, renews the lease while the operation runs,
+//! stops the operation if the lease is lost, and stores the outcome; every retry gets it.
 //!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotency::Error> {
-//! let store = MemoryStore::new();
-//! let id = RecordId::new(&Scope::new("acct_1"), &IdempotencyKey::new("charge-1").unwrap());
-//! let fp = Fingerprint::of(br#"{"amount":1000}"#);
-//! match store.begin(&id, &fp, Duration::from_secs(30)).await? {
-//!     Begin::Execute(token) => {
-//!         let outcome = Outcome::new(201).with_body("ch_1"); // charge the card once
-//!         store.complete(&id, token, &outcome, Duration::from_secs(86_400)).await?;
-//!     }
-//!     Begin::TakeOver(token) => {
-//!         // An earlier attempt's lease ran out before it stored an outcome: it may have
-//!         // charged. Look for its charge by the record id; found, store it as the outcome
-//!         // (not found: charge, as for `Execute`).
-//!         let found = Outcome::new(201).with_body("ch_1");
-//!         store.complete(&id, token, &found, Duration::from_secs(86_400)).await?;
-//!     }
-//!     Begin::Replay(outcome) => println!("already charged: {:?}", outcome.body),
-//!     Begin::InFlight { retry_after } => println!("retry in {retry_after:?}"),
-//!     Begin::Mismatch => println!("key reused for another request"),
-//! }
-//! # Ok(()) }
 //! ```
+//! use std::sync::Arc;
+//! use idempotency::{Executor, Fingerprint, IdempotencyKey, MemoryStore, Scope};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let executor = Executor::new(Arc::new(MemoryStore::new()));
+//! let (scope, key) = (Scope::new("acct_1"), IdempotencyKey::new("charge-1").unwrap());
+//! let request = Fingerprint::of(br#"{"amount":1000}"#);
+//! for _ in 0..2 {
+//!     let charged = executor
+//!         .run(&scope, &key, &request, || async {
+//!             Ok::<_, std::io::Error>("ch_1".to_owned()) // charge the card: once
+//!         })
+//!         .await
+//!         .expect("ran, or replayed");
+//!     assert_eq!(charged.value, "ch_1");
+//! }
+//! executor.drain().await; // at shutdown: what runs left to settle is settled
+//! # }
+//! ```
+//!
+//! The [`Store`] trait underneath is for building such drivers, not for calling around an
+//! effect by hand: a raw `begin` … `complete` neither renews its lease nor stops when the
+//! lease is lost, so a slow attempt and the retry that took its key over both run.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idempotency_core::*;
