@@ -686,8 +686,9 @@ fn statement_timed_out(error: &sqlx::Error) -> bool {
 
 /// Whether a failed statement may have committed all the same. Not when it never left the
 /// pool (a pool timeout), nor when Postgres refused it before or while it ran: the errors
-/// [`give_back`] and [`statement_timed_out`] name, and class 42 (no such table, a syntax or
-/// permission error: nothing ran). Every other error may come after the commit: the
+/// [`give_back`] and [`statement_timed_out`] name, class 42 (no such table, a syntax or
+/// permission error: nothing ran) and class 23 (an integrity constraint refused the row, and
+/// the statement's transaction rolled back). Every other error may come after the commit: the
 /// connection broke, or a pooler answered for a server connection that broke after the
 /// statement ran (PgBouncer's `08P01`, its `query_timeout`), as the per-request path
 /// assumes too (`claim`: an error is not "nothing happened"). A give-back too many is fenced
@@ -698,7 +699,9 @@ pub(crate) fn in_doubt(error: &sqlx::Error) -> bool {
         sqlx::Error::Database(db) => {
             let refused = give_back(error)
                 || statement_timed_out(error)
-                || db.code().is_some_and(|code| code.starts_with("42"));
+                || db
+                    .code()
+                    .is_some_and(|code| code.starts_with("42") || code.starts_with("23"));
             !refused
         }
         _ => true,

@@ -57,6 +57,30 @@ pub use batch::{GroupCommit, GroupCommitStats};
 pub use store::{CommitClaimError, PostgresStore, PostgresStoreBuilder, migrator};
 pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};
 
+/// Whether a statement that failed with `error` may have committed its write all the same:
+/// the rule this store follows for its own statements, for an application's writes beside it
+/// (a handler's insert of the charge it made). Answer such a failure as one whose effect may
+/// have happened (the HTTP layer's `MaybeApplied`), never as "nothing was written": the key
+/// is then kept for the outcome-unknown policy, not given back to a retry that writes again.
+///
+/// `false` only when the statement never left the pool (a pool timeout, a closed pool), or
+/// when Postgres refused it before or while it ran and rolled it back: a lock or statement
+/// timeout, a deadlock, a serialization failure, a data exception (class 22), an integrity
+/// violation (class 23), no such table or a syntax or permission error (class 42), a limit
+/// (54000). Anything else may come after the commit: the connection broke, the server shut
+/// down, or a pooler answered for a server connection that broke after the statement ran
+/// (PgBouncer's `08P01`).
+///
+/// ```
+/// use idempotency_postgres::{may_have_committed, sqlx};
+/// assert!(!may_have_committed(&sqlx::Error::PoolTimedOut));
+/// let broke = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+/// assert!(may_have_committed(&sqlx::Error::Io(broke)));
+/// ```
+pub fn may_have_committed(error: &sqlx::Error) -> bool {
+    batch::in_doubt(error)
+}
+
 /// The `sqlx` crate this store is built on, so an application's own pool (for
 /// [`PostgresStore::from_pool`]) is of the same version.
 pub use sqlx;

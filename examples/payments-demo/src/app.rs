@@ -334,16 +334,15 @@ fn storage_down(error: &sqlx::Error) -> Response {
 }
 
 /// A charge's or order's insert that failed. A statement the database refused wrote
-/// nothing; one whose answer was lost (the connection broke, the server went down) may have
+/// nothing; one whose answer was lost (the connection broke, the server went down, a pooler
+/// answered an error for a server connection that broke after the commit) may have
 /// committed: that 503 is marked [`MaybeApplied`], so the layer keeps the key for the
 /// reconcile hook (which finds the row, or runs again) instead of giving it back to a retry
-/// that runs the handler a second time.
+/// that runs the handler a second time. Which is which is the store's own rule
+/// ([`may_have_committed`](idempotency::postgres::may_have_committed)): a database error is
+/// not by itself a refusal.
 fn write_failed(error: &sqlx::Error) -> Response {
-    let unsent = matches!(
-        error,
-        sqlx::Error::Database(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed
-    );
-    if unsent {
+    if !idempotency::postgres::may_have_committed(error) {
         return storage_down(error);
     }
     tracing::warn!(%error, "charges storage failed; the write may have committed");
@@ -701,5 +700,68 @@ async fn transition_order(
             "Unexpected transition answer",
             "the order's state machine answered in a way this server does not handle",
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    /// A database error as a pooler or the server sends it, with its SQLSTATE.
+    #[derive(Debug)]
+    struct Sqlstate(&'static str);
+
+    impl std::fmt::Display for Sqlstate {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SQLSTATE {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Sqlstate {}
+
+    impl sqlx::error::DatabaseError for Sqlstate {
+        fn message(&self) -> &str {
+            "an error"
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    /// A database error is not by itself "nothing was written": PgBouncer answers `08P01`
+    /// when its server connection broke, which can be after the insert committed. Before,
+    /// every database error was answered "the charge was not created" and the key given
+    /// back, and the retry ran the handler again.
+    #[test]
+    fn a_database_error_that_may_follow_the_commit_is_maybe_applied() {
+        for (code, maybe) in [
+            ("08P01", true),
+            ("57P01", true),
+            ("23505", false),
+            ("55P03", false),
+        ] {
+            let error = sqlx::Error::Database(Box::new(Sqlstate(code)));
+            let answer = write_failed(&error);
+            assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "{code}");
+            assert_eq!(
+                answer.extensions().get::<MaybeApplied>().is_some(),
+                maybe,
+                "{code}"
+            );
+        }
     }
 }
