@@ -53,7 +53,7 @@ impl IntoResponse for MissingIdempotencyLayer {
 /// let store = Arc::new(idempotency_core::MemoryStore::new());
 /// let app: Router = Router::new()
 ///     .route("/charges", post(create_charge))
-///     .layer(IdempotencyLayer::new(store).require_key(true));
+///     .route_layer(IdempotencyLayer::new(store).require_key(true));
 /// ```
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
     type Rejection = MissingIdempotencyLayer;

@@ -33,9 +33,11 @@
 //!     .route("/charges", post(create_charge))
 //!     .route_layer(layer.clone());
 //! // After `axum::serve(..).with_graceful_shutdown(..)` returns: handlers whose client left
-//! // run on in tasks of their own; let them store their outcomes before the process exits.
+//! // run on in tasks of their own; let them store their outcomes before the process exits
+//! // (bounded: writes to a store that is down are retried for up to an hour).
 //! # async fn after_serving(layer: IdempotencyLayer) {
-//! layer.drain().await;
+//! let grace = std::time::Duration::from_secs(30);
+//! let _ = tokio::time::timeout(grace, layer.drain()).await;
 //! # }
 //! ```
 //!
