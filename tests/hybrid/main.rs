@@ -1639,33 +1639,30 @@ fn a_store_made_on_a_runtime_left_idle_runs_what_its_calls_leave() {
     });
 }
 
-/// A hybrid store on a Redis of its own, made on a runtime that has shut down since (a
-/// setup `block_on` on a thread of its own), its connections made again on this one.
+/// A hybrid store on a Redis of its own, made on a multi-thread runtime that has shut down
+/// since (a setup `Runtime::new().block_on(..)` on a thread of its own, then dropped), its
+/// connections made again on this one.
 async fn made_on_a_runtime_since_shut_down() -> (Service, HybridStore) {
     let redis = services::start_redis(RedisOptions::default()).await;
     let pg = services::postgres().await.expect("postgres");
     let (pg_url, redis_url) = (pg.url().to_owned(), redis.url().to_owned());
     let store = std::thread::spawn(move || {
-        let setup = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let setup = tokio::runtime::Runtime::new().expect("runtime");
         setup.block_on(async { hybrid(pg_store(&pg_url).await, &redis_url).await })
     })
     .join()
     .expect("the setup thread");
     // The connections made on the setup runtime went with it.
-    let id = fresh_id();
+    let (id, fp) = (fresh_id(), Fingerprint::of(b"reconnect"));
+    let mut begun = store.begin(&id, &fp, LEASE).await;
     for _ in 0..20 {
-        if store
-            .begin(&id, &Fingerprint::of(b"reconnect"), LEASE)
-            .await
-            .is_ok()
-        {
+        if begun.is_ok() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+        begun = store.begin(&id, &fp, LEASE).await;
     }
+    assert!(begun.is_ok(), "never reconnected: {begun:?}");
     (redis, store)
 }
 

@@ -67,6 +67,10 @@ impl Home {
         else {
             return spawn_in_background(tracker, task);
         };
+        // Counted for `drain` throughout: a refused task leaves the tracker as it is
+        // spawned, and a `drain` waiting on it then (another task just ending) would return
+        // before it is spawned again.
+        let _counted = tracker.token();
         let refused = Arc::new(Mutex::new(None));
         let unrun = Unrun {
             task: Some(Box::pin(task)),
@@ -189,9 +193,19 @@ mod tests {
             let _on_the_caller = caller.enter();
             home.spawn(&tracker, async { Handle::current().id() })
         };
-        let ran_on = futures::executor::block_on(handle).expect("the task ran");
+        let ran_on = joined(handle);
         assert_ne!(ran_on, caller.handle().id());
         ran_on
+    }
+
+    /// `handle`'s task's answer, waited for on a runtime of its own, within a deadline: a
+    /// task left where nothing runs it fails the test rather than hang it.
+    fn joined<T: Send + 'static>(handle: JoinHandle<T>) -> T {
+        let deadline = std::time::Duration::from_secs(10);
+        multi_thread()
+            .block_on(async { tokio::time::timeout(deadline, handle).await })
+            .expect("the task ran within 10 s")
+            .expect("the task ran")
     }
 
     #[test]
@@ -224,10 +238,7 @@ mod tests {
     fn off_any_runtime_a_store_runs_its_tasks_in_the_background() {
         let (home, tracker) = (Home::here(), TaskTracker::new());
         let handle = home.spawn(&tracker, async { 7 });
-        assert_eq!(
-            futures::executor::block_on(handle).expect("the task ran"),
-            7
-        );
+        assert_eq!(joined(handle), 7);
     }
 
     #[test]
