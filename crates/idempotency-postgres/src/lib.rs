@@ -58,8 +58,9 @@ pub use store::{CommitClaimError, PostgresStore, PostgresStoreBuilder, migrator}
 pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionError};
 
 /// Whether a statement that failed with `error` may have committed its write all the same:
-/// the rule this store follows for its own statements, for an application's writes beside it
-/// (a handler's insert of the charge it made). Answer such a failure as one whose effect may
+/// the rule this store's group-commit batches follow (its per-request claim is more cautious
+/// still: it takes every error for one that may have committed), for an application's writes
+/// beside it (a handler's insert of the charge it made). Answer such a failure as one whose effect may
 /// have happened (the HTTP layer's `MaybeApplied`), never as "nothing was written": the key
 /// is then kept for the outcome-unknown policy, not given back to a retry that writes again.
 ///

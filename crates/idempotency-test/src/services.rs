@@ -129,7 +129,10 @@ impl Service {
     /// primary it cannot reach, answers reads, and refuses every write with `READONLY`.
     /// Connections already made to it stay open.
     pub async fn demote(&self) {
-        assert_eq!(self.kind, Kind::Redis, "only a standalone Redis is demoted");
+        assert!(
+            self.kind == Kind::Redis && self.tls_ca.is_none(),
+            "only a standalone Redis without TLS is demoted"
+        );
         let mut connection = redis::Client::open(self.url.as_str())
             .expect("client")
             .get_multiplexed_async_connection()

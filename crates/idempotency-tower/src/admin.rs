@@ -76,9 +76,9 @@ use crate::Problem;
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
 /// hold `/`: `order/42` is `order%2F42`). The key is read as the layer reads the header: the
-/// sf-string `"order-42"` (`%22order-42%22`) and the bare `order-42` name one record. A path with a segment too many (a `/` left
-/// unencoded) is `400`, never another record: `/idempotency/keys/a/b` does not name key `b`
-/// of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
+/// sf-string `"order-42"` (`%22order-42%22`) and the bare `order-42` name one record. A path
+/// with a segment too many (a `/` left unencoded) is `400`, never another record:
+/// `/idempotency/keys/a/b` does not name key `b` of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
 /// routes that names nothing `404` (`400` under `idempotency/scopes/`, most often an
 /// unencoded `/`), a method they do not take `405` with `Allow`: all problem+json.
 ///
