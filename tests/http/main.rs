@@ -3300,3 +3300,55 @@ fn a_connection_value_with_obs_text_still_names_its_other_headers() {
         assert!(retry.headers.get("x-hop-secret").is_none());
     });
 }
+
+/// A response whose framing ends with its head (a 204, or a `Content-Length: 0`) from a body
+/// that does not know its size: over HTTP/1.1 the client has it whole as soon as the head is
+/// sent, so a retry right after must get the replay, not a 409 while the handler's body
+/// (never sent) takes its time to end.
+#[test]
+fn a_response_complete_with_its_head_is_stored_before_it_is_sent() {
+    use axum::{http::StatusCode, response::IntoResponse, routing};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // A body that ends, empty, two seconds after the head: its size is not known up front.
+    fn late_empty() -> Body {
+        Body::from_stream(futures::stream::once(async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok::<_, std::io::Error>(bytes::Bytes::new())
+        }))
+    }
+
+    block_on(async {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (no_content, zero_length) = (calls.clone(), calls.clone());
+        let router = axum::Router::new()
+            .route(
+                "/no-content",
+                routing::post(move || async move {
+                    no_content.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::NO_CONTENT, late_empty()).into_response()
+                }),
+            )
+            .route(
+                "/zero-length",
+                routing::post(move || async move {
+                    zero_length.fetch_add(1, Ordering::SeqCst);
+                    ([("content-length", "0")], late_empty()).into_response()
+                }),
+            )
+            .route_layer(layer(memory()));
+        let addr = serve(router).await;
+        for (path, status) in [("/no-content", 204), ("/zero-length", 200)] {
+            let key = uuid::Uuid::new_v4().to_string();
+            let first = post(addr, path, &[("idempotency-key", &key)], "{}").await;
+            assert_eq!(first.status, status, "{path}: {first:?}");
+            let retry = post(addr, path, &[("idempotency-key", &key)], "{}").await;
+            assert_eq!(
+                (retry.status, retry.header("idempotent-replayed")),
+                (status, Some("true")),
+                "{path}: the client had the whole response, its retry gets the replay: {retry:?}"
+            );
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one run per key");
+    });
+}

@@ -880,6 +880,26 @@ where
         AssertUnwindSafe(async move {
             let response = inner.call(request).await?;
             let (parts, body) = response.into_parts();
+            // A response whose framing ends with its head: HTTP/1.1 has no body for a 204 or
+            // a 304, and none past `Content-Length: 0`, so the client has it whole once the
+            // head is sent and hyper drops the body unread. Stored before it is sent, as a
+            // buffered one, with no body: streamed, it would be stored only once the body
+            // (never sent) ended, and a retry meanwhile got a 409 for a response its client
+            // had. (Not gRPC, whose status may come in trailers.)
+            let ends_with_head = matches!(
+                parts.status,
+                http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED
+            ) || (parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .is_some_and(|v| v.as_bytes() == b"0")
+                && !crate::grpc::is_grpc(&parts.headers));
+            if ends_with_head
+                && body.size_hint().exact().is_none()
+                && cacheable(&policy, &parts, None)
+            {
+                return Ok(Produced::Buffered(parts, Ok((Bytes::new(), None))));
+            }
             let exact = body.size_hint().exact().filter(|&n| n <= limit as u64);
             if let Some(declared) = exact
                 && cacheable(&policy, &parts, None)
