@@ -3301,48 +3301,66 @@ fn a_connection_value_with_obs_text_still_names_its_other_headers() {
     });
 }
 
-/// A response whose framing ends with its head (a 204, or a `Content-Length: 0`) from a body
-/// that does not know its size: over HTTP/1.1 the client has it whole as soon as the head is
-/// sent, so a retry right after must get the replay, not a 409 while the handler's body
-/// (never sent) takes its time to end.
+/// A response whose framing ends with its head over HTTP/1.1 (a 204, one of `Content-Length:
+/// 0`) from a body that does not know its size: the client has it whole as soon as the head
+/// is sent, so a retry right after must get the replay, not a 409 while the handler's body
+/// (never sent) takes its time to end. That body still runs to its end once the outcome is
+/// stored (it may stream the handler's work).
 #[test]
 fn a_response_complete_with_its_head_is_stored_before_it_is_sent() {
     use axum::{http::StatusCode, response::IntoResponse, routing};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    // A body that ends, empty, two seconds after the head: its size is not known up front.
-    fn late_empty() -> Body {
-        Body::from_stream(futures::stream::once(async {
-            tokio::time::sleep(Duration::from_secs(2)).await;
+    // A body that ends, empty, a moment after the head (its size not known up front), and
+    // counts that it ran to its end.
+    fn late_empty(worked: Arc<AtomicUsize>) -> Body {
+        Body::from_stream(futures::stream::once(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            worked.fetch_add(1, Ordering::SeqCst);
             Ok::<_, std::io::Error>(bytes::Bytes::new())
         }))
     }
 
     block_on(async {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let (no_content, zero_length) = (calls.clone(), calls.clone());
+        let (calls, worked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let handler = |response: fn(Body) -> axum::response::Response| {
+            let (calls, worked) = (calls.clone(), worked.clone());
+            move || async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                response(late_empty(worked))
+            }
+        };
         let router = axum::Router::new()
             .route(
                 "/no-content",
-                routing::post(move || async move {
-                    no_content.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::NO_CONTENT, late_empty()).into_response()
-                }),
+                routing::post(handler(|body| {
+                    (StatusCode::NO_CONTENT, body).into_response()
+                })),
             )
             .route(
                 "/zero-length",
-                routing::post(move || async move {
-                    zero_length.fetch_add(1, Ordering::SeqCst);
-                    ([("content-length", "0")], late_empty()).into_response()
-                }),
+                routing::post(handler(|body| {
+                    ([("content-length", "0")], body).into_response()
+                })),
             )
             .route_layer(layer(memory()));
-        let addr = serve(router).await;
+        let addr = serve(router).await.to_string();
         for (path, status) in [("/no-content", 204), ("/zero-length", 200)] {
             let key = uuid::Uuid::new_v4().to_string();
-            let first = post(addr, path, &[("idempotency-key", &key)], "{}").await;
+            let headers = [("idempotency-key", key)];
+            let send = || {
+                idempotency_test::http::send(
+                    &addr,
+                    "POST",
+                    path,
+                    &headers,
+                    "{}",
+                    Duration::from_secs(30),
+                )
+            };
+            let first = send().await.expect("an answer");
             assert_eq!(first.status, status, "{path}: {first:?}");
-            let retry = post(addr, path, &[("idempotency-key", &key)], "{}").await;
+            let retry = send().await.expect("an answer");
             assert_eq!(
                 (retry.status, retry.header("idempotent-replayed")),
                 (status, Some("true")),
@@ -3350,5 +3368,14 @@ fn a_response_complete_with_its_head_is_stored_before_it_is_sent() {
             );
         }
         assert_eq!(calls.load(Ordering::SeqCst), 2, "one run per key");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while worked.load(Ordering::SeqCst) < 2 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            worked.load(Ordering::SeqCst),
+            2,
+            "every body ran to its end"
+        );
     });
 }

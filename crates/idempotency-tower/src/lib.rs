@@ -143,8 +143,12 @@
 //!
 //! # Streaming and large responses
 //! A cacheable response whose exact length is within the stored-body limit is read whole,
-//! stored, then sent (the client never sees it before it is stored). Any other response
-//! streams to the first client as it is produced, with at most the limit kept in memory:
+//! stored, then sent (the client never sees it before it is stored). So is, with no body, one
+//! whose framing ends with its head over HTTP/1 (a 204, a 304, one of `Content-Length: 0`),
+//! which its client has whole once the head is sent; its body is drained once the outcome
+//! is stored (for at most half a lease), as a body streaming the handler's work may need.
+//! Any other response streams to the first client as it is produced, with at most the limit
+//! kept in memory:
 //!
 //! - it ends within the limit: stored whole before the client sees the end of the stream;
 //! - it crosses the limit: stored at once without its body; replays carry the status and
