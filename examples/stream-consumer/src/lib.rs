@@ -85,7 +85,7 @@
 //! [`RunError::Unconfirmed`]: the message stays pending, counted in [`Polled::failed`] (not
 //! toward dead-lettering), and its redelivery replays the committed charge once the
 //! database is back (a transaction that did not commit would run again instead). The lease
-//! is the executor's ([`Consumer::with_policy`], default 30 s). [`RunError::NotStored`]
+//! is the executor's ([`Consumer::with_lease`], default 30 s). [`RunError::NotStored`]
 //! ("it ran, its outcome was not stored") is what the executor answers an operation that
 //! stores no result of its own; should it ever reach this consumer, the charge was applied,
 //! and the message is acknowledged, counted in [`Polled::not_stored`] and logged at error
@@ -322,6 +322,8 @@ pub struct Consumer {
     pool: PgPool,
     store: Arc<PostgresStore>,
     executor: Executor<PostgresStore>,
+    /// The executor's policy, kept to change its lease alone ([`Consumer::with_lease`]).
+    policy: Policy,
     stream: String,
     group: String,
     name: String,
@@ -389,6 +391,7 @@ impl Consumer {
             pool: store.pool().clone(),
             executor: Executor::new(store.clone())
                 .with_policy(Policy::default().with_retention(FOR_GOOD)),
+            policy: Policy::default().with_retention(FOR_GOOD),
             store,
             stream: stream.into(),
             group: group.into(),
@@ -435,10 +438,26 @@ impl Consumer {
     /// created anew, or reset to the stream's start, reads every message the stream still
     /// holds), as the ledger keeps its row. A charge delivered after its record is gone is
     /// applied again. (`Policy::default()` keeps records a day: set the retention again,
-    /// `.with_retention(FOR_GOOD)`, when changing the lease.)
+    /// `.with_retention(FOR_GOOD)`, when changing the lease, or change it alone with
+    /// [`Consumer::with_lease`].)
     pub fn with_policy(mut self, policy: Policy) -> Self {
-        self.executor = self.executor.with_policy(policy);
+        self.executor = self.executor.with_policy(policy.clone());
+        self.policy = policy;
         self
+    }
+
+    /// Sets the executor's lease alone (default 30 s), keeping its retention: how long an
+    /// attempt holds a charge against other consumers, and how long confirming an applied
+    /// charge's commit is retried before the message is left for a redelivery.
+    ///
+    /// ```
+    /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
+    /// consumer.with_lease(std::time::Duration::from_secs(10))
+    /// # }
+    /// ```
+    pub fn with_lease(self, lease: Duration) -> Self {
+        let policy = self.policy.clone().with_lease(lease);
+        self.with_policy(policy)
     }
 
     /// The scope of this consumer's charge keys: its effect, the ledger table. Not the

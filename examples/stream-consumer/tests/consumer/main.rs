@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use idempotency::{Policy, postgres::PostgresStore};
+use idempotency::postgres::PostgresStore;
 use idempotency_test::{block_on, services};
 use stream_consumer::{AfterEffect, ConsumeError, Consumer, Polled, publish};
 use tokio::sync::Notify;
@@ -595,10 +595,7 @@ fn a_charge_whose_commit_could_not_be_confirmed_is_redelivered_and_replays() {
         let Some((pg, mut rig)) = stoppable_rig().await else {
             return;
         };
-        let mut consumer = rig
-            .consumer("c1")
-            .await
-            .with_policy(Policy::default().with_lease(Duration::from_secs(2)));
+        let mut consumer = rig.consumer("c1").await.with_lease(Duration::from_secs(2));
         consumer.setup().await.expect("setup");
         consumer.claim_idle = Duration::from_millis(50);
         consumer.after_commit = Some(stops(pg.clone()));
@@ -1082,13 +1079,15 @@ fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
 
 /// A charge's record lives as long as the ledger's row: a group created anew on the stream
 /// (reset to its start) a day or a year later replays the charge. Kept for the default
-/// retention of a day, its record expired and the charge was applied again.
+/// retention of a day, its record expired and the charge was applied again. So it is with
+/// the lease changed (`with_lease` keeps the retention, where `with_policy(Policy::default()
+/// .with_lease(..))` brought back the day).
 #[test]
 fn a_charges_record_is_kept_for_good() {
     use idempotency::{IdempotencyKey, RecordId, Store};
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        let mut consumer = rig.consumer("c1").await;
+        let mut consumer = rig.consumer("c1").await.with_lease(Duration::from_secs(10));
         consumer.setup().await.expect("setup");
         publish(&mut rig.redis, &rig.stream, "ch_kept", 100)
             .await
