@@ -146,13 +146,21 @@ impl Driver {
                     7..9 => rng.random_range(50..400),
                     _ => 1_200,
                 };
+                // And some wait after their charge, before their outcome is stored: the
+                // window a fault must hit for the reconcile hook, late completions and
+                // fencing to matter (a fault before the charge only makes a plain rerun).
+                let delay_after = if rng.random_range(0..10) < 2 {
+                    rng.random_range(50..400)
+                } else {
+                    0
+                };
                 let timeout = if rng.random_range(0..10) == 0 {
                     Duration::from_millis(rng.random_range(50..1_000))
                 } else {
                     Duration::from_secs(8)
                 };
                 let sent = Instant::now();
-                let answer = self.send(&charge, delay, timeout).await;
+                let answer = self.send(&charge, (delay, delay_after), timeout).await;
                 let done = matches!(&answer, Ok(reply) if (200..300).contains(&reply.status) || reply.status == 422);
                 let pause = match &answer {
                     Ok(reply) if reply.status == 409 => Duration::from_millis(
@@ -182,7 +190,7 @@ impl Driver {
     async fn send(
         &self,
         charge: &Charge,
-        delay_ms: u64,
+        (delay_ms, delay_after_ms): (u64, u64),
         timeout: Duration,
     ) -> Result<http::Reply, NoReply> {
         let body = format!(
@@ -197,6 +205,9 @@ impl Driver {
         if delay_ms > 0 {
             headers.push(("x-demo-delay-ms", delay_ms.to_string()));
         }
+        if delay_after_ms > 0 {
+            headers.push(("x-demo-delay-after-ms", delay_after_ms.to_string()));
+        }
         http::send(&self.addr, "POST", "/charges", &headers, &body, timeout).await
     }
 
@@ -208,7 +219,7 @@ impl Driver {
             let (b, charges) = batch;
             let sends = charges.iter().enumerate().map(|(i, charge)| async move {
                 let sent = Instant::now();
-                let answer = self.send(charge, 0, self.lease * 2).await;
+                let answer = self.send(charge, (0, 0), self.lease * 2).await;
                 record(b * 16 + i, 0, sent, answer)
             });
             probes.extend(futures_join_all(sends).await);
@@ -292,7 +303,7 @@ fn verdict(
     attempt: &Attempt,
     charge: &Charge,
     table: &HashMap<&str, (&str, i64)>,
-    first_body: Option<&serde_json::Value>,
+    first: Option<(u16, &serde_json::Value)>,
 ) -> Verdict {
     if attempt.answer == Ok(422) {
         return Verdict::Wrong; // one body per key: "reused for a different request" is wrong
@@ -311,7 +322,12 @@ fn verdict(
         && body["amount"].as_i64() == Some(i64::from(charge.amount))
         && body["currency"] == "eur"
         && body["customer"] == charge.customer.as_str();
-    if asked && first_body == Some(body) {
+    // The status too, unless either is the 200 of a second run (judged as a duplicate).
+    let same = first.is_some_and(|(status, first)| {
+        first == body
+            && (attempt.answer == Ok(status) || attempt.answer == Ok(200) || status == 200)
+    });
+    if asked && same {
         Verdict::Right
     } else {
         Verdict::Wrong
@@ -376,10 +392,11 @@ fn in_flight_streaks(
 
 /// The campaign's charges as the demo recorded them: id, customer, runs of the handler,
 /// amount.
-async fn charge_rows(
-    history: &History,
-    postgres_url: &str,
-) -> Result<Vec<(String, String, i32, i64)>, String> {
+/// A charge row: its id, customer, how many times the handler ran for its record id, its
+/// amount, and how many times the reconcile hook found it.
+type ChargeRow = (String, String, i32, i64, i32);
+
+async fn charge_rows(history: &History, postgres_url: &str) -> Result<Vec<ChargeRow>, String> {
     let pool = sqlx::PgPool::connect(postgres_url)
         .await
         .map_err(|e| format!("connecting to Postgres for the check: {e}"))?;
@@ -395,7 +412,7 @@ async fn charge_rows(
         })
         .unwrap_or_default();
     let rows = sqlx::query_as(
-        "SELECT id, customer, runs, amount FROM charges WHERE customer LIKE $1 || '-%'",
+        "SELECT id, customer, runs, amount, reconciled FROM charges WHERE customer LIKE $1 || '-%'",
     )
     .bind(&prefix)
     .fetch_all(&pool)
@@ -508,7 +525,7 @@ pub(crate) async fn runs_before_probes(
     Ok(charge_rows(history, postgres_url)
         .await?
         .into_iter()
-        .map(|(_, customer, runs, _)| (customer, runs))
+        .map(|(_, customer, runs, _, _)| (customer, runs))
         .collect())
 }
 
@@ -518,20 +535,24 @@ pub(crate) async fn runs_before_probes(
 ///   counted by the demo itself (`charges.runs`, so a second run shows even when its answer
 ///   never reached a client), or seen by a client as the 200 the handler answers a second
 ///   run with (the unique record id turns the second charge into a read) — unless a
-///   Postgres outage began during one of that key's attempts or within a lease after it
-///   ended (its handler may outlive its client): a write whose answer was lost, or held up
-///   to land after the retry's reconcile hook looked. Never a run a final
+///   Postgres freeze began during one of that key's attempts or within a lease after it
+///   ended (its handler may outlive its client): an insert held up in the frozen server,
+///   to land after the retry's reconcile hook looked. Not Postgres killed (a statement it
+///   had not committed never lands; one it had, the hook finds). Never a run a final
 ///   probe saw (every fault was long cleared by then), and the final probes do not time a
 ///   run. A gateway killed after its charge committed excuses nothing (the retry takes the
 ///   key over and the demo's reconcile hook finds the charge), nor does a gateway paused
 ///   past the lease while it held the key (behind the lease gate it does not run its effect
 ///   when it wakes), nor do Redis faults.
 /// - **lost**: a 2xx whose charge id is not in the table (and, checked apart by
-///   [`outcomes_kept`], a 2xx whose outcome Postgres does not hold completed).
+///   [`outcomes_kept`], a 2xx whose outcome Postgres does not hold completed); or a charge
+///   the reconcile hook found (`charges.reconciled`: its attempt left the key in flight)
+///   with no fault that strands one during its attempts (a gateway killed or paused,
+///   Postgres down or frozen): an outcome the layer lost, which the hook rebuilt.
 /// - **wrong**: a 2xx carrying another key's charge, or no charge id at all, or a charge of
 ///   another amount, currency or customer than its client asked for (or than the table
-///   holds), or a body other than the key's first 2xx body (every retry gets the stored
-///   outcome, byte for byte once parsed); or a 422 (every client sends one body per key:
+///   holds), or a body or a status other than the key's first 2xx's (every retry gets the
+///   stored outcome, byte for byte once parsed); or a 422 (every client sends one body per key:
 ///   "key reused for a different request" is a wrong answer, and refuses a charged client
 ///   for good).
 /// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
@@ -548,14 +569,14 @@ pub(crate) async fn check(
 ) -> Result<Report, String> {
     let rows = charge_rows(history, postgres_url).await?;
     let mut per_customer: HashMap<&str, usize> = HashMap::new();
-    for (_, customer, _, _) in &rows {
+    for (_, customer, _, _, _) in &rows {
         *per_customer.entry(customer).or_default() += 1;
     }
     let two_rows = per_customer.values().filter(|n| **n > 1).count();
     let ran_twice: HashSet<&str> = rows
         .iter()
-        .filter(|(_, _, runs, _)| *runs > 1)
-        .map(|(_, customer, _, _)| customer.as_str())
+        .filter(|(_, _, runs, _, _)| *runs > 1)
+        .map(|(_, customer, _, _, _)| customer.as_str())
         .collect();
     // Each charge's attempts, in the order its client made them.
     let mut by_charge: Vec<Vec<&Attempt>> = vec![Vec::new(); history.charges.len()];
@@ -571,7 +592,7 @@ pub(crate) async fn check(
         // long cleared: nothing excuses it.
         // (Its 200 carries `Idempotent-Replayed` as a stored one does: the runs counted
         // before the probes tell them apart.)
-        let probe_ran = rows.iter().any(|(_, customer, runs, _)| {
+        let probe_ran = rows.iter().any(|(_, customer, runs, _, _)| {
             *customer == charge.customer
                 && before_probes
                     .get(customer)
@@ -631,18 +652,51 @@ pub(crate) async fn check(
         }
     }
     let duplicates = two_rows + reexecuted;
+    // Charges the reconcile hook found (their attempt left the key in flight, charged) with
+    // no fault that strands one: an outcome the layer lost, which the hook rebuilt byte for
+    // byte (and which an application without such a hook would have run again). A fault
+    // strands a charge whose handler was running when it began (on the gateway it hit, if it
+    // hit one: nginx's log says which the key reached): a handler outlives its client by its
+    // demo delays (at most 1.6 s) and a lease of storing its outcome.
+    let outlives = lease + Duration::from_millis(1_600);
+    let reconciled = rows.iter().filter(|row| row.4 > 0).count();
+    let rebuilt = rows
+        .iter()
+        .filter(|(_, _, _, _, reconciled)| *reconciled > 0)
+        .filter(|(_, customer, _, _, _)| {
+            let Some(i) = history.charges.iter().position(|c| &c.customer == customer) else {
+                return true;
+            };
+            let key = &history.charges[i].key;
+            !windows.iter().any(|w| {
+                w.strands
+                    && w.gateway.is_none_or(|g| {
+                        reached
+                            .get(key)
+                            .is_some_and(|gateways| gateways.contains(&g))
+                    })
+                    && by_charge[i]
+                        .iter()
+                        .any(|a| a.sent <= w.end && w.start <= a.answered + outlives)
+            })
+        })
+        .count();
     let table: HashMap<&str, (&str, i64)> = rows
         .iter()
-        .map(|(id, customer, _, amount)| (id.as_str(), (customer.as_str(), *amount)))
+        .map(|(id, customer, _, amount, _)| (id.as_str(), (customer.as_str(), *amount)))
         .collect();
-    // Each key's first 2xx body: every other 2xx of the key must be the same.
-    let mut first_body: Vec<Option<&serde_json::Value>> = vec![None; history.charges.len()];
+    // Each key's first 2xx, its status and body: every other 2xx of the key must be the same.
+    let mut first_body: Vec<Option<(u16, &serde_json::Value)>> = vec![None; history.charges.len()];
     for attempt in history.attempts.iter().chain(probes) {
-        if let (Some(body), slot @ None) = (&attempt.body, &mut first_body[attempt.charge]) {
-            *slot = Some(body);
+        if let (Some(body), Ok(status), slot @ None) = (
+            &attempt.body,
+            attempt.answer,
+            &mut first_body[attempt.charge],
+        ) {
+            *slot = Some((status, body));
         }
     }
-    let (mut lost, mut wrong) = (0, 0);
+    let (mut lost, mut wrong) = (rebuilt, 0);
     for attempt in history.attempts.iter().chain(probes) {
         match verdict(
             attempt,
@@ -693,7 +747,7 @@ pub(crate) async fn check(
         })
         .count();
     let details = format!(
-        "chaos: charges={} charged={} second-runs-excused-after-a-postgres-outage={lost_answer} second-runs-after-a-gateway-pause={stalled_owner} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-no-fault-explains={longest_unexplained_409s:.1?} attempts-max={}",
+        "chaos: charges={} charged={} second-runs-excused-after-a-postgres-freeze={lost_answer} second-runs-after-a-gateway-pause={stalled_owner} outcomes-rebuilt-by-the-hook={reconciled} of-them-no-fault-explains={rebuilt} answers={statuses:?} probes={probed:?} keys-never-answered-2xx={without_answer} longest-409s-no-fault-explains={longest_unexplained_409s:.1?} attempts-max={}",
         history.charges.len(),
         rows.len(),
         history
@@ -782,7 +836,7 @@ mod tests {
         .into_iter()
         .collect();
         let first = body("ch_1", 1_250, "t0");
-        let check = |attempt: &Attempt| verdict(attempt, &charge, &table, Some(&first));
+        let check = |attempt: &Attempt| verdict(attempt, &charge, &table, Some((201, &first)));
         assert_eq!(check(&with(201, first.clone())), Verdict::Right);
         assert_eq!(check(&with(200, first.clone())), Verdict::Right);
         assert_eq!(check(&answered(0, 0, 10, 409, at)), Verdict::Right);
@@ -795,6 +849,9 @@ mod tests {
         assert_eq!(check(&with(201, body("ch_3", 1_250, "t0"))), Verdict::Wrong);
         assert_eq!(check(&with(201, serde_json::Value::Null)), Verdict::Wrong);
         assert_eq!(check(&with(201, body("ch_9", 1_250, "t0"))), Verdict::Lost);
+        // The first body with another 2xx status than the first (a 200 is a second run's,
+        // judged as a duplicate).
+        assert_eq!(check(&with(202, first.clone())), Verdict::Wrong);
     }
 
     /// A client retries a key that answers 409 for more than the leases after which such a
@@ -854,6 +911,8 @@ mod tests {
             start: at + Duration::from_millis(from_ms),
             end: at + Duration::from_millis(from_ms + 500),
             excuse: None,
+            strands: false,
+            gateway: None,
         };
         assert_eq!(in_flight_streaks(&by_charge, &[fault(1_000)], lease).0, 0);
         assert_eq!(

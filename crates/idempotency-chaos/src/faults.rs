@@ -32,25 +32,34 @@ enum Fault {
     GatewayPause(usize),
 }
 
-/// When a fault held, and whether it excuses a second run of a charge's handler.
+/// When a fault held, whether it excuses a second run of a charge's handler, and whether it
+/// can leave a charge whose outcome was not stored.
 ///
-/// Three faults do, as the guarantee says: Postgres down or frozen while a charge committed
-/// (its answer lost, the demo answers a 503 marked maybe-applied, and a retry may run the
-/// handler again), and a gateway paused past the lease (an owner still stalled when taken over: the
-/// README's exception; the unique record id keeps the charge single, and `charges.runs`
-/// counts the zombie's run). A gateway killed mid-operation does not: the retry takes the
-/// key over, and the demo's reconcile hook finds the charge. Nor do Redis faults.
+/// One fault excuses a second run, as the guarantee says: Postgres frozen while a charge's
+/// insert was on its way (held in the frozen server, it lands after the lease ran out, and
+/// after the retry that took the key over looked for it with the reconcile hook; the unique
+/// record id keeps the charge single, and `charges.runs` counts the second run). Postgres
+/// killed does not: a statement it had not committed never commits, and one it had is
+/// found by the hook. Nor does a gateway killed mid-operation (the retry takes the key over,
+/// and the hook finds the charge), nor a gateway paused past the lease (behind the lease gate
+/// the holder does not run its effect when it wakes), nor Redis faults.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Window {
     pub(crate) start: Instant,
     pub(crate) end: Instant,
     pub(crate) excuse: Option<Excuse>,
+    /// A gateway killed or paused, or Postgres down or frozen: a charge made then may have
+    /// no stored outcome, and the retry that takes its key over finds it with the reconcile
+    /// hook. With no such fault, a charge found so is an outcome the layer lost.
+    pub(crate) strands: bool,
+    /// The gateway the fault hit, if it hit one: it strands only the charges it had.
+    pub(crate) gateway: Option<usize>,
 }
 
 /// Why a fault's window excuses a second run (the report counts each apart).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Excuse {
-    /// Postgres down or frozen: a write may have committed with its answer lost.
+    /// Postgres frozen: a charge's insert may land after the retry looked for it.
     LostAnswer,
     /// Gateway `.0` paused past the lease: an owner still stalled when taken over.
     StalledOwner(usize),
@@ -128,8 +137,19 @@ pub(crate) async fn run<T>(
                 start,
                 end: Instant::now(),
                 excuse: match fault {
-                    Fault::PostgresStop | Fault::PostgresPause => Some(Excuse::LostAnswer),
+                    Fault::PostgresPause => Some(Excuse::LostAnswer),
                     Fault::GatewayPause(i) => Some(Excuse::StalledOwner(i)),
+                    _ => None,
+                },
+                strands: matches!(
+                    fault,
+                    Fault::PostgresStop
+                        | Fault::PostgresPause
+                        | Fault::GatewayKill(_)
+                        | Fault::GatewayPause(_)
+                ),
+                gateway: match fault {
+                    Fault::GatewayKill(i) | Fault::GatewayPause(i) => Some(i),
                     _ => None,
                 },
             });

@@ -128,29 +128,42 @@ async fn problems_only(response: Response) -> Response {
     Response::from_parts(parts, problem.into_body())
 }
 
-/// The demo's knobs, headers outside the fingerprint: `X-Demo-Delay-Ms` (0 to 10000),
-/// `X-Demo-Fail: 503`, `X-Demo-Crash: after-charge`.
+/// The demo's knobs, headers outside the fingerprint: `X-Demo-Delay-Ms` (0 to 10000, before
+/// the charge), `X-Demo-Delay-After-Ms` (0 to 10000, after the charge, before the answer: the
+/// window in which a crash leaves a charge whose outcome is not stored), `X-Demo-Fail: 503`,
+/// `X-Demo-Crash: after-charge`.
 #[derive(Debug, Default)]
 struct Knobs {
     delay: Option<Duration>,
+    delay_after: Option<Duration>,
     fail: bool,
     crash: bool,
 }
 
 impl Knobs {
     fn read(headers: &axum::http::HeaderMap) -> Result<Self, &'static str> {
-        let delay = headers
-            .get("x-demo-delay-ms")
-            .map(|delay| {
-                delay
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .filter(|ms| *ms <= 10_000)
-                    .map(Duration::from_millis)
-                    .ok_or("X-Demo-Delay-Ms must be an integer from 0 to 10000")
-            })
-            .transpose()?;
+        let millis = |name: &str, rule: &'static str| {
+            headers
+                .get(name)
+                .map(|delay| {
+                    delay
+                        .to_str()
+                        .ok()
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .filter(|ms| *ms <= 10_000)
+                        .map(Duration::from_millis)
+                        .ok_or(rule)
+                })
+                .transpose()
+        };
+        let delay = millis(
+            "x-demo-delay-ms",
+            "X-Demo-Delay-Ms must be an integer from 0 to 10000",
+        )?;
+        let delay_after = millis(
+            "x-demo-delay-after-ms",
+            "X-Demo-Delay-After-Ms must be an integer from 0 to 10000",
+        )?;
         let fail = match headers.get("x-demo-fail").map(|v| v.as_bytes()) {
             None => false,
             Some(b"503") => true,
@@ -161,7 +174,12 @@ impl Knobs {
             Some(b"after-charge") => true,
             Some(_) => return Err("X-Demo-Crash supports only after-charge"),
         };
-        Ok(Self { delay, fail, crash })
+        Ok(Self {
+            delay,
+            delay_after,
+            fail,
+            crash,
+        })
     }
 }
 
@@ -268,6 +286,14 @@ pub(crate) fn reconcile(app: Arc<App>) -> OutcomeUnknown {
                 ));
             }
             tracing::info!(charge = %charge.id, "an attempt crashed after charging: its charge is the outcome");
+            // For the fault campaign (see `count_reconciled`); never holds up the answer.
+            let (counted, id) = (app.clone(), charge.id.clone());
+            tokio::spawn(async move {
+                let count = counted.charges.count_reconciled(&id);
+                if let Ok(Err(error)) = tokio::time::timeout(Duration::from_secs(5), count).await {
+                    tracing::warn!(%error, charge = %id, "counting a reconciled charge failed");
+                }
+            });
             Ok(Some(
                 Outcome::new(201)
                     .with_header("content-type", "application/json")
@@ -437,7 +463,11 @@ async fn create_charge(
         return response;
     }
     let crash = knobs.crash;
-    match app.charges.create(&ctx.record_id, &new).await {
+    let created = app.charges.create(&ctx.record_id, &new).await;
+    if let (Some(delay), Ok(_), false) = (knobs.delay_after, &created, crash) {
+        tokio::time::sleep(delay).await;
+    }
+    match created {
         Ok(Created::New(_)) if crash => {
             // The charge row is committed; the outcome is not stored: the process dies as a
             // crash would, and the key's lease runs out unfinished (outcome unknown).

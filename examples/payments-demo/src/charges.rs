@@ -161,6 +161,20 @@ impl Charges {
         }
     }
 
+    /// Counts that the reconcile hook answered with charge `id` (see the migration
+    /// `charge_reconciled`): the fault campaign reports such a charge that no fault explains,
+    /// an outcome the layer lost that the hook rebuilt. Instrumentation, not the hook's
+    /// answer: the hook runs it in a task of its own and does not wait for it.
+    pub(crate) async fn count_reconciled(&self, id: &str) -> Result<(), sqlx::Error> {
+        if let Charges::Postgres(pool) = self {
+            sqlx::query("UPDATE charges SET reconciled = reconciled + 1 WHERE id = $1")
+                .bind(id)
+                .execute(pool)
+                .await?;
+        }
+        Ok(())
+    }
+
     pub(crate) async fn get(&self, id: &str) -> Result<Option<Charge>, sqlx::Error> {
         match self {
             Charges::Memory(memory) => {

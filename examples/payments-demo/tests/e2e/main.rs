@@ -261,11 +261,12 @@ fn exercise(demo: &Demo, mode: &str) {
     assert_eq!(retried.header("idempotent-replayed"), None);
 
     // A demo knob the demo cannot read is refused before the key is claimed: its 400 is not
-    // the key's outcome, and the same key without it charges (once: the last of the four).
+    // the key's outcome, and the same key without it charges (once: the last of the five).
     let knobbed = uuid::Uuid::new_v4().to_string();
     let knobbed_body = body.replace("1000", "1001");
     for (knob, value) in [
         ("x-demo-delay-ms", "99999"),
+        ("x-demo-delay-after-ms", "soon"),
         ("x-demo-fail", "500"),
         ("x-demo-crash", "before-charge"),
     ] {
