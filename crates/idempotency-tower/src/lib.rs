@@ -143,10 +143,10 @@
 //!
 //! # Streaming and large responses
 //! A cacheable response whose exact length is within the stored-body limit is read whole,
-//! stored, then sent (the client never sees it before it is stored). So is, with no body, one
-//! whose framing ends with its head over HTTP/1 (a 204, a 304, one of `Content-Length: 0`),
-//! which its client has whole once the head is sent; its body is drained once the outcome
-//! is stored (for at most half a lease), as a body streaming the handler's work may need.
+//! stored, then sent (the client never sees it before it is stored). So is, with no body, a
+//! response whose framing ends with its head (a 204, a 304, one of `Content-Length: 0`),
+//! whatever its body's size: its body is read to its end (what it does runs under the
+//! lease), then the outcome is stored, then the head is sent.
 //! Any other response streams to the first client as it is produced, with at most the limit
 //! kept in memory:
 //!

@@ -848,9 +848,6 @@ enum Produced<ResBody> {
     ),
     /// Any other body: streamed to the client, at most the limit kept for the store.
     Streaming(http::response::Parts, ResBody),
-    /// A response whose framing ends with its head (see [`produce`]): stored with no body
-    /// before it is sent, its body drained once it is stored.
-    Headed(http::response::Parts, ResBody),
 }
 
 /// What running the handler came to: a panic, the service's error, or what it produced.
@@ -879,22 +876,20 @@ where
     let limit = config.max_stored_body;
     let policy = config.policy.clone();
     let drain = policy.lease() / 2;
-    let http1 = request.version() <= http::Version::HTTP_11;
     Box::pin(
         AssertUnwindSafe(async move {
             let response = inner.call(request).await?;
             let (parts, body) = response.into_parts();
             let exact = body.size_hint().exact().filter(|&n| n <= limit as u64);
-            // A response whose framing ends with its head: over HTTP/1 a 204, a 304, or one
-            // of `Content-Length: 0` has no body on the wire, so its client has it whole
-            // once the head is sent (hyper drops the body unpolled). Stored before it is
-            // sent, with no body: streamed, it was stored only once the body (never sent)
-            // ended, and a retry meanwhile got a 409 for a response its client had. Not over
-            // HTTP/2, whose stream ends only with the body (stored before that end), nor
-            // gRPC. (Nor an answer to HEAD, should the layer claim HEAD: its head carries
-            // the length of a body it does not send.)
-            let ends_with_head = http1
-                && exact.is_none()
+            // A response whose framing ends with its head (a 204, a 304, or one of
+            // `Content-Length: 0`): no body goes on the wire, and over HTTP/1 its client has
+            // it whole once the head is sent. Streamed, it was stored only once its body
+            // (never sent) ended: a retry meanwhile got a 409 for a response its client had.
+            // Read to its end as a buffered body is (what the body does, it may stream the
+            // handler's work, runs under the lease, before the outcome is stored), its frames
+            // discarded, then stored with no body, then sent. Not gRPC, whose status may come
+            // in trailers.
+            let ends_with_head = exact.is_none()
                 && !crate::grpc::is_grpc(&parts.headers)
                 && (matches!(
                     parts.status,
@@ -905,7 +900,21 @@ where
                     .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
                     == Some(0));
             if ends_with_head && cacheable(&policy, &parts, None) {
-                return Ok(Produced::Headed(parts, body));
+                let read = AssertUnwindSafe(read_to_end(body)).catch_unwind();
+                let read = tokio::select! {
+                    biased;
+                    read = read => {
+                        read.unwrap_or_else(|_| Err("the response body panicked".into()))
+                    }
+                    () = left_for(gone, drain) => Err(format!(
+                        "the response body did not end within {drain:?} after its client left"
+                    )
+                    .into()),
+                };
+                return Ok(Produced::Buffered(
+                    parts,
+                    read.map(|()| (Bytes::new(), None)),
+                ));
             }
             if let Some(declared) = exact
                 && cacheable(&policy, &parts, None)
@@ -1176,28 +1185,6 @@ where
             let detail = "the response could not be produced in full; its outcome is stored";
             return Settled::Answer(Ok(Problem::Internal.refusal(detail, None)));
         }
-        Produced::Headed(mut parts, body) => {
-            advertise_expiry(config, &mut parts);
-            let outcome = to_outcome(config, &parts, Some(&Bytes::new()), BodyMark::Whole);
-            if complete(config, id, token, &outcome).await {
-                // Stored: a retry replays it, so what the body does (it may stream the
-                // handler's work) runs to its end, for at most half a lease, as a body whose
-                // client left is drained.
-                let wait = config.policy.lease() / 2;
-                config.detached.spawn(drain_sent_without(body, wait));
-            } else {
-                // Not stored (the lease lost, or the store down for a lease): its body is
-                // not polled beside an attempt that may hold the key now, as a streamed body
-                // whose write failed is not.
-                parts
-                    .headers
-                    .remove(http::HeaderName::from_static(crate::IDEMPOTENCY_EXPIRES));
-            }
-            return Settled::Answer(Ok(Response::from_parts(
-                parts,
-                full_with_trailers(Bytes::new(), None),
-            )));
-        }
         Produced::Streaming(mut parts, body) => {
             if cacheable(&config.policy, &parts, None) {
                 // Not for gRPC, whose status (in its trailers) may yet say "not stored".
@@ -1231,38 +1218,19 @@ where
     )))
 }
 
-/// Reads the body of a response stored and sent without it ([`Produced::Headed`]) to its
-/// end, discarding its frames, for at most `wait`: what the body does still runs, and how it
-/// ends changes no outcome (its client had the response whole with its head), so it is only
-/// logged.
-async fn drain_sent_without<B>(body: B, wait: Duration)
+/// Reads a body to its end, discarding its frames: one whose framing ends with its head
+/// (see [`produce`]), of which nothing goes on the wire.
+async fn read_to_end<B>(body: B) -> Result<(), BoxError>
 where
-    B: HttpBody + Send + 'static,
+    B: HttpBody,
     B::Error: Into<BoxError>,
 {
-    let read = async {
-        tokio::pin!(body);
-        // The body's own error type need not be `Send`: converted before the next await.
-        while let Some(frame) = body.frame().await.map(|f| f.map(drop).map_err(Into::into)) {
-            frame?;
-        }
-        Ok::<_, BoxError>(())
-    };
-    match AssertUnwindSafe(tokio::time::timeout(wait, read))
-        .catch_unwind()
-        .await
-    {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(error))) => {
-            tracing::warn!(%error, "the body of a response stored without it failed");
-        }
-        Ok(Err(_)) => {
-            tracing::warn!(
-                "the body of a response stored without it did not end within {wait:?}; dropped"
-            );
-        }
-        Err(_panic) => tracing::warn!("the body of a response stored without it panicked"),
+    tokio::pin!(body);
+    // The body's own error type need not be `Send`: converted before the next await.
+    while let Some(frame) = body.frame().await.map(|f| f.map(drop).map_err(Into::into)) {
+        frame?;
     }
+    Ok(())
 }
 
 /// Whether the policy stores a response: by its status, or for gRPC by the status its
