@@ -913,7 +913,7 @@ where
                 };
                 return Ok(Produced::Buffered(
                     parts,
-                    read.map(|()| (Bytes::new(), None)),
+                    read.map(|trailers| (Bytes::new(), trailers)),
                 ));
             }
             if let Some(declared) = exact
@@ -1218,19 +1218,27 @@ where
     )))
 }
 
-/// Reads a body to its end, discarding its frames: one whose framing ends with its head
-/// (see [`produce`]), of which nothing goes on the wire.
-async fn read_to_end<B>(body: B) -> Result<(), BoxError>
+/// Reads a body to its end, discarding its data: one whose framing ends with its head (see
+/// [`produce`]), whose data goes on no wire. Its trailers are kept (HTTP/2 sends them), as
+/// a body read whole keeps them.
+async fn read_to_end<B>(body: B) -> Result<Option<HeaderMap>, BoxError>
 where
     B: HttpBody,
     B::Error: Into<BoxError>,
 {
     tokio::pin!(body);
     // The body's own error type need not be `Send`: converted before the next await.
-    while let Some(frame) = body.frame().await.map(|f| f.map(drop).map_err(Into::into)) {
-        frame?;
+    while let Some(frame) = body
+        .frame()
+        .await
+        .map(|f| f.map_err(Into::<BoxError>::into))
+    {
+        if let Ok(trailers) = frame?.into_trailers() {
+            // Trailers end the body, as they do for hyper; an empty frame is none.
+            return Ok(Some(trailers).filter(|t| !t.is_empty()));
+        }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Whether the policy stores a response: by its status, or for gRPC by the status its
