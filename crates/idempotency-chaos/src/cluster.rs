@@ -86,6 +86,27 @@ fn signal_group(child: &Child, signal: &str) -> Result<(), String> {
         .ok_or_else(|| format!("kill -s {signal} -- -{pid} failed"))
 }
 
+/// Whether a process of group `pgid` is still running: read from `/proc/<pid>/stat` (its
+/// state, then its group), a zombie not counted (`kill -0` counts one, and an orphan's is
+/// reaped only if this machine's pid 1 reaps).
+fn group_alive(pgid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        // `pid (comm) state ppid pgrp ...`; `comm` may hold spaces and parentheses.
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            return false;
+        };
+        let mut fields = rest.split(' ');
+        let (state, _ppid, group) = (fields.next(), fields.next(), fields.next());
+        state != Some("Z") && group == Some(pgid.to_string().as_str())
+    })
+}
+
 /// Reads nginx's `keys` log (`<Idempotency-Key> <upstream_addr>` a line): each key, with the
 /// gateways (indices into `ports`) it reached. A request nginx retried names both (`a, b`;
 /// `a : b` across upstream groups); one that reached none (`-`) names nothing.
@@ -369,6 +390,51 @@ http {{
         }
     }
 
+    /// SIGTERM, as a deploy stops it: it finishes what it has in flight, drains, and exits.
+    /// To its whole group: under `faketime` the gateway is the wrapper's child, and the
+    /// wrapper dies of the signal at once while the gateway drains (so its status is the
+    /// wrapper's: SIGTERM there, 0 from a gateway run directly); done once no process of the
+    /// group is left. Fails if that takes more than `STOP_WITHIN` (killed then), or a gateway
+    /// run directly exits with an error: a graceful stop that hangs, or fails, is a defect.
+    pub(crate) async fn stop_gateway(&mut self, i: usize) -> Result<(), String> {
+        const STOP_WITHIN: Duration = Duration::from_secs(45);
+        let wrapped = self.gateways[i].skew.is_some();
+        let Some(mut child) = self.gateways[i].child.take() else {
+            return Err(format!("gateway {} is not running", i + 1));
+        };
+        let group = child.id().ok_or("the gateway has exited")?;
+        let name = format!("gateway {} (see gateway-{}.log)", i + 1, i + 1);
+        signal_group(&child, "TERM").map_err(|e| format!("{name}: {e}"))?;
+        let stopped = async {
+            let status = child.wait().await.map_err(|e| format!("{name}: {e}"))?;
+            // The wrapper reaped, the group is empty once the gateway it ran exits.
+            while group_alive(group) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok::<_, String>(status)
+        };
+        match tokio::time::timeout(STOP_WITHIN, stopped).await {
+            Ok(Ok(status)) if status.success() => Ok(()),
+            Ok(Ok(status))
+                if wrapped
+                    && std::os::unix::process::ExitStatusExt::signal(&status) == Some(15) =>
+            {
+                Ok(())
+            }
+            Ok(Ok(status)) => Err(format!("{name} stopped with {status} after SIGTERM")),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                let _ = std::process::Command::new("kill")
+                    .args(["-s", "KILL", "--", &format!("-{group}")])
+                    .stderr(Stdio::null())
+                    .status();
+                Err(format!(
+                    "{name} did not stop within {STOP_WITHIN:?} of SIGTERM"
+                ))
+            }
+        }
+    }
+
     pub(crate) fn nginx_addr(&self) -> String {
         format!("127.0.0.1:{}", self.nginx_port)
     }
@@ -422,6 +488,27 @@ fn gateways_ports(gateways: &[Gateway]) -> Vec<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_group_is_alive_while_a_process_of_it_runs_not_once_it_is_a_zombie() {
+        use std::os::unix::process::CommandExt;
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("sleep");
+        let group = child.id();
+        assert!(group_alive(group));
+        child.kill().expect("kill");
+        // Not reaped yet: a zombie, which counts for nothing (once the signal took it).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while group_alive(group) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!group_alive(group));
+        child.wait().expect("reap");
+        assert!(!group_alive(group));
+    }
 
     #[test]
     fn faketime_files_are_told_by_their_pid() {

@@ -26,6 +26,11 @@ enum Fault {
     PostgresPause,
     /// A gateway SIGKILLed mid-traffic and started again.
     GatewayKill(usize),
+    /// A gateway sent SIGTERM mid-traffic, as a deploy does: it stops taking requests,
+    /// finishes those in flight, drains its layer (outcomes of requests whose client left,
+    /// give-backs), exits, and is started again. It strands nothing: a charge whose outcome
+    /// it did not store is one the drain lost.
+    GatewayTerm(usize),
     /// A gateway SIGSTOPped for longer than the lease, then SIGCONTed: its charges in flight
     /// are taken over by the other gateway while it still holds them, and it wakes up a
     /// zombie that goes on with them (its late writes must be fenced off).
@@ -149,7 +154,9 @@ pub(crate) async fn run<T>(
                         | Fault::GatewayPause(_)
                 ),
                 gateway: match fault {
-                    Fault::GatewayKill(i) | Fault::GatewayPause(i) => Some(i),
+                    Fault::GatewayKill(i) | Fault::GatewayTerm(i) | Fault::GatewayPause(i) => {
+                        Some(i)
+                    }
                     _ => None,
                 },
             });
@@ -166,7 +173,11 @@ fn pick(rng: &mut StdRng, cluster: &Cluster) -> Option<Fault> {
     let mut choices = service_faults(cluster);
     if cluster.gateways.len() > 1 {
         let gateway = rng.random_range(0..cluster.gateways.len());
-        choices.extend([Fault::GatewayKill(gateway), Fault::GatewayPause(gateway)]);
+        choices.extend([
+            Fault::GatewayKill(gateway),
+            Fault::GatewayTerm(gateway),
+            Fault::GatewayPause(gateway),
+        ]);
     }
     (!choices.is_empty()).then(|| choices[rng.random_range(0..choices.len())])
 }
@@ -193,7 +204,11 @@ fn every_fault(cluster: &Cluster) -> Vec<Fault> {
     let mut faults = service_faults(cluster);
     if cluster.gateways.len() > 1 {
         for gateway in 0..cluster.gateways.len() {
-            faults.extend([Fault::GatewayKill(gateway), Fault::GatewayPause(gateway)]);
+            faults.extend([
+                Fault::GatewayKill(gateway),
+                Fault::GatewayTerm(gateway),
+                Fault::GatewayPause(gateway),
+            ]);
         }
     }
     faults
@@ -269,6 +284,11 @@ async fn inject(cluster: &mut Cluster, fault: Fault, hold: Duration) -> Result<(
         }
         Fault::GatewayKill(i) => {
             cluster.kill_gateway(i).await;
+            tokio::time::sleep(hold).await;
+            cluster.start_gateway(i).await?;
+        }
+        Fault::GatewayTerm(i) => {
+            cluster.stop_gateway(i).await?;
             tokio::time::sleep(hold).await;
             cluster.start_gateway(i).await?;
         }
