@@ -192,6 +192,13 @@ pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Sen
 const DEAD_LETTERED: &str = "dead-lettered ";
 
 /// The dead letter's reason for a charge id decided already with another amount.
+fn unfinished_otherwise_reason(charge_id: &str, deliveries: u64) -> String {
+    format!(
+        "mismatch: charge {charge_id} is held by an attempt with another amount that did not \
+         finish in {deliveries} deliveries of this message (see the ledger and the dead letters)"
+    )
+}
+
 fn applied_otherwise_reason(charge_id: &str) -> String {
     format!(
         "mismatch: charge {charge_id} was already decided with another amount (applied, or \
@@ -703,9 +710,20 @@ impl Consumer {
             }
             // Another amount holds the charge id. Applied: every redelivery would answer the
             // same, so the message cannot wait for one. Still in flight (or its attempt's
-            // outcome unknown): that attempt may yet fail and give the charge id back.
+            // outcome unknown): that attempt may yet fail and give the charge id back, so the
+            // message waits — but not for ever: an attempt whose worker died, its message
+            // trimmed from the stream, never finishes (its record stays in flight until a
+            // purge of unknown outcomes, if one runs). Each such wait counts as a failure of
+            // the message, which is dead-lettered after `max_failures` of them.
             Err(RunError::Mismatch) => {
                 if !self.applied_otherwise(&id, &fingerprint).await {
+                    let failures: u64 = self.count_failure(message).await?;
+                    if failures >= self.max_failures {
+                        let reason = unfinished_otherwise_reason(&charge_id, failures);
+                        self.dead_letter(message, delivered, &reason, polled)
+                            .await?;
+                        return Ok(());
+                    }
                     polled.deferred += 1;
                     return Ok(());
                 }
@@ -735,13 +753,7 @@ impl Consumer {
             // attempt may succeed, up to `max_failures`.
             Err(error) => {
                 let error = error_chain(&error);
-                let failures: u64 = COUNT_FAILURE
-                    .key(&self.stream)
-                    .key(&self.failures)
-                    .arg(&self.group)
-                    .arg(&message.id)
-                    .invoke_async(&mut self.redis)
-                    .await?;
+                let failures: u64 = self.count_failure(message).await?;
                 if failures == 0 {
                     tracing::info!(%error, charge = %charge_id, "attempt failed, but the message was acknowledged meanwhile");
                     polled.failed += 1;
@@ -760,6 +772,18 @@ impl Consumer {
             }
         }
         self.ack(message, charge_id, polled).await
+    }
+
+    /// Counts a failure of `message` if it is still pending; answers the count (0: it was
+    /// acknowledged meanwhile).
+    async fn count_failure(&mut self, message: &Entry) -> Result<u64, ConsumeError> {
+        Ok(COUNT_FAILURE
+            .key(&self.stream)
+            .key(&self.failures)
+            .arg(&self.group)
+            .arg(&message.id)
+            .invoke_async(&mut self.redis)
+            .await?)
     }
 
     /// Acknowledges a message whose charge is applied (now, or before).
