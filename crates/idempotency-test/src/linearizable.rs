@@ -15,7 +15,10 @@
 //! body, the third another), each holding the last token it was granted: `begin` (sometimes
 //! losing the answer, sometimes for a lease of zero), `complete` (sometimes with a retention
 //! of zero), `release`, `renew` (sometimes for zero), a crash (the token forgotten), an
-//! operator's release in each scope, and `inspect`. The clock is left out as there: the
+//! operator's release in each scope, and `inspect`; then, once every call was answered, a
+//! fourth caller reads the key back (`inspect`, and a claim with each body), so a write
+//! answered but not kept, or a copy landing stale after the last call, shows in the history
+//! too. The clock is left out as there: the
 //! model's store has a clock that never moves, so a lease or retention of zero is over at
 //! once, where a store's clock takes a moment (Redis counts a zero as a millisecond). So a
 //! call for zero runs alone, and is answered only [`PAST_ZERO`](crate::differential) later,
@@ -139,7 +142,47 @@ struct Worker<'a> {
     alone: &'a tokio::sync::RwLock<()>,
 }
 
+/// How long after a round's last answer its key is read back.
+const READ_BACK_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
+
 impl Worker<'_> {
+    /// Reads the key back, one call at a time: `inspect`, then a claim with each body (its
+    /// answer lost, so no worker holds what it may grant).
+    async fn read_back(&self) {
+        let me = self.index;
+        let mut side = Side {
+            store: self.store,
+            tokens: [None; WORKERS],
+        };
+        let reads = [
+            Call::Inspect,
+            Call::Begin {
+                worker: 0,
+                lost: true,
+                zero: false,
+            },
+            Call::Begin {
+                worker: WORKERS - 1,
+                lost: true,
+                zero: false,
+            },
+        ];
+        for (n, call) in reads.into_iter().enumerate() {
+            let op = Op {
+                call,
+                grant: None,
+                step: me * 1000 + n,
+            };
+            self.record(
+                |t| t.on_invoke(me, op.clone()),
+                || format!("{me} reads back {op:?}"),
+            );
+            let answer = side.call(&self.id, self.bodies, call, op.step).await;
+            let said = format!("{me} is answered {answer:?}");
+            self.record(|t| t.on_return(me, answer), || said);
+        }
+    }
+
     async fn run(&self, rng: &mut StdRng, calls: usize) {
         let me = self.index;
         let mut side = Side {
@@ -246,6 +289,23 @@ pub async fn linearizable_for(store: &dyn Store, rounds: usize, calls: usize) {
             }
         });
         futures::future::join_all(workers).await;
+        // Then the key as it stands, read by a fourth caller once every call was answered
+        // (and what the hybrid writes after answering had its moment): a write answered
+        // but not kept, or a copy landing stale after the last call, is in no history that
+        // stops at the last answer.
+        tokio::time::sleep(READ_BACK_AFTER).await;
+        Worker {
+            index: WORKERS,
+            store,
+            id,
+            bodies: &bodies,
+            tester: &tester,
+            log: &log,
+            grants: &grants,
+            alone: &alone,
+        }
+        .read_back()
+        .await;
         let tester = tester.into_inner().expect("tester");
         assert!(
             tester.serialized_history().is_some(),
