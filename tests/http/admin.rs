@@ -434,3 +434,34 @@ fn admin_routes_on_the_hybrid_store() {
         admin_routes(Arc::new(store)).await;
     });
 }
+
+/// A `PUT` whose body is larger than the routes take (axum's 2 MB default) is a 413 saying
+/// so, not a 400 "could not be read": the operator is told it is the size, not the shape.
+#[test]
+fn a_resolution_too_large_for_the_routes_is_413() {
+    block_on(async {
+        let router = admin_router(Arc::new(idempotency_core::MemoryStore::new()));
+        let body = format!(r#"{{"status": 201, "body": "{}"}}"#, "x".repeat(3 << 20));
+        let request = axum::http::Request::builder()
+            .method("PUT")
+            .uri("/idempotency/scopes/acct/keys/k-1")
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .expect("request");
+        let response = router.oneshot(request).await.expect("infallible");
+        let status = response.status().as_u16();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let answer = Answer {
+            status,
+            content_type: "application/problem+json".into(),
+            json,
+        };
+        problem(&answer, 413, "urn:idempotency:problem:payload-too-large");
+    });
+}

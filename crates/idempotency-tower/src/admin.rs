@@ -73,6 +73,11 @@ use crate::Problem;
 /// stuck (it renews its lease while it runs). Release even a lease that ran out only after
 /// reconciling its attempt: afterwards the key runs again as new, not as "outcome unknown".
 ///
+/// **A `503` does not say nothing happened.** The store did not answer in time, or (the
+/// hybrid store) it released the record in Postgres and could not yet tell Redis, which it
+/// goes on doing: inspect the key again before repeating a `DELETE` (a `404` then means the
+/// first one did it).
+///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
 /// hold `/`: `order/42` is `order%2F42`). The key is read as the layer reads the header: the
@@ -461,6 +466,14 @@ async fn resolve(
     };
     let body = match body {
         Ok(body) => body,
+        // Over axum's body limit (2 MB unless the router sets `DefaultBodyLimit`): 413, so
+        // the operator knows it is the size, not the shape.
+        Err(rejection) if rejection.status() == http::StatusCode::PAYLOAD_TOO_LARGE => {
+            return problem(
+                Problem::PayloadTooLarge,
+                &format!("the body is larger than the routes take: {rejection}"),
+            );
+        }
         Err(rejection) => {
             return problem(
                 Problem::InvalidRequest,

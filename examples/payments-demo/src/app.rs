@@ -206,7 +206,7 @@ async fn demo_knobs_valid(
     next.run(request).await
 }
 
-/// The operator's routes under `/admin` (`GET`/`DELETE /admin/idempotency/scopes/{account}/keys/{key}`),
+/// The operator's routes under `/admin` (`GET`/`DELETE`/`PUT /admin/idempotency/scopes/{account}/keys/{key}`),
 /// for requests bearing `Authorization: Bearer <token>`: the demo's stand-in for the
 /// application's own operator authentication.
 pub(crate) fn admin(store: Arc<dyn Store>, token: String) -> Router {

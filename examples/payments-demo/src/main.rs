@@ -41,7 +41,7 @@ use crate::{
         IDEMPOTENCY_STORE         memory | postgres | redis | hybrid (default: from the URLs)\n  \
         IDEMPOTENCY_LEASE_MS      how long a first request holds its key (100 ms to a day; default 30 s)\n  \
         IDEMPOTENCY_RETENTION_MS  how long an outcome is replayed\n  \
-        ADMIN_TOKEN               mounts /admin/idempotency/scopes/{account}/keys/{key} (GET, DELETE)\n                            for Authorization: Bearer <ADMIN_TOKEN>\n  \
+        ADMIN_TOKEN               mounts /admin/idempotency/scopes/{account}/keys/{key} (GET, DELETE, PUT)\n                            for Authorization: Bearer <ADMIN_TOKEN>\n  \
         DEMO_CRASH                1: X-Demo-Crash: after-charge aborts the process (off: 403)"
 )]
 struct Cli {
