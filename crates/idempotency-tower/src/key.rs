@@ -40,6 +40,42 @@ pub(crate) fn parse(
     parse_value(value.as_bytes()).map(Some)
 }
 
+/// Reads an `Idempotency-Key` header value as the layer reads it: an RFC 8941 sf-string
+/// (`"order-42"`, the IETF draft's form) or a bare value (`order-42`) name the same key,
+/// surrounding whitespace trimmed; a list, parameters, another item type, or a bare value
+/// holding a space are refused. For tools that take a key an operator copied from a request
+/// log (the admin routes read the key in their path so): the record the layer wrote for a
+/// request is the record of `RecordId::new(&scope, &parse_key(value)?)`.
+///
+/// ```
+/// use idempotency_tower::parse_key;
+///
+/// assert_eq!(parse_key(b"\"order-42\"").unwrap(), parse_key(b"order-42").unwrap());
+/// assert_eq!(parse_key(b"order-42").unwrap().as_str(), "order-42");
+/// assert!(parse_key(b"a, b").is_err());
+/// ```
+///
+/// # Errors
+/// [`InvalidKey`], saying why, when the layer would answer such a header 400.
+pub fn parse_key(value: &[u8]) -> Result<IdempotencyKey, InvalidKey> {
+    parse_value(value).map_err(|problem| match problem {
+        KeyProblem::Invalid(why) => InvalidKey(why),
+        KeyProblem::Multiple => InvalidKey("more than one key".to_owned()),
+    })
+}
+
+/// Why a value is not an idempotency key ([`parse_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidKey(String);
+
+impl std::fmt::Display for InvalidKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidKey {}
+
 pub(crate) fn parse_value(raw: &[u8]) -> Result<IdempotencyKey, KeyProblem> {
     let invalid = |why: &str| KeyProblem::Invalid(why.to_owned());
     let trimmed = raw.trim_ascii();

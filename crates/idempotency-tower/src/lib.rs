@@ -204,7 +204,7 @@ pub use admin::{admin_router, record_view};
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use extract::MissingIdempotencyLayer;
 pub use future::ResponseFuture;
-pub use key::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
+pub use key::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, InvalidKey, parse_key};
 pub use layer::{IdempotencyLayer, NoScope};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use problem::Problem;

@@ -61,7 +61,9 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let store = crate::connect(&config).await?.store;
     let named = |record: &Record| -> Result<(IdempotencyKey, RecordId), String> {
-        let key = IdempotencyKey::new(record.key.clone())
+        // Read as the layer reads the header: `"order-42"`, copied from a request log, is
+        // the key `order-42`.
+        let key = idempotency::tower::parse_key(record.key.as_bytes())
             .map_err(|e| format!("--key {:?}: {e}", record.key))?;
         let id = RecordId::new(&Scope::new(record.scope.clone()), &key);
         Ok((key, id))

@@ -886,7 +886,7 @@ fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     assert_problem(&kept, 409);
 
     // The command line, on the store the server runs on.
-    let cli = |args: &[&str]| {
+    let cli_for = |args: &[&str], key: &str| {
         let mut command = Command::new(BIN);
         command
             .env_remove("DATABASE_URL")
@@ -894,16 +894,23 @@ fn admin_surface(env: &[(&str, &str)], _mode: &str) {
             .env_remove("IDEMPOTENCY_STORE")
             .arg("admin")
             .args(args)
-            .args(["--scope", &account, "--key", &key]);
+            .args(["--scope", &account, "--key", key]);
         for (k, v) in env {
             command.env(k, v);
         }
         command.output().expect("run payments-demo admin")
     };
+    let cli = |args: &[&str]| cli_for(args, &key);
     let inspected = cli(&["inspect"]);
     assert_eq!(inspected.status.code(), Some(0), "{inspected:?}");
     let json: serde_json::Value = serde_json::from_slice(&inspected.stdout).expect("JSON");
     assert_eq!(json["state"], "completed", "{json}");
+    assert_eq!(json["record_id"], view.json()["record_id"]);
+    // The key as the header carries it in its draft's form, copied from a request log: the
+    // same record, as the layer and the routes read it.
+    let quoted = cli_for(&["inspect"], &format!("\"{key}\""));
+    assert_eq!(quoted.status.code(), Some(0), "{quoted:?}");
+    let json: serde_json::Value = serde_json::from_slice(&quoted.stdout).expect("JSON");
     assert_eq!(json["record_id"], view.json()["record_id"]);
     let refused = cli(&["release"]);
     assert_eq!(refused.status.code(), Some(1), "{refused:?}");
