@@ -33,6 +33,10 @@ async fn call(router: &axum::Router, method: &str, uri: &str, headers: &[(&str, 
         .oneshot(request.body(body).expect("request"))
         .await
         .expect("infallible");
+    answer_of(response).await
+}
+
+async fn answer_of(response: axum::response::Response) -> Answer {
     let status = response.status().as_u16();
     let content_type = response
         .headers()
@@ -449,19 +453,7 @@ fn a_resolution_too_large_for_the_routes_is_413() {
             .body(Body::from(body))
             .expect("request");
         let response = router.oneshot(request).await.expect("infallible");
-        let status = response.status().as_u16();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let json: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
-        let answer = Answer {
-            status,
-            content_type: "application/problem+json".into(),
-            json,
-        };
+        let answer = answer_of(response).await;
         problem(&answer, 413, "urn:idempotency:problem:payload-too-large");
     });
 }
