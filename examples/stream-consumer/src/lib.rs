@@ -30,12 +30,14 @@
 //!   whole number written in digits alone, a charge id that is not a valid key, a field
 //!   given twice or whose name is not UTF-8) or **mismatch** (a charge id applied already with another
 //!   amount: no redelivery can change that answer; while the other amount is still in
-//!   flight, or its attempt's outcome unknown, the message is only deferred, as that attempt
-//!   may yet fail);
+//!   flight, the message is only deferred, as that attempt may yet fail; once that attempt's
+//!   lease ran out unfinished — its worker gone, and perhaps its message trimmed, so nothing
+//!   may ever finish it — each delivery counts as a failure of the message, below);
 //! - when **the effect failed** (or panicked) for the [`Consumer::max_failures`]-th time
 //!   (default 5), or its stored result no longer decodes. Failures are counted per message
 //!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
-//!   consumer restarts, and only attempts that ran count: a delivery to a consumer that died
+//!   consumer restarts, and only attempts that ran count, and deliveries that found the charge
+//!   held by another amount's attempt whose lease ran out: a delivery to a consumer that died
 //!   before handling it, or that found the charge in flight elsewhere, is not a failure of
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
 //!   message no longer pending (acknowledged by another consumer meanwhile). Such a dead
@@ -191,14 +193,24 @@ pub type AfterEffect = Arc<dyn Fn(&str) -> Pin<Box<dyn Future<Output = ()> + Sen
 /// How the stored result of a dead-lettered charge begins (an applied one's is `applied `).
 const DEAD_LETTERED: &str = "dead-lettered ";
 
-/// The dead letter's reason for a charge id decided already with another amount.
-fn unfinished_otherwise_reason(charge_id: &str, deliveries: u64) -> String {
+/// What a charge's record says of another amount than a message's ([`Consumer::other_amount`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OtherAmount {
+    Applied,
+    Unfinished,
+    InFlight,
+}
+
+/// The dead letter's reason for a charge id held by another amount's attempt whose lease ran
+/// out unfinished.
+fn unfinished_otherwise_reason(charge_id: &str, failures: u64) -> String {
     format!(
-        "mismatch: charge {charge_id} is held by an attempt with another amount that did not \
-         finish in {deliveries} deliveries of this message (see the ledger and the dead letters)"
+        "mismatch: charge {charge_id} is held by an attempt with another amount whose lease ran \
+         out unfinished (failure {failures} of this message; see the ledger and the dead letters)"
     )
 }
 
+/// The dead letter's reason for a charge id decided already with another amount.
 fn applied_otherwise_reason(charge_id: &str) -> String {
     format!(
         "mismatch: charge {charge_id} was already decided with another amount (applied, or \
@@ -337,8 +349,10 @@ pub struct Consumer {
     ledger: String,
     /// Messages idle this long in another consumer's pending list are claimed.
     pub claim_idle: Duration,
-    /// A message whose effect failed this many times (counting this one) is dead-lettered
-    /// rather than left for another attempt (default 5; 1 dead-letters on the first failure).
+    /// A message whose effect failed this many times (counting this one; a delivery that
+    /// found its charge held by another amount's attempt whose lease ran out counts too) is
+    /// dead-lettered rather than left for another attempt (default 5; 1 dead-letters on the
+    /// first failure).
     pub max_failures: u64,
     /// The stream dead letters are added to (default `<stream>:dead`).
     pub dead_letter_stream: String,
@@ -709,27 +723,31 @@ impl Consumer {
                 return Ok(());
             }
             // Another amount holds the charge id. Applied: every redelivery would answer the
-            // same, so the message cannot wait for one. Still in flight (or its attempt's
-            // outcome unknown): that attempt may yet fail and give the charge id back, so the
-            // message waits — but not for ever: an attempt whose worker died, its message
-            // trimmed from the stream, never finishes (its record stays in flight until a
-            // purge of unknown outcomes, if one runs). Each such wait counts as a failure of
-            // the message, which is dead-lettered after `max_failures` of them.
+            // same, so the message cannot wait for one. Still in flight: that attempt may yet
+            // fail and give the charge id back, so the message waits. But not for ever once
+            // that attempt's lease ran out unfinished: its worker is gone, and if its message
+            // was trimmed from the stream nothing will finish it (its record stays in flight
+            // until a purge of unknown outcomes, if one runs). Each such wait counts as a
+            // failure of the message, which is dead-lettered after `max_failures` of them.
             Err(RunError::Mismatch) => {
-                if !self.applied_otherwise(&id, &fingerprint).await {
-                    let failures: u64 = self.count_failure(message).await?;
-                    if failures >= self.max_failures {
-                        let reason = unfinished_otherwise_reason(&charge_id, failures);
+                match self.other_amount(&id, &fingerprint).await {
+                    OtherAmount::Applied => {
+                        let reason = applied_otherwise_reason(&charge_id);
                         self.dead_letter(message, delivered, &reason, polled)
                             .await?;
-                        return Ok(());
                     }
-                    polled.deferred += 1;
-                    return Ok(());
+                    OtherAmount::Unfinished => {
+                        let failures = self.count_failure(message).await?;
+                        if failures >= self.max_failures {
+                            let reason = unfinished_otherwise_reason(&charge_id, failures);
+                            self.dead_letter(message, delivered, &reason, polled)
+                                .await?;
+                        } else {
+                            polled.deferred += 1;
+                        }
+                    }
+                    OtherAmount::InFlight => polled.deferred += 1,
                 }
-                let reason = applied_otherwise_reason(&charge_id);
-                self.dead_letter(message, delivered, &reason, polled)
-                    .await?;
                 return Ok(());
             }
             // The charge ran, but its outcome was not stored (a store call of the executor's
@@ -844,16 +862,22 @@ impl Consumer {
         }
     }
 
-    /// Whether the charge's record is completed with another amount than `fingerprint`'s.
-    /// `false` while in flight, gone, completed with this amount (a duplicate of this
-    /// message won meanwhile: the next delivery replays), or when the store cannot tell now
-    /// (the message then waits).
-    async fn applied_otherwise(&self, id: &RecordId, fingerprint: &Fingerprint) -> bool {
-        matches!(
-            self.store.inspect(id).await,
-            Ok(Some(found)) if matches!(found.state, RecordState::Completed { .. })
-                && found.fingerprint != *fingerprint
-        )
+    /// What the charge's record says of another amount than `fingerprint`'s: completed with
+    /// it, or held by its attempt whose lease ran out unfinished; else `InFlight` (a live
+    /// lease, the record gone, completed with this amount — a duplicate of this message won
+    /// meanwhile: the next delivery replays —, or the store cannot tell now: the message
+    /// then waits).
+    async fn other_amount(&self, id: &RecordId, fingerprint: &Fingerprint) -> OtherAmount {
+        match self.store.inspect(id).await {
+            Ok(Some(found)) if found.fingerprint != *fingerprint => match found.state {
+                RecordState::Completed { .. } => OtherAmount::Applied,
+                RecordState::InFlight { lease_remaining } if lease_remaining.is_zero() => {
+                    OtherAmount::Unfinished
+                }
+                _ => OtherAmount::InFlight,
+            },
+            _ => OtherAmount::InFlight,
+        }
     }
 
     /// Copies `message` to the dead-letter stream and acknowledges it, atomically, if it is

@@ -784,11 +784,11 @@ fn claims_that_never_ran_the_effect_do_not_count_toward_dead_lettering() {
     });
 }
 
-/// A charge's attempt whose worker died (its record left in flight) and whose message was
-/// trimmed never finishes: a message naming that charge with another amount waited for it
-/// on every delivery, for ever, neither applied nor dead-lettered. Each wait counts as a
-/// failure of the message now: it is dead-lettered after `max_failures` deliveries, and
-/// nothing is applied.
+/// A charge's attempt whose worker died (its record left in flight, its lease run out) and
+/// whose message was trimmed never finishes: a message naming that charge with another
+/// amount waited for it on every delivery, for ever, neither applied nor dead-lettered. Each
+/// such wait counts as a failure of the message now: it is dead-lettered after
+/// `max_failures` deliveries, and nothing is applied.
 #[test]
 fn a_mismatch_with_an_attempt_that_never_finishes_is_dead_lettered_in_the_end() {
     use idempotency::{Fingerprint, IdempotencyKey, RecordId, Store};
@@ -828,7 +828,7 @@ fn a_mismatch_with_an_attempt_that_never_finishes_is_dead_lettered_in_the_end() 
         let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
         assert_eq!(dead.len(), 1);
         assert!(
-            dead[0]["reason"].starts_with("mismatch: charge ch_dead is held by an attempt"),
+            dead[0]["reason"].starts_with("mismatch: charge ch_dead is held by an attempt with another amount whose lease ran out"),
             "{dead:?}"
         );
         assert_eq!(dead[0]["payload.amount"], "200");
@@ -859,6 +859,9 @@ fn a_mismatch_with_a_charge_still_in_flight_is_deferred_then_dead_lettered() {
 
         let mut second = rig.consumer("c2").await;
         second.claim_idle = Duration::from_millis(50);
+        // A wait for a live attempt is no failure of the message: not dead-lettered even
+        // on the first failure.
+        second.max_failures = 1;
         let polled = second.poll(10).await.expect("poll");
         assert_eq!(
             polled,
@@ -1139,27 +1142,30 @@ fn a_charges_record_is_kept_for_good() {
     use idempotency::{IdempotencyKey, RecordId, Store};
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        let mut consumer = rig.consumer("c1").await.with_lease(Duration::from_secs(10));
-        consumer.setup().await.expect("setup");
-        publish(&mut rig.redis, &rig.stream, "ch_kept", 100)
-            .await
-            .expect("publish");
-        assert_eq!(consumer.poll(10).await.expect("poll").applied, 1);
-        let key = IdempotencyKey::new("ch_kept").expect("key");
-        let record = rig
-            .store
-            .inspect(&RecordId::new(&consumer.scope(), &key))
-            .await
-            .expect("inspect")
-            .expect("a record");
-        let kept = record
-            .expires_at
-            .duration_since(std::time::SystemTime::now())
-            .expect("in the future");
-        assert!(
-            kept > Duration::from_secs(50 * 365 * 86_400),
-            "kept for {kept:?} only"
-        );
+        let mut default = rig.consumer("c1").await;
+        default.setup().await.expect("setup");
+        let leased = rig.consumer("c2").await.with_lease(Duration::from_secs(10));
+        for (mut consumer, charge) in [(default, "ch_kept"), (leased, "ch_kept_leased")] {
+            publish(&mut rig.redis, &rig.stream, charge, 100)
+                .await
+                .expect("publish");
+            assert_eq!(consumer.poll(10).await.expect("poll").applied, 1);
+            let key = IdempotencyKey::new(charge).expect("key");
+            let record = rig
+                .store
+                .inspect(&RecordId::new(&consumer.scope(), &key))
+                .await
+                .expect("inspect")
+                .expect("a record");
+            let kept = record
+                .expires_at
+                .duration_since(std::time::SystemTime::now())
+                .expect("in the future");
+            assert!(
+                kept > Duration::from_secs(50 * 365 * 86_400),
+                "{charge}: kept for {kept:?} only"
+            );
+        }
     });
 }
 
