@@ -394,8 +394,10 @@ http {{
     /// To its whole group: under `faketime` the gateway is the wrapper's child, and the
     /// wrapper dies of the signal at once while the gateway drains (so its status is the
     /// wrapper's: SIGTERM there, 0 from a gateway run directly); done once no process of the
-    /// group is left. Fails if that takes more than `STOP_WITHIN` (killed then), or a gateway
-    /// run directly exits with an error: a graceful stop that hangs, or fails, is a defect.
+    /// group is left. Fails if that takes more than `STOP_WITHIN` (killed then), if a gateway
+    /// run directly exits with an error, or if what the gateway logged meanwhile says its
+    /// drain gave up or something panicked (seen for both gateways, the wrapped one's status
+    /// being the wrapper's): a graceful stop that hangs, or fails, is a defect.
     pub(crate) async fn stop_gateway(&mut self, i: usize) -> Result<(), String> {
         const STOP_WITHIN: Duration = Duration::from_secs(45);
         let wrapped = self.gateways[i].skew.is_some();
@@ -404,6 +406,8 @@ http {{
         };
         let group = child.id().ok_or("the gateway has exited")?;
         let name = format!("gateway {} (see gateway-{}.log)", i + 1, i + 1);
+        let log = self.dir.join(format!("gateway-{}.log", i + 1));
+        let logged_before = std::fs::metadata(&log).map_or(0, |m| m.len());
         signal_group(&child, "TERM").map_err(|e| format!("{name}: {e}"))?;
         let stopped = async {
             let status = child.wait().await.map_err(|e| format!("{name}: {e}"))?;
@@ -413,13 +417,22 @@ http {{
             }
             Ok::<_, String>(status)
         };
+        let ended = |status: &std::process::ExitStatus| {
+            status.success()
+                || (wrapped && std::os::unix::process::ExitStatusExt::signal(status) == Some(15))
+        };
         match tokio::time::timeout(STOP_WITHIN, stopped).await {
-            Ok(Ok(status)) if status.success() => Ok(()),
-            Ok(Ok(status))
-                if wrapped
-                    && std::os::unix::process::ExitStatusExt::signal(&status) == Some(15) =>
-            {
-                Ok(())
+            Ok(Ok(status)) if ended(&status) => {
+                let logged = std::fs::read(&log).unwrap_or_default();
+                let since = String::from_utf8_lossy(
+                    logged.get(logged_before as usize..).unwrap_or_default(),
+                );
+                match since.lines().find(|line| {
+                    line.contains("stopped before every outcome") || line.contains("panicked")
+                }) {
+                    Some(line) => Err(format!("{name} did not stop cleanly: {line}")),
+                    None => Ok(()),
+                }
             }
             Ok(Ok(status)) => Err(format!("{name} stopped with {status} after SIGTERM")),
             Ok(Err(e)) => Err(e),

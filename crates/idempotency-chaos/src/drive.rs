@@ -529,6 +529,44 @@ pub(crate) async fn runs_before_probes(
         .collect())
 }
 
+/// Charges the reconcile hook answered with (`charges.reconciled`: their attempt left the key
+/// in flight, charged) that no fault stranding one explains: outcomes the layer lost, which
+/// the hook rebuilt byte for byte (and an application without such a hook would have run
+/// again). A fault (or a stall of the host) strands a charge whose handler was running when
+/// it began — on the gateway it hit, if it hit one: nginx's log says which the key reached —;
+/// a handler outlives its client by its demo delays (at most 1.6 s) and a lease of storing
+/// its outcome. `tried` holds each charge's attempts, probes included.
+fn rebuilt_unexplained(
+    rows: &[ChargeRow],
+    history: &History,
+    tried: &[Vec<&Attempt>],
+    windows: &[crate::faults::Window],
+    reached: &HashMap<String, HashSet<usize>>,
+    lease: Duration,
+) -> usize {
+    let outlives = lease + Duration::from_millis(1_600);
+    rows.iter()
+        .filter(|(_, _, _, _, reconciled)| *reconciled > 0)
+        .filter(|(_, customer, _, _, _)| {
+            let Some(i) = history.charges.iter().position(|c| &c.customer == customer) else {
+                return true;
+            };
+            let key = &history.charges[i].key;
+            !windows.iter().any(|w| {
+                w.strands
+                    && w.gateway.is_none_or(|g| {
+                        reached
+                            .get(key)
+                            .is_some_and(|gateways| gateways.contains(&g))
+                    })
+                    && tried[i]
+                        .iter()
+                        .any(|a| a.sent <= w.end && w.start <= a.answered + outlives)
+            })
+        })
+        .count()
+}
+
 /// Checks the history against the charges table.
 ///
 /// - **duplicates**: a key with two charge rows; or a key whose charge handler ran twice —
@@ -652,35 +690,13 @@ pub(crate) async fn check(
         }
     }
     let duplicates = two_rows + reexecuted;
-    // Charges the reconcile hook found (their attempt left the key in flight, charged) with
-    // no fault that strands one: an outcome the layer lost, which the hook rebuilt byte for
-    // byte (and which an application without such a hook would have run again). A fault
-    // strands a charge whose handler was running when it began (on the gateway it hit, if it
-    // hit one: nginx's log says which the key reached): a handler outlives its client by its
-    // demo delays (at most 1.6 s) and a lease of storing its outcome.
-    let outlives = lease + Duration::from_millis(1_600);
+    // Charges the reconcile hook answered with, with no fault that strands one.
     let reconciled = rows.iter().filter(|row| row.4 > 0).count();
-    let rebuilt = rows
-        .iter()
-        .filter(|(_, _, _, _, reconciled)| *reconciled > 0)
-        .filter(|(_, customer, _, _, _)| {
-            let Some(i) = history.charges.iter().position(|c| &c.customer == customer) else {
-                return true;
-            };
-            let key = &history.charges[i].key;
-            !windows.iter().any(|w| {
-                w.strands
-                    && w.gateway.is_none_or(|g| {
-                        reached
-                            .get(key)
-                            .is_some_and(|gateways| gateways.contains(&g))
-                    })
-                    && by_charge[i]
-                        .iter()
-                        .any(|a| a.sent <= w.end && w.start <= a.answered + outlives)
-            })
-        })
-        .count();
+    let mut tried = by_charge.clone();
+    for probe in probes {
+        tried[probe.charge].push(probe);
+    }
+    let rebuilt = rebuilt_unexplained(&rows, history, &tried, windows, reached, lease);
     let table: HashMap<&str, (&str, i64)> = rows
         .iter()
         .map(|(id, customer, _, amount, _)| (id.as_str(), (customer.as_str(), *amount)))
@@ -852,6 +868,63 @@ mod tests {
         // The first body with another 2xx status than the first (a 200 is a second run's,
         // judged as a duplicate).
         assert_eq!(check(&with(202, first.clone())), Verdict::Wrong);
+    }
+
+    /// A charge the reconcile hook answered with is lost unless a fault that strands one
+    /// began while one of its attempts ran (or within a lease and the demo's delays after):
+    /// a gateway's fault only for keys that reached that gateway.
+    #[test]
+    fn a_charge_the_hook_rebuilt_is_lost_unless_a_stranding_fault_explains_it() {
+        let (at, lease) = (Instant::now(), Duration::from_secs(3));
+        let history = History {
+            charges: vec![Charge {
+                key: "k".into(),
+                customer: "run-0-0".into(),
+                amount: 1_250,
+            }],
+            attempts: Vec::new(),
+        };
+        let attempt = answered(0, 0, 100, 201, at);
+        let tried = vec![vec![&attempt]];
+        let rows = vec![("ch_1".to_owned(), "run-0-0".to_owned(), 1, 1_250, 1)];
+        let window = |from_ms: u64, strands: bool, gateway: Option<usize>| Window {
+            start: at + Duration::from_millis(from_ms),
+            end: at + Duration::from_millis(from_ms + 500),
+            excuse: None,
+            strands,
+            gateway,
+        };
+        let reached = |gateways: &[usize]| {
+            HashMap::from([("k".to_owned(), gateways.iter().copied().collect())])
+        };
+        let lost = |windows: &[Window], reached: &HashMap<String, HashSet<usize>>| {
+            rebuilt_unexplained(&rows, &history, &tried, windows, reached, lease)
+        };
+        assert_eq!(lost(&[], &reached(&[0])), 1, "no fault at all");
+        assert_eq!(lost(&[window(1_000, true, None)], &reached(&[0])), 0);
+        assert_eq!(
+            lost(&[window(1_000, false, None)], &reached(&[0])),
+            1,
+            "a Redis fault"
+        );
+        assert_eq!(
+            lost(&[window(10_000, true, None)], &reached(&[0])),
+            1,
+            "long after"
+        );
+        assert_eq!(
+            lost(&[window(1_000, true, Some(1))], &reached(&[0])),
+            1,
+            "the other gateway"
+        );
+        assert_eq!(lost(&[window(1_000, true, Some(1))], &reached(&[0, 1])), 0);
+        let never = vec![("ch_1".to_owned(), "run-0-0".to_owned(), 1, 1_250, 0)];
+        let no_windows: &[Window] = &[];
+        assert_eq!(
+            rebuilt_unexplained(&never, &history, &tried, no_windows, &reached(&[0]), lease),
+            0,
+            "never answered by the hook"
+        );
     }
 
     /// A client retries a key that answers 409 for more than the leases after which such a

@@ -70,6 +70,56 @@ pub(crate) enum Excuse {
     StalledOwner(usize),
 }
 
+/// Watches this process's own timers for the host stalling (the campaign shares 2 cores with
+/// the services and both gateways): a stall of a second or more is a window that strands
+/// charges as a fault does (a gateway starved past its lease is taken over, and the reconcile
+/// hook finds its charge), recorded rather than reported as an outcome the layer lost.
+pub(crate) struct StallWatch {
+    stalls: std::sync::Arc<std::sync::Mutex<Vec<Window>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallWatch {
+    const TICK: Duration = Duration::from_millis(100);
+    const STALL: Duration = Duration::from_secs(1);
+
+    pub(crate) fn start() -> Self {
+        let stalls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = stalls.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let start = Instant::now();
+                tokio::time::sleep(Self::TICK).await;
+                let late = start.elapsed().saturating_sub(Self::TICK);
+                if late >= Self::STALL {
+                    println!("chaos: the host stalled for {late:?}");
+                    seen.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(Window {
+                            start,
+                            end: Instant::now(),
+                            excuse: None,
+                            strands: true,
+                            gateway: None,
+                        });
+                }
+            }
+        });
+        Self { stalls, task }
+    }
+
+    /// The stalls seen since the start.
+    pub(crate) fn stop(self) -> Vec<Window> {
+        self.task.abort();
+        std::mem::take(
+            &mut *self
+                .stalls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
 /// Until when the faults explain a key answered 409: a lease after the last one ended, and
 /// for as long as one is on. Shared with the clients, who follow a run of 409s past it.
 #[derive(Debug, Clone)]

@@ -4,15 +4,20 @@
 //! payments-demo gateways in hybrid mode — one of them under `faketime`, its clock ten minutes
 //! off — and nginx in front with `proxy_next_upstream error timeout non_idempotent` and a
 //! short upstream timeout, so nginx itself retries a slow charge on the other gateway. Clients
-//! send charges through nginx, each with one key and retries on it; some hang up mid-request.
+//! send charges through nginx, each with one key and retries on it; some hang up mid-request,
+//! and some requests wait between their charge and their answer (`X-Demo-Delay-After-Ms`).
 //! On a schedule drawn from the seed it injects: Redis SIGSTOP/SIGCONT, kill and restart,
-//! `FLUSHALL` and `CLIENT PAUSE`; Postgres stop and start; a gateway SIGKILLed and restarted;
-//! a gateway SIGSTOPped past the lease and resumed, a zombie whose charges were taken over.
+//! `FLUSHALL` and `CLIENT PAUSE`; Postgres stop and start, and frozen past the lease; a
+//! gateway SIGKILLed and restarted; a gateway stopped by SIGTERM (it must drain and exit
+//! cleanly) and restarted; a gateway SIGSTOPped past the lease and resumed, a zombie whose
+//! charges were taken over.
 //!
 //! It records every attempt (key, attempt, status, charge id) and checks the history against
 //! the charges table: **duplicates** (two charges for one key, or the charge handler run
 //! twice for one key, as the demo counts it in `charges.runs`), **lost** (a 2xx whose charge
-//! is not in the table), **wrong** (a 2xx carrying another key's charge, or a 422), **stuck**
+//! is not in the table; a charge the demo's reconcile hook answered with, `charges.reconciled`,
+//! that no fault stranding one explains, nor a stall of the host), **wrong** (a 2xx carrying
+//! another key's charge, another status or body than the key's first 2xx, or a 422), **stuck**
 //! (a key whose final probe, one lease after the last fault, gets no 2xx; or one answered 409
 //! on end for more than two leases that no fault explains: a client follows a run of 409s
 //! past that, told by the fault schedule until when its faults explain one). Every key is probed twice: then again with Redis emptied, answered from
@@ -103,6 +108,7 @@ async fn run(args: Args) -> Result<bool, String> {
         cluster.redis_url()
     );
     let explained = faults::Explained::new();
+    let stalls = faults::StallWatch::start();
     let drive = drive::Driver::new(&args, &cluster.nginx_url(), explained.clone());
     let duration = Duration::from_secs(args.duration_s);
     let run = drive.run(duration);
@@ -123,6 +129,8 @@ async fn run(args: Args) -> Result<bool, String> {
     }
     cluster.gateways_alive()?;
     let reached = cluster.keys_reached()?;
+    let mut windows = windows;
+    windows.extend(stalls.stop());
     let mut report = drive::check(
         &history,
         &probes,

@@ -75,8 +75,8 @@ use crate::Problem;
 ///
 /// **A `503` does not say nothing happened.** The store did not answer in time, or (the
 /// hybrid store) it released the record in Postgres and could not yet tell Redis, which it
-/// goes on doing: inspect the key again before repeating a `DELETE` (a `404` then means the
-/// first one did it).
+/// goes on doing: repeat the `DELETE` until it answers `404` (a `GET` reads Postgres alone,
+/// and its `404` does not say Redis was told).
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
@@ -85,7 +85,8 @@ use crate::Problem;
 /// with a segment too many (a `/` left unencoded) is `400`, never another record:
 /// `/idempotency/keys/a/b` does not name key `b` of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
 /// routes that names nothing `404` (`400` under `idempotency/scopes/`, most often an
-/// unencoded `/`), a method they do not take `405` with `Allow`: all problem+json.
+/// unencoded `/`), a method they do not take `405` with `Allow`, a `PUT` body over the
+/// router's body limit (axum's `DefaultBodyLimit`, 2 MB unless set) `413`: all problem+json.
 ///
 /// The JSON view:
 ///
