@@ -322,7 +322,8 @@ http {{
             .env("REDIS_URL", &self.redis_url)
             .env("IDEMPOTENCY_STORE", "hybrid")
             .env("IDEMPOTENCY_LEASE_MS", self.lease_ms.to_string())
-            .env("RUST_LOG", "warn")
+            // The demo's own info lines too: its "stopped", after a clean drain.
+            .env("RUST_LOG", "warn,payments_demo=info")
             .process_group(0)
             .stdout(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
             .stderr(log_file(&self.dir, &format!("gateway-{}.log", i + 1))?)
@@ -395,9 +396,10 @@ http {{
     /// wrapper dies of the signal at once while the gateway drains (so its status is the
     /// wrapper's: SIGTERM there, 0 from a gateway run directly); done once no process of the
     /// group is left. Fails if that takes more than `STOP_WITHIN` (killed then), if a gateway
-    /// run directly exits with an error, or if what the gateway logged meanwhile says its
-    /// drain gave up or something panicked (seen for both gateways, the wrapped one's status
-    /// being the wrapper's): a graceful stop that hangs, or fails, is a defect.
+    /// run directly exits with an error, or unless what the gateway logged meanwhile says it
+    /// stopped (its last line, after its drain) and neither that its drain gave up nor that
+    /// something panicked (seen for both gateways, the wrapped one's status being the
+    /// wrapper's): a graceful stop that hangs, or fails, is a defect.
     pub(crate) async fn stop_gateway(&mut self, i: usize) -> Result<(), String> {
         const STOP_WITHIN: Duration = Duration::from_secs(45);
         let wrapped = self.gateways[i].skew.is_some();
@@ -427,10 +429,16 @@ http {{
                 let since = String::from_utf8_lossy(
                     logged.get(logged_before as usize..).unwrap_or_default(),
                 );
+                let stopped = since
+                    .lines()
+                    .any(|line| line.trim_end().ends_with("payments_demo: stopped"));
                 match since.lines().find(|line| {
                     line.contains("stopped before every outcome") || line.contains("panicked")
                 }) {
                     Some(line) => Err(format!("{name} did not stop cleanly: {line}")),
+                    None if !stopped => Err(format!(
+                        "{name} exited without logging that it stopped (its drain did not end)"
+                    )),
                     None => Ok(()),
                 }
             }

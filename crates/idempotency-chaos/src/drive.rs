@@ -692,9 +692,17 @@ pub(crate) async fn check(
     let duplicates = two_rows + reexecuted;
     // Charges the reconcile hook answered with, with no fault that strands one.
     let reconciled = rows.iter().filter(|row| row.4 > 0).count();
+    // Probes count only where one ran the handler (its runs grew over the probes): one
+    // answered by the hook recovered a charge stranded before, and was not stranded itself.
     let mut tried = by_charge.clone();
     for probe in probes {
-        tried[probe.charge].push(probe);
+        let customer = history.charges[probe.charge].customer.as_str();
+        let ran = rows.iter().any(|(_, c, runs, _, _)| {
+            c == customer && before_probes.get(c).is_some_and(|before| runs > before)
+        });
+        if ran {
+            tried[probe.charge].push(probe);
+        }
     }
     let rebuilt = rebuilt_unexplained(&rows, history, &tried, windows, reached, lease);
     let table: HashMap<&str, (&str, i64)> = rows
