@@ -900,17 +900,7 @@ where
                     .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
                     == Some(0));
             if ends_with_head && cacheable(&policy, &parts, None) {
-                let read = AssertUnwindSafe(read_to_end(body)).catch_unwind();
-                let read = tokio::select! {
-                    biased;
-                    read = read => {
-                        read.unwrap_or_else(|_| Err("the response body panicked".into()))
-                    }
-                    () = left_for(gone, drain) => Err(format!(
-                        "the response body did not end within {drain:?} after its client left"
-                    )
-                    .into()),
-                };
+                let read = read_body(read_to_end(body), gone, drain).await;
                 return Ok(Produced::Buffered(
                     parts,
                     read.map(|trailers| (Bytes::new(), trailers)),
@@ -923,17 +913,7 @@ where
                 // (stored as incomplete), not a failed operation (released, so run again);
                 // so is a body of another length than it declared (hyper would have framed
                 // it by that length, and aborted the response).
-                let read = AssertUnwindSafe(Limited::new(body, limit).collect()).catch_unwind();
-                let body = tokio::select! {
-                    biased;
-                    read = read => {
-                        read.unwrap_or_else(|_| Err("the response body panicked".into()))
-                    }
-                    () = left_for(gone, drain) => Err(format!(
-                        "the response body did not end within {drain:?} after its client left"
-                    )
-                    .into()),
-                };
+                let body = read_body(Limited::new(body, limit).collect(), gone, drain).await;
                 let body = body
                     .map(|c| {
                         // An empty trailers frame is none: framed the same as its replay.
@@ -957,6 +937,25 @@ where
         })
         .catch_unwind(),
     )
+}
+
+/// Reads a response body with `read`, a panic in it an error, for at most `drain` once the
+/// first client left (`gone`): a body that stalls would hold its key for ever otherwise.
+async fn read_body<T>(
+    read: impl Future<Output = Result<T, BoxError>>,
+    gone: tokio::sync::watch::Receiver<bool>,
+    drain: Duration,
+) -> Result<T, BoxError> {
+    tokio::select! {
+        biased;
+        read = AssertUnwindSafe(read).catch_unwind() => {
+            read.unwrap_or_else(|_| Err("the response body panicked".into()))
+        }
+        () = left_for(gone, drain) => Err(format!(
+            "the response body did not end within {drain:?} after its client left"
+        )
+        .into()),
+    }
 }
 
 /// Once the first client has been gone for `wait` (never, if nobody can say it left).
