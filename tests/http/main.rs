@@ -1109,6 +1109,36 @@ fn an_oversized_body_is_413_by_content_length_and_by_chunks() {
     });
 }
 
+/// A body limit applied outside the layer (tower-http's `RequestBodyLimitLayer` wraps a body
+/// of unknown length in `Limited`; axum boxes its error twice on the way to the route) is a
+/// 413 too, not a 400 telling the client to resend what can never fit (over gRPC that 400 was
+/// `UNAVAILABLE`, which retry policies retry).
+#[test]
+fn a_body_limit_applied_outside_the_layer_is_413_too() {
+    block_on(async {
+        let (router, calls, _) = app(layer(memory()));
+        let router = router.layer(axum::middleware::map_request(
+            |request: axum::extract::Request| async move {
+                request.map(|body| Body::new(http_body_util::Limited::new(body, 1024)))
+            },
+        ));
+        let chunks = futures::stream::iter(
+            (0..8).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; 512]))),
+        );
+        let answer = send(&router, "POST", Some("k"), &[], Body::from_stream(chunks)).await;
+        assert_eq!(answer.status, 413, "{}", answer.body);
+        assert_eq!(
+            answer.problem_type(),
+            "urn:idempotency:problem:payload-too-large"
+        );
+        assert_eq!(calls.get(), 0);
+        // Within the outer limit, the request runs.
+        let small = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(small.status, 201, "{}", small.body);
+        assert_eq!(calls.get(), 1);
+    });
+}
+
 /// A request body that breaks off (a reset stream, an outer read timeout, a bad chunked
 /// encoding) is a 400 problem saying to resend, not a 413 "too large", which clients take as
 /// final; nothing runs.

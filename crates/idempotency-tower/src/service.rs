@@ -287,9 +287,16 @@ where
     }
     match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(Unread::TooLarge),
+        Err(error) if over_a_limit(&*error) => Err(Unread::TooLarge),
         Err(error) => Err(Unread::BrokeOff(error)),
     }
+}
+
+/// Whether a body's error is a length limit: the layer's own, or one applied outside it
+/// (tower-http's `RequestBodyLimitLayer` wraps a body of unknown length in `Limited`, whose
+/// error axum boxes once or twice on its way to the route).
+fn over_a_limit(error: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(error), |e| e.source()).any(|e| e.is::<LengthLimitError>())
 }
 
 struct Keyed {
