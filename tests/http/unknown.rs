@@ -471,6 +471,28 @@ fn a_panicked_handler_under_reject_leaves_the_outcome_unknown() {
     });
 }
 
+/// A `101 Switching Protocols` (a `POST` that starts an exec session, Docker's pattern) says
+/// the handler accepted the request and ran: its outcome is an upgraded connection, which no
+/// store can replay. It is kept for the outcome-unknown policy, as a panic is; it was
+/// released as a failure, and under `Reject` the retry started the session again.
+#[test]
+fn an_upgrade_under_reject_leaves_the_outcome_unknown() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (router, calls, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+        let upgraded = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
+        assert_eq!(upgraded.status, 101);
+        let retry = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
+        assert_eq!(retry.status, 409, "{}", retry.body);
+        assert_eq!(
+            retry.problem_type(),
+            "urn:idempotency:problem:outcome-unknown"
+        );
+        assert_eq!(calls.get(), 1, "the retry did not run the operation");
+    });
+}
+
 /// An inner service's error is most often a refusal before anything ran (load shed, a closed
 /// buffer): the key is released and the retry runs, even under `Reject` (kept as
 /// outcome-unknown, one such blip would lock the key for its retention).

@@ -59,6 +59,7 @@
 //! | store down | 503 `urn:idempotency:problem:store-unavailable` + `Retry-After`; the handler does not run |
 //! | handler panics | 500 `urn:idempotency:problem:internal`; the key is released, or, under an outcome-unknown policy other than `Reexecute`, kept as an attempt whose outcome is unknown (it may have had its effect), so that the retry meets that policy |
 //! | handler answers a status not stored (a 5xx, a 409, a 429) | passed on; the key is released (or, when this request took it over from an attempt whose outcome is unknown, kept for that policy, which the next retry meets again), or, marked [`MaybeApplied`] by the handler, settled like a panic |
+//! | handler answers `101 Switching Protocols` (an upgrade) | passed on; it ran, and its outcome, a connection, cannot be stored: settled like a panic |
 //! | an earlier attempt's lease ran out before it stored an outcome (it crashed or hung) | per [`IdempotencyLayer::on_outcome_unknown`]: runs again (default); or 409 `urn:idempotency:problem:outcome-unknown` to every retry, the record kept unknown until an operator resolves it (`PUT` the outcome found, or `DELETE`); or the application's reconcile hook finds the effect and it is replayed |
 //!
 //! Keys are read as an RFC 8941 sf-string (`"abc"`) or a bare value (`abc`): both name the

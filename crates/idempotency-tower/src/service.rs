@@ -1262,9 +1262,11 @@ fn cacheable(
 /// Whether the handler marked its response [`MaybeApplied`](crate::MaybeApplied), or it is a
 /// gRPC failure that may have taken effect (`DEADLINE_EXCEEDED`, `CANCELLED`, `UNKNOWN`,
 /// `INTERNAL`, `DATA_LOSS`: see [`grpc::may_have_applied`](crate::grpc::may_have_applied)),
-/// which a gRPC handler has no way to mark.
+/// which a gRPC handler has no way to mark, or a `1xx` (`101 Switching Protocols`): the
+/// handler accepted the request and ran, and its outcome is a connection no store can replay.
 fn maybe_applied(parts: &http::response::Parts, trailers: Option<&HeaderMap>) -> bool {
-    parts.extensions.get::<crate::MaybeApplied>().is_some()
+    parts.status.is_informational()
+        || parts.extensions.get::<crate::MaybeApplied>().is_some()
         || crate::grpc::status(&parts.headers, trailers).is_some_and(crate::grpc::may_have_applied)
 }
 
