@@ -137,9 +137,9 @@ impl IdempotencyLayer {
     /// [`Policy`].
     ///
     /// The path is the one the request came in on. Behind axum's `Router::nest`, a layer on
-    /// the inner router sees it without the nest's prefix; with the `axum` feature the
-    /// fingerprint takes axum's `OriginalUri` instead, and without it, put the layer on the
-    /// outer router (or scope keys by the prefix's parameters with
+    /// the inner router sees it without the nest's prefix; with the `axum` feature (on by
+    /// default) the fingerprint takes axum's `OriginalUri` instead, and without it, put the
+    /// layer on the outer router (or scope keys by the prefix's parameters with
     /// [`scope_fn`](IdempotencyLayer::scope_fn)). Records stored before that change, under
     /// the path without the prefix, answer 422 unless
     /// [`replay_unprefixed_nested_records`](IdempotencyLayer::replay_unprefixed_nested_records)

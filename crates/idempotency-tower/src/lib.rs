@@ -67,9 +67,10 @@
 //! request, which is answered with a gRPC status (below).
 //!
 //! # What the fingerprint covers
-//! The method, the path and query as the client sent them, and the body's bytes (or its
-//! canonical JSON, [`IdempotencyLayer::canonical_json`]); no header unless named with
-//! [`IdempotencyLayer::fingerprint_headers`]. So a header that changes what the body means
+//! The method, the path and query as the client sent them (behind axum's `Router::nest`,
+//! with its prefix: the `axum` feature, on by default, reads axum's `OriginalUri`), and the
+//! body's bytes (or its canonical JSON, [`IdempotencyLayer::canonical_json`]); no header
+//! unless named with [`IdempotencyLayer::fingerprint_headers`]. So a header that changes what the body means
 //! belongs in the fingerprint or the [scope](IdempotencyLayer::scope_fn): an account header
 //! (`On-Behalf-Of`, a connected account) or an API version, or the same key and body on
 //! another account replay the first account's charge. So does the host (`Host`,
