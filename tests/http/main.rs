@@ -1017,6 +1017,59 @@ fn a_handler_stalled_past_its_lease_does_not_resume_after_a_takeover() {
     });
 }
 
+/// Clocks run at different rates: chrony slews a clock by up to a twelfth (its default
+/// `maxslewrate`) to correct an offset, and `CLOCK_MONOTONIC` follows it. Here the store's
+/// clock runs 15 % faster than the gateway's (a fifteenth fast on one host, slow on the
+/// other), so the store ends a 4 s lease at 3.48 s by the gateway's clock; renewals cannot
+/// reach it; another gateway takes the key over at 3.6 s; the handler's effect comes due at
+/// 3.75 s. Its holder must not poll it: the lease it can count on ends before the store's
+/// does. With a margin of a thousandth (a lease counted as held until 3.99 s) the handler
+/// ran its effect beside the takeover.
+#[test]
+fn a_holder_whose_clock_runs_slow_against_the_stores_stops_before_a_takeover() {
+    block_on(async {
+        let store = Arc::new(support::Rigged {
+            store_clock_rate: Some(1.15),
+            ..Default::default()
+        });
+        store
+            .renewals_unavailable
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let lease = Duration::from_secs(4);
+        let (router, calls, _) =
+            app(layer(store.clone()).policy(idempotency_core::Policy::default().with_lease(lease)));
+        let first = {
+            let router = router.clone();
+            tokio::spawn(async move {
+                send(&router, "POST", Some("k"), &[("x-delay-ms", "3750")], "{}").await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(3600)).await;
+        let id = record_id("k");
+        let fp = store
+            .inspect(&id)
+            .await
+            .expect("inspect")
+            .expect("the record")
+            .fingerprint;
+        let taken = store.begin(&id, &fp, lease).await;
+        assert!(
+            matches!(taken, Ok(idempotency_core::Begin::TakeOver(_))),
+            "{taken:?}"
+        );
+        store
+            .renewals_unavailable
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        let first = first.await.expect("task");
+        assert_eq!(
+            calls.get(),
+            0,
+            "the handler ran its effect beside the takeover"
+        );
+        assert_eq!(first.status, 503, "{}", first.body);
+    });
+}
+
 /// A renewal that panics (a store with a bug) is a failed renewal, as in the executor: the
 /// handler it runs beside goes on to its end and its outcome is stored. Before, the panic
 /// unwound the task that drove the handler, which was dropped mid-effect, and the retry

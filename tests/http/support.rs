@@ -175,6 +175,18 @@ pub(crate) struct Rigged {
     pub(crate) panic_next_give_back: std::sync::atomic::AtomicBool,
     /// How long each `complete` takes (a store a round trip away).
     pub(crate) complete_takes: Duration,
+    /// How much faster than the gateway's the store's clock runs (1.0 or unset: as fast): a
+    /// lease asked for is kept that many times shorter, as the gateway counts.
+    pub(crate) store_clock_rate: Option<f64>,
+    /// Set: renewals fail (`Unavailable`: the store out of reach).
+    pub(crate) renewals_unavailable: std::sync::atomic::AtomicBool,
+}
+
+impl Rigged {
+    /// `lease` as the store keeps it, by the gateway's clock.
+    fn kept(&self, lease: Duration) -> Duration {
+        lease.div_f64(self.store_clock_rate.unwrap_or(1.0))
+    }
 }
 
 #[async_trait::async_trait]
@@ -185,7 +197,7 @@ impl Store for Rigged {
         fp: &idempotency_core::Fingerprint,
         lease: Duration,
     ) -> idempotency_core::Result<idempotency_core::Begin> {
-        self.inner.begin(id, fp, lease).await
+        self.inner.begin(id, fp, self.kept(lease)).await
     }
     async fn complete(
         &self,
@@ -225,7 +237,12 @@ impl Store for Rigged {
             let _ = tell.send(());
             return Err(idempotency_core::Error::LeaseLost);
         }
-        self.inner.renew(id, token, lease).await
+        if !lease.is_zero() && self.renewals_unavailable.load(Ordering::SeqCst) {
+            return Err(idempotency_core::Error::unavailable(
+                "the store is out of reach",
+            ));
+        }
+        self.inner.renew(id, token, self.kept(lease)).await
     }
     async fn purge_expired(&self, batch: usize) -> idempotency_core::Result<u64> {
         self.inner.purge_expired(batch).await

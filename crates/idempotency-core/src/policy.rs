@@ -110,11 +110,16 @@ impl Policy {
     }
 
     /// How long after it asked for a lease (or a renewal) its holder can count on it by its
-    /// own clock: the lease, less a margin (a thousandth of it and 5 ms, at most half the
-    /// lease) for the store's millisecond rounding and the two clocks' rates. (Half at most:
-    /// a grant answered within half its lease is run, see `within_lease`, and a tiny test
-    /// lease still leaves its holder time.) The store counts the lease from when
-    /// it ran the call, which is later. Past this the work under the lease is not polled
+    /// own clock: the lease, less a margin (a sixth of it and 5 ms, at most half the lease)
+    /// for the store's millisecond rounding and the two clocks' rates. The holder counts on
+    /// its monotonic clock, the store on its own (Postgres' `clock_timestamp()`, Redis' key
+    /// expiry), and both follow NTP's slewing: chrony corrects an offset (a VM resumed or
+    /// moved) at up to a twelfth of a second per second, its default `maxslewrate`. A
+    /// holder's clock a twelfth slow against a store's a twelfth fast sees the store end the
+    /// lease at 11/13 of it (0.846); a sixth keeps the holder inside that. (Half at most: a
+    /// grant answered within half its lease is run, see `within_lease`, and a tiny test
+    /// lease still leaves its holder time.) The store counts the lease from when it ran the
+    /// call, which is later. Past this the work under the lease is not polled
     /// again until a renewal says the key is still its holder's (see the layer and
     /// [`Executor`](crate::Executor)): a process frozen past its lease wakes with its work
     /// and its overdue renewal both ready, and the work must not go first.
@@ -122,12 +127,12 @@ impl Policy {
     /// ```
     /// use std::time::Duration;
     /// let policy = idempotency_core::Policy::default().with_lease(Duration::from_secs(30));
-    /// assert_eq!(policy.surely_held(), Duration::from_millis(29_965));
+    /// assert_eq!(policy.surely_held(), Duration::from_millis(24_995));
     /// let tiny = policy.with_lease(Duration::from_millis(4));
     /// assert_eq!(tiny.surely_held(), Duration::from_millis(2));
     /// ```
     pub fn surely_held(&self) -> Duration {
-        let margin = (self.lease / 1000 + Duration::from_millis(5)).min(self.lease / 2);
+        let margin = (self.lease / 6 + Duration::from_millis(5)).min(self.lease / 2);
         self.lease - margin
     }
 
