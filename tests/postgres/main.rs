@@ -1643,6 +1643,70 @@ fn claims_that_never_reached_postgres_leave_nothing_to_look_for() {
     });
 }
 
+/// A server that refuses writes — a standby the store's address still names after a
+/// failover, a role fenced with `default_transaction_read_only` — answers every claim
+/// `25006` before it writes anything: nothing was granted, nothing is looked for, and
+/// `may_have_committed` says so. Before, each refused claim was taken for a grant that may
+/// have committed, and looked for every call budget for 70 minutes: at a thousand requests a
+/// second, a misroute of a minute left sixty thousand searches sending releases.
+#[test]
+fn claims_a_read_only_server_refused_are_not_looked_for() {
+    block_on(async {
+        // The shared store migrated the table.
+        let Some(_) = store().await else { return };
+        let url = postgres_url().await;
+        let admin = sqlx::PgPool::connect(&url).await.expect("admin pool");
+        let role = format!("fenced_{}", &fresh_id().to_hex()[..12]);
+        for sql in [
+            format!("CREATE ROLE {role} LOGIN"),
+            format!("ALTER ROLE {role} SET default_transaction_read_only = on"),
+            format!("GRANT ALL ON idempotency_keys TO {role}"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                .execute(&admin)
+                .await
+                .expect(&sql);
+        }
+        let fenced = url.replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+        assert_ne!(fenced, url, "the harness's URL names the user postgres");
+        for per_request in [true, false] {
+            let builder = PostgresStore::builder(&fenced);
+            let builder = if per_request {
+                builder.per_request()
+            } else {
+                builder
+            };
+            let store = Arc::new(builder.connect().await.expect("store"));
+            // Sixteen at once: the batched store sends most of them in shared statements.
+            let claims = (0..16).map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&fresh_id(), &fp("a"), LONG).await })
+            });
+            for answer in futures::future::join_all(claims).await {
+                let answer = answer.expect("task");
+                let Err(Error::Unavailable(source)) = &answer else {
+                    panic!("per-request {per_request}: {answer:?}");
+                };
+                // A batch's callers share its error as text; a lone statement's is sqlx's.
+                if let Some(refused) = source.downcast_ref::<sqlx::Error>() {
+                    assert!(
+                        !idempotency_postgres::may_have_committed(refused),
+                        "{refused}"
+                    );
+                } else {
+                    assert!(!per_request, "{source:?}");
+                }
+            }
+            store.drain().await;
+            assert_eq!(
+                store.grants_in_doubt(),
+                0,
+                "per-request {per_request}: claims the server refused are looked for"
+            );
+        }
+    });
+}
+
 /// A batch of several claims that waits for its connection (the pool busy) leaves out the
 /// claims dropped meanwhile (a runtime shutting down drops the task that runs a claim):
 /// never sent, they write no grant and nothing is looked for, while the batch still answers

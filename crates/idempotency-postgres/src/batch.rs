@@ -687,8 +687,11 @@ fn statement_timed_out(error: &sqlx::Error) -> bool {
 /// Whether a failed statement may have committed all the same. Not when it never left the
 /// pool (a pool timeout), nor when Postgres refused it before or while it ran: the errors
 /// [`give_back`] and [`statement_timed_out`] name, class 42 (no such table, a syntax or
-/// permission error: nothing ran) and class 23 (an integrity constraint refused the row, and
-/// the statement's transaction rolled back). Every other error may come after the commit: the
+/// permission error: nothing ran), class 23 (an integrity constraint refused the row, and
+/// the statement's transaction rolled back) and class 25 (the transaction's state refused
+/// the statement before it ran: `25006`, a read-only server, as a standby still named by the
+/// store's address after a failover, or a role fenced with `default_transaction_read_only`).
+/// Every other error may come after the commit: the
 /// connection broke, or a pooler answered for a server connection that broke after the
 /// statement ran (PgBouncer's `08P01`, its `query_timeout`), as the per-request path
 /// assumes too (`claim`: an error is not "nothing happened"). A give-back too many is fenced
@@ -701,7 +704,7 @@ pub(crate) fn in_doubt(error: &sqlx::Error) -> bool {
                 || statement_timed_out(error)
                 || db
                     .code()
-                    .is_some_and(|code| code.starts_with("42") || code.starts_with("23"));
+                    .is_some_and(|code| ["42", "23", "25"].iter().any(|c| code.starts_with(c)));
             !refused
         }
         _ => true,

@@ -67,8 +67,9 @@ pub use transitions::{StateMachine, StateMachineBuilder, Transition, TransitionE
 /// `false` only when the statement never left the pool (a pool timeout, a closed pool), or
 /// when Postgres refused it before or while it ran and rolled it back: a lock or statement
 /// timeout, a deadlock, a serialization failure, a data exception (class 22), an integrity
-/// violation (class 23), no such table or a syntax or permission error (class 42), a limit
-/// (54000). Anything else may come after the commit: the connection broke, the server shut
+/// violation (class 23), a statement the transaction's state refused (class 25: a read-only
+/// server or role, `25006`), no such table or a syntax or permission error (class 42), a
+/// limit (54000). Anything else may come after the commit: the connection broke, the server shut
 /// down, or a pooler answered for a server connection that broke after the statement ran
 /// (PgBouncer's `08P01`).
 ///
