@@ -162,8 +162,8 @@ async fn first_begin(url: String) -> Result<Begin, Error> {
         .await
 }
 
-/// verify-full and `rediss://` check the server: a certificate from a CA the client does not
-/// trust is refused, with an error that says so, and nothing runs.
+/// verify-full (and verify-ca) and `rediss://` check the server: a certificate from a CA the
+/// client does not trust is refused, with an error that says so, and nothing runs.
 #[test]
 fn a_server_certificate_from_another_ca_is_refused() {
     block_on(async {
@@ -174,14 +174,32 @@ fn a_server_certificate_from_another_ca_is_refused() {
             &tls.ca.ca_path().display().to_string(),
             &stranger.ca_path().display().to_string(),
         );
-        let refused = first_begin(url)
+        // verify-ca checks the chain as verify-full does (not the host name).
+        for url in [url.clone(), url.replace("verify-full", "verify-ca")] {
+            let refused = first_begin(url)
+                .await
+                .expect_err("Postgres with a certificate from an untrusted CA");
+            assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
+            assert!(
+                refused.to_string().to_lowercase().contains("certificate"),
+                "{refused}"
+            );
+        }
+        // `require` encrypts (the server takes TLS only) and checks nothing: what the README
+        // warns of.
+        let require = url
+            .split('?')
+            .next()
+            .map(|base| format!("{base}?sslmode=require"))
+            .expect("url");
+        let unchecked = PostgresStore::builder(require)
+            .connect()
             .await
-            .expect_err("Postgres with a certificate from an untrusted CA");
-        assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
-        assert!(
-            refused.to_string().to_lowercase().contains("certificate"),
-            "{refused}"
-        );
+            .expect("lazy pool");
+        unchecked
+            .migrate()
+            .await
+            .expect("require checks no certificate");
 
         let refused = RedisStore::builder(tls.redis.url())
             .tls_root_certificates(stranger.ca_pem())

@@ -221,7 +221,9 @@ impl Begin {
 /// let lease = Duration::from_secs(30);
 ///
 /// let Begin::Execute(token) = store.begin(&id, &fp, lease).await? else { unreachable!() };
-/// // ... run the operation once ...
+/// // ... run the operation once: an operation that may outlast its lease needs renewals,
+/// // and must stop when one answers `LeaseLost` (a retry took the key over and runs it).
+/// // `Executor` and the HTTP layer do both; a bare `begin` ... `complete` does neither.
 /// store.complete(&id, token, &Outcome::new(201).with_body("ch_1"), Duration::from_secs(3600)).await?;
 ///
 /// // A retry gets the stored outcome instead of running again.

@@ -747,7 +747,12 @@ impl PostgresStore {
     /// [`PostgresStore::builder`], it pings a connection before handing it out only when the
     /// connection or the pool sat idle for 500 ms or more (sqlx's default pings every time):
     /// after a crash or failover under load, each pooled connection fails its next call
-    /// instead of being replaced first.
+    /// instead of being replaced first. Its sessions carry the store's settings: the
+    /// builder's `statement_timeout` (2 s by default: a longer statement of the application's
+    /// is cancelled, `57014`) and `READ COMMITTED` as the default isolation. An application
+    /// whose queries need more time or another level sets them in its transaction (`SET
+    /// LOCAL statement_timeout`, `SET TRANSACTION ISOLATION LEVEL`), or brings its own pool
+    /// ([`PostgresStore::from_pool`]).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -8,6 +8,13 @@ use http::{HeaderValue, Response, StatusCode, header};
 use crate::Body;
 
 /// The problems this middleware answers with. `type` URIs are stable URNs: match on them.
+///
+/// One more type reaches clients, in a replay rather than from the layer: an outcome the
+/// store kept refusing to take is stored as [`Outcome::not_stored`]'s marker, and every retry
+/// is answered `500` `urn:idempotency:problem:outcome-not-stored` with `Idempotent-Replayed:
+/// true` — the request was carried out, and this key will not carry it out again.
+///
+/// [`Outcome::not_stored`]: idempotency_core::Outcome::not_stored
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Problem {
@@ -25,7 +32,9 @@ pub enum Problem {
     StoreUnavailable,
     /// 500: the handler panicked or the store failed unexpectedly; the key was released, or,
     /// under an outcome-unknown policy other than `Reexecute`, kept as an attempt whose
-    /// outcome is unknown.
+    /// outcome is unknown. Or the handler answered and its response body broke off: what is
+    /// known is stored, and retries replay the handler's status and headers with an empty
+    /// body and `Idempotent-Replay-Body: incomplete`.
     Internal,
     /// 404 (admin routes): no live record for this scope and key.
     RecordNotFound,
