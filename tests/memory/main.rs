@@ -148,6 +148,44 @@ async fn a_slow_claim_leaves_the_operation_every_renewal() {
     assert!(!ran.replayed);
 }
 
+/// Renewals that fail for a while (a store blip) hold the operation at its lease's gate, five
+/// sixths of a lease after the last renewal that answered; the executor then renews at once,
+/// as the layer does, and the operation goes on as soon as the store answers. Before, it
+/// waited for its schedule's next tick, a sixth of a lease later (here 2.5 s of its run held
+/// to 3 s; at the default lease, five seconds for every blip of two renewals).
+#[tokio::test(start_paused = true)]
+async fn an_operation_at_its_gate_is_renewed_at_once() {
+    use std::time::Duration;
+
+    use idempotency_core::{Executor, Fingerprint, IdempotencyKey, Policy, Scope};
+    use idempotency_test::late::LateBegin;
+
+    let lease = Duration::from_secs(3);
+    let store = Arc::new(LateBegin::new(MemoryStore::new(), Duration::ZERO));
+    store.fail_renewals(2); // the renewals at 1 s and 2 s
+    let executor = Executor::new(store.clone()).with_policy(Policy::default().with_lease(lease));
+    let (scope, key, fp) = (
+        Scope::new("gate"),
+        IdempotencyKey::new("k").expect("key"),
+        Fingerprint::of(b"p"),
+    );
+    let started = tokio::time::Instant::now();
+    let ran = executor
+        .run(&scope, &key, &fp, || async {
+            tokio::time::sleep(Duration::from_millis(2600)).await;
+            Ok::<_, &str>(1)
+        })
+        .await
+        .expect("the run kept its lease");
+    assert_eq!(ran.value, 1);
+    // Paused time: the run's virtual clock, not the machine's.
+    assert!(
+        started.elapsed() < Duration::from_millis(2700),
+        "held at the gate until the schedule's next renewal: {:?}",
+        started.elapsed()
+    );
+}
+
 /// At shutdown, `drain` waits for what dropped runs left to settle: the outcome of one
 /// dropped after its operation succeeded, the leases of one dropped mid-operation and one
 /// dropped mid-claim.

@@ -925,8 +925,17 @@ fn renew_in_a_task<S: Store + ?Sized>(
         // (up to half a lease, see `within_lease`) as many renewals are left before the lease
         // runs out as after a quick one. One already due fires at once.
         let mut renew = tokio::time::interval_at(asked + every, every);
+        // When to renew out of the schedule: at the gate, once the renewals since the last
+        // that answered failed (the operation is held there until one answers), then again
+        // after a pause while none does — as the layer's `confirm` does. On the schedule
+        // alone the operation waited at the gate for the next tick, a sixth of a lease.
+        let mut at_gate = asked + sure;
         loop {
-            renew.tick().await;
+            tokio::select! {
+                biased;
+                _ = renew.tick() => {}
+                () = tokio::time::sleep_until(at_gate) => {}
+            }
             // A store call that panics is a failed call, not the end of the task: a task
             // that unwound would renew nothing more, and the lease would lapse while the
             // operation still ran (the operation's own `select!` takes a dropped channel for
@@ -939,7 +948,9 @@ fn renew_in_a_task<S: Store + ?Sized>(
                 // The store counts the renewed lease from later than it was asked.
                 Ok(()) => {
                     until = renewing + sure;
+                    at_gate = until;
                     held.send_replace(Held::Until(until));
+                    continue;
                 }
                 Err(Error::LeaseLost) if !accepted.load(Ordering::SeqCst) => {
                     held.send_replace(Held::Lost);
@@ -984,6 +995,11 @@ fn renew_in_a_task<S: Store + ?Sized>(
                     return;
                 }
                 Err(error) => tracing::warn!(%error, record = %id, "could not renew the lease"),
+            }
+            // Unanswered (or not this run's to say): past the gate, asked again after a
+            // pause, not at once in a loop.
+            if Instant::now() >= at_gate {
+                at_gate = Instant::now() + every.min(Duration::from_secs(1));
             }
         }
     });
