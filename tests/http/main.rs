@@ -1044,14 +1044,16 @@ fn a_holder_whose_clock_runs_slow_against_the_stores_stops_before_a_takeover() {
                 send(&router, "POST", Some("k"), &[("x-delay-ms", "3750")], "{}").await
             })
         };
-        tokio::time::sleep(Duration::from_millis(3600)).await;
+        // Counted from when the claim is seen (so from after it was granted): its lease in
+        // the store is over by 3.6 s from then, the handler's effect not due before 3.75 s.
         let id = record_id("k");
-        let fp = store
-            .inspect(&id)
-            .await
-            .expect("inspect")
-            .expect("the record")
-            .fingerprint;
+        let fp = loop {
+            if let Some(record) = store.inspect(&id).await.expect("inspect") {
+                break record.fingerprint;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(3600)).await;
         let taken = store.begin(&id, &fp, lease).await;
         assert!(
             matches!(taken, Ok(idempotency_core::Begin::TakeOver(_))),

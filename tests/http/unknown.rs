@@ -478,18 +478,27 @@ fn a_panicked_handler_under_reject_leaves_the_outcome_unknown() {
 #[test]
 fn an_upgrade_under_reject_leaves_the_outcome_unknown() {
     block_on(async {
-        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
-        let (router, calls, _) =
-            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
-        let upgraded = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
-        assert_eq!(upgraded.status, 101);
-        let retry = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
-        assert_eq!(retry.status, 409, "{}", retry.body);
-        assert_eq!(
-            retry.problem_type(),
-            "urn:idempotency:problem:outcome-unknown"
-        );
-        assert_eq!(calls.get(), 1, "the retry did not run the operation");
+        // Also under a policy that would store every status below 500: a replayed `101`
+        // would upgrade nothing.
+        let storing = idempotency_core::Policy::default().with_cacheable(|status| status < 500);
+        for (n, policy) in [idempotency_core::Policy::default(), storing]
+            .into_iter()
+            .enumerate()
+        {
+            let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+            let (router, calls, _) = app(layer(store.clone())
+                .policy(policy)
+                .on_outcome_unknown(OutcomeUnknown::Reject));
+            let upgraded = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
+            assert_eq!(upgraded.status, 101);
+            let retry = send(&router, "POST", Some("k"), &[("x-fail", "101")], "{}").await;
+            assert_eq!(retry.status, 409, "policy {n}: {}", retry.body);
+            assert_eq!(
+                retry.problem_type(),
+                "urn:idempotency:problem:outcome-unknown"
+            );
+            assert_eq!(calls.get(), 1, "the retry did not run the operation");
+        }
     });
 }
 

@@ -332,7 +332,9 @@ impl IdempotencyLayer {
     }
 
     /// For one retention period after upgrading from a version whose fingerprint took the
-    /// path without `Router::nest`'s prefix: a request behind a nest whose fingerprint does
+    /// path without `Router::nest`'s prefix (a version before `OriginalUri` was read, or a
+    /// build without the `axum` feature, which was off by default before it was on): a
+    /// request behind a nest whose fingerprint does
     /// not match its key's record is asked again with the fingerprint that version gave it,
     /// so that a retry of a request stored before the upgrade replays instead of answering 422
     /// (which tells the client to use a new key, and so to run the operation again). Nothing

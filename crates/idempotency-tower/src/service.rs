@@ -1255,6 +1255,11 @@ fn cacheable(
     parts: &http::response::Parts,
     trailers: Option<&HeaderMap>,
 ) -> bool {
+    // Never a `1xx` (`101 Switching Protocols`), whatever the policy says: its outcome is a
+    // connection, and a replayed `101` upgrades nothing.
+    if parts.status.is_informational() {
+        return false;
+    }
     let status = crate::grpc::status(&parts.headers, trailers);
     policy.is_cacheable(status.unwrap_or(parts.status.as_u16()))
 }
