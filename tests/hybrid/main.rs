@@ -2225,6 +2225,89 @@ fn a_copy_held_up_past_an_operators_release_does_not_land() {
     });
 }
 
+/// An operator's second delete (the one that catches a copy landing after the release) is
+/// tried until Redis takes it, not once: a copy that landed after the first delete, in a
+/// process whose Redis blipped as the second went out, replayed the released record for its
+/// whole retention — from every gateway, though Postgres had no row — when that process made
+/// no Redis call after (the admin CLI exits; a process whose caching is off makes none).
+#[test]
+fn an_operators_second_delete_is_tried_until_redis_takes_it() {
+    use idempotency_test::{conformance::LONG, relay};
+
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let pg = services::postgres().await.expect("postgres");
+        let redis = services::redis().await.expect("redis");
+        let relay = relay::stalling_relay(relay::upstream(redis.url())).await;
+        let prefix = idempotency_test::unique("h");
+        let gateway = hybrid_with_prefix(pg_store(pg.url()).await, redis.url(), &prefix).await;
+        let operator = hybrid_with_prefix(
+            pg_store(pg.url()).await,
+            &relay::through(redis.url(), relay.port),
+            &prefix,
+        )
+        .await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"second delete"));
+        let Begin::Execute(token) = gateway.begin(&id, &fp, LONG).await.expect("begin") else {
+            panic!("a fresh key")
+        };
+        gateway
+            .complete(&id, token, &Outcome::new(201), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        let mut direct = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let key = gateway.redis().key(&id);
+        let copy: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut direct)
+            .await
+            .expect("get");
+        let copy = copy.expect("the outcome's copy");
+        let released = operator
+            .force_release(&id, ReleaseScope::default().with_completed())
+            .await
+            .expect("release");
+        assert_eq!(released, idempotency_core::ForceReleased::Deleted);
+        // A copy on its way (a replay another gateway answered from Postgres just before)
+        // lands after the first delete; the operator's Redis goes down before the second.
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(&copy)
+            .arg("PX")
+            .arg(3_600_000)
+            .query_async(&mut direct)
+            .await
+            .expect("set");
+        relay.cut_off();
+        // The second delete goes out 3.5 s after the release (two Postgres call timeouts, ten
+        // Redis budgets), and fails.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        relay.fail_over();
+        let drained = tokio::time::timeout(Duration::from_secs(30), operator.drain()).await;
+        assert!(drained.is_ok(), "the second delete never got through");
+        let left: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut direct)
+            .await
+            .expect("get");
+        assert!(
+            left.is_none(),
+            "the released record's copy is still in Redis"
+        );
+        let again = gateway.begin(&id, &fp, LONG).await.expect("begin");
+        assert!(
+            matches!(again, Begin::Execute(_)),
+            "a released record replayed from a late copy: {again:?}"
+        );
+    });
+}
+
 /// A replay Postgres answered does not wait for its copy into Redis. Awaited, the copy's
 /// budget came on top of a slow Postgres read, and a slow Redis (here its requests arrive
 /// 1 s late, inside the 3 s budget) held the answer up by that much, or past the claim's

@@ -708,6 +708,10 @@ struct RepairProgress {
 /// The most stale mirrors remembered; past it the oldest are dropped and expire by TTL.
 const MAX_REPAIRS: usize = 100_000;
 
+/// How long an operator's second delete of a record's Redis copy is tried (see
+/// `force_release`): as long as the layer tries a write to a store that is down.
+const SECOND_DELETE_TRIED_FOR: Duration = Duration::from_secs(3600);
+
 /// Stale-mirror deletes sent together (pipelined), and forgotten together once done.
 const REPAIR_CHUNK: usize = 256;
 
@@ -1500,7 +1504,8 @@ impl Store for HybridStore {
     /// replay, that read Postgres before the delete — could land after it: the delete runs
     /// again once every such write is over (two Postgres call timeouts and ten Redis budgets
     /// later: one for the delete to commit, one for a read just before it to be answered,
-    /// and the copy's deadline). When Redis could not be told now, the answer is `Unavailable` (the record is
+    /// and the copy's deadline), and is tried until Redis takes it (for up to an hour;
+    /// `drain` waits for it). When Redis could not be told now, the answer is `Unavailable` (the record is
     /// gone from Postgres; the delete stays queued in this process): call again, which
     /// answers `Absent` once Redis has it.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
@@ -1533,8 +1538,31 @@ impl Store for HybridStore {
                 if called_off.load(Ordering::Acquire) {
                     return;
                 }
-                again.inner.repairs().push((forget, None));
-                again.try_redis(|| async { Ok(()) }).await;
+                // Until Redis takes it: tried once, a blip as it went out left it queued in
+                // this process, and a process that made no Redis call after (the admin CLI
+                // exits; one whose caching is off makes none) left a copy that landed late
+                // replaying the released record for its retention. Bounded as the layer's
+                // writes to a store that is down are (an hour); `drain` waits for it.
+                let given_up_at = tokio::time::Instant::now() + SECOND_DELETE_TRIED_FOR;
+                let mut pause = again.redis.call_budget();
+                loop {
+                    {
+                        // Once in the queue (a try that failed puts its deletes back).
+                        let mut repairs = again.inner.repairs();
+                        if !repairs.queue.contains(&(forget, None)) {
+                            repairs.push((forget, None));
+                        }
+                    }
+                    if again.try_redis(|| async { Ok(()) }).await.is_some() {
+                        return;
+                    }
+                    if tokio::time::Instant::now() >= given_up_at {
+                        tracing::error!(record = %forget, "an operator's release could not delete the record's copy in Redis for an hour: it may replay the released record until its retention ends");
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
             });
             let found = self.pg.force_release(id, scope).await?;
             if matches!(found, ForceReleased::Completed | ForceReleased::Live) {
