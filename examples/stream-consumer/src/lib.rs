@@ -331,6 +331,9 @@ enum Previously {
     OtherAmount,
     /// An attempt holds it: wait.
     Holding,
+    /// An attempt with another amount holds it, its lease run out unfinished: counted as a
+    /// failure of the message, as under the current scope (nothing may ever finish it).
+    Unfinished,
     /// The store could not tell: wait.
     Unknown(String),
 }
@@ -512,7 +515,9 @@ impl Consumer {
     /// the ledger row and the outcome became one transaction (`run_with_claim`), such an
     /// attempt never committed; a record left by a version older than that (its row
     /// committed on its own, under `run`) may have, and is applied again, as that version
-    /// would have.
+    /// would have. An old attempt with another amount whose lease ran out unfinished holds
+    /// the charge id for good: each delivery that meets it counts as a failure of the
+    /// message, dead-lettered after `max_failures`, as under the current scope.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -662,6 +667,17 @@ impl Consumer {
             }
             Previously::Holding => {
                 polled.deferred += 1;
+                return Ok(());
+            }
+            Previously::Unfinished => {
+                let failures = self.count_failure(message).await?;
+                if failures >= self.max_failures {
+                    let reason = unfinished_otherwise_reason(&charge_id, failures);
+                    self.dead_letter(message, delivered, &reason, polled)
+                        .await?;
+                } else {
+                    polled.deferred += 1;
+                }
                 return Ok(());
             }
             Previously::OtherAmount => {
@@ -845,8 +861,9 @@ impl Consumer {
                 }
                 // Ran out unfinished: with the transactional completion, it never committed.
                 // Fenced by a takeover (a stalled transaction of it can no longer store its
-                // outcome, so it rolls back), then let go. Another body's attempt answers
-                // `Mismatch` and is waited out (until the purge of unknown outcomes).
+                // outcome, so it rolls back), then let go. Another amount's attempt answers
+                // `Mismatch`: its worker is gone and nothing may ever finish it, so each such
+                // delivery counts as a failure of the message, as under the current scope.
                 _ => match self.store.begin(&id, fp, Duration::from_secs(30)).await {
                     Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
                         match self.store.release(&id, token).await {
@@ -855,7 +872,8 @@ impl Consumer {
                         }
                     }
                     Ok(Begin::Replay(_)) => Previously::Applied,
-                    Ok(Begin::InFlight { .. } | Begin::Mismatch) => Previously::Holding,
+                    Ok(Begin::InFlight { .. }) => Previously::Holding,
+                    Ok(Begin::Mismatch) => Previously::Unfinished,
                     Err(error) => Previously::Unknown(error.to_string()),
                 },
             },

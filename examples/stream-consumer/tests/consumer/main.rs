@@ -788,51 +788,59 @@ fn claims_that_never_ran_the_effect_do_not_count_toward_dead_lettering() {
 /// whose message was trimmed never finishes: a message naming that charge with another
 /// amount waited for it on every delivery, for ever, neither applied nor dead-lettered. Each
 /// such wait counts as a failure of the message now: it is dead-lettered after
-/// `max_failures` deliveries, and nothing is applied.
+/// `max_failures` deliveries, and nothing is applied. So too when the dead attempt is under
+/// the previous scope of an upgrade (`with_previous_scope`), where it was waited for, for ever.
 #[test]
 fn a_mismatch_with_an_attempt_that_never_finishes_is_dead_lettered_in_the_end() {
     use idempotency::{Fingerprint, IdempotencyKey, RecordId, Store};
     block_on(async {
-        let Some(mut rig) = rig().await else { return };
-        let mut consumer = rig.consumer("c1").await;
-        consumer.setup().await.expect("setup");
-        consumer.claim_idle = Duration::from_millis(50);
-        consumer.max_failures = 3;
-        // The dead worker's claim of `ch_dead` for 100, which it never finished.
-        let id = RecordId::new(
-            &consumer.scope(),
-            &IdempotencyKey::new("ch_dead").expect("key"),
-        );
-        let fingerprint = Fingerprint::of(&100i64.to_be_bytes());
-        let begun = rig
-            .store
-            .begin(&id, &fingerprint, Duration::from_millis(100))
-            .await
-            .expect("begin");
-        assert!(matches!(begun, idempotency::Begin::Execute(_)), "{begun:?}");
-        publish(&mut rig.redis, &rig.stream, "ch_dead", 200)
-            .await
-            .expect("publish");
-        let mut dead_lettered = 0;
-        for _ in 0..10 {
-            tokio::time::sleep(Duration::from_millis(120)).await;
-            let polled = consumer.poll(10).await.expect("poll");
-            assert_eq!(polled.applied, 0, "{polled:?}");
-            dead_lettered += polled.dead_lettered;
-            if rig.pending().await == 0 {
-                break;
+        for previous in [false, true] {
+            let Some(mut rig) = rig().await else { return };
+            let old = Consumer::group_scope(&rig.stream, "ledger");
+            let mut consumer = rig.consumer("c1").await;
+            if previous {
+                consumer = consumer.with_previous_scope(old.clone());
             }
-        }
-        assert_eq!(dead_lettered, 1, "dead-lettered once");
-        assert_eq!(rig.pending().await, 0);
-        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
-        assert_eq!(dead.len(), 1);
-        assert!(
+            consumer.setup().await.expect("setup");
+            consumer.claim_idle = Duration::from_millis(50);
+            consumer.max_failures = 3;
+            // The dead worker's claim of `ch_dead` for 100, which it never finished.
+            let scope = if previous { old } else { consumer.scope() };
+            let id = RecordId::new(&scope, &IdempotencyKey::new("ch_dead").expect("key"));
+            let fingerprint = Fingerprint::of(&100i64.to_be_bytes());
+            let begun = rig
+                .store
+                .begin(&id, &fingerprint, Duration::from_millis(100))
+                .await
+                .expect("begin");
+            assert!(matches!(begun, idempotency::Begin::Execute(_)), "{begun:?}");
+            publish(&mut rig.redis, &rig.stream, "ch_dead", 200)
+                .await
+                .expect("publish");
+            let mut dead_lettered = 0;
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(120)).await;
+                let polled = consumer.poll(10).await.expect("poll");
+                assert_eq!(polled.applied, 0, "{polled:?}");
+                dead_lettered += polled.dead_lettered;
+                if rig.pending().await == 0 {
+                    break;
+                }
+            }
+            assert_eq!(
+                dead_lettered, 1,
+                "previous scope {previous}: dead-lettered once"
+            );
+            assert_eq!(rig.pending().await, 0);
+            let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+            assert_eq!(dead.len(), 1);
+            assert!(
             dead[0]["reason"].starts_with("mismatch: charge ch_dead is held by an attempt with another amount whose lease ran out"),
             "{dead:?}"
         );
-        assert_eq!(dead[0]["payload.amount"], "200");
-        assert!(rig.effects().await.is_empty(), "nothing applied");
+            assert_eq!(dead[0]["payload.amount"], "200");
+            assert!(rig.effects().await.is_empty(), "nothing applied");
+        }
     });
 }
 
