@@ -542,16 +542,15 @@ impl Consumer {
 
     /// Creates the group (from the stream's start) and the ledger table, if missing.
     pub async fn setup(&mut self) -> Result<(), ConsumeError> {
-        let created: redis::RedisResult<()> = self
-            .redis
-            .xgroup_create_mkstream(&self.stream, &self.group, "0")
-            .await;
-        // BUSYGROUP: the group exists already, which is what we want.
-        if let Err(error) = created
-            && error.code() != Some("BUSYGROUP")
-        {
-            return Err(error.into());
-        }
+        // A group it creates starts with no failure counts (one destroyed and made again
+        // would otherwise inherit the old group's: see `CREATE_GROUP`). An existing group
+        // (BUSYGROUP) is what we want, and keeps its counts.
+        let _created: u8 = CREATE_GROUP
+            .key(&self.stream)
+            .key(&self.failures)
+            .arg(&self.group)
+            .invoke_async(&mut self.redis)
+            .await?;
         // The ledger has no unique constraint on purpose: a second effect would show.
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {} (charge_id text NOT NULL, amount bigint NOT NULL, at timestamptz NOT NULL DEFAULT now())",
@@ -1087,12 +1086,34 @@ return 1
 /// values, two a field); the count of those left out is in `payload_omitted`.
 const MAX_PAYLOAD_FIELDS: usize = 1_000;
 
+/// Creates the group (from the stream's start, the stream too if missing) and, only when it
+/// created it, deletes the group's failure counts: a group destroyed and created anew starts
+/// its deliveries afresh, and must start its failures so. Answers 1 if it created the group,
+/// 0 if the group existed. KEYS: stream, failure counts. ARGV: group.
+static CREATE_GROUP: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(
+        r"
+local created = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(created) == 'table' and created.err then
+    if string.find(created.err, 'BUSYGROUP', 1, true) then
+        return 0
+    end
+    return redis.error_reply(created.err)
+end
+redis.call('DEL', KEYS[2])
+return 1
+",
+    )
+});
+
 /// Counts a failed attempt of a message, if it is still pending; answers the count (0 if it
 /// is not: another consumer acknowledged it, after this attempt failed, and dropped its
 /// count, which an increment landing after that would leave behind for ever). A count is
 /// never more than the deliveries the pending list counts: a group destroyed and created
-/// anew starts those afresh, and its messages' failures with them (the count of the old
-/// group's attempts stayed, and dead-lettered a charge after one failure in the new one).
+/// anew by hand (not by `setup`, which deletes the counts) starts those afresh, and so caps
+/// the old group's count (it dead-lettered a charge after one failure in the new one) — but
+/// only until deliveries without a failure (deferrals) pass it: delete
+/// `<stream>:<group>:failures` when making a group again by hand.
 /// KEYS: stream, failure counts. ARGV: group, message id.
 static COUNT_FAILURE: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(

@@ -1608,6 +1608,71 @@ fn a_group_created_again_counts_failures_afresh() {
     });
 }
 
+/// The cap by deliveries above holds a carried-over count down only until deliveries pass
+/// it: a message deferred in the new group (its charge held elsewhere, Postgres down) gains
+/// deliveries without failures, and the old count came back whole — dead-lettered, "failed 3
+/// times", after one failure in the new group. A group `setup` creates starts with no
+/// failure counts at all.
+#[test]
+fn a_group_setup_creates_again_starts_with_no_failure_counts() {
+    use idempotency::{Fingerprint, IdempotencyKey, RecordId, Store};
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.capped_ledger().await;
+        publish(&mut rig.redis, &rig.stream, "ch_huge", 5_000_000)
+            .await
+            .expect("publish");
+        let mut admin = rig.redis.clone();
+        let poll = |name: &'static str| {
+            let rig = &rig;
+            async move {
+                let mut consumer = rig.consumer(name).await;
+                consumer.claim_idle = Duration::from_millis(50);
+                consumer.max_failures = 3;
+                let polled = consumer.poll(10).await.expect("poll");
+                tokio::time::sleep(Duration::from_millis(100)).await; // past `claim_idle`
+                polled
+            }
+        };
+        assert_eq!(poll("c0").await.failed, 1);
+        assert_eq!(poll("c1").await.failed, 1);
+        let _: redis::Value = redis::cmd("XGROUP")
+            .arg("DESTROY")
+            .arg(&rig.stream)
+            .arg("ledger")
+            .query_async(&mut admin)
+            .await
+            .expect("xgroup destroy");
+        let mut creator = rig.consumer("c2").await;
+        creator.setup().await.expect("setup");
+        // The charge held by another worker's live attempt: three deliveries, deferred.
+        let id = RecordId::new(
+            &creator.scope(),
+            &IdempotencyKey::new("ch_huge").expect("key"),
+        );
+        let fingerprint = Fingerprint::of(&5_000_000i64.to_be_bytes());
+        let idempotency::Begin::Execute(token) = rig
+            .store
+            .begin(&id, &fingerprint, Duration::from_secs(30))
+            .await
+            .expect("begin")
+        else {
+            panic!("a fresh charge")
+        };
+        for name in ["c3", "c4", "c5"] {
+            assert_eq!(poll(name).await.deferred, 1);
+        }
+        rig.store.release(&id, token).await.expect("release");
+        let polled = poll("c6").await;
+        assert_eq!(
+            (polled.failed, polled.dead_lettered),
+            (1, 0),
+            "the new group's first failure"
+        );
+        assert!(rig.effects().await.is_empty());
+    });
+}
+
 /// A consumer that dies once it decided a charge dead-lettered, before it moved the message:
 /// the message stays pending, and its next delivery, the cause since gone, dead-letters it
 /// instead of applying the charge. (Moved first, a death there left the charge free.)
