@@ -1544,7 +1544,7 @@ impl Store for HybridStore {
                 // replaying the released record for its retention. Bounded as the layer's
                 // writes to a store that is down are (an hour); `drain` waits for it.
                 let given_up_at = tokio::time::Instant::now() + SECOND_DELETE_TRIED_FOR;
-                let mut pause = again.redis.call_budget();
+                let mut pause = again.redis.call_budget().max(Duration::from_millis(50));
                 loop {
                     {
                         // Once in the queue (a try that failed puts its deletes back).
@@ -1602,9 +1602,12 @@ impl Store for HybridStore {
     ///
     /// An operator's release (`force_release` of a record that is then gone) deletes its
     /// copy in Redis at once and again once every copy that was on its way has landed (two
-    /// Postgres call timeouts and ten Redis budgets later); cut short, a copy on its way would
-    /// replay an outcome Postgres no longer has until its TTL. A process that exits right
-    /// after a release (an admin command) calls `drain` first.
+    /// Postgres call timeouts and ten Redis budgets later), that second delete tried until
+    /// Redis takes it; cut short, a copy on its way would replay an outcome Postgres no
+    /// longer has until its TTL. A process that exits right after a release (an admin
+    /// command) calls `drain` first, bounded (with Redis down the second delete is tried for
+    /// up to an hour): a `drain` cut short is worth a warning that Redis may still hold the
+    /// released record's copy.
     async fn drain(&self) {
         self.inner.settling.close();
         self.inner.settling.wait().await;

@@ -48,7 +48,9 @@
 //!   To apply a dead-lettered charge once its cause is fixed, release its key first
 //!   (`force_release` with `ReleaseScope::with_completed`, or the admin surface; a record
 //!   whose result begins with `dead-lettered `, never one that says `applied`), then
-//!   publish it again.
+//!   publish it again. A message dead-lettered because another amount's attempt that never
+//!   finished holds its charge names the scope of that attempt's record: release that one
+//!   (after an upgrade, the previous scope's), once its worker is known dead.
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it (it may have been applied: the consumer holding it may have been applying
@@ -202,11 +204,14 @@ enum OtherAmount {
 }
 
 /// The dead letter's reason for a charge id held by another amount's attempt whose lease ran
-/// out unfinished.
-fn unfinished_otherwise_reason(charge_id: &str, failures: u64) -> String {
+/// out unfinished, under `scope` (the record to release, once its attempt is known dead, to
+/// apply the charge: the previous scope's after an upgrade, not the ledger's).
+fn unfinished_otherwise_reason(charge_id: &str, failures: u64, scope: &Scope) -> String {
     format!(
         "mismatch: charge {charge_id} is held by an attempt with another amount whose lease ran \
-         out unfinished (failure {failures} of this message; see the ledger and the dead letters)"
+         out unfinished, under scope {} (failure {failures} of this message; see the ledger \
+         and the dead letters)",
+        scope.as_str()
     )
 }
 
@@ -333,7 +338,7 @@ enum Previously {
     Holding,
     /// An attempt with another amount holds it, its lease run out unfinished: counted as a
     /// failure of the message, as under the current scope (nothing may ever finish it).
-    Unfinished,
+    Unfinished(Scope),
     /// The store could not tell: wait.
     Unknown(String),
 }
@@ -668,10 +673,10 @@ impl Consumer {
                 polled.deferred += 1;
                 return Ok(());
             }
-            Previously::Unfinished => {
+            Previously::Unfinished(previous) => {
                 let failures = self.count_failure(message).await?;
                 if failures >= self.max_failures {
-                    let reason = unfinished_otherwise_reason(&charge_id, failures);
+                    let reason = unfinished_otherwise_reason(&charge_id, failures, &previous);
                     self.dead_letter(message, delivered, &reason, polled)
                         .await?;
                 } else {
@@ -754,7 +759,7 @@ impl Consumer {
                     OtherAmount::Unfinished => {
                         let failures = self.count_failure(message).await?;
                         if failures >= self.max_failures {
-                            let reason = unfinished_otherwise_reason(&charge_id, failures);
+                            let reason = unfinished_otherwise_reason(&charge_id, failures, &scope);
                             self.dead_letter(message, delivered, &reason, polled)
                                 .await?;
                         } else {
@@ -872,7 +877,7 @@ impl Consumer {
                     }
                     Ok(Begin::Replay(_)) => Previously::Applied,
                     Ok(Begin::InFlight { .. }) => Previously::Holding,
-                    Ok(Begin::Mismatch) => Previously::Unfinished,
+                    Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
                     Err(error) => Previously::Unknown(error.to_string()),
                 },
             },

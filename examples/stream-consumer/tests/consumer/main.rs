@@ -839,6 +839,11 @@ fn a_mismatch_with_an_attempt_that_never_finishes_is_dead_lettered_in_the_end() 
             "{dead:?}"
         );
             assert_eq!(dead[0]["payload.amount"], "200");
+            // The record to release to apply it, once its attempt is known dead.
+            assert!(
+                dead[0]["reason"].contains(&format!("under scope {} ", scope.as_str())),
+                "{dead:?}"
+            );
             assert!(rig.effects().await.is_empty(), "nothing applied");
         }
     });
