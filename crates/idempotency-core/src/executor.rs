@@ -930,6 +930,7 @@ fn renew_in_a_task<S: Store + ?Sized>(
         // after a pause while none does — as the layer's `confirm` does. On the schedule
         // alone the operation waited at the gate for the next tick, a sixth of a lease.
         let mut at_gate = asked + sure;
+        let after_a_pause = || Instant::now() + every.min(Duration::from_secs(1));
         loop {
             tokio::select! {
                 biased;
@@ -948,7 +949,9 @@ fn renew_in_a_task<S: Store + ?Sized>(
                 // The store counts the renewed lease from later than it was asked.
                 Ok(()) => {
                     until = renewing + sure;
-                    at_gate = until;
+                    // Answered so late that the lease it vouches for may be over already (a
+                    // store slower than a lease): asked again after a pause, not at once.
+                    at_gate = until.max(after_a_pause());
                     held.send_replace(Held::Until(until));
                     continue;
                 }
@@ -999,7 +1002,7 @@ fn renew_in_a_task<S: Store + ?Sized>(
             // Unanswered (or not this run's to say): past the gate, asked again after a
             // pause, not at once in a loop.
             if Instant::now() >= at_gate {
-                at_gate = Instant::now() + every.min(Duration::from_secs(1));
+                at_gate = after_a_pause();
             }
         }
     });
@@ -2427,8 +2430,8 @@ mod tests {
     }
 
     /// A lease of a few milliseconds (tests use them) still runs its operation: the margin
-    /// its holder counts on is at most half the lease. With the full margin (5 ms) nothing
-    /// was left: the operation was never polled, and the run never returned.
+    /// its holder counts on is at most half the lease. With the full margin (a sixth of the
+    /// lease and 5 ms) nothing would be left: the operation was never polled, and the run never returned.
     #[tokio::test]
     async fn an_operation_on_a_tiny_lease_runs() {
         let executor = Executor::new(Arc::new(MemoryStore::new()))

@@ -507,6 +507,19 @@ impl HybridStore {
         }
     }
 
+    /// Deletes whatever Redis holds for `id` (an operator's release): queued as a repair
+    /// (once: a try that failed puts its deletes back), run by the repair step every Redis
+    /// call takes first. `Some` once Redis took it and every repair queued before it.
+    async fn forget_in_redis(&self, id: &RecordId) -> Option<()> {
+        {
+            let mut repairs = self.inner.repairs();
+            if !repairs.queue.contains(&(*id, None)) {
+                repairs.push((*id, None));
+            }
+        }
+        self.try_redis(|| async { Ok(()) }).await
+    }
+
     /// Runs a Redis call through the breaker. `None` means "Redis had nothing to say": it is
     /// skipped (breaker open), failed or timed out. Never an error: Redis is an optimisation.
     ///
@@ -1546,14 +1559,7 @@ impl Store for HybridStore {
                 let given_up_at = tokio::time::Instant::now() + SECOND_DELETE_TRIED_FOR;
                 let mut pause = again.redis.call_budget().max(Duration::from_millis(50));
                 loop {
-                    {
-                        // Once in the queue (a try that failed puts its deletes back).
-                        let mut repairs = again.inner.repairs();
-                        if !repairs.queue.contains(&(forget, None)) {
-                            repairs.push((forget, None));
-                        }
-                    }
-                    if again.try_redis(|| async { Ok(()) }).await.is_some() {
+                    if again.forget_in_redis(&forget).await.is_some() {
                         return;
                     }
                     if tokio::time::Instant::now() >= given_up_at {
@@ -1573,9 +1579,7 @@ impl Store for HybridStore {
             }
             // A mirror or a copy this process was still writing would land after the delete.
             self.writes_landed(id).await;
-            self.inner.repairs().push((*id, None));
-            // Run by the repair step every Redis call takes first.
-            match self.try_redis(|| async { Ok(()) }).await {
+            match self.forget_in_redis(id).await {
                 Some(()) => Ok(found),
                 None => Err(Error::unavailable(
                     "released in Postgres, but Redis could not be told yet: its copy is \

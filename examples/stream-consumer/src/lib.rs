@@ -674,15 +674,9 @@ impl Consumer {
                 return Ok(());
             }
             Previously::Unfinished(previous) => {
-                let failures = self.count_failure(message).await?;
-                if failures >= self.max_failures {
-                    let reason = unfinished_otherwise_reason(&charge_id, failures, &previous);
-                    self.dead_letter(message, delivered, &reason, polled)
-                        .await?;
-                } else {
-                    polled.deferred += 1;
-                }
-                return Ok(());
+                return self
+                    .wait_for_unfinished(message, delivered, &charge_id, &previous, polled)
+                    .await;
             }
             Previously::OtherAmount => {
                 let reason = applied_otherwise_reason(&charge_id);
@@ -757,14 +751,8 @@ impl Consumer {
                             .await?;
                     }
                     OtherAmount::Unfinished => {
-                        let failures = self.count_failure(message).await?;
-                        if failures >= self.max_failures {
-                            let reason = unfinished_otherwise_reason(&charge_id, failures, &scope);
-                            self.dead_letter(message, delivered, &reason, polled)
-                                .await?;
-                        } else {
-                            polled.deferred += 1;
-                        }
+                        self.wait_for_unfinished(message, delivered, &charge_id, &scope, polled)
+                            .await?;
                     }
                     OtherAmount::InFlight => polled.deferred += 1,
                 }
@@ -822,6 +810,29 @@ impl Consumer {
             .arg(&message.id)
             .invoke_async(&mut self.redis)
             .await?)
+    }
+
+    /// A delivery that finds the charge held by another amount's attempt whose lease ran out
+    /// unfinished, its record under `scope`: nothing may ever finish it, so the wait counts
+    /// as a failure of the message, which is dead-lettered after `max_failures` of them
+    /// (naming `scope`, where the record to release is) and deferred until then.
+    async fn wait_for_unfinished(
+        &mut self,
+        message: &Entry,
+        delivered: u64,
+        charge_id: &str,
+        scope: &Scope,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
+        let failures = self.count_failure(message).await?;
+        if failures >= self.max_failures {
+            let reason = unfinished_otherwise_reason(charge_id, failures, scope);
+            self.dead_letter(message, delivered, &reason, polled)
+                .await?;
+        } else {
+            polled.deferred += 1;
+        }
+        Ok(())
     }
 
     /// Acknowledges a message whose charge is applied (now, or before).
