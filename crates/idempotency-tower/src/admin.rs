@@ -74,16 +74,23 @@ use crate::Problem;
 /// reconciling its attempt: afterwards the key runs again as new, not as "outcome unknown".
 ///
 /// **A `503` does not say nothing happened.** The store did not answer in time, or (the
-/// hybrid store) it released the record in Postgres and could not yet tell Redis, which it
-/// goes on doing: repeat the `DELETE` until it answers `404` (a `GET` reads Postgres alone,
-/// and its `404` does not say Redis was told).
+/// hybrid store) it released the record in Postgres and could not yet tell Redis, which the
+/// process that answered goes on trying (for up to an hour: keep it running). Do not repeat
+/// the `DELETE` blindly: `GET` the record first. A `404`, or a record that is not the one
+/// you meant (another `created_at`: a request ran under the key since), says Postgres
+/// released yours — a repeated `DELETE ?completed=true` or `?live=true` would release the
+/// new request's record and let it run again, and while Redis is down a repeat never
+/// answers `404` (a `GET` reads Postgres alone, and its `404` does not say Redis was told).
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may
 /// hold `/`: `order/42` is `order%2F42`). The key is read as the layer reads the header: the
 /// sf-string `"order-42"` (`%22order-42%22`) and the bare `order-42` name one record. A path
 /// with a segment too many (a `/` left unencoded) is `400`, never another record:
-/// `/idempotency/keys/a/b` does not name key `b` of scope `a`. A malformed key is `400`, an unreachable store `503`, a path under the
+/// `/idempotency/keys/a/b` does not name key `b` of scope `a`. A scope or key that is `.` or
+/// `..` is sent as `%2E` / `%2E%2E` by a client that leaves dot-segments alone (`curl
+/// --path-as-is`): most clients remove them, even encoded, so `scopes/../keys/k` would
+/// arrive as `keys/k`, the global scope's key. A malformed key is `400`, an unreachable store `503`, a path under the
 /// routes that names nothing `404` (`400` under `idempotency/scopes/`, most often an
 /// unencoded `/`), a method they do not take `405` with `Allow`, a `PUT` body over the
 /// router's body limit (axum's `DefaultBodyLimit`, 2 MB unless set) `413`: all problem+json.
