@@ -17,7 +17,8 @@ use std::{
 };
 
 use idempotency_core::{
-    Begin, Error, Fingerprint, IdempotencyKey, Outcome, RecordId, ReleaseScope, Scope, Store,
+    Begin, Error, Fingerprint, IdempotencyKey, Inspection, Outcome, RecordId, RecordState,
+    ReleaseScope, Scope, Store,
 };
 use idempotency_hybrid::{BreakerConfig, BreakerState, HybridStore};
 use idempotency_postgres::PostgresStore;
@@ -1846,12 +1847,15 @@ fn callers_handed_a_repair_backlog_as_their_budget_ends_do_not_open_the_breaker(
     });
 }
 
-/// An operator's `force_release` while Redis is unreachable: Postgres forgets the record at
-/// once, but the answer is `Unavailable` (Redis still holds the outcome, which would replay
-/// the deleted record); the delete stays queued and runs before Redis answers this process
-/// again, and the call made again answers `Absent`. The next request executes.
+/// An operator's `force_release` of a completed record while Redis is unreachable changes
+/// nothing and says so (`Unavailable`): Redis still holds the outcome, which would replay the
+/// record from every gateway. Postgres deleted it first before, answered `Unavailable` all the
+/// same, and the operator's call made again (as that answer invited) found the record of the
+/// request that had run under the key since and deleted it: the key ran a third time. Once
+/// Redis answers, the release deletes both. An in-flight record is released while Redis is
+/// down, and the answer says so: its mirror is deleted once Redis is back.
 #[test]
-fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_copy() {
+fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
     block_on(async {
         if services::skipping() {
             return;
@@ -1874,36 +1878,74 @@ fn a_force_release_while_redis_is_down_is_unavailable_until_redis_forgot_the_cop
             store.redis().peek(&id, &fp).await,
             Ok(idempotency_redis::Peek::Found(Begin::Replay(_)))
         ));
+        let (held, held_fp) = (
+            idempotency_test::conformance::fresh_id(),
+            Fingerprint::of(b"held"),
+        );
+        let Begin::Execute(_) = store.begin(&held, &held_fp, LEASE).await.expect("begin") else {
+            panic!("a fresh key executes")
+        };
+        mirror_landed(&store, &held, &held_fp).await;
 
         redis.pause().await;
-        let answer = store
-            .force_release(&id, ReleaseScope::default().with_completed())
-            .await;
-        assert!(
-            matches!(answer, Err(Error::Unavailable(_))),
-            "Redis still holds the copy: {answer:?}"
-        );
+        for _ in 0..2 {
+            let answer = store
+                .force_release(&id, ReleaseScope::default().with_completed())
+                .await;
+            assert!(
+                matches!(answer, Err(Error::Unavailable(_))),
+                "Redis still holds the copy: {answer:?}"
+            );
+            assert!(
+                matches!(
+                    store.postgres().inspect(&id).await.expect("inspect"),
+                    Some(Inspection {
+                        state: RecordState::Completed { status: 201 },
+                        ..
+                    })
+                ),
+                "nothing was released"
+            );
+            let retry = store.begin(&id, &fp, LEASE).await.expect("begin");
+            assert!(
+                matches!(retry, Begin::Replay(_)),
+                "a retry ran the key again: {retry:?}"
+            );
+        }
         assert_eq!(
-            store.postgres().inspect(&id).await.expect("inspect"),
-            None,
-            "Postgres forgot it at once"
+            store
+                .force_release(&held, ReleaseScope::default().with_live())
+                .await
+                .expect("an in-flight record is released while Redis is down"),
+            idempotency_core::ForceReleased::Released
         );
         redis.unpause().await;
 
         assert!(breaker_closes(&store).await, "{:?}", store.metrics());
         assert!(
             matches!(
-                store.redis().peek(&id, &fp).await,
+                store.redis().peek(&held, &held_fp).await,
                 Ok(idempotency_redis::Peek::Absent)
             ),
-            "the queued delete ran before Redis answered again"
+            "the released lease's mirror was deleted before Redis answered again"
         );
+        assert!(matches!(
+            store.begin(&held, &held_fp, LEASE).await.expect("begin"),
+            Begin::Execute(_)
+        ));
         assert_eq!(
             store
                 .force_release(&id, ReleaseScope::default().with_completed())
                 .await
                 .expect("force_release"),
-            idempotency_core::ForceReleased::Absent
+            idempotency_core::ForceReleased::Deleted
+        );
+        assert!(
+            matches!(
+                store.redis().peek(&id, &fp).await,
+                Ok(idempotency_redis::Peek::Absent)
+            ),
+            "the copy is gone"
         );
         assert!(matches!(
             store.begin(&id, &fp, LEASE).await.expect("begin"),

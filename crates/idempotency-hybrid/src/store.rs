@@ -1518,11 +1518,29 @@ impl Store for HybridStore {
     /// again once every such write is over (two Postgres call timeouts and ten Redis budgets
     /// later: one for the delete to commit, one for a read just before it to be answered,
     /// and the copy's deadline), and is tried until Redis takes it (for up to an hour;
-    /// `drain` waits for it). When Redis could not be told now, the answer is `Unavailable` (the record is
-    /// gone from Postgres; the delete stays queued in this process): call again, which
-    /// answers `Absent` once Redis has it.
+    /// `drain` waits for it).
+    ///
+    /// With [`ReleaseScope::completed`], Redis is told first, and while it cannot be the
+    /// answer is `Unavailable` and nothing changed: a completed record's copy would replay it
+    /// for its retention from every gateway. An in-flight record is released (and the answer
+    /// says so) while Redis is unreachable: its mirror lives no longer than its lease, and
+    /// its delete stays queued in this process.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
+            // A completed record's copy in Redis replays it for its whole retention, from
+            // every gateway, without asking Postgres: Redis is told before Postgres forgets
+            // it, and nothing changes while Redis cannot be. Deleted in Postgres first, the
+            // answer could only be "released, but Redis still replays it, in every
+            // process, unless this one lives until Redis is back" — and an operator who
+            // repeated the call then deleted the record of a request that ran since, which
+            // ran again. (A lease's mirror lives no longer than the lease: an in-flight
+            // record is released whether or not Redis answers.)
+            if scope.completed && self.forget_in_redis(id).await.is_none() {
+                return Err(Error::unavailable(
+                    "Redis could not be told, so nothing was released (its copy would go on \
+                     replaying the record): call again once Redis answers",
+                ));
+            }
             // From before Postgres is asked until the end (or a drop): a completion that
             // wrote its row before this delete and finds its mirror gone after it must not
             // copy its outcome back.
@@ -1573,19 +1591,24 @@ impl Store for HybridStore {
             let found = self.pg.force_release(id, scope).await?;
             if matches!(found, ForceReleased::Completed | ForceReleased::Live) {
                 // Kept in Postgres. The delete queued above still drops its copy in Redis:
-                // one cache miss, never an answer Postgres would not give.
+                // one cache miss, never an answer Postgres would not give. Sent now, not at
+                // this process's next Redis call: the admin CLI makes none, and a copy left
+                // from before a release whose second delete never got through (a record
+                // since made again while Redis was down) would replay the old outcome.
                 kept.store(true, Ordering::Release);
+                self.forget_in_redis(id).await;
                 return Ok(found);
             }
             // A mirror or a copy this process was still writing would land after the delete.
             self.writes_landed(id).await;
-            match self.forget_in_redis(id).await {
-                Some(()) => Ok(found),
-                None => Err(Error::unavailable(
-                    "released in Postgres, but Redis could not be told yet: its copy is \
-                     queued for deletion in this process; call again",
-                )),
+            if self.forget_in_redis(id).await.is_none() {
+                // Released all the same, and said so: an error would invite the call again,
+                // and a repeat releases whatever request claimed the key since. What Redis
+                // may still hold is a lease's mirror (over with the lease) or a copy sent
+                // just now; the second delete above is tried until Redis takes it.
+                tracing::warn!(record = %id, "released in Postgres while Redis could not be told: its copy is deleted once Redis answers this process");
             }
+            Ok(found)
         })
         .await
     }

@@ -73,14 +73,15 @@ use crate::Problem;
 /// stuck (it renews its lease while it runs). Release even a lease that ran out only after
 /// reconciling its attempt: afterwards the key runs again as new, not as "outcome unknown".
 ///
-/// **A `503` does not say nothing happened.** The store did not answer in time, or (the
-/// hybrid store) it released the record in Postgres and could not yet tell Redis, which the
-/// process that answered goes on trying (for up to an hour: keep it running). Do not repeat
-/// the `DELETE` blindly: `GET` the record first. A `404`, or a record that is not the one
-/// you meant (another `created_at`: a request ran under the key since), says Postgres
-/// released yours — a repeated `DELETE ?completed=true` or `?live=true` would release the
-/// new request's record and let it run again, and while Redis is down a repeat never
-/// answers `404` (a `GET` reads Postgres alone, and its `404` does not say Redis was told).
+/// **A `503` does not say nothing happened.** The store did not answer in time: its delete
+/// may have committed all the same. Do not repeat the `DELETE` blindly: `GET` the record
+/// first. A `404`, or a record that is not the one you meant (another `created_at`: a
+/// request ran under the key since), says yours was released — a repeated `DELETE
+/// ?completed=true` or `?live=true` would release the new request's record and let it run
+/// again. (The hybrid store, asked with `?completed=true` while Redis is unreachable,
+/// answers `503` having changed nothing: the record's copy in Redis would go on replaying
+/// it. An in-flight record it releases whether or not Redis answers, and says so; the
+/// process that answered deletes the lease's mirror once Redis is back.)
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may

@@ -104,7 +104,12 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .await
                 .is_err()
             {
-                eprintln!("warning: the release's last Redis delete did not finish within 30 s");
+                eprintln!(
+                    "warning: the release's last Redis delete did not finish within 30 s: Redis \
+                     may still hold a copy of the record; once it answers, run this release \
+                     again without --live or --completed (it deletes the copy and keeps any \
+                     record a request made since)"
+                );
             }
             Ok(match released? {
                 ForceReleased::Released => {

@@ -1045,12 +1045,13 @@ fn hybrid_mode_crash_after_charge_is_reconciled() {
     in_mode("hybrid", crash_after_charge);
 }
 
-/// `admin release --completed` in hybrid mode while Redis refuses writes: Postgres deletes
-/// the record, the command reports the error (Redis still holds the copy) — and it still
-/// waits for the release's second Redis delete before it exits. The old command exited on
-/// the error at once, and the copy then replayed the deleted record for its whole TTL.
+/// `admin release --completed` in hybrid mode while Redis refuses writes: nothing is released
+/// (Redis still holds the copy, which would replay the record), and the command says so and
+/// exits 2; run again once Redis answers, it deletes the record and its copy. (Postgres
+/// deleted the record before and the command said "call again": a repeat after a request had
+/// run under the key since released that request's record, which ran again.)
 #[test]
-fn hybrid_mode_a_cli_release_redis_refused_still_deletes_the_copy() {
+fn hybrid_mode_a_cli_release_redis_refused_releases_nothing_until_it_answers() {
     use idempotency::{IdempotencyKey, RecordId, Scope, redis::redis};
 
     block_on(async {
@@ -1106,26 +1107,39 @@ fn hybrid_mode_a_cli_release_redis_refused_still_deletes_the_copy() {
             .query_async(&mut conn)
             .await
             .expect("CLIENT PAUSE");
-        let released = tokio::task::spawn_blocking(move || {
-            let mut command = Command::new(BIN);
-            command
-                .env_remove("DATABASE_URL")
-                .env_remove("REDIS_URL")
-                .env_remove("IDEMPOTENCY_STORE")
-                .args(["admin", "release", "--completed"])
-                .args(["--scope", &account, "--key", &key]);
-            for (k, v) in &env {
-                command.env(k, v);
-            }
-            command.output().expect("run payments-demo admin")
-        })
-        .await
-        .expect("cli");
+        let cli = |args: &'static [&'static str]| {
+            let (env, account, key) = (env.clone(), account.clone(), key.clone());
+            tokio::task::spawn_blocking(move || {
+                let mut command = Command::new(BIN);
+                command
+                    .env_remove("DATABASE_URL")
+                    .env_remove("REDIS_URL")
+                    .env_remove("IDEMPOTENCY_STORE")
+                    .arg("admin")
+                    .args(args)
+                    .args(["--scope", &account, "--key", &key]);
+                for (k, v) in &env {
+                    command.env(k, v);
+                }
+                command.output().expect("run payments-demo admin")
+            })
+        };
+        let released = cli(&["release", "--completed"]).await.expect("cli");
         assert_eq!(released.status.code(), Some(2), "{released:?}");
         assert!(
-            String::from_utf8_lossy(&released.stderr).contains("call again"),
+            String::from_utf8_lossy(&released.stderr).contains("nothing was released"),
             "{released:?}"
         );
+        // The pause is over: the record is still there, completed.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let inspected = cli(&["inspect"]).await.expect("cli");
+        assert_eq!(inspected.status.code(), Some(0), "{inspected:?}");
+        assert!(
+            String::from_utf8_lossy(&inspected.stdout).contains(r#""state":"completed""#),
+            "{inspected:?}"
+        );
+        let released = cli(&["release", "--completed"]).await.expect("cli");
+        assert_eq!(released.status.code(), Some(0), "{released:?}");
         let left: bool = redis::cmd("EXISTS")
             .arg(&record)
             .query_async(&mut conn)
