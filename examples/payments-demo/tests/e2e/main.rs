@@ -844,6 +844,28 @@ fn the_cli_documents_its_flags_and_refuses_bad_ones() {
 /// The operator's surface, over HTTP and from the command line, against the same store: a
 /// charge's record seen completed, kept against a plain release, deleted when asked; the
 /// routes refuse anyone without the token, and are not there at all without `ADMIN_TOKEN`.
+/// `payments-demo admin <args> --scope <account> --key <key>`, with only `env`'s variables
+/// naming the store.
+fn admin_cli(
+    env: &[(&str, &str)],
+    account: &str,
+    key: &str,
+    args: &[&str],
+) -> std::process::Output {
+    let mut command = Command::new(BIN);
+    command
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env_remove("IDEMPOTENCY_STORE")
+        .arg("admin")
+        .args(args)
+        .args(["--scope", account, "--key", key]);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect("run payments-demo admin")
+}
+
 fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     let mut with_token = env.to_vec();
     with_token.push(("ADMIN_TOKEN", "s3cret-operator-token"));
@@ -886,20 +908,7 @@ fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     assert_problem(&kept, 409);
 
     // The command line, on the store the server runs on.
-    let cli_for = |args: &[&str], key: &str| {
-        let mut command = Command::new(BIN);
-        command
-            .env_remove("DATABASE_URL")
-            .env_remove("REDIS_URL")
-            .env_remove("IDEMPOTENCY_STORE")
-            .arg("admin")
-            .args(args)
-            .args(["--scope", &account, "--key", key]);
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        command.output().expect("run payments-demo admin")
-    };
+    let cli_for = |args: &[&str], key: &str| admin_cli(env, &account, key, args);
     let cli = |args: &[&str]| cli_for(args, &key);
     let inspected = cli(&["inspect"]);
     assert_eq!(inspected.status.code(), Some(0), "{inspected:?}");
@@ -1110,18 +1119,8 @@ fn hybrid_mode_a_cli_release_redis_refused_releases_nothing_until_it_answers() {
         let cli = |args: &'static [&'static str]| {
             let (env, account, key) = (env.clone(), account.clone(), key.clone());
             tokio::task::spawn_blocking(move || {
-                let mut command = Command::new(BIN);
-                command
-                    .env_remove("DATABASE_URL")
-                    .env_remove("REDIS_URL")
-                    .env_remove("IDEMPOTENCY_STORE")
-                    .arg("admin")
-                    .args(args)
-                    .args(["--scope", &account, "--key", &key]);
-                for (k, v) in &env {
-                    command.env(k, v);
-                }
-                command.output().expect("run payments-demo admin")
+                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                admin_cli(&env, &account, &key, args)
             })
         };
         let released = cli(&["release", "--completed"]).await.expect("cli");
