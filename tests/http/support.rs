@@ -180,6 +180,9 @@ pub(crate) struct Rigged {
     pub(crate) store_clock_rate: Option<f64>,
     /// Set: renewals fail (`Unavailable`: the store out of reach).
     pub(crate) renewals_unavailable: std::sync::atomic::AtomicBool,
+    /// Armed: right after the next `inspect` read, the record is released and another
+    /// request (this fingerprint) claims the key.
+    pub(crate) replace_after_inspect: std::sync::Mutex<Option<idempotency_core::Fingerprint>>,
 }
 
 impl Rigged {
@@ -251,7 +254,18 @@ impl Store for Rigged {
         &self,
         id: &idempotency_core::RecordId,
     ) -> idempotency_core::Result<Option<idempotency_core::Inspection>> {
-        self.inner.inspect(id).await
+        let read = self.inner.inspect(id).await;
+        let armed = self.replace_after_inspect.lock().expect("lock").take();
+        if let Some(another) = armed {
+            let scope = idempotency_core::ReleaseScope::default()
+                .with_live()
+                .with_completed();
+            self.inner.force_release(id, scope).await?;
+            self.inner
+                .begin(id, &another, Duration::from_secs(30))
+                .await?;
+        }
+        read
     }
     async fn force_release(
         &self,

@@ -763,6 +763,39 @@ async fn resolved_and_replayed(store: Arc<dyn Store>) {
     );
 }
 
+/// The attempt's record released and the key claimed by another request (another body)
+/// between the resolution's read and its takeover: nothing is stored, and the answer says
+/// that another request holds the key (`record-replaced`). Before, it said the record was
+/// completed and its outcome replayed already, about a key whose record was in flight.
+#[test]
+fn a_resolution_that_finds_another_requests_record_says_so() {
+    block_on(async {
+        let rigged = Arc::new(crate::support::Rigged::default());
+        let store: Arc<dyn Store> = rigged.clone();
+        let (key, id) = crashed_attempt(&*store).await;
+        let another = Fingerprint::of(b"another request");
+        *rigged.replace_after_inspect.lock().expect("lock") = Some(another);
+        let found = r#"{"status": 201, "body": "{\"id\":\"ch_found\"}"}"#;
+        let resolved = operator(&store, "PUT", &key, found).await;
+        assert_eq!(resolved.status, 409, "{}", resolved.body);
+        assert_eq!(
+            resolved.problem_type(),
+            "urn:idempotency:problem:record-replaced",
+            "{}",
+            resolved.body
+        );
+        let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+        assert_eq!(
+            kept.fingerprint, another,
+            "the other request's record stays"
+        );
+        assert!(
+            matches!(kept.state, idempotency_core::RecordState::InFlight { .. }),
+            "nothing was stored: {kept:?}"
+        );
+    });
+}
+
 /// What the resolving `PUT` refuses, each with a problem that says why, storing nothing: a
 /// body it cannot read, a record that is not an attempt whose outcome is unknown.
 #[test]

@@ -162,11 +162,16 @@ pub enum Resolved {
     /// retry is being told its outcome is unknown. Nothing changed: look again once the
     /// lease ran out.
     Live,
-    /// The record is completed (now or since it was read): its outcome replays already, or
-    /// another request used the key. Nothing changed.
+    /// The record is completed (now or since it was read): its outcome replays already.
+    /// Nothing changed.
     Completed,
     /// There is no live record under this id. Nothing changed.
     Absent,
+    /// Another request's record holds the key: the attempt's was released (or purged) after
+    /// it was read, and a request with another fingerprint claimed the key. Nothing changed:
+    /// the attempt has no record left to resolve, and the key's retries get that request's
+    /// answers.
+    Replaced,
 }
 
 /// The lease [`resolve_unknown`] holds while it stores the outcome.
@@ -224,7 +229,9 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
     {
         Begin::TakeOver(token) | Begin::Execute(token) => token,
         Begin::InFlight { .. } => return Ok(Resolved::Live),
-        Begin::Replay(_) | Begin::Mismatch => return Ok(Resolved::Completed),
+        Begin::Replay(_) => return Ok(Resolved::Completed),
+        // The attempt's own fingerprint, refused: another request's record, since.
+        Begin::Mismatch => return Ok(Resolved::Replaced),
     };
     match store.complete(id, token, outcome, retention).await {
         Ok(()) => Ok(Resolved::Stored),

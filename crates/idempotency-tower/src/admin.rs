@@ -42,8 +42,9 @@ use crate::Problem;
 ///   unknown (an in-flight record whose lease ran out) as having taken effect: the JSON body
 ///   is the response its retries get from now on, stored as the key's outcome, and `204`
 ///   (below). `409` problem+json for a live lease (its holder, or a retry being told the
-///   outcome is unknown, holds it: look again) and for a completed record; `404` when there
-///   is none;
+///   outcome is unknown, holds it: look again), for a completed record, and for a record
+///   another request (another body) made after the attempt's was released since it was read
+///   (`record-replaced`); `404` when there is none;
 /// - the same three at `/idempotency/keys/{key}` for the global scope.
 ///
 /// **Resolving.** Under [`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject) an
@@ -503,8 +504,12 @@ async fn resolve(
         ),
         Ok(Resolved::Completed) => problem(
             Problem::RecordCompleted,
-            "the record is completed: its outcome replays to retries already (or another \
-             request used the key since it was read)",
+            "the record is completed: its outcome replays to retries already",
+        ),
+        Ok(Resolved::Replaced) => problem(
+            Problem::RecordReplaced,
+            "the attempt's record was released since it was read, and a request with another \
+             body holds the key now: nothing was stored (GET shows that request's record)",
         ),
         Ok(Resolved::Absent) => problem(
             Problem::RecordNotFound,

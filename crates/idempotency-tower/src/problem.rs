@@ -56,6 +56,9 @@ pub enum Problem {
     NoSuchRoute,
     /// 405 (admin routes): a method the path does not take (`Allow` lists those it does).
     MethodNotAllowed,
+    /// 409 (admin routes): the record to resolve was released since it was read, and
+    /// another request (another body) holds the key now; nothing was stored.
+    RecordReplaced,
 }
 
 impl Problem {
@@ -77,6 +80,7 @@ impl Problem {
             Self::Unauthenticated => "urn:idempotency:problem:unauthenticated",
             Self::NoSuchRoute => "urn:idempotency:problem:no-such-route",
             Self::MethodNotAllowed => "urn:idempotency:problem:method-not-allowed",
+            Self::RecordReplaced => "urn:idempotency:problem:record-replaced",
         }
     }
 
@@ -84,9 +88,11 @@ impl Problem {
     pub fn status(self) -> StatusCode {
         match self {
             Self::MissingKey | Self::InvalidKey | Self::InvalidRequest => StatusCode::BAD_REQUEST,
-            Self::InFlight | Self::RecordCompleted | Self::LeaseLive | Self::OutcomeUnknown => {
-                StatusCode::CONFLICT
-            }
+            Self::InFlight
+            | Self::RecordCompleted
+            | Self::LeaseLive
+            | Self::OutcomeUnknown
+            | Self::RecordReplaced => StatusCode::CONFLICT,
             Self::RecordNotFound | Self::NoSuchRoute => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Unauthenticated => StatusCode::UNAUTHORIZED,
@@ -115,6 +121,7 @@ impl Problem {
             Self::Unauthenticated => "No principal to scope the Idempotency-Key to",
             Self::NoSuchRoute => "No such admin route",
             Self::MethodNotAllowed => "Method not allowed",
+            Self::RecordReplaced => "Another request holds the key",
         }
     }
 
