@@ -735,6 +735,58 @@ fn an_evicting_redis_is_refused_unless_accepted() {
     });
 }
 
+/// A Redis that refuses `CONFIG` (managed Redis: ElastiCache renames it away, and its default
+/// policy, `volatile-lru`, evicts records, each of which has a TTL) is checked through `INFO
+/// memory`: refused when it evicts, started when it does not. Before, any refusal of `CONFIG`
+/// started the store with a warning, even under `EvictionCheck::Refuse`.
+#[test]
+fn an_evicting_redis_that_refuses_config_is_refused_too() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let without_config = |policy: &str| RedisOptions {
+            args: [
+                "--maxmemory",
+                "64mb",
+                "--maxmemory-policy",
+                policy,
+                "--rename-command",
+                "CONFIG",
+                "",
+            ]
+            .map(String::from)
+            .to_vec(),
+        };
+        let lru = services::start_redis(without_config("volatile-lru")).await;
+        let mut conn = redis::Client::open(lru.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let config: redis::RedisResult<redis::Value> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        assert!(config.is_err(), "CONFIG is renamed away: {config:?}");
+        match RedisStore::builder(lru.url()).connect().await {
+            Err(Error::Config(why)) => assert!(why.contains("volatile-lru"), "{why}"),
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+        RedisStore::builder(lru.url())
+            .eviction_check(EvictionCheck::Warn)
+            .connect()
+            .await
+            .expect("accepted explicitly");
+        let kept = services::start_redis(without_config("noeviction")).await;
+        RedisStore::builder(kept.url())
+            .connect()
+            .await
+            .expect("noeviction starts without CONFIG");
+    });
+}
+
 /// A `begin` that answered `Unavailable` must leave nothing behind that changes the next
 /// answer. A hung Redis (paused) runs the queued claim when it resumes; before, that claim
 /// held the key "in flight" for the whole lease with a token nobody had. Now the claim is

@@ -236,10 +236,11 @@ const COPY_DEADLINE_BUDGETS: u32 = 4;
 ///
 /// **Redis alone is not a guarantee.** An evicted, flushed or lost key is a forgotten record,
 /// and the next retry executes again. [`RedisStoreBuilder::connect`] therefore refuses a Redis
-/// whose `maxmemory-policy` evicts (anything but `noeviction`) unless told to accept it (a
-/// server that refuses `CONFIG`, as managed Redis often does, cannot be checked: the store
-/// starts with a warning, and the policy is yours to check), and persistence/failover loss
-/// remains. For money, put Postgres behind it (the hybrid store).
+/// whose `maxmemory-policy` evicts (anything but `noeviction`) unless told to accept it (read
+/// with `CONFIG GET`, or from `INFO memory` on a server that refuses `CONFIG`, as managed
+/// Redis often does; one that says it in neither cannot be checked: the store starts with a
+/// warning, and the policy is yours to check). The policy is read at connect only: one
+/// changed later is not seen. Persistence/failover loss remains. For money, put Postgres behind it (the hybrid store).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -941,8 +942,26 @@ impl RedisStore {
     async fn check_eviction_policy(&self, check: EvictionCheck) -> Result<()> {
         let mut cmd = redis::cmd("CONFIG");
         cmd.arg("GET").arg("maxmemory-policy");
-        for (node, reply) in self.on_every_master(cmd).await? {
-            Self::judge_eviction_policy(&node, &reply, check)?;
+        let configs = self.on_every_master(cmd).await?;
+        // Managed Redis often refuses `CONFIG` (ElastiCache, whose default policy,
+        // `volatile-lru`, evicts records: each has a TTL) but says the policy in `INFO
+        // memory`: asked only then.
+        let refused = configs
+            .iter()
+            .any(|(_, reply)| matches!(reply, Err(error) if error.code().is_some()));
+        let infos = if refused {
+            let mut cmd = redis::cmd("INFO");
+            cmd.arg("memory");
+            self.on_every_master(cmd).await?
+        } else {
+            Vec::new()
+        };
+        for (node, reply) in configs {
+            let from_info = infos
+                .iter()
+                .find(|(other, _)| *other == node)
+                .and_then(|(_, info)| info_field(info.as_ref().ok()?, "maxmemory_policy"));
+            Self::judge_eviction_policy(&node, &reply, from_info, check)?;
         }
         Ok(())
     }
@@ -1007,10 +1026,12 @@ impl RedisStore {
         Ok(vec![(String::new(), reply)])
     }
 
-    /// Whether one node's `maxmemory-policy` (its `reply`) lets the store start.
+    /// Whether one node's `maxmemory-policy` (its `reply` to `CONFIG GET`, or what its
+    /// `INFO memory` said when the server refused that) lets the store start.
     fn judge_eviction_policy(
         node: &str,
         reply: &redis::RedisResult<Value>,
+        from_info: Option<String>,
         check: EvictionCheck,
     ) -> Result<()> {
         let node = if node.is_empty() {
@@ -1018,20 +1039,22 @@ impl RedisStore {
         } else {
             format!(" (node {node})")
         };
-        let policy = match reply.as_ref().map(config_value) {
-            Ok(Some(policy)) => policy,
+        let policy = match (reply.as_ref().map(config_value), from_info) {
+            (Ok(Some(policy)), _) => policy,
+            // `CONFIG` refused by the server, the policy read from its `INFO`.
+            (Err(error), Some(policy)) if error.code().is_some() => policy,
             // Anything but the server's own refusal (down, refused, a failed TLS handshake,
             // a client misconfiguration): nothing was checked, and a store that cannot reach
             // Redis must not start as if it had been.
-            Err(error) if error.code().is_none() => {
+            (Err(error), _) if error.code().is_none() => {
                 return Err(Error::unavailable(format!(
                     "cannot reach Redis{node} to check its maxmemory-policy: {error}"
                 )));
             }
             // Managed Redis often disables CONFIG (or the user may not run it): the server
-            // refused (an error reply: unknown command, NOPERM), we cannot know, so say so and
-            // go on.
-            Err(error) => {
+            // refused (an error reply: unknown command, NOPERM), and its `INFO` did not say
+            // either: we cannot know, so say so and go on.
+            (Err(error), _) => {
                 tracing::warn!(
                     %error,
                     "cannot read Redis{node} maxmemory-policy (CONFIG disabled?): make sure it is `noeviction`, \
@@ -1040,7 +1063,7 @@ impl RedisStore {
                 return Ok(());
             }
             // An answer this store cannot read is no reason to assume the safe policy.
-            Ok(None) => {
+            (Ok(None), _) => {
                 let why = format!(
                     "cannot read Redis{node} maxmemory-policy from the reply {reply:?}: make sure it is \
                      `noeviction`, then accept with EvictionCheck::Warn"
@@ -1823,6 +1846,19 @@ impl RedisStore {
 
 /// Refuses a node whose `INFO server` says a Redis (or a server compatible with one) older
 /// than 7.0; lets through one whose version it cannot read.
+/// The value of `name` in an `INFO` reply (`name:value` lines).
+fn info_field(info: &Value, name: &str) -> Option<String> {
+    let text = match info {
+        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        _ => return None,
+    };
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+        .map(|value| value.trim().to_owned())
+        .filter(|value| !value.is_empty())
+}
+
 fn judge_version(node: &str, info: &str) -> Result<()> {
     let version = info
         .lines()
