@@ -272,7 +272,10 @@ return 1
 /// takeover script refuses for this token.
 /// When someone else's record is there, it leaves the claim's tombstone, which the takeover
 /// and the legacy claim check; a late plain `SET NX` fails as long as that record is there
-/// (one gap remains: that record gone, then the late `SET NX`, which costs one lease).
+/// (one gap remains: that record gone, then the late `SET NX`. It runs nothing, but holds the
+/// key "in flight" for a lease, and then looks like an attempt whose outcome is unknown:
+/// under `OutcomeUnknown::Reject` its retries are told `409` until an operator releases it,
+/// under `Reconcile` the hook is asked, under the default `Reexecute` the retry runs).
 ///
 /// `allow-oom`: a Redis full under `noeviction` still takes the marker (or the tombstone) in
 /// place of a lease it holds; refused, the script failed and the cancel was retried for an
