@@ -1851,9 +1851,11 @@ fn callers_handed_a_repair_backlog_as_their_budget_ends_do_not_open_the_breaker(
 /// nothing and says so (`Unavailable`): Redis still holds the outcome, which would replay the
 /// record from every gateway. Postgres deleted it first before, answered `Unavailable` all the
 /// same, and the operator's call made again (as that answer invited) found the record of the
-/// request that had run under the key since and deleted it: the key ran a third time. Once
-/// Redis answers, the release deletes both. An in-flight record is released while Redis is
-/// down, and the answer says so: its mirror is deleted once Redis is back.
+/// request that had run under the key since and deleted it: the key ran a third time. An
+/// in-flight record is released while Redis is down, whatever the scope asked, and the answer
+/// says so: its mirror is deleted once Redis is back. And once Redis answers, the release
+/// goes through at once, the breaker still open or half-open (its probe goes in a task of its
+/// own, and a call through it would have been refused).
 #[test]
 fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
     block_on(async {
@@ -1862,6 +1864,9 @@ fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
         }
         let _serial = SERIAL.lock().await;
         let (redis, store) = dedicated_hybrid().await;
+        // Mirrors that outlast the test: only the release's delete removes one.
+        let long = Duration::from_secs(60);
+        let store = store.with_in_flight_mirror_ttl(long);
         let (id, fp) = (
             idempotency_test::conformance::fresh_id(),
             Fingerprint::of(b"forget"),
@@ -1882,12 +1887,16 @@ fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
             idempotency_test::conformance::fresh_id(),
             Fingerprint::of(b"held"),
         );
-        let Begin::Execute(_) = store.begin(&held, &held_fp, LEASE).await.expect("begin") else {
+        let Begin::Execute(_) = store.begin(&held, &held_fp, long).await.expect("begin") else {
             panic!("a fresh key executes")
         };
         mirror_landed(&store, &held, &held_fp).await;
 
         redis.pause().await;
+        while store.metrics().breaker_state != BreakerState::Open {
+            let probe = idempotency_test::conformance::fresh_id();
+            let _ = store.begin(&probe, &Fingerprint::of(b"p"), LEASE).await;
+        }
         for _ in 0..2 {
             let answer = store
                 .force_release(&id, ReleaseScope::default().with_completed())
@@ -1914,30 +1923,19 @@ fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
         }
         assert_eq!(
             store
-                .force_release(&held, ReleaseScope::default().with_live())
+                .force_release(&held, ReleaseScope::default().with_live().with_completed())
                 .await
                 .expect("an in-flight record is released while Redis is down"),
             idempotency_core::ForceReleased::Released
         );
         redis.unpause().await;
-
-        assert!(breaker_closes(&store).await, "{:?}", store.metrics());
-        assert!(
-            matches!(
-                store.redis().peek(&held, &held_fp).await,
-                Ok(idempotency_redis::Peek::Absent)
-            ),
-            "the released lease's mirror was deleted before Redis answered again"
-        );
-        assert!(matches!(
-            store.begin(&held, &held_fp, LEASE).await.expect("begin"),
-            Begin::Execute(_)
-        ));
+        // The open period (250 ms) over: the next call through the breaker would probe.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(
             store
                 .force_release(&id, ReleaseScope::default().with_completed())
                 .await
-                .expect("force_release"),
+                .expect("released once Redis answers"),
             idempotency_core::ForceReleased::Deleted
         );
         assert!(
@@ -1947,6 +1945,19 @@ fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
             ),
             "the copy is gone"
         );
+
+        assert!(breaker_closes(&store).await, "{:?}", store.metrics());
+        assert!(
+            matches!(
+                store.redis().peek(&held, &held_fp).await,
+                Ok(idempotency_redis::Peek::Absent)
+            ),
+            "the released lease's mirror was deleted once Redis answered again"
+        );
+        assert!(matches!(
+            store.begin(&held, &held_fp, LEASE).await.expect("begin"),
+            Begin::Execute(_)
+        ));
         assert!(matches!(
             store.begin(&id, &fp, LEASE).await.expect("begin"),
             Begin::Execute(_)

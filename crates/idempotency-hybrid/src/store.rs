@@ -1520,26 +1520,27 @@ impl Store for HybridStore {
     /// and the copy's deadline), and is tried until Redis takes it (for up to an hour;
     /// `drain` waits for it).
     ///
-    /// With [`ReleaseScope::completed`], Redis is told first, and while it cannot be the
-    /// answer is `Unavailable` and nothing changed: a completed record's copy would replay it
-    /// for its retention from every gateway. An in-flight record is released (and the answer
-    /// says so) while Redis is unreachable: its mirror lives no longer than its lease, and
+    /// With [`ReleaseScope::completed`], Redis is told first, and while it cannot be a
+    /// completed record is kept and the answer is `Unavailable`: its copy would replay it for
+    /// its retention from every gateway. Any other record is released (and the answer says
+    /// so) while Redis is unreachable: a lease's mirror lives no longer than the lease, and
     /// its delete stays queued in this process.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             // A completed record's copy in Redis replays it for its whole retention, from
             // every gateway, without asking Postgres: Redis is told before Postgres forgets
-            // it, and nothing changes while Redis cannot be. Deleted in Postgres first, the
-            // answer could only be "released, but Redis still replays it, in every
-            // process, unless this one lives until Redis is back" — and an operator who
-            // repeated the call then deleted the record of a request that ran since, which
-            // ran again. (A lease's mirror lives no longer than the lease: an in-flight
-            // record is released whether or not Redis answers.)
-            if scope.completed && self.forget_in_redis(id).await.is_none() {
-                return Err(Error::unavailable(
-                    "Redis could not be told, so nothing was released (its copy would go on \
-                     replaying the record): call again once Redis answers",
-                ));
+            // it, and a completed record is kept while Redis cannot be. Deleted in Postgres
+            // first, the answer could only be "released, but Redis still replays it, in
+            // every process, unless this one lives until Redis is back" — and an operator
+            // who repeated the call then deleted the record of a request that ran since,
+            // which ran again. Asked directly, not through the breaker: an operator's call
+            // is rare, and a breaker half-open (its probe goes in a task of its own) or a
+            // backlog of repairs would refuse it while Redis is up. Failed, the delete is
+            // queued below with the rest.
+            let mut scope = scope;
+            let redis_refused = scope.completed && self.redis.delete_record(id).await.is_err();
+            if redis_refused {
+                scope.completed = false;
             }
             // From before Postgres is asked until the end (or a drop): a completion that
             // wrote its row before this delete and finds its mirror gone after it must not
@@ -1596,7 +1597,17 @@ impl Store for HybridStore {
                 // from before a release whose second delete never got through (a record
                 // since made again while Redis was down) would replay the old outcome.
                 kept.store(true, Ordering::Release);
-                self.forget_in_redis(id).await;
+                if redis_refused {
+                    if found == ForceReleased::Completed {
+                        return Err(Error::unavailable(
+                            "the record is completed, and Redis could not be told: nothing \
+                             was released (its copy there would go on replaying it); call \
+                             again once Redis answers",
+                        ));
+                    }
+                } else {
+                    self.forget_in_redis(id).await;
+                }
                 return Ok(found);
             }
             // A mirror or a copy this process was still writing would land after the delete.

@@ -79,10 +79,12 @@ use crate::Problem;
 /// first. A `404`, or a record that is not the one you meant (another `created_at`: a
 /// request ran under the key since), says yours was released — a repeated `DELETE
 /// ?completed=true` or `?live=true` would release the new request's record and let it run
-/// again. (The hybrid store, asked with `?completed=true` while Redis is unreachable,
+/// again. (The hybrid store keeps a completed record while Redis is unreachable, and
 /// answers `503` having changed nothing: the record's copy in Redis would go on replaying
 /// it. An in-flight record it releases whether or not Redis answers, and says so; the
-/// process that answered deletes the lease's mirror once Redis is back.)
+/// process that answered deletes the lease's mirror once Redis is back. A copy another
+/// gateway wrote back while the release ran is deleted by that process too, tried for an
+/// hour: stop it sooner, and the copy may replay the released record until Redis drops it.)
 ///
 /// `{scope}` is what the layer's scope function returns for the requests that use the key,
 /// and `{key}` is the `Idempotency-Key` value, each percent-encoded in the path (a key may

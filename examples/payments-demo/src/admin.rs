@@ -59,7 +59,8 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .into(),
         );
     }
-    let store = crate::connect(&config).await?.store;
+    let stores = crate::connect(&config).await?;
+    let store = stores.store;
     let named = |record: &Record| -> Result<(IdempotencyKey, RecordId), String> {
         // Read as the layer reads the header: `"order-42"`, copied from a request log, is
         // the key `order-42`.
@@ -104,12 +105,18 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .await
                 .is_err()
             {
-                eprintln!(
-                    "warning: the release's last Redis delete did not finish within 30 s: Redis \
-                     may still hold a copy of the record; once it answers, run this release \
-                     again without --live or --completed (it deletes the copy and keeps any \
-                     record a request made since)"
-                );
+                match stores.hybrid.as_ref() {
+                    Some(hybrid) => eprintln!(
+                        "warning: the release's last Redis delete did not finish within 30 s: \
+                         Redis may still hold a copy of the record, which would replay it; once \
+                         Redis answers, delete it with `DEL {}` (a copy is only a cache: \
+                         deleting it never runs anything)",
+                        hybrid.redis().key(&id)
+                    ),
+                    None => eprintln!(
+                        "warning: the store's background writes did not finish within 30 s"
+                    ),
+                }
             }
             Ok(match released? {
                 ForceReleased::Released => {
