@@ -1853,7 +1853,8 @@ fn callers_handed_a_repair_backlog_as_their_budget_ends_do_not_open_the_breaker(
 /// same, and the operator's call made again (as that answer invited) found the record of the
 /// request that had run under the key since and deleted it: the key ran a third time. An
 /// in-flight record is released while Redis is down, whatever the scope asked, and the answer
-/// says so: its mirror is deleted once Redis is back. And once Redis answers, the release
+/// says so: its mirror is deleted once Redis is back. (None at all: `Unavailable` too, for
+/// Redis may hold a copy.) And once Redis answers, the release
 /// goes through at once, the breaker still open or half-open (its probe goes in a task of its
 /// own, and a call through it would have been refused).
 #[test]
@@ -1928,6 +1929,15 @@ fn a_completed_record_is_not_released_while_redis_cannot_be_told() {
                 .expect("an in-flight record is released while Redis is down"),
             idempotency_core::ForceReleased::Released
         );
+        // No record in Postgres, but a copy a cut-short release left in Redis may still
+        // replay one: not "no record" while Redis was not told.
+        let none = store
+            .force_release(
+                &idempotency_test::conformance::fresh_id(),
+                ReleaseScope::default().with_completed(),
+            )
+            .await;
+        assert!(matches!(none, Err(Error::Unavailable(_))), "{none:?}");
         redis.unpause().await;
         // The open period (250 ms) over: the next call through the breaker would probe.
         tokio::time::sleep(Duration::from_millis(300)).await;

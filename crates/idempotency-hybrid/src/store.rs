@@ -1522,9 +1522,10 @@ impl Store for HybridStore {
     ///
     /// With [`ReleaseScope::completed`], Redis is told first, and while it cannot be a
     /// completed record is kept and the answer is `Unavailable`: its copy would replay it for
-    /// its retention from every gateway. Any other record is released (and the answer says
-    /// so) while Redis is unreachable: a lease's mirror lives no longer than the lease, and
-    /// its delete stays queued in this process.
+    /// its retention from every gateway (so is the answer for no record at all: a copy a
+    /// cut-short release left may still be there). Any other record is released (and the
+    /// answer says so) while Redis is unreachable: a lease's mirror lives no longer than the
+    /// lease, and its delete stays queued in this process.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             // A completed record's copy in Redis replays it for its whole retention, from
@@ -1538,8 +1539,11 @@ impl Store for HybridStore {
             // backlog of repairs would refuse it while Redis is up. Failed, the delete is
             // queued below with the rest.
             let mut scope = scope;
-            let redis_refused = scope.completed && self.redis.delete_record(id).await.is_err();
-            if redis_refused {
+            let mut redis_refused = None;
+            if scope.completed
+                && let Err(error) = self.redis.delete_record(id).await
+            {
+                redis_refused = Some(error);
                 scope.completed = false;
             }
             // From before Postgres is asked until the end (or a drop): a completion that
@@ -1597,22 +1601,34 @@ impl Store for HybridStore {
                 // from before a release whose second delete never got through (a record
                 // since made again while Redis was down) would replay the old outcome.
                 kept.store(true, Ordering::Release);
-                if redis_refused {
-                    if found == ForceReleased::Completed {
-                        return Err(Error::unavailable(
-                            "the record is completed, and Redis could not be told: nothing \
-                             was released (its copy there would go on replaying it); call \
-                             again once Redis answers",
-                        ));
+                match &redis_refused {
+                    Some(error) if found == ForceReleased::Completed => {
+                        return Err(Error::unavailable(format!(
+                            "the record is completed, and Redis could not be told ({error}): \
+                             nothing was released (its copy there would go on replaying it); \
+                             call again once Redis answers this process"
+                        )));
                     }
-                } else {
-                    self.forget_in_redis(id).await;
+                    Some(_) => {}
+                    None => {
+                        self.forget_in_redis(id).await;
+                    }
                 }
                 return Ok(found);
             }
             // A mirror or a copy this process was still writing would land after the delete.
             self.writes_landed(id).await;
-            if self.forget_in_redis(id).await.is_none() {
+            let forgot = self.forget_in_redis(id).await;
+            if let (Some(error), None, ForceReleased::Absent) = (&redis_refused, forgot, found) {
+                // Nothing in Postgres, but what the operator asked for with `completed`
+                // includes Redis' copy (one a cut-short release left, still replaying the
+                // record from every gateway that reaches Redis): not done, and said so.
+                return Err(Error::unavailable(format!(
+                    "no record in Postgres, but Redis could not be told ({error}): a copy \
+                     there may still replay one; call again once Redis answers this process"
+                )));
+            }
+            if forgot.is_none() {
                 // Released all the same, and said so: an error would invite the call again,
                 // and a repeat releases whatever request claimed the key since. What Redis
                 // may still hold is a lease's mirror (over with the lease) or a copy sent

@@ -1844,8 +1844,6 @@ impl RedisStore {
     }
 }
 
-/// Refuses a node whose `INFO server` says a Redis (or a server compatible with one) older
-/// than 7.0; lets through one whose version it cannot read.
 /// The value of `name` in an `INFO` reply (`name:value` lines).
 fn info_field(info: &Value, name: &str) -> Option<String> {
     let text = match info {
@@ -1859,6 +1857,8 @@ fn info_field(info: &Value, name: &str) -> Option<String> {
         .filter(|value| !value.is_empty())
 }
 
+/// Refuses a node whose `INFO server` says a Redis (or a server compatible with one) older
+/// than 7.0; lets through one whose version it cannot read.
 fn judge_version(node: &str, info: &str) -> Result<()> {
     let version = info
         .lines()

@@ -43,7 +43,7 @@ use crate::Problem;
 ///   is the response its retries get from now on, stored as the key's outcome, and `204`
 ///   (below). `409` problem+json for a live lease (its holder, or a retry being told the
 ///   outcome is unknown, holds it: look again), for a completed record, and for a record
-///   another request (another body) made after the attempt's was released since it was read
+///   another request (another body, method, path…) made after the attempt's was released since it was read
 ///   (`record-replaced`); `404` when there is none;
 /// - the same three at `/idempotency/keys/{key}` for the global scope.
 ///
@@ -81,7 +81,8 @@ use crate::Problem;
 /// ?completed=true` or `?live=true` would release the new request's record and let it run
 /// again. (The hybrid store keeps a completed record while Redis is unreachable, and
 /// answers `503` having changed nothing: the record's copy in Redis would go on replaying
-/// it. An in-flight record it releases whether or not Redis answers, and says so; the
+/// it. Asked with `?completed=true` about a record Postgres does not have, it answers `503`
+/// too while Redis cannot be told: a copy left there may still replay one. An in-flight record it releases whether or not Redis answers, and says so; the
 /// process that answered deletes the lease's mirror once Redis is back. A copy another
 /// gateway wrote back while the release ran is deleted by that process too, tried for an
 /// hour: stop it sooner, and the copy may replay the released record until Redis drops it.)
@@ -510,8 +511,8 @@ async fn resolve(
         ),
         Ok(Resolved::Replaced) => problem(
             Problem::RecordReplaced,
-            "the attempt's record was released since it was read, and a request with another \
-             body holds the key now: nothing was stored (GET shows that request's record)",
+            "the attempt's record was released since it was read, and another request (another \
+             body, method, path or fingerprinted header) holds the key now: nothing was stored",
         ),
         Ok(Resolved::Absent) => problem(
             Problem::RecordNotFound,

@@ -57,7 +57,8 @@ pub enum Problem {
     /// 405 (admin routes): a method the path does not take (`Allow` lists those it does).
     MethodNotAllowed,
     /// 409 (admin routes): the record to resolve was released since it was read, and
-    /// another request (another body) holds the key now; nothing was stored.
+    /// another request (another fingerprint: body, method, path…) holds the key now;
+    /// nothing was stored.
     RecordReplaced,
 }
 

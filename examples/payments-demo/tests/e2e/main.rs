@@ -841,9 +841,6 @@ fn the_cli_documents_its_flags_and_refuses_bad_ones() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("--url"));
 }
 
-/// The operator's surface, over HTTP and from the command line, against the same store: a
-/// charge's record seen completed, kept against a plain release, deleted when asked; the
-/// routes refuse anyone without the token, and are not there at all without `ADMIN_TOKEN`.
 /// `payments-demo admin <args> --scope <account> --key <key>`, with only `env`'s variables
 /// naming the store.
 fn admin_cli(
@@ -866,6 +863,9 @@ fn admin_cli(
     command.output().expect("run payments-demo admin")
 }
 
+/// The operator's surface, over HTTP and from the command line, against the same store: a
+/// charge's record seen completed, kept against a plain release, deleted when asked; the
+/// routes refuse anyone without the token, and are not there at all without `ADMIN_TOKEN`.
 fn admin_surface(env: &[(&str, &str)], _mode: &str) {
     let mut with_token = env.to_vec();
     with_token.push(("ADMIN_TOKEN", "s3cret-operator-token"));
