@@ -547,15 +547,7 @@ impl Consumer {
 
     /// Creates the group (from the stream's start) and the ledger table, if missing.
     pub async fn setup(&mut self) -> Result<(), ConsumeError> {
-        // A group it creates starts with no failure counts (one destroyed and made again
-        // would otherwise inherit the old group's: see `CREATE_GROUP`). An existing group
-        // (BUSYGROUP) is what we want, and keeps its counts.
-        let _created: u8 = CREATE_GROUP
-            .key(&self.stream)
-            .key(&self.failures)
-            .arg(&self.group)
-            .invoke_async(&mut self.redis)
-            .await?;
+        self.create_group().await?;
         // The ledger has no unique constraint on purpose: a second effect would show.
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {} (charge_id text NOT NULL, amount bigint NOT NULL, at timestamptz NOT NULL DEFAULT now())",
@@ -566,6 +558,32 @@ impl Consumer {
             .await
             .map_err(idempotency::Error::unavailable)?;
         Ok(())
+    }
+
+    /// Creates the group from the stream's start unless it exists; `true` when it did.
+    async fn create_group(&mut self) -> Result<bool, ConsumeError> {
+        // A group it creates starts with no failure counts (one destroyed and made again
+        // would otherwise inherit the old group's: see `CREATE_GROUP`). An existing group
+        // (BUSYGROUP) is what we want, and keeps its counts.
+        let created: u8 = CREATE_GROUP
+            .key(&self.stream)
+            .key(&self.failures)
+            .arg(&self.group)
+            .invoke_async(&mut self.redis)
+            .await?;
+        Ok(created == 1)
+    }
+
+    /// A poll that found the group gone (`NOGROUP`): a Redis restarted from a snapshot
+    /// older than the group or with no persistence, a failover to a replica that never got
+    /// it, an operator's `XGROUP DESTROY`. Every later poll failed on it, and nothing was
+    /// applied until someone ran `setup` again. Made again from the stream's start: each
+    /// charge read again replays (its outcome is kept for good), none runs twice.
+    async fn group_lost(&mut self, error: &redis::RedisError) -> Result<Polled, ConsumeError> {
+        tracing::warn!(%error, stream = %self.stream, group = %self.group, "the consumer group is gone: created again from the stream's start");
+        self.create_group().await?;
+        self.claim_from = "0-0".to_owned();
+        Ok(Polled::default())
     }
 
     /// Claims messages other consumers left pending too long, then reads new ones; applies
@@ -581,7 +599,7 @@ impl Consumer {
         // script: `XAUTOCLAIM` takes them off the pending list and reports them once, so
         // written later, by this process, they were lost without a trace when its answer
         // was (a response timeout, a poll dropped at this await) or the process restarted.
-        let claimed: Value = CLAIM
+        let claimed: redis::RedisResult<Value> = CLAIM
             .key(&self.stream)
             .key(&self.dead_letter_stream)
             .key(&self.failures)
@@ -592,7 +610,11 @@ impl Consumer {
             .arg(count)
             .arg(TRIMMED_REASON)
             .invoke_async(&mut self.redis)
-            .await?;
+            .await;
+        let claimed = match claimed {
+            Err(error) if group_is_gone(&error) => return self.group_lost(&error).await,
+            claimed => claimed?,
+        };
         let claimed = AutoClaimed::from_value(&claimed)?;
         for id in &claimed.deleted {
             tracing::error!(id, reason = TRIMMED_REASON, stream = %self.dead_letter_stream, "dead-lettered message");
@@ -602,10 +624,16 @@ impl Consumer {
             .group(&self.group, &self.name)
             .count(count)
             .block(100);
-        let read: Value = self
+        let read: Value = match self
             .redis
             .xread_options(&[&self.stream], &[">"], &options)
-            .await?;
+            .await
+        {
+            // Gone since the claim: what it claimed was on the lost group's pending list,
+            // and the group made again reads it from the stream.
+            Err(error) if group_is_gone(&error) => return self.group_lost(&error).await,
+            read => read?,
+        };
         let fresh = read_entries(&read)?;
         let deliveries = self.deliveries(&claimed.entries).await?;
         for message in &claimed.entries {
@@ -1106,6 +1134,12 @@ const MAX_PAYLOAD_FIELDS: usize = 1_000;
 /// created it, deletes the group's failure counts: a group destroyed and created anew starts
 /// its deliveries afresh, and must start its failures so. Answers 1 if it created the group,
 /// 0 if the group existed. KEYS: stream, failure counts. ARGV: group.
+/// Whether Redis said the group (or the stream) does not exist: `NOGROUP`, raised by
+/// `XREADGROUP`, or by `XAUTOCLAIM` inside the claim's script.
+fn group_is_gone(error: &redis::RedisError) -> bool {
+    error.code() == Some("NOGROUP")
+}
+
 static CREATE_GROUP: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(
         r"

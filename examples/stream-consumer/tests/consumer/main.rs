@@ -245,6 +245,53 @@ fn a_group_created_anew_on_the_same_stream_applies_nothing_again() {
     });
 }
 
+/// The group gone under a running consumer (a Redis restarted from a snapshot older than the
+/// group, or with no persistence; a failover to a replica that never got it; an operator's
+/// `XGROUP DESTROY`): the poll that meets it makes it again from the stream's start, and the
+/// next ones apply what is new and replay what was applied. Before, every poll failed on
+/// `NOGROUP` for good, and nothing was applied until someone ran `setup` again.
+#[test]
+fn a_group_lost_under_a_running_consumer_is_made_again() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = rig.consumer("c1").await;
+        consumer.setup().await.expect("setup");
+        publish(&mut rig.redis, &rig.stream, "ch_before", 100)
+            .await
+            .expect("publish");
+        assert_eq!(consumer.poll(10).await.expect("poll").applied, 1);
+        let destroyed: i64 = redis::cmd("XGROUP")
+            .arg("DESTROY")
+            .arg(&rig.stream)
+            .arg("ledger")
+            .query_async(&mut rig.redis)
+            .await
+            .expect("destroy");
+        assert_eq!(destroyed, 1);
+        publish(&mut rig.redis, &rig.stream, "ch_after", 200)
+            .await
+            .expect("publish");
+        let (mut applied, mut replayed) = (0, 0);
+        for _ in 0..3 {
+            let polled = consumer
+                .poll(10)
+                .await
+                .expect("a poll after the group was lost");
+            applied += polled.applied;
+            replayed += polled.replayed;
+        }
+        assert_eq!(
+            (applied, replayed),
+            (1, 1),
+            "the new charge applied, the old replayed"
+        );
+        let effects = rig.effects().await;
+        for charge in ["ch_before", "ch_after"] {
+            assert_eq!(effects.get(charge), Some(&1), "one effect for {charge}");
+        }
+    });
+}
+
 /// An upgrade from the group scope with `with_previous_scope`: a charge applied under the
 /// old key is acknowledged as a replay, one an old attempt still holds waits, and one whose
 /// old attempt ran out unfinished (it never committed) is applied, once.
