@@ -492,7 +492,9 @@ impl Consumer {
     /// The scope of this consumer's charge keys: its effect, the ledger table. Not the
     /// stream or the group: a group created anew, renamed or reset to the stream's start,
     /// or a second stream carrying the same charges, replays what this ledger applied
-    /// already instead of applying it again.
+    /// already instead of applying it again. The table is named as Postgres prints it
+    /// (`ledger`, not `Ledger` or `public.ledger`: [`setup`](Self::setup) refuses another
+    /// spelling, which would be a scope of its own for the same table).
     ///
     /// ```
     /// # fn doc(consumer: &stream_consumer::Consumer) {
@@ -557,6 +559,24 @@ impl Consumer {
             .execute(&self.pool)
             .await
             .map_err(idempotency::Error::unavailable)?;
+        // Charge keys are scoped by the name as given, and Postgres reads `Ledger`,
+        // `ledger` and `public.ledger` as one table: a deploy that spelled it another way
+        // would apply every charge it read again. Only the name Postgres prints is taken.
+        let canonical: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(&self.ledger)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(idempotency::Error::unavailable)?;
+        if let Some(canonical) = canonical.filter(|canonical| *canonical != self.ledger) {
+            return Err(idempotency::Error::Config(format!(
+                "the ledger `{given}` is the table Postgres names `{canonical}`: name it so (charge \
+                 keys are scoped by the name, and two spellings of one table would each apply a \
+                 charge); to carry over charges keyed under `{given}`, add \
+                 `.with_previous_scope(Scope::new(\"ledger:{given}\"))`",
+                given = self.ledger
+            ))
+            .into());
+        }
         Ok(())
     }
 
