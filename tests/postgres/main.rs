@@ -1253,6 +1253,75 @@ fn a_give_back_left_on_a_runtime_that_shuts_down_still_runs() {
     });
 }
 
+/// A claim whose reply was lost (the connection reset after the commit) under a lease
+/// shorter than the store's budget: its grant is given back at once, so a retry after the
+/// lease ran out runs as new. Looked for one budget after the give-up only, the grant's lease
+/// ran out first, and the retry took the key over as an attempt whose outcome is unknown (a
+/// 409 under `Reject`, a question to the reconcile hook) for an operation that never ran.
+#[test]
+fn a_lost_grant_under_a_short_lease_is_given_back_before_it_runs_out() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let relayed = losing_a_claims_reply(armed.clone()).await;
+        let lease = Duration::from_millis(400);
+        for (kind, store) in both_kinds(&relayed).await {
+            let id = fresh_id();
+            armed.store(true, std::sync::atomic::Ordering::SeqCst);
+            let begin = store.begin(&id, &fp("a"), lease).await;
+            armed.store(false, std::sync::atomic::Ordering::SeqCst);
+            assert!(
+                matches!(begin, Err(Error::Unavailable(_))),
+                "{kind}: {begin:?}"
+            );
+            // The lease over, the store's budget (1 s) not yet.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
+            assert!(
+                matches!(retry, Begin::Execute(_)),
+                "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
+            );
+            store.drain().await;
+        }
+    });
+}
+
+/// The same with the reply held up instead (a NAT that dropped the flow, a failover behind a
+/// virtual IP: no reset, the connection hangs): the claim is given up, and its grant given
+/// back, within half the lease. Given up after two budgets (a batch) or four (per request)
+/// and looked for one budget later, the grant of a lease shorter than that ran out first.
+#[test]
+fn a_grant_whose_reply_hangs_is_given_back_within_half_its_lease() {
+    use idempotency_test::relay;
+
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let pg = services::postgres().await.expect("postgres");
+        let holding = relay::delaying_relay(relay::upstream(pg.url())).await;
+        let relayed = relay::through(pg.url(), holding.port);
+        let lease = Duration::from_millis(2_400);
+        for (kind, store) in both_kinds(&relayed).await {
+            let id = fresh_id();
+            holding.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
+            let begin = store.begin(&id, &fp("a"), lease).await;
+            holding.delay_replies(Duration::ZERO);
+            assert!(
+                matches!(begin, Err(Error::Unavailable(_))),
+                "{kind}: {begin:?}"
+            );
+            // The lease over (2.4 s from the claim), the old first look (3 s for a batch,
+            // 5 s per request) not yet.
+            tokio::time::sleep(Duration::from_millis(1_800)).await;
+            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
+            assert!(
+                matches!(retry, Begin::Execute(_)),
+                "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
+            );
+            store.drain().await;
+        }
+    });
+}
+
 /// A group-commit store whose batches wait on a lock far longer than a test's steps, two
 /// fresh keys whose inserts two transactions hold open (claims of them wait until they end),
 /// and a runtime to shut down under a claim.

@@ -1158,7 +1158,8 @@ impl PostgresStore {
     ///
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
     /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its
-    /// own bound is generous (four call timeouts: it only has to end); a statement it gave
+    /// own bound is generous (four call timeouts, or half the lease when that is shorter:
+    /// it only has to end); a statement it gave
     /// up on may still commit, so every token it may have written is then released (or,
     /// for a takeover of an unfinished lease, ended and kept).
     pub async fn claim_with_ttl(
@@ -1167,7 +1168,11 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
     ) -> Result<(Begin, Option<Duration>)> {
-        let budget = self.call_timeout * 4;
+        // No later than half the lease (and at least the caller's budget, which it waits
+        // for): a grant whose reply hangs is given back once this gives up, and a lease
+        // shorter than the bound ran out first, its key then taken over by a retry as an
+        // attempt whose outcome is unknown, for an operation that never ran.
+        let budget = self.settle_within(lease);
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
             std::array::from_fn(|_| LeaseToken::generate());
         let rounds = Rounds::default();
@@ -1203,6 +1208,15 @@ impl PostgresStore {
         }
     }
 
+    /// How long a claim of `lease` is waited for, its caller answered or not, before what it
+    /// may have granted is given back: four call budgets, no more than half the lease, no
+    /// less than one budget.
+    pub(crate) fn settle_within(&self, lease: Duration) -> Duration {
+        (self.call_timeout * 4)
+            .min(lease / 2)
+            .max(self.call_timeout)
+    }
+
     /// Gives back the grants a claim nobody will answer may have made, once the server has
     /// had time to finish or cancel its statement: released, or ended and kept when they
     /// took an unfinished lease over. Fenced on each token, so a token never written
@@ -1227,7 +1241,7 @@ impl PostgresStore {
 
     /// Gives back grants nobody holds (`true`: taken over from an unfinished attempt, so
     /// ended and kept — deleted, that attempt would be forgotten and the next `begin` would
-    /// answer `Execute`), one budget from now. A grant not found then may be one whose
+    /// answer `Execute`), at once and one budget from now. A grant not found then may be one whose
     /// statement has not committed yet: it waits on a lock, its commit on a replica, its
     /// bytes on a network that heals (a kernel retransmits a closed socket's unsent bytes for
     /// about 15 minutes). It is looked for again [`LATER_LOOKS`] from then, and every budget
@@ -1269,7 +1283,16 @@ impl PostgresStore {
         gave_up: tokio::time::Instant,
         looking: Arc<Looking>,
     ) {
-        let (mut left, mut unreachable) = late.give_back_round(grants, 1).await;
+        // At once, then once the server has had time to finish or cancel the statement: a
+        // reply lost after the commit (a connection reset) left a grant whose lease may end
+        // within that budget (a lease shorter than it), and a retry in between took it over
+        // as an attempt whose outcome is unknown for an operation that never ran.
+        let (left, _) = late.give_back_round(grants, 0).await;
+        looking.left(&left);
+        if left.is_empty() {
+            return;
+        }
+        let (mut left, mut unreachable) = late.give_back_round(left, 1).await;
         looking.left(&left);
         if left.is_empty() {
             return;
