@@ -265,10 +265,6 @@ pub(crate) trait Keyed {
     fn claim(&self) -> Option<Claim> {
         None
     }
-    /// The lease a claim asks for (a `begin` job's).
-    fn lease(&self) -> Option<Duration> {
-        None
-    }
 }
 
 /// A claim's record, token and [`OnWire`].
@@ -283,9 +279,6 @@ impl Keyed for BeginJob {
     }
     fn claim(&self) -> Option<Claim> {
         Some((self.id, self.token, self.wire.clone()))
-    }
-    fn lease(&self) -> Option<Duration> {
-        Some(self.lease)
     }
 }
 
@@ -452,7 +445,7 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                     queue.running += 1;
                     true
                 } else {
-                    queue.take_stalled(longest_batch(store))
+                    queue.take_stalled(batch_deadline(store))
                 };
                 let drain = drain.then(|| queue.hold());
                 // Checked after the takeover: a queue that filled up behind a stalled call
@@ -522,18 +515,8 @@ enum Start {
     Full,
 }
 
-/// The longest a batch runs: past it, its holder is stalled.
-fn longest_batch(store: &PostgresStore) -> Duration {
+fn batch_deadline(store: &PostgresStore) -> Duration {
     store.call_timeout() * 2
-}
-
-/// [`longest_batch`], no more than half the shortest lease a claim of the batch asks for (no
-/// less than one budget): see [`PostgresStore::settle_within`].
-fn batch_deadline<J: Keyed>(store: &PostgresStore, jobs: &[J]) -> Duration {
-    jobs.iter()
-        .filter_map(Keyed::lease)
-        .map(|lease| store.settle_within(lease))
-        .fold(longest_batch(store), Duration::min)
 }
 
 /// A batch with a deadline of its own: a connection that hangs (a half-open socket after a
@@ -546,7 +529,7 @@ async fn run_bounded<J: Keyed, R>(
 ) -> Answers<R> {
     let n = jobs.len();
     let claims: Vec<_> = jobs.iter().filter_map(Keyed::claim).collect();
-    let deadline = batch_deadline(store, &jobs);
+    let deadline = batch_deadline(store);
     match tokio::time::timeout(deadline, run(store.clone(), jobs)).await {
         Ok(answers) => answers,
         Err(_) => {

@@ -1158,8 +1158,7 @@ impl PostgresStore {
     ///
     /// Not cancel-safe by itself: dropped after the claim committed, it leaves the lease
     /// claimed by nobody until it expires. Run it to its end, as `detached_claim` does. Its
-    /// own bound is generous (four call timeouts, or half the lease when that is shorter:
-    /// it only has to end); a statement it gave
+    /// own bound is generous (four call timeouts: it only has to end); a statement it gave
     /// up on may still commit, so every token it may have written is then released (or,
     /// for a takeover of an unfinished lease, ended and kept).
     pub async fn claim_with_ttl(
@@ -1168,11 +1167,7 @@ impl PostgresStore {
         fp: &Fingerprint,
         lease: Duration,
     ) -> Result<(Begin, Option<Duration>)> {
-        // No later than half the lease (and at least the caller's budget, which it waits
-        // for): a grant whose reply hangs is given back once this gives up, and a lease
-        // shorter than the bound ran out first, its key then taken over by a retry as an
-        // attempt whose outcome is unknown, for an operation that never ran.
-        let budget = self.settle_within(lease);
+        let budget = self.call_timeout * 4;
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
             std::array::from_fn(|_| LeaseToken::generate());
         let rounds = Rounds::default();
@@ -1206,15 +1201,6 @@ impl PostgresStore {
                 Err(Error::unavailable("Postgres claim did not settle"))
             }
         }
-    }
-
-    /// How long a claim of `lease` is waited for, its caller answered or not, before what it
-    /// may have granted is given back: four call budgets, no more than half the lease, no
-    /// less than one budget.
-    pub(crate) fn settle_within(&self, lease: Duration) -> Duration {
-        (self.call_timeout * 4)
-            .min(lease / 2)
-            .max(self.call_timeout)
     }
 
     /// Gives back the grants a claim nobody will answer may have made, once the server has
