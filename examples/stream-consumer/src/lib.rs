@@ -492,9 +492,12 @@ impl Consumer {
     /// The scope of this consumer's charge keys: its effect, the ledger table. Not the
     /// stream or the group: a group created anew, renamed or reset to the stream's start,
     /// or a second stream carrying the same charges, replays what this ledger applied
-    /// already instead of applying it again. The table is named as Postgres prints it
-    /// (`ledger`, not `Ledger` or `public.ledger`: [`setup`](Self::setup) refuses another
-    /// spelling, which would be a scope of its own for the same table).
+    /// already instead of applying it again. The scope is the name as given: keep it spelled
+    /// the same across deploys and fleets. Postgres reads `ledger`, `Ledger` and
+    /// `public.ledger` as one table, but each is a scope of its own, and a charge read again
+    /// under another spelling (a pending message redelivered after a deploy, a group made
+    /// anew) is applied again. (Not checked: what name Postgres prints for a table depends
+    /// on each role's `search_path`.)
     ///
     /// ```
     /// # fn doc(consumer: &stream_consumer::Consumer) {
@@ -559,24 +562,6 @@ impl Consumer {
             .execute(&self.pool)
             .await
             .map_err(idempotency::Error::unavailable)?;
-        // Charge keys are scoped by the name as given, and Postgres reads `Ledger`,
-        // `ledger` and `public.ledger` as one table: a deploy that spelled it another way
-        // would apply every charge it read again. Only the name Postgres prints is taken.
-        let canonical: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-            .bind(&self.ledger)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(idempotency::Error::unavailable)?;
-        if let Some(canonical) = canonical.filter(|canonical| *canonical != self.ledger) {
-            return Err(idempotency::Error::Config(format!(
-                "the ledger `{given}` is the table Postgres names `{canonical}`: name it so (charge \
-                 keys are scoped by the name, and two spellings of one table would each apply a \
-                 charge); to carry over charges keyed under `{given}`, add \
-                 `.with_previous_scope(Scope::new(\"ledger:{given}\"))`",
-                given = self.ledger
-            ))
-            .into());
-        }
         Ok(())
     }
 
@@ -1150,16 +1135,16 @@ return 1
 /// values, two a field); the count of those left out is in `payload_omitted`.
 const MAX_PAYLOAD_FIELDS: usize = 1_000;
 
-/// Creates the group (from the stream's start, the stream too if missing) and, only when it
-/// created it, deletes the group's failure counts: a group destroyed and created anew starts
-/// its deliveries afresh, and must start its failures so. Answers 1 if it created the group,
-/// 0 if the group existed. KEYS: stream, failure counts. ARGV: group.
 /// Whether Redis said the group (or the stream) does not exist: `NOGROUP`, raised by
 /// `XREADGROUP`, or by `XAUTOCLAIM` inside the claim's script.
 fn group_is_gone(error: &redis::RedisError) -> bool {
     error.code() == Some("NOGROUP")
 }
 
+/// Creates the group (from the stream's start, the stream too if missing) and, only when it
+/// created it, deletes the group's failure counts: a group destroyed and created anew starts
+/// its deliveries afresh, and must start its failures so. Answers 1 if it created the group,
+/// 0 if the group existed. KEYS: stream, failure counts. ARGV: group.
 static CREATE_GROUP: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(
         r"

@@ -245,47 +245,6 @@ fn a_group_created_anew_on_the_same_stream_applies_nothing_again() {
     });
 }
 
-/// Another spelling of the ledger table (`public.…`, upper case) is refused at setup: charge
-/// keys are scoped by the name, so it would have been a scope of its own for the same table,
-/// and a charge read again under it (a pending message redelivered after a deploy, a group
-/// made anew) was applied a second time.
-#[test]
-fn a_ledger_spelled_another_way_is_refused() {
-    block_on(async {
-        let Some(mut rig) = rig().await else { return };
-        let mut first = rig.consumer("c1").await;
-        first.setup().await.expect("setup");
-        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
-            .await
-            .expect("publish");
-        assert_eq!(first.poll(10).await.expect("poll").applied, 1);
-        for spelling in [format!("public.{}", rig.ledger), rig.ledger.to_uppercase()] {
-            let mut other = Consumer::new(
-                rig.client.clone(),
-                rig.store.clone(),
-                &rig.stream,
-                "ledger-v2",
-                "c1",
-                &spelling,
-            );
-            match other.setup().await {
-                Err(ConsumeError::Store(idempotency::Error::Config(why))) => {
-                    assert!(why.contains(&rig.ledger), "{why}");
-                }
-                Err(other) => panic!("{spelling}: {other}"),
-                Ok(()) => {
-                    let polled = other.poll(10).await;
-                    panic!(
-                        "{spelling} was taken: {polled:?}, {:?}",
-                        rig.effects().await
-                    );
-                }
-            }
-        }
-        assert_eq!(rig.effects().await.get("ch_1"), Some(&1));
-    });
-}
-
 /// The group gone under a running consumer (a Redis restarted from a snapshot older than the
 /// group, or with no persistence; a failover to a replica that never got it; an operator's
 /// `XGROUP DESTROY`): the poll that meets it makes it again from the stream's start, and the
