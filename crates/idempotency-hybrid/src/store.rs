@@ -1522,10 +1522,10 @@ impl Store for HybridStore {
     ///
     /// With [`ReleaseScope::completed`], Redis is told first, and while it cannot be a
     /// completed record is kept and the answer is `Unavailable`: its copy would replay it for
-    /// its retention from every gateway (so is the answer for no record at all: a copy a
-    /// cut-short release left may still be there). Any other record is released (and the
-    /// answer says so) while Redis is unreachable: a lease's mirror lives no longer than the
-    /// lease, and its delete stays queued in this process.
+    /// its retention from every gateway. Any other answer is given as it is while Redis is
+    /// unreachable (an in-flight record released: a lease's mirror lives no longer than the
+    /// lease; no record at all), the delete left queued in this process: an error would
+    /// invite a repeat, which would release a request that ran under the key since.
     async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
         idempotency_core::observe(self.name(), "force_release", async {
             // A completed record's copy in Redis replays it for its whole retention, from
@@ -1618,22 +1618,21 @@ impl Store for HybridStore {
             }
             // A mirror or a copy this process was still writing would land after the delete.
             self.writes_landed(id).await;
-            let forgot = self.forget_in_redis(id).await;
-            if let (Some(error), None, ForceReleased::Absent) = (&redis_refused, forgot, found) {
-                // Nothing in Postgres, but what the operator asked for with `completed`
-                // includes Redis' copy (one a cut-short release left, still replaying the
-                // record from every gateway that reaches Redis): not done, and said so.
-                return Err(Error::unavailable(format!(
-                    "no record in Postgres, but Redis could not be told ({error}): a copy \
-                     there may still replay one; call again once Redis answers this process"
-                )));
-            }
+            // Directly first, as the first delete: a breaker still open or half-open while
+            // Redis answers would leave a copy written back in between to the breaker's next
+            // probe. Failing that, queued with the repairs this process runs first.
+            let forgot = match self.redis.delete_record(id).await {
+                Ok(()) => Some(()),
+                Err(_) => self.forget_in_redis(id).await,
+            };
             if forgot.is_none() {
-                // Released all the same, and said so: an error would invite the call again,
-                // and a repeat releases whatever request claimed the key since. What Redis
-                // may still hold is a lease's mirror (over with the lease) or a copy sent
-                // just now; the second delete above is tried until Redis takes it.
-                tracing::warn!(record = %id, "released in Postgres while Redis could not be told: its copy is deleted once Redis answers this process");
+                // Said as it is all the same (released, deleted, or no record at all): an
+                // error would invite the call again, and a repeat (with `completed`)
+                // releases whatever request ran under the key since, which runs again. What
+                // Redis may still hold is a lease's mirror (over with the lease) or a copy
+                // (one sent just now, or left by a release cut short); the second delete
+                // above is tried until Redis takes it.
+                tracing::warn!(record = %id, ?found, "Redis could not be told of an operator's release: the record's copy there is deleted once Redis answers this process");
             }
             Ok(found)
         })

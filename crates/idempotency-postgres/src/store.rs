@@ -1235,7 +1235,7 @@ impl PostgresStore {
     /// answer `InFlight` for the lease, then `TakeOver`, an outcome reported unknown for an
     /// operation that never ran.
     ///
-    /// `drain` waits for the first round only: most tokens given back were never written,
+    /// `drain` waits for the first two looks only: most tokens given back were never written,
     /// and a shutdown must not wait for the later looks of each claim that timed out. They
     /// are a best effort a shutdown may cut short.
     ///

@@ -477,7 +477,8 @@ impl RedisStoreBuilder {
     /// when the eviction check is skipped), then checks the eviction policy. With the check
     /// on, a Redis that cannot be reached — down, or refusing the TLS handshake — is
     /// [`Error::Unavailable`]: nothing was checked. A server that refuses `CONFIG` (managed
-    /// Redis often does) is only a warning.
+    /// Redis often does) is judged by the policy its `INFO memory` names, and is only a
+    /// warning when that does not name one either.
     pub async fn connect(self) -> Result<RedisStore> {
         // A record's keys (the record, its takeover's tombstone, an operator's receipt) share
         // a cluster slot by the hash tag `{record id}`, which must be each key's first: a

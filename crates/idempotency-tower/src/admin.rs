@@ -81,8 +81,7 @@ use crate::Problem;
 /// ?completed=true` or `?live=true` would release the new request's record and let it run
 /// again. (The hybrid store keeps a completed record while Redis is unreachable, and
 /// answers `503` having changed nothing: the record's copy in Redis would go on replaying
-/// it. Asked with `?completed=true` about a record Postgres does not have, it answers `503`
-/// too while Redis cannot be told: a copy left there may still replay one. An in-flight record it releases whether or not Redis answers, and says so; the
+/// it. An in-flight record it releases whether or not Redis answers, and says so; the
 /// process that answered deletes the lease's mirror once Redis is back. A copy another
 /// gateway wrote back while the release ran is deleted by that process too, tried for an
 /// hour: stop it sooner, and the copy may replay the released record until Redis drops it.)

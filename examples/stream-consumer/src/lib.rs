@@ -584,11 +584,16 @@ impl Consumer {
     /// it, an operator's `XGROUP DESTROY`. Every later poll failed on it, and nothing was
     /// applied until someone ran `setup` again. Made again from the stream's start: each
     /// charge read again replays (its outcome is kept for good), none runs twice.
-    async fn group_lost(&mut self, error: &redis::RedisError) -> Result<Polled, ConsumeError> {
+    /// (Messages dead-lettered before and still in the stream are dead-lettered again.)
+    async fn group_lost(
+        &mut self,
+        error: &redis::RedisError,
+        polled: Polled,
+    ) -> Result<Polled, ConsumeError> {
         tracing::warn!(%error, stream = %self.stream, group = %self.group, "the consumer group is gone: created again from the stream's start");
         self.create_group().await?;
         self.claim_from = "0-0".to_owned();
-        Ok(Polled::default())
+        Ok(polled)
     }
 
     /// Claims messages other consumers left pending too long, then reads new ones; applies
@@ -617,7 +622,7 @@ impl Consumer {
             .invoke_async(&mut self.redis)
             .await;
         let claimed = match claimed {
-            Err(error) if group_is_gone(&error) => return self.group_lost(&error).await,
+            Err(error) if group_is_gone(&error) => return self.group_lost(&error, polled).await,
             claimed => claimed?,
         };
         let claimed = AutoClaimed::from_value(&claimed)?;
@@ -636,7 +641,7 @@ impl Consumer {
         {
             // Gone since the claim: what it claimed was on the lost group's pending list,
             // and the group made again reads it from the stream.
-            Err(error) if group_is_gone(&error) => return self.group_lost(&error).await,
+            Err(error) if group_is_gone(&error) => return self.group_lost(&error, polled).await,
             read => read?,
         };
         let fresh = read_entries(&read)?;
