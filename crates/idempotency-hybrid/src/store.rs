@@ -1621,9 +1621,12 @@ impl Store for HybridStore {
             // Directly first, as the first delete: a breaker still open or half-open while
             // Redis answers would leave a copy written back in between to the breaker's next
             // probe. Failing that, queued with the repairs this process runs first.
-            let forgot = match self.redis.delete_record(id).await {
-                Ok(()) => Some(()),
-                Err(_) => self.forget_in_redis(id).await,
+            // (Not when the first delete failed in this call: a Redis that hangs would hold
+            // the answer of a committed release a budget longer, and a client that gives up
+            // meanwhile repeats it.)
+            let forgot = match redis_refused {
+                None if self.redis.delete_record(id).await.is_ok() => Some(()),
+                _ => self.forget_in_redis(id).await,
             };
             if forgot.is_none() {
                 // Said as it is all the same (released, deleted, or no record at all): an

@@ -82,7 +82,9 @@ use crate::Problem;
 /// again. (The hybrid store keeps a completed record while Redis is unreachable, and
 /// answers `503` having changed nothing: the record's copy in Redis would go on replaying
 /// it. An in-flight record it releases whether or not Redis answers, and says so; the
-/// process that answered deletes the lease's mirror once Redis is back. A copy another
+/// process that answered deletes the lease's mirror once Redis is back; and a `404` from it
+/// says Postgres has no record, not that Redis was told: a copy a release cut short left
+/// there replays until that process's delete gets through. A copy another
 /// gateway wrote back while the release ran is deleted by that process too, tried for an
 /// hour: stop it sooner, and the copy may replay the released record until Redis drops it.)
 ///
