@@ -1507,8 +1507,9 @@ impl Store for HybridStore {
         idempotency_core::observe(self.name(), "inspect", self.pg.inspect(id)).await
     }
 
-    /// Postgres first (the decision), then whatever Redis holds for the record: a lease
-    /// mirror would answer "in flight", a cached outcome would replay a deleted record.
+    /// Postgres decides; whatever Redis holds for the record is deleted after it (and, for a
+    /// completed record, before it too: see below): a lease mirror would answer "in
+    /// flight", a cached outcome would replay a deleted record.
     ///
     /// The Redis delete goes through the repair queue, so it runs before this process reads
     /// Redis again; it is queued before the Postgres call too (an early delete only costs a

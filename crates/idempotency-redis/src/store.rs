@@ -240,7 +240,8 @@ const COPY_DEADLINE_BUDGETS: u32 = 4;
 /// with `CONFIG GET`, or from `INFO memory` on a server that refuses `CONFIG`, as managed
 /// Redis often does; one that says it in neither cannot be checked: the store starts with a
 /// warning, and the policy is yours to check). The policy is read at connect only: one
-/// changed later is not seen. Persistence/failover loss remains. For money, put Postgres behind it (the hybrid store).
+/// changed later is not seen. Persistence/failover loss remains. For money, put Postgres
+/// behind it (the hybrid store).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -961,7 +962,8 @@ impl RedisStore {
             let from_info = infos
                 .iter()
                 .find(|(other, _)| *other == node)
-                .and_then(|(_, info)| info_field(info.as_ref().ok()?, "maxmemory_policy"));
+                .and_then(|(_, info)| info_text(info.as_ref().ok()?))
+                .and_then(|info| info_field(&info, "maxmemory_policy").map(str::to_owned));
             Self::judge_eviction_policy(&node, &reply, from_info, check)?;
         }
         Ok(())
@@ -975,12 +977,9 @@ impl RedisStore {
         let mut cmd = redis::cmd("INFO");
         cmd.arg("server");
         for (node, reply) in self.on_every_master(cmd).await? {
-            let info = match reply {
-                Ok(Value::BulkString(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
-                Ok(Value::VerbatimString { text, .. }) => text,
-                _ => continue,
-            };
-            judge_version(&node, &info)?;
+            if let Some(info) = reply.ok().as_ref().and_then(info_text) {
+                judge_version(&node, &info)?;
+            }
         }
         Ok(())
     }
@@ -1845,26 +1844,27 @@ impl RedisStore {
     }
 }
 
-/// The value of `name` in an `INFO` reply (`name:value` lines).
-fn info_field(info: &Value, name: &str) -> Option<String> {
-    let text = match info {
-        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
-        Value::VerbatimString { text, .. } => text.clone(),
-        _ => return None,
-    };
-    text.lines()
+/// An `INFO` reply's text (RESP2 bulk or RESP3 verbatim string).
+fn info_text(info: &Value) -> Option<String> {
+    match info {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+/// The value of `name` in an `INFO` text (`name:value` lines).
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-        .map(|value| value.trim().to_owned())
+        .map(str::trim)
         .filter(|value| !value.is_empty())
 }
 
 /// Refuses a node whose `INFO server` says a Redis (or a server compatible with one) older
 /// than 7.0; lets through one whose version it cannot read.
 fn judge_version(node: &str, info: &str) -> Result<()> {
-    let version = info
-        .lines()
-        .find_map(|line| line.strip_prefix("redis_version:"))
-        .map(str::trim);
+    let version = info_field(info, "redis_version");
     let major = version.and_then(|v| v.split('.').next()?.parse::<u32>().ok());
     match (version, major) {
         (Some(version), Some(major)) if major < 7 => {

@@ -565,18 +565,18 @@ impl Consumer {
         Ok(())
     }
 
-    /// Creates the group from the stream's start unless it exists; `true` when it did.
-    async fn create_group(&mut self) -> Result<bool, ConsumeError> {
+    /// Creates the group from the stream's start unless it exists.
+    async fn create_group(&mut self) -> Result<(), ConsumeError> {
         // A group it creates starts with no failure counts (one destroyed and made again
         // would otherwise inherit the old group's: see `CREATE_GROUP`). An existing group
         // (BUSYGROUP) is what we want, and keeps its counts.
-        let created: u8 = CREATE_GROUP
+        let _created: u8 = CREATE_GROUP
             .key(&self.stream)
             .key(&self.failures)
             .arg(&self.group)
             .invoke_async(&mut self.redis)
             .await?;
-        Ok(created == 1)
+        Ok(())
     }
 
     /// A poll that found the group gone (`NOGROUP`): a Redis restarted from a snapshot
