@@ -1286,6 +1286,93 @@ fn a_lost_grant_under_a_short_lease_is_given_back_before_it_runs_out() {
     });
 }
 
+/// A claim whose reply hangs after its commit (one connection's bytes held back: a stalled
+/// TCP stream retransmitting, a pooler that stopped forwarding) under a lease longer than the
+/// caller's budget and shorter than the claim's own bound (four budgets alone, two in a
+/// batch): once its caller has gone, its grant is looked for at once, on another connection,
+/// and given back, so a retry after the lease ran out runs as new. Looked for only once the
+/// claim was given up, the grant's lease ran out first, and the retry took the key over as an
+/// attempt whose outcome is unknown (a 409 under `Reject`) for an operation that never ran.
+#[test]
+fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let pg = services::postgres().await.expect("postgres");
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
+                .await;
+        let url = idempotency_test::relay::through(pg.url(), relay.port);
+        let lease = Duration::from_millis(2_400);
+        for (kind, store) in both_kinds(&url).await {
+            let id = fresh_id();
+            let started = tokio::time::Instant::now();
+            // A claim's reply carries the `SELECT n` command tag; a release's does not.
+            relay.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
+            let begin = store.begin(&id, &fp("a"), lease).await;
+            relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
+            assert!(
+                matches!(begin, Err(Error::Unavailable(_))),
+                "{kind}: {begin:?}"
+            );
+            // The lease over, the claim's own bound not yet.
+            tokio::time::sleep_until(started + Duration::from_millis(2_800)).await;
+            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
+            assert!(
+                matches!(retry, Begin::Execute(_)),
+                "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
+            );
+            store.drain().await;
+        }
+    });
+}
+
+/// The look for an orphaned claim's grants, sent while the claim still waits for the row it
+/// will take over (an unfinished attempt's, whose lease ran out), must not delete the
+/// takeover that lands before the look: the unfinished attempt would be forgotten, and the
+/// next `begin` would answer `Execute` for an operation that may have run. From the look
+/// on, the claim sends no takeover; before, the look read the token as a fresh grant's and
+/// released (deleted) the row the takeover had written under it.
+#[test]
+fn the_look_for_an_orphaned_claim_keeps_an_unfinished_attempt() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let pg = services::postgres().await.expect("postgres");
+        let relay =
+            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
+                .await;
+        let url = idempotency_test::relay::through(pg.url(), relay.port);
+        for (kind, store) in both_kinds(&url).await {
+            let id = fresh_id();
+            // An attempt that claimed the key and never finished: its lease ran out.
+            let first = shared.begin(&id, &fp("a"), Duration::from_millis(50)).await;
+            assert!(matches!(first, Ok(Begin::Execute(_))), "{kind}: {first:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            // The claim's read of that row comes after its caller's budget (1 s); the look's
+            // release (its statement's text on a fresh connection) reaches the server after
+            // the takeover would have.
+            relay.delay_replies_containing(Duration::from_millis(1_200), b"SELECT ");
+            relay.delay_requests_containing(Duration::from_millis(600), b"DELETE FROM");
+            let begin = store.begin(&id, &fp("a"), LONG).await;
+            // A takeover's reply (held reply chunks keep their due time) comes after the
+            // look's release: the claim is still running when the release lands.
+            relay.delay_replies_containing(Duration::from_secs(2), b"UPDATE 1");
+            assert!(
+                matches!(begin, Err(Error::Unavailable(_))),
+                "{kind}: {begin:?}"
+            );
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            relay.delay_replies_containing(Duration::ZERO, b"UPDATE 1");
+            relay.delay_requests_containing(Duration::ZERO, b"DELETE FROM");
+            store.drain().await;
+            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
+            assert!(
+                matches!(retry, Begin::TakeOver(_)),
+                "{kind}: the unfinished attempt was forgotten: {retry:?}"
+            );
+        }
+    });
+}
+
 /// A group-commit store whose batches wait on a lock far longer than a test's steps, two
 /// fresh keys whose inserts two transactions hold open (claims of them wait until they end),
 /// and a runtime to shut down under a claim.
@@ -1765,7 +1852,11 @@ fn a_batch_leaves_out_the_claims_dropped_while_it_waited_for_its_connection() {
         // its own): aborting the task drops it.
         let claim = |id| {
             let store = store.clone();
-            tokio::spawn(async move { store.claim_with_ttl(&id, &fp("a"), LONG).await })
+            tokio::spawn(async move {
+                store
+                    .claim_with_ttl(&id, &fp("a"), LONG, &Default::default())
+                    .await
+            })
         };
         let settle = || tokio::time::sleep(Duration::from_millis(200));
         let (first, dropped, waiting) = (fresh_id(), fresh_id(), fresh_id());

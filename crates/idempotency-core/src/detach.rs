@@ -37,6 +37,8 @@ pub struct FinishOnDrop<T: Send + 'static> {
     span: tracing::Span,
     /// Where the rest is spawned, if dropped unfinished: see [`FinishOnDrop::tracked_by`].
     tracker: Option<tokio_util::task::TaskTracker>,
+    /// Cancelled if dropped unfinished: see [`FinishOnDrop::cancels_when_orphaned`].
+    orphan_signal: Option<tokio_util::sync::CancellationToken>,
 }
 
 impl<T: Send + 'static> std::fmt::Debug for FinishOnDrop<T> {
@@ -91,6 +93,7 @@ where
         runtime: tokio::runtime::Handle::try_current().ok(),
         span: tracing::Span::current(),
         tracker: None,
+        orphan_signal: None,
     }
 }
 
@@ -118,6 +121,31 @@ impl<T: Send + 'static> FinishOnDrop<T> {
     /// ```
     pub fn tracked_by(mut self, tracker: &tokio_util::task::TaskTracker) -> Self {
         self.tracker = Some(tracker.clone());
+        self
+    }
+
+    /// If dropped unfinished, cancels `signal` as the rest moves into its task: the future,
+    /// given a clone, can tell that nobody waits for its output any more. A claim whose reply
+    /// hangs uses it to look for its grant on another connection and give it back while
+    /// the lease still runs, rather than once its own bound runs out (after the lease, a
+    /// retry would take the key over as an attempt whose outcome is unknown). Never
+    /// cancelled while the caller waits, nor once the future has finished.
+    ///
+    /// ```
+    /// use idempotency_core::finish_on_drop;
+    /// use tokio_util::sync::CancellationToken;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let gone = CancellationToken::new();
+    /// let watched = gone.clone();
+    /// let work = finish_on_drop(async move { watched.cancelled().await }, |_| Box::pin(async {}))
+    ///     .cancels_when_orphaned(gone.clone());
+    /// assert!(tokio::time::timeout(std::time::Duration::from_millis(10), work).await.is_err());
+    /// assert!(gone.is_cancelled()); // the caller gave up: the rest was told
+    /// # }
+    /// ```
+    pub fn cancels_when_orphaned(mut self, signal: tokio_util::sync::CancellationToken) -> Self {
+        self.orphan_signal = Some(signal);
         self
     }
 }
@@ -150,6 +178,9 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
         let (Some(future), Some(orphaned)) = (self.future.take(), self.orphaned.take()) else {
             return;
         };
+        if let Some(signal) = self.orphan_signal.take() {
+            signal.cancel();
+        }
         let Some(runtime) = self.runtime.take() else {
             tracing::warn!("a future that must finish was dropped outside any Tokio runtime");
             return;

@@ -19,6 +19,7 @@ use idempotency_core::{
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::{Peek, RedisStore, Replaced};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     breaker::{Breaker, BreakerConfig, BreakerState},
@@ -1177,13 +1178,21 @@ impl HybridStore {
 
     /// `begin`'s claim, after a [`peek`](Self::peek) that did not answer, run to its end by
     /// [`detached_claim`](idempotency_core::detached_claim).
-    async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+    ///
+    /// `caller_gone`: see [`PostgresStore::claim_with_ttl`].
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        caller_gone: &CancellationToken,
+    ) -> Result<Begin> {
         let caching = self.caching();
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
         let asked = self.asking();
-        let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease).await?;
+        let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease, caller_gone).await?;
         let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
         self.inner.duplicates.observe(!first);
         // 3. Teach Redis what Postgres said, so the next duplicate stops at step 1.
@@ -1280,8 +1289,12 @@ impl Store for HybridStore {
                 )));
             }
             let (this, id, fp) = (self.clone(), *id, *fp);
-            let claim = async move { this.claim(&id, &fp, lease).await };
-            let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.inner.settling);
+            let gone = CancellationToken::new();
+            let watched = gone.clone();
+            let claim = async move { this.claim(&id, &fp, lease, &watched).await };
+            let claim = detached_begin(self.clone(), id, claim)
+                .tracked_by(&self.inner.settling)
+                .cancels_when_orphaned(gone);
             let answer = match tokio::time::timeout_at(deadline, claim).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Error::unavailable(format!(

@@ -225,6 +225,11 @@ impl OnWire {
         }
     }
 
+    /// Whether the claim was sent and then given up (its grant given back, or looked for).
+    pub(crate) fn given_back(&self) -> bool {
+        self.0.load(AtomicOrdering::Acquire) == Self::GIVEN_BACK
+    }
+
     /// Whether the statement may have been sent.
     pub(crate) fn sent(&self) -> bool {
         matches!(

@@ -19,6 +19,7 @@ use sqlx::{
     PgConnection, PgPool,
     postgres::{PgConnectOptions, PgPoolOptions, PgSslMode},
 };
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats, OnWire},
@@ -1146,8 +1147,12 @@ impl PostgresStore {
         // lease granted after that is released instead of sitting claimed by nobody until it
         // expires.
         let (this, id, fp) = (self.clone(), *id, *fp);
-        let claim = async move { this.claim_with_ttl(&id, &fp, lease).await };
-        let claim = detached_begin(self.clone(), id, claim).tracked_by(&self.settling);
+        let gone = CancellationToken::new();
+        let watched = gone.clone();
+        let claim = async move { this.claim_with_ttl(&id, &fp, lease, &watched).await };
+        let claim = detached_begin(self.clone(), id, claim)
+            .tracked_by(&self.settling)
+            .cancels_when_orphaned(gone);
         self.timed(claim).await
     }
 
@@ -1161,11 +1166,20 @@ impl PostgresStore {
     /// own bound is generous (four call timeouts: it only has to end); a statement it gave
     /// up on may still commit, so every token it may have written is then released (or,
     /// for a takeover of an unfinished lease, ended and kept).
+    ///
+    /// `caller_gone` is cancelled once nobody waits for the answer (see
+    /// [`FinishOnDrop::cancels_when_orphaned`](idempotency_core::FinishOnDrop::cancels_when_orphaned)):
+    /// a grant whose reply has not come by then is looked for at once on another connection
+    /// and given back. A reply that hangs (one connection's bytes held back) is otherwise
+    /// waited for until the bound above, and a lease shorter than that runs out first: a retry
+    /// would take the key over as an attempt whose outcome is unknown, for an operation
+    /// that never ran.
     pub async fn claim_with_ttl(
         &self,
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
+        caller_gone: &CancellationToken,
     ) -> Result<(Begin, Option<Duration>)> {
         let budget = self.call_timeout * 4;
         let tokens: [LeaseToken; MAX_BEGIN_ROUNDS] =
@@ -1181,8 +1195,18 @@ impl PostgresStore {
             rounds: &rounds,
             armed: true,
         };
-        let claim = self.claim(id, fp, lease, &tokens, &rounds);
-        let answer = tokio::time::timeout(budget, claim).await;
+        let claim = tokio::time::timeout(budget, self.claim(id, fp, lease, &tokens, &rounds));
+        let looked = async {
+            caller_gone.cancelled().await;
+            self.look_for_orphaned_grants(id, &rounds).await;
+            std::future::pending::<std::convert::Infallible>().await
+        };
+        // The claim's answer ends it; the look only runs alongside.
+        let answer = tokio::select! {
+            biased;
+            answer = claim => answer,
+            never = looked => match never {},
+        };
         dropped.armed = false;
         match answer {
             Ok(Err(error)) => {
@@ -1190,7 +1214,10 @@ impl PostgresStore {
                 // server committed a grant. Left, that lease would run out unfinished and
                 // the retry would hear `TakeOver` (outcome unknown) for an operation that
                 // never ran.
-                if let Some(token) = rounds.take_in_doubt() {
+                // Unless its caller's going away found and gave it back already.
+                if let Some(token) = rounds.take_in_doubt()
+                    && !rounds.given_back(token)
+                {
                     self.settle_orphans_later(*id, vec![token], &rounds.takeovers);
                 }
                 Err(error)
@@ -1199,6 +1226,40 @@ impl PostgresStore {
             Err(_) => {
                 self.settle_orphans_later(*id, rounds.give_up(), &rounds.takeovers);
                 Err(Error::unavailable("Postgres claim did not settle"))
+            }
+        }
+    }
+
+    /// Gives back, once, the grants a claim still running may have made and nobody will take
+    /// (its caller is gone): those of the statements sent so far. Found, a grant is settled
+    /// for good (its token is never written again) and not looked for once the claim gives
+    /// up; not found (its statement not committed yet), the claim's own answer gives it back,
+    /// or, given up, the looks do.
+    async fn look_for_orphaned_grants(&self, id: &RecordId, rounds: &Rounds) {
+        // First: no takeover is sent from here on, so the tokens read below are all a
+        // statement of this claim may still write, and each is given back the right way (a
+        // takeover read as a fresh grant would be deleted, and the unfinished attempt it
+        // took over forgotten: the next `begin` would answer `Execute`).
+        rounds.abandon();
+        let sent: Vec<_> = rounds
+            .wires
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(_, wire)| wire.sent())
+            .cloned()
+            .collect();
+        let takeovers = rounds
+            .takeovers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let looks = sent
+            .iter()
+            .map(|(token, _)| self.give_back_once(id, *token, takeovers.contains(token)));
+        for ((token, wire), look) in sent.iter().zip(futures::future::join_all(looks).await) {
+            if look == Look::Settled && wire.give_up() {
+                tracing::info!(record = %id, %token, "gave back a grant whose reply had not come, its caller gone");
             }
         }
     }
@@ -1407,6 +1468,11 @@ impl PostgresStore {
     ) -> Result<(Begin, Option<Duration>)> {
         let takeovers = &rounds.takeovers;
         for (round, token) in tokens.iter().enumerate() {
+            // Nobody waits for the answer, and what was sent is being given back: a new
+            // round's grant would be one more to give back (see `abandon`).
+            if rounds.abandoned() {
+                return Err(Error::unavailable("nobody waits for this claim any more"));
+            }
             let job = BeginJob::new(id, fp, *token, lease);
             let wire = job.wire.clone();
             rounds
@@ -1523,7 +1589,11 @@ impl PostgresStore {
         rounds: &Rounds,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         let view = match round {
-            Round::Granted(left) => return self.fresh_grant(id, token, lease, left, false).await,
+            Round::Granted(left) => {
+                return self
+                    .fresh_grant(id, token, lease, left, false, rounds)
+                    .await;
+            }
             Round::Row(view) => Some(view),
             // Conflict with a row our snapshot cannot see: read it in a new statement.
             Round::Hidden => sqlx::query_as::<_, RowView>(self.sql.get(READ_SQL))
@@ -1539,6 +1609,11 @@ impl PostgresStore {
         let (state, unfinished) = (view.1, view.1 == 0);
         if let Some(decision) = Self::decide(fp, view)? {
             return Ok(Some(decision));
+        }
+        // Checked with no await before the token is noted: a look for the grants of a claim
+        // whose caller went away must know every token a takeover may write (see `abandon`).
+        if rounds.abandoned() {
+            return Err(Error::unavailable("nobody waits for this claim any more"));
         }
         if unfinished {
             rounds
@@ -1556,7 +1631,9 @@ impl PostgresStore {
             .map_err(db_error)?;
         if let Some((left,)) = taken {
             tracing::info!(record = %id, unfinished, "took over an expired idempotency record");
-            let granted = self.fresh_grant(id, token, lease, left, unfinished).await?;
+            let granted = self
+                .fresh_grant(id, token, lease, left, unfinished, rounds)
+                .await?;
             return Ok(granted.map(|(answer, ttl)| match answer {
                 Begin::Execute(token) if unfinished => (Begin::TakeOver(token), ttl),
                 other => (other, ttl),
@@ -1580,6 +1657,7 @@ impl PostgresStore {
         lease: Duration,
         mut left_ms: f64,
         unfinished: bool,
+        rounds: &Rounds,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
         // Half of the lease the row got (capped like the statement's).
         let half = millis(lease) as f64 / 2.0;
@@ -1587,7 +1665,10 @@ impl PostgresStore {
             // A lease of zero is over when it is written, waited on a lock or not: it is
             // granted as asked (the next `begin` takes it over, as after a renew for zero),
             // not re-armed and given back round after round until the claim gives up.
-            if left_ms >= half || half == 0.0 {
+            // Nor is a grant nobody waits for (see `Rounds::abandon`): it is given back as
+            // it is; re-armed after the look for it ended it, it would hold the key for a
+            // lease with nobody to give it back if the re-arm's reply were lost.
+            if left_ms >= half || half == 0.0 || rounds.abandoned() {
                 // The TTL is what is left, on Postgres' clock: a cache in front must not
                 // outlive the row.
                 let left = Duration::from_millis(left_ms.max(0.0) as u64).min(lease);
@@ -1700,6 +1781,8 @@ struct Rounds {
     /// The rounds begun, with whether each one's statement was sent: a claim cut off by its
     /// budget gives back only the tokens of those sent, not ones no statement carried.
     wires: std::sync::Mutex<Vec<(LeaseToken, Arc<OnWire>)>>,
+    /// See [`Rounds::abandon`].
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 impl Rounds {
@@ -1715,6 +1798,15 @@ impl Rounds {
             .collect()
     }
 
+    /// Whether `token`'s grant is given back already, or being looked for.
+    fn given_back(&self, token: LeaseToken) -> bool {
+        self.wires
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|(sent, wire)| *sent == token && wire.given_back())
+    }
+
     /// Notes the token of the round under way as one its statements may have written
     /// (`None`: none of them did).
     fn note(&self, token: Option<LeaseToken>) {
@@ -1722,6 +1814,16 @@ impl Rounds {
             .in_doubt
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
+    }
+
+    /// Nobody waits for the claim's answer: no round begins and no takeover is sent from
+    /// now on.
+    fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Release);
+    }
+
+    fn abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Acquire)
     }
 
     /// The token of the round whose grant may have been written, taken.
