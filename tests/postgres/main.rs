@@ -1297,11 +1297,7 @@ fn a_lost_grant_under_a_short_lease_is_given_back_before_it_runs_out() {
 fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
     block_on(async {
         let Some(shared) = store().await else { return };
-        let pg = services::postgres().await.expect("postgres");
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
-                .await;
-        let url = idempotency_test::relay::through(pg.url(), relay.port);
+        let (relay, url) = delaying_relayed_url().await;
         let lease = Duration::from_millis(2_400);
         for (kind, store) in both_kinds(&url).await {
             let id = fresh_id();
@@ -1336,11 +1332,7 @@ fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
 fn the_look_for_an_orphaned_claim_keeps_an_unfinished_attempt() {
     block_on(async {
         let Some(shared) = store().await else { return };
-        let pg = services::postgres().await.expect("postgres");
-        let relay =
-            idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url()))
-                .await;
-        let url = idempotency_test::relay::through(pg.url(), relay.port);
+        let (relay, url) = delaying_relayed_url().await;
         for (kind, store) in both_kinds(&url).await {
             let id = fresh_id();
             // An attempt that claimed the key and never finished: its lease ran out.
@@ -1590,6 +1582,15 @@ async fn relayed_url(armed: Arc<std::sync::atomic::AtomicBool>, cut: fn(&[u8]) -
     let upstream = idempotency_test::relay::upstream(pg.url());
     let port = idempotency_test::relay::cutting_relay(upstream, armed, cut).await;
     idempotency_test::relay::through(pg.url(), port)
+}
+
+/// The shared Postgres's URL through a relay that can hold its bytes back.
+async fn delaying_relayed_url() -> (idempotency_test::relay::DelayingRelay, String) {
+    let pg = services::postgres().await.expect("postgres");
+    let relay =
+        idempotency_test::relay::delaying_relay(idempotency_test::relay::upstream(pg.url())).await;
+    let url = idempotency_test::relay::through(pg.url(), relay.port);
+    (relay, url)
 }
 
 /// The shared Postgres's URL through a relay that, while `armed`, loses the reply of a
