@@ -1322,6 +1322,43 @@ fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
     });
 }
 
+/// A claim whose caller went away while it waited for a connection is never sent: its
+/// grant, were its reply to hang, would be looked for only once the claim gave up (four
+/// budgets), after a short lease ran out. Before, it was sent once a connection came, and
+/// committed a lease nobody held.
+#[test]
+fn a_claim_whose_caller_left_before_it_was_sent_is_never_sent() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let (relay, url) = delaying_relayed_url().await;
+        let store = PostgresStore::builder(url)
+            .per_request()
+            .max_connections(1)
+            .call_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("store");
+        let id = fresh_id();
+        let held = store.pool().acquire().await.expect("the pool's connection");
+        relay.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
+        let gone =
+            tokio::time::timeout(Duration::from_millis(200), store.begin(&id, &fp("a"), LONG))
+                .await;
+        assert!(gone.is_err(), "the caller gave up: {gone:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(held);
+        // Time for a claim sent on the freed connection to commit (its reply held back).
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let found = shared.inspect(&id).await.expect("inspect");
+        relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
+        assert!(
+            found.is_none(),
+            "a claim nobody waited for was sent: {found:?}"
+        );
+        store.drain().await;
+    });
+}
+
 /// The look for an orphaned claim's grants, sent while the claim still waits for the row it
 /// will take over (an unfinished attempt's, whose lease ran out), must not delete the
 /// takeover that lands before the look: the unfinished attempt would be forgotten, and the

@@ -225,6 +225,15 @@ impl OnWire {
         }
     }
 
+    /// Gives the claim up if it was not sent yet (then it never will be): whether it was
+    /// (its statement may have been sent).
+    pub(crate) fn drop_unsent(&self) -> bool {
+        !matches!(
+            self.swap(Self::PENDING, Self::DROPPED),
+            Ok(()) | Err(Self::DROPPED)
+        )
+    }
+
     /// Whether the claim was sent and then given up (its grant given back, or looked for).
     pub(crate) fn given_back(&self) -> bool {
         self.0.load(AtomicOrdering::Acquire) == Self::GIVEN_BACK
@@ -1040,6 +1049,23 @@ mod tests {
         assert!(!sent.give_up(), "looked for once");
         assert!(sent.sent());
         assert!(!sent.send(), "given up: not sent again");
+    }
+
+    /// A claim whose caller went away is looked for if it may have been sent, and otherwise
+    /// never sent; one sent stays to be looked for again by whoever gives it up.
+    #[test]
+    fn a_claim_whose_caller_went_away_is_sent_no_more() {
+        let pending = OnWire::default();
+        assert!(!pending.drop_unsent(), "not sent: nothing to look for");
+        assert!(!pending.send(), "dropped: must not be sent");
+        assert!(!pending.drop_unsent());
+
+        let sent = OnWire::default();
+        assert!(sent.send());
+        assert!(sent.drop_unsent(), "sent: looked for");
+        assert!(sent.drop_unsent(), "and still sent");
+        assert!(sent.give_up(), "still looked for when given up");
+        assert!(sent.drop_unsent(), "given back: it was sent");
     }
 
     /// Rows are written in key order, whatever order their calls came in (and the first

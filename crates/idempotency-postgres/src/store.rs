@@ -1169,11 +1169,13 @@ impl PostgresStore {
     ///
     /// `caller_gone` is cancelled once nobody waits for the answer (see
     /// [`FinishOnDrop::cancels_when_orphaned`](idempotency_core::FinishOnDrop::cancels_when_orphaned)):
-    /// a grant whose reply has not come by then is looked for at once on another connection
-    /// and given back. A reply that hangs (one connection's bytes held back) is otherwise
-    /// waited for until the bound above, and a lease shorter than that runs out first: a retry
-    /// would take the key over as an attempt whose outcome is unknown, for an operation
-    /// that never ran.
+    /// the grants of the statements sent by then whose reply has not come are looked for
+    /// once, at once, on another connection, and given back, and the claim writes nothing
+    /// new (a statement not sent yet never is). A reply that hangs (one connection's bytes
+    /// held back) is otherwise waited for until the bound above, and a lease shorter than
+    /// that runs out first: a retry would take the key over as an attempt whose outcome is
+    /// unknown, for an operation that never ran. A grant committed after that look is given
+    /// back by the claim's answer, or its give-up.
     pub async fn claim_with_ttl(
         &self,
         id: &RecordId,
@@ -1231,22 +1233,26 @@ impl PostgresStore {
     }
 
     /// Gives back, once, the grants a claim still running may have made and nobody will take
-    /// (its caller is gone): those of the statements sent so far. Found, a grant is settled
-    /// for good (its token is never written again) and not looked for once the claim gives
-    /// up; not found (its statement not committed yet), the claim's own answer gives it back,
-    /// or, given up, the looks do.
+    /// (its caller is gone): those of the statements sent so far; a statement not sent yet
+    /// (waiting for a connection, or in a batch's queue) never will be. A fresh grant found
+    /// is deleted for good (no statement of the claim inserts its token again) and not
+    /// looked for once the claim gives up; a taken-over one is ended and kept, and looked
+    /// for again then (a re-arm already on its way can still write it). Not found (its
+    /// statement not committed yet), a grant is given back by the claim's own answer or,
+    /// given up, by the looks.
     async fn look_for_orphaned_grants(&self, id: &RecordId, rounds: &Rounds) {
-        // First: no takeover is sent from here on, so the tokens read below are all a
-        // statement of this claim may still write, and each is given back the right way (a
-        // takeover read as a fresh grant would be deleted, and the unfinished attempt it
-        // took over forgotten: the next `begin` would answer `Execute`).
+        // First: no round begins and no takeover is sent from here on, and a round's
+        // statement not sent yet is given up, so the tokens read below are all a statement
+        // of this claim may still write, and each is given back the right way (a takeover
+        // read as a fresh grant would be deleted, and the unfinished attempt it took over
+        // forgotten: the next `begin` would answer `Execute`).
         rounds.abandon();
         let sent: Vec<_> = rounds
             .wires
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .iter()
-            .filter(|(_, wire)| wire.sent())
+            .filter(|(_, wire)| wire.drop_unsent())
             .cloned()
             .collect();
         let takeovers = rounds
@@ -1258,7 +1264,7 @@ impl PostgresStore {
             .iter()
             .map(|(token, _)| self.give_back_once(id, *token, takeovers.contains(token)));
         for ((token, wire), look) in sent.iter().zip(futures::future::join_all(looks).await) {
-            if look == Look::Settled && wire.give_up() {
+            if look == Look::Settled && !takeovers.contains(token) && wire.give_up() {
                 tracing::info!(record = %id, %token, "gave back a grant whose reply had not come, its caller gone");
             }
         }
