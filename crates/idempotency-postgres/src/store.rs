@@ -1237,9 +1237,9 @@ impl PostgresStore {
     /// (waiting for a connection, or in a batch's queue) never will be. A fresh grant found
     /// is deleted for good (no statement of the claim inserts its token again) and not
     /// looked for once the claim gives up; a taken-over one is ended and kept, and looked
-    /// for again then (a re-arm already on its way can still write it). Not found (its
-    /// statement not committed yet), a grant is given back by the claim's own answer or,
-    /// given up, by the looks.
+    /// for again then only if a re-arm of it was on its way (which can still write it).
+    /// Not found (its statement not committed yet), a grant is given back by the claim's
+    /// own answer or, given up, by the looks.
     async fn look_for_orphaned_grants(&self, id: &RecordId, rounds: &Rounds) {
         // First: no round begins and no takeover is sent from here on, and a round's
         // statement not sent yet is given up, so the tokens read below are all a statement
@@ -1263,8 +1263,12 @@ impl PostgresStore {
         let looks = sent
             .iter()
             .map(|(token, _)| self.give_back_once(id, *token, takeovers.contains(token)));
+        // A taken-over grant ended while a re-arm of it was on its way may be re-armed after
+        // all: it stays to be looked for at the give-up.
+        let rearming = rounds.rearming.load(Ordering::Acquire);
         for ((token, wire), look) in sent.iter().zip(futures::future::join_all(looks).await) {
-            if look == Look::Settled && !takeovers.contains(token) && wire.give_up() {
+            let for_good = !takeovers.contains(token) || !rearming;
+            if look == Look::Settled && for_good && wire.give_up() {
                 tracing::info!(record = %id, %token, "gave back a grant whose reply had not come, its caller gone");
             }
         }
@@ -1681,13 +1685,17 @@ impl PostgresStore {
                 return Ok(Some((Begin::Execute(token), Some(left))));
             }
             tracing::info!(record = %id, left_ms, "a claim waited on a lock: re-arming its lease");
-            let rearmed: Option<(f64,)> = sqlx::query_as(self.sql.get(REARM_SQL))
-                .bind(&id.as_bytes()[..])
-                .bind(token.as_uuid())
-                .bind(millis(lease))
-                .fetch_optional_on(&self.pool)
-                .await
-                .map_err(db_error)?;
+            rounds.rearming.store(true, Ordering::Release);
+            let rearmed: std::result::Result<Option<(f64,)>, _> =
+                sqlx::query_as(self.sql.get(REARM_SQL))
+                    .bind(&id.as_bytes()[..])
+                    .bind(token.as_uuid())
+                    .bind(millis(lease))
+                    .fetch_optional_on(&self.pool)
+                    .await;
+            // Answered or failed, the re-arm wrote what it wrote: a look from now on sees it.
+            rounds.rearming.store(false, Ordering::Release);
+            let rearmed = rearmed.map_err(db_error)?;
             match rearmed {
                 Some((left,)) => left_ms = left,
                 None => return Ok(None), // taken over meanwhile: look again
@@ -1789,6 +1797,9 @@ struct Rounds {
     wires: std::sync::Mutex<Vec<(LeaseToken, Arc<OnWire>)>>,
     /// See [`Rounds::abandon`].
     abandoned: std::sync::atomic::AtomicBool,
+    /// A re-arm (`fresh_grant`) is on its way: it may write its token again after a look
+    /// that ended that token's grant.
+    rearming: std::sync::atomic::AtomicBool,
 }
 
 impl Rounds {
