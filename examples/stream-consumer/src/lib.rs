@@ -371,12 +371,9 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
-    /// The scopes earlier versions keyed charges by, consulted in order before a charge is
-    /// applied ([`Consumer::with_previous_scope`]).
-    previous_scopes: Vec<Scope>,
-    /// The ledger's scope once resolved ([`Consumer::scope`]), and the one its name as given
-    /// made before, when that differs (consulted as a previous scope).
-    resolved: Option<(Scope, Option<Scope>)>,
+    /// The scope an earlier version keyed charges by, consulted before a charge is applied
+    /// ([`Consumer::with_previous_scope`]).
+    previous_scope: Option<Scope>,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
     /// Test fault: crash after this charge was decided dead-lettered, before its message
@@ -434,8 +431,7 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
-            previous_scopes: Vec::new(),
-            resolved: None,
+            previous_scope: None,
             crash_before_ack: None,
             crash_before_dead_letter: None,
             after_effect: None,
@@ -496,56 +492,21 @@ impl Consumer {
     /// The scope of this consumer's charge keys: its effect, the ledger table. Not the
     /// stream or the group: a group created anew, renamed or reset to the stream's start,
     /// or a second stream carrying the same charges, replays what this ledger applied
-    /// already instead of applying it again.
+    /// already instead of applying it again. The scope is the name as given: keep it spelled
+    /// the same across deploys and fleets. Postgres reads `ledger`, `Ledger` and
+    /// `public.ledger` as one table, but each is a scope of its own, and a charge read again
+    /// under another spelling (a pending message redelivered after a deploy, a group made
+    /// anew) is applied again. (Not checked: what name Postgres prints for a table depends
+    /// on each role's `search_path`.)
     ///
-    /// The table is named as Postgres resolves it (once, on first use, the table must
-    /// exist; with the pool's `search_path`, as the ledger's writes are), not as spelled:
-    /// `ledger`, `Ledger` and `public.ledger` are one table and one scope, `ledger:ledger`;
-    /// a table in another schema is `ledger:<schema>.<table>`, its names quoted where SQL
-    /// needs it (`ledger:app."Ledger"`), however the roles' `search_path` would print it.
-    /// Keyed by the spelling, a charge read again after a deploy that respelled the ledger
-    /// was applied again. Earlier versions keyed charges by the name as given: when that
-    /// differs, its scope is consulted too, as a previous scope (one more read per charge:
-    /// spell the ledger as its scope names it to save it; a spelling older than the one
-    /// given now goes through [`Consumer::with_previous_scope`]).
-    ///
-    /// ```no_run
-    /// # async fn doc(consumer: &mut stream_consumer::Consumer) -> Result<(), stream_consumer::ConsumeError> {
-    /// let key = idempotency::IdempotencyKey::new("ch_1").expect("a valid key");
-    /// let record = idempotency::RecordId::new(&consumer.scope().await?, &key);
-    /// # Ok(()) }
     /// ```
-    pub async fn scope(&mut self) -> Result<Scope, ConsumeError> {
-        if let Some((scope, _)) = &self.resolved {
-            return Ok(scope.clone());
-        }
-        // `%I` quotes a name only where SQL needs it, and every table but one in `public` is
-        // named with its schema: one name per table.
-        let named: Option<(Option<String>,)> = sqlx::query_as(
-            "SELECT (SELECT CASE WHEN n.nspname = 'public' THEN format('%I', c.relname) \
-             ELSE format('%I.%I', n.nspname, c.relname) END \
-             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.oid = to_regclass($1))",
-        )
-        .bind(&self.ledger)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(idempotency::Error::unavailable)?;
-        let Some((Some(name),)) = named else {
-            return Err(idempotency::Error::Config(format!(
-                "the ledger table {} does not exist (run setup)",
-                self.ledger
-            ))
-            .into());
-        };
-        let scope = Scope::new(format!("ledger:{name}"));
-        let spelled = Scope::new(format!("ledger:{}", self.ledger));
-        let spelled = (spelled != scope).then(|| {
-            tracing::warn!(ledger = %self.ledger, scope = scope.as_str(), "the ledger is spelled otherwise than its scope names it: charges recorded under its spelling are consulted too");
-            spelled
-        });
-        self.resolved = Some((scope.clone(), spelled));
-        Ok(scope)
+    /// # fn doc(consumer: &stream_consumer::Consumer) {
+    /// let key = idempotency::IdempotencyKey::new("ch_1").expect("a valid key");
+    /// let record = idempotency::RecordId::new(&consumer.scope(), &key);
+    /// # }
+    /// ```
+    pub fn scope(&self) -> Scope {
+        Scope::new(format!("ledger:{}", self.ledger))
     }
 
     /// The scope versions of this example before 4 December 2026 keyed charges by: the
@@ -572,21 +533,14 @@ impl Consumer {
     /// old consumer does not look under the new one. Keep the option for as long as the old
     /// records are kept (the store's retention).
     ///
-    /// Called again, it adds a scope: each is consulted, in the order given (after the
-    /// ledger's spelling, see [`Consumer::scope`]), and the first that holds the charge
-    /// answers — an upgrade from the group scope, and a ledger spelled otherwise by an
-    /// earlier version than the one spelled now (`ledger:public.ledger`, say).
-    ///
     /// ```no_run
     /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
     /// let old = stream_consumer::Consumer::group_scope("charges", "ledger");
-    /// consumer
-    ///     .with_previous_scope(old)
-    ///     .with_previous_scope(idempotency::Scope::new("ledger:public.ledger"))
+    /// consumer.with_previous_scope(old)
     /// # }
     /// ```
     pub fn with_previous_scope(mut self, previous: Scope) -> Self {
-        self.previous_scopes.push(previous);
+        self.previous_scope = Some(previous);
         self
     }
 
@@ -645,9 +599,6 @@ impl Consumer {
     /// Claims messages other consumers left pending too long, then reads new ones; applies
     /// and acknowledges each.
     pub async fn poll(&mut self, count: usize) -> Result<Polled, ConsumeError> {
-        // Before a message is read: one read and then left pending by a failure here would
-        // wait `claim_idle` for another consumer.
-        self.scope().await?;
         let mut polled = Polled::default();
         let idle = u64::try_from(self.claim_idle.as_millis()).unwrap_or(u64::MAX);
         // Read as values, not as `StreamAutoClaimReply` or `StreamReadReply`: those take
@@ -748,7 +699,7 @@ impl Consumer {
                 return Ok(());
             }
         };
-        let scope = self.scope().await?;
+        let scope = self.scope();
         let fingerprint = Fingerprint::of(&amount.to_be_bytes());
         match self.under_previous_scope(&key, &fingerprint).await {
             Previously::Nothing => {}
@@ -941,30 +892,11 @@ impl Consumer {
         Ok(())
     }
 
-    /// What the records of this charge under the previous scopes say: the ledger's name as
-    /// given in versions that keyed charges by it (see [`Consumer::scope`]), then those set
-    /// by [`Consumer::with_previous_scope`]. The first that holds anything answers.
+    /// What the record of this charge under the previous scope, if one is set, says.
     async fn under_previous_scope(&self, key: &IdempotencyKey, fp: &Fingerprint) -> Previously {
-        let spelled = self
-            .resolved
-            .as_ref()
-            .and_then(|(_, spelled)| spelled.as_ref());
-        for previous in spelled.into_iter().chain(&self.previous_scopes) {
-            match self.under_scope(previous, key, fp).await {
-                Previously::Nothing => {}
-                found => return found,
-            }
-        }
-        Previously::Nothing
-    }
-
-    /// What the record of this charge under `previous` says.
-    async fn under_scope(
-        &self,
-        previous: &Scope,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
-    ) -> Previously {
+        let Some(previous) = &self.previous_scope else {
+            return Previously::Nothing;
+        };
         let id = RecordId::new(previous, key);
         let found = match self.store.inspect(&id).await {
             Ok(found) => found,
@@ -1082,7 +1014,7 @@ impl Consumer {
         reason: &str,
         polled: &mut Polled,
     ) -> Result<(), ConsumeError> {
-        let (executor, scope) = (self.executor.clone(), self.scope().await?);
+        let (executor, scope) = (self.executor.clone(), self.scope());
         let dead = format!("{DEAD_LETTERED}{charge_id}: {reason}");
         let decided = executor
             .run(&scope, key, fingerprint, || async {

@@ -213,77 +213,6 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
     });
 }
 
-/// The ledger spelled otherwise after a deploy (`public.ledger`, `LEDGER`: one table to
-/// Postgres) keys its charges as before: a group made anew reads every charge again and
-/// each replays. Keyed by the name as given, each spelling was a scope of its own, and
-/// every charge was applied a second time. A charge an earlier version recorded under its
-/// spelling (`ledger:public.<table>`) is found there too.
-#[test]
-fn a_ledger_spelled_otherwise_applies_nothing_again() {
-    use idempotency::{Executor, Fingerprint, IdempotencyKey, Scope};
-
-    block_on(async {
-        let Some(mut rig) = rig().await else { return };
-        let mut first = rig.consumer("c1").await;
-        first.setup().await.expect("setup");
-        assert_eq!(
-            first.scope().await.expect("scope").as_str(),
-            format!("ledger:{}", rig.ledger),
-            "a table in `public` is named without its schema"
-        );
-        for (charge, amount) in [("ch_a", 100), ("ch_b", 200)] {
-            publish(&mut rig.redis, &rig.stream, charge, amount)
-                .await
-                .expect("publish");
-        }
-        assert_eq!(first.poll(10).await.expect("poll").applied, 2);
-        // What a version keyed by the name as given recorded, spelled `public.<table>`.
-        let qualified = format!("public.{}", rig.ledger);
-        let key = IdempotencyKey::new("ch_old").expect("key");
-        let fp = Fingerprint::of(&300i64.to_be_bytes());
-        Executor::new(rig.store.clone())
-            .run(
-                &Scope::new(format!("ledger:{qualified}")),
-                &key,
-                &fp,
-                || async { Ok::<_, std::convert::Infallible>("applied ch_old".to_owned()) },
-            )
-            .await
-            .expect("an earlier version's record");
-        publish(&mut rig.redis, &rig.stream, "ch_old", 300)
-            .await
-            .expect("publish");
-
-        // The second respelling finds the first's record only when told where: a previous
-        // scope.
-        let earlier = Scope::new(format!("ledger:{qualified}"));
-        for (group, spelled) in [("v2", qualified), ("v3", rig.ledger.to_uppercase())] {
-            let mut respelled = Consumer::new(
-                rig.client.clone(),
-                rig.store.clone(),
-                &rig.stream,
-                group,
-                "c1",
-                &spelled,
-            );
-            if group == "v3" {
-                respelled = respelled.with_previous_scope(earlier.clone());
-            }
-            respelled.setup().await.expect("setup");
-            let polled = respelled.poll(10).await.expect("poll");
-            assert_eq!(
-                (polled.applied, polled.replayed),
-                (0, 3),
-                "{spelled}: every charge replays: {polled:?}"
-            );
-        }
-        let effects = rig.effects().await;
-        assert_eq!(effects.get("ch_a"), Some(&1), "{effects:?}");
-        assert_eq!(effects.get("ch_b"), Some(&1), "{effects:?}");
-        assert_eq!(effects.get("ch_old"), None, "{effects:?}");
-    });
-}
-
 /// A group created anew on the same stream (renamed, or reset to the stream's start)
 /// reads every charge again: each replays, none is applied a second time. The charge is
 /// the effect's, not the group's.
@@ -923,11 +852,7 @@ fn a_mismatch_with_an_attempt_that_never_finishes_is_dead_lettered_in_the_end() 
             consumer.claim_idle = Duration::from_millis(50);
             consumer.max_failures = 3;
             // The dead worker's claim of `ch_dead` for 100, which it never finished.
-            let scope = if previous {
-                old
-            } else {
-                consumer.scope().await.expect("scope")
-            };
+            let scope = if previous { old } else { consumer.scope() };
             let id = RecordId::new(&scope, &IdempotencyKey::new("ch_dead").expect("key"));
             let fingerprint = Fingerprint::of(&100i64.to_be_bytes());
             let begun = rig
@@ -1241,10 +1166,7 @@ fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
         let Some(mut rig) = rig().await else { return };
         let mut setup = rig.consumer("setup").await;
         setup.setup().await.expect("setup");
-        let id = RecordId::new(
-            &setup.scope().await.expect("scope"),
-            &IdempotencyKey::new("ch_1").expect("key"),
-        );
+        let id = RecordId::new(&setup.scope(), &IdempotencyKey::new("ch_1").expect("key"));
         let fp = Fingerprint::of(&100i64.to_be_bytes());
         let Begin::Execute(token) = rig
             .store
@@ -1291,10 +1213,7 @@ fn a_charges_record_is_kept_for_good() {
             let key = IdempotencyKey::new(charge).expect("key");
             let record = rig
                 .store
-                .inspect(&RecordId::new(
-                    &consumer.scope().await.expect("scope"),
-                    &key,
-                ))
+                .inspect(&RecordId::new(&consumer.scope(), &key))
                 .await
                 .expect("inspect")
                 .expect("a record");
@@ -1642,16 +1561,11 @@ fn a_charge_decided_dead_lettered_dead_letters_its_pending_message() {
         let key = IdempotencyKey::new("ch_decided").expect("key");
         let fp = Fingerprint::of(&30_i64.to_be_bytes());
         Executor::new(rig.store.clone())
-            .run(
-                &consumer.scope().await.expect("scope"),
-                &key,
-                &fp,
-                || async {
-                    Ok::<_, std::convert::Infallible>(
-                        "dead-lettered ch_decided: failed 5 times".to_owned(),
-                    )
-                },
-            )
+            .run(&consumer.scope(), &key, &fp, || async {
+                Ok::<_, std::convert::Infallible>(
+                    "dead-lettered ch_decided: failed 5 times".to_owned(),
+                )
+            })
             .await
             .expect("decided");
         let polled = consumer.poll(10).await.expect("poll");
@@ -1785,7 +1699,7 @@ fn a_group_setup_creates_again_starts_with_no_failure_counts() {
         creator.setup().await.expect("setup");
         // The charge held by another worker's live attempt: three deliveries, deferred.
         let id = RecordId::new(
-            &creator.scope().await.expect("scope"),
+            &creator.scope(),
             &IdempotencyKey::new("ch_huge").expect("key"),
         );
         let fingerprint = Fingerprint::of(&5_000_000i64.to_be_bytes());
