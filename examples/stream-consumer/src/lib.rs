@@ -371,9 +371,9 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
-    /// The scope an earlier version keyed charges by, consulted before a charge is applied
-    /// ([`Consumer::with_previous_scope`]).
-    previous_scope: Option<Scope>,
+    /// The scopes earlier versions keyed charges by, consulted in order before a charge is
+    /// applied ([`Consumer::with_previous_scope`]).
+    previous_scopes: Vec<Scope>,
     /// Test fault: crash after the effect of this charge, before its `XACK`.
     pub crash_before_ack: Option<String>,
     /// Test fault: crash after this charge was decided dead-lettered, before its message
@@ -431,7 +431,7 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
-            previous_scope: None,
+            previous_scopes: Vec::new(),
             crash_before_ack: None,
             crash_before_dead_letter: None,
             after_effect: None,
@@ -497,7 +497,9 @@ impl Consumer {
     /// `public.ledger` as one table, but each is a scope of its own, and a charge read again
     /// under another spelling (a pending message redelivered after a deploy, a group made
     /// anew) is applied again. (Not checked: what name Postgres prints for a table depends
-    /// on each role's `search_path`.)
+    /// on each role's `search_path`.) To respell it, stop every consumer of the old spelling,
+    /// then start the new one with the old spelling's scope as a previous scope
+    /// ([`Consumer::with_previous_scope`]).
     ///
     /// ```
     /// # fn doc(consumer: &stream_consumer::Consumer) {
@@ -533,14 +535,21 @@ impl Consumer {
     /// old consumer does not look under the new one. Keep the option for as long as the old
     /// records are kept (the store's retention).
     ///
+    /// Called again, it adds a scope: each is consulted, in the order given, and the first
+    /// that holds the charge answers — an upgrade from the group scope, and a ledger
+    /// spelled otherwise before (`ledger:public.ledger` for a ledger now given as `ledger`;
+    /// see [`Consumer::scope`]).
+    ///
     /// ```no_run
     /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
     /// let old = stream_consumer::Consumer::group_scope("charges", "ledger");
-    /// consumer.with_previous_scope(old)
+    /// consumer
+    ///     .with_previous_scope(old)
+    ///     .with_previous_scope(idempotency::Scope::new("ledger:public.ledger"))
     /// # }
     /// ```
     pub fn with_previous_scope(mut self, previous: Scope) -> Self {
-        self.previous_scope = Some(previous);
+        self.previous_scopes.push(previous);
         self
     }
 
@@ -892,11 +901,25 @@ impl Consumer {
         Ok(())
     }
 
-    /// What the record of this charge under the previous scope, if one is set, says.
+    /// What the records of this charge under the previous scopes say, in the order they
+    /// were given: the first that holds anything answers.
     async fn under_previous_scope(&self, key: &IdempotencyKey, fp: &Fingerprint) -> Previously {
-        let Some(previous) = &self.previous_scope else {
-            return Previously::Nothing;
-        };
+        for previous in &self.previous_scopes {
+            match self.under_scope(previous, key, fp).await {
+                Previously::Nothing => {}
+                found => return found,
+            }
+        }
+        Previously::Nothing
+    }
+
+    /// What the record of this charge under `previous` says.
+    async fn under_scope(
+        &self,
+        previous: &Scope,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+    ) -> Previously {
         let id = RecordId::new(previous, key);
         let found = match self.store.inspect(&id).await {
             Ok(found) => found,

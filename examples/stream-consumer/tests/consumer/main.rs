@@ -213,6 +213,53 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
     });
 }
 
+/// Several previous scopes are each consulted: an upgrade from the group scope and a
+/// ledger spelled otherwise before (`public.<table>`) carried together. The option held
+/// one scope, and a second call replaced the first: the charges recorded under it were
+/// applied again.
+#[test]
+fn every_previous_scope_is_consulted() {
+    use idempotency::{Executor, Fingerprint, IdempotencyKey, Scope};
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let group = Consumer::group_scope(&rig.stream, "ledger");
+        let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
+        // What earlier versions recorded, each under its own scope.
+        for (scope, charge) in [(&group, "ch_group"), (&spelled, "ch_spelled")] {
+            let key = IdempotencyKey::new(charge).expect("key");
+            let fp = Fingerprint::of(&100i64.to_be_bytes());
+            Executor::new(rig.store.clone())
+                .run(scope, &key, &fp, || async {
+                    Ok::<_, std::convert::Infallible>(format!("applied {charge}"))
+                })
+                .await
+                .expect("an earlier version's record");
+        }
+        for charge in ["ch_group", "ch_spelled", "ch_new"] {
+            publish(&mut rig.redis, &rig.stream, charge, 100)
+                .await
+                .expect("publish");
+        }
+        let mut consumer = rig
+            .consumer("c1")
+            .await
+            .with_previous_scope(group)
+            .with_previous_scope(spelled);
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.applied, polled.replayed),
+            (1, 2),
+            "the earlier versions' charges replay: {polled:?}"
+        );
+        let effects = rig.effects().await;
+        assert_eq!(effects.get("ch_new"), Some(&1), "{effects:?}");
+        assert_eq!(effects.get("ch_group"), None, "{effects:?}");
+        assert_eq!(effects.get("ch_spelled"), None, "{effects:?}");
+    });
+}
+
 /// A group created anew on the same stream (renamed, or reset to the stream's start)
 /// reads every charge again: each replays, none is applied a second time. The charge is
 /// the effect's, not the group's.
