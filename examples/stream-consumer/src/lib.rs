@@ -332,6 +332,9 @@ enum Previously {
     Nothing,
     /// Applied with this amount: acknowledge the message.
     Applied,
+    /// Decided dead-lettered with this amount (the stored decision): dead-letter the
+    /// message.
+    DeadLettered(String),
     /// Applied with another amount.
     OtherAmount,
     /// An attempt holds it: wait.
@@ -521,7 +524,8 @@ impl Consumer {
     /// [`Consumer::group_scope`]) before applying a charge, so that changing the scope
     /// applies nothing twice: a message still pending at the upgrade, or published again
     /// after it, is acknowledged as a replay when its charge was applied under the old key,
-    /// and waits while an old attempt still holds it. An old attempt whose lease ran out
+    /// dead-lettered when an old consumer decided the charge dead-lettered (and died before
+    /// moving its message), and waits while an old attempt still holds it. An old attempt whose lease ran out
     /// unfinished is taken over, which fences it should it still be running, and released,
     /// and the charge is applied: what the earlier version did on its own takeover. Since
     /// the ledger row and the outcome became one transaction (`run_with_claim`), such an
@@ -715,6 +719,11 @@ impl Consumer {
             Previously::Applied => {
                 polled.replayed += 1;
                 return self.ack(message, charge_id, polled).await;
+            }
+            Previously::DeadLettered(decided) => {
+                self.dead_letter(message, delivered, &decided, polled)
+                    .await?;
+                return Ok(());
             }
             Previously::Holding => {
                 polled.deferred += 1;
@@ -913,6 +922,29 @@ impl Consumer {
         Previously::Nothing
     }
 
+    /// A record under a previous scope completed with this amount: applied, or decided
+    /// dead-lettered by an earlier version whose message was not moved yet (its consumer
+    /// died between the two), which dead-letters this message too, as under the current
+    /// scope: acknowledged as applied, the charge left no ledger row and no dead letter.
+    async fn decided_under(&self, previous: &Scope, id: &RecordId, fp: &Fingerprint) -> Previously {
+        match self.store.begin(id, fp, Duration::from_secs(30)).await {
+            Ok(Begin::Replay(outcome)) => match serde_json::from_slice::<String>(&outcome.body) {
+                Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(value),
+                _ => Previously::Applied,
+            },
+            // Released since the read: nothing holds the charge there any more.
+            Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
+                match self.store.release(id, token).await {
+                    Ok(()) => Previously::Nothing,
+                    Err(error) => Previously::Unknown(error.to_string()),
+                }
+            }
+            // Another attempt took the record since: the next delivery reads it again.
+            Ok(Begin::InFlight { .. } | Begin::Mismatch) => Previously::Holding,
+            Err(error) => Previously::Unknown(format!("{error} (scope {})", previous.as_str())),
+        }
+    }
+
     /// What the record of this charge under `previous` says.
     async fn under_scope(
         &self,
@@ -931,7 +963,7 @@ impl Consumer {
                 RecordState::Completed { .. } if record.fingerprint != *fp => {
                     Previously::OtherAmount
                 }
-                RecordState::Completed { .. } => Previously::Applied,
+                RecordState::Completed { .. } => self.decided_under(previous, &id, fp).await,
                 RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
                     Previously::Holding
                 }

@@ -1596,37 +1596,52 @@ fn a_trimmed_message_is_dead_lettered_before_the_poll_can_fail() {
 /// next delivery, not applied and not acknowledged as done.
 #[test]
 fn a_charge_decided_dead_lettered_dead_letters_its_pending_message() {
+    block_on(decided_dead_lettered_dead_letters_its_message(false));
+}
+
+/// The same, decided by an earlier version under a previous scope (its group's, or the
+/// ledger spelled otherwise): before, any completed record there read as "applied", and the
+/// message was acknowledged, leaving no dead letter and no ledger row.
+#[test]
+fn a_charge_decided_dead_lettered_under_a_previous_scope_dead_letters_its_message() {
+    block_on(decided_dead_lettered_dead_letters_its_message(true));
+}
+
+async fn decided_dead_lettered_dead_letters_its_message(previous: bool) {
     use idempotency::{Executor, Fingerprint, IdempotencyKey};
-    block_on(async {
-        let Some(mut rig) = rig().await else { return };
-        let mut consumer = rig.consumer("c1").await;
-        consumer.setup().await.expect("setup");
-        let id = publish(&mut rig.redis, &rig.stream, "ch_decided", 30)
-            .await
-            .expect("publish");
-        // What the dead-lettering consumer stored before it died.
-        let key = IdempotencyKey::new("ch_decided").expect("key");
-        let fp = Fingerprint::of(&30_i64.to_be_bytes());
-        Executor::new(rig.store.clone())
-            .run(&consumer.scope(), &key, &fp, || async {
-                Ok::<_, std::convert::Infallible>(
-                    "dead-lettered ch_decided: failed 5 times".to_owned(),
-                )
-            })
-            .await
-            .expect("decided");
-        let polled = consumer.poll(10).await.expect("poll");
-        assert_eq!(
-            (polled.applied, polled.replayed, polled.dead_lettered),
-            (0, 0, 1),
-            "{polled:?}"
-        );
-        assert_eq!(rig.effects().await.get("ch_decided"), None);
-        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
-        assert_eq!(dead.len(), 1, "{dead:?}");
-        assert_eq!(dead[0]["id"], id);
-        assert_eq!(rig.pending().await, 0);
-    });
+    let Some(mut rig) = rig().await else { return };
+    let mut consumer = rig.consumer("c1").await;
+    let old = Consumer::group_scope(&rig.stream, "ledger");
+    let scope = if previous {
+        consumer = consumer.with_previous_scope(old.clone());
+        old
+    } else {
+        consumer.scope()
+    };
+    consumer.setup().await.expect("setup");
+    let id = publish(&mut rig.redis, &rig.stream, "ch_decided", 30)
+        .await
+        .expect("publish");
+    // What the dead-lettering consumer stored before it died.
+    let key = IdempotencyKey::new("ch_decided").expect("key");
+    let fp = Fingerprint::of(&30_i64.to_be_bytes());
+    Executor::new(rig.store.clone())
+        .run(&scope, &key, &fp, || async {
+            Ok::<_, std::convert::Infallible>("dead-lettered ch_decided: failed 5 times".to_owned())
+        })
+        .await
+        .expect("decided");
+    let polled = consumer.poll(10).await.expect("poll");
+    assert_eq!(
+        (polled.applied, polled.replayed, polled.dead_lettered),
+        (0, 0, 1),
+        "{polled:?}"
+    );
+    assert_eq!(rig.effects().await.get("ch_decided"), None);
+    let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0]["id"], id);
+    assert_eq!(rig.pending().await, 0);
 }
 
 /// A message with more fields than a Lua script can unpack (about 8,000 values) is still
