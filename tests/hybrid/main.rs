@@ -2165,6 +2165,42 @@ fn a_grant_made_before_this_processs_release_is_not_mirrored_after_it() {
     });
 }
 
+/// A hybrid claim whose Postgres reply hangs after the commit, under a lease longer than
+/// the hybrid's budget and shorter than the Postgres claim's own bound (four budgets): once
+/// the caller is gone, the grant is looked for and given back, so a retry after the lease
+/// ran out runs as new. The hybrid did not tell the Postgres claim that its caller was gone:
+/// the grant was looked for only at that bound, after the lease, and the retry took the key
+/// over as an attempt whose outcome is unknown, for an operation that never ran.
+#[test]
+fn a_hung_grant_under_a_short_lease_is_given_back_once_the_hybrids_caller_is_gone() {
+    block_on(async {
+        if services::skipping() {
+            return;
+        }
+        let redis = services::redis().await.expect("redis");
+        let pg = services::postgres().await.expect("postgres");
+        let shared = pg_store(pg.url()).await;
+        let (relay, store) = hybrid_behind_a_delaying_relay(redis.url()).await;
+        let (id, fp) = (fresh_id(), Fingerprint::of(b"charge"));
+        let lease = Duration::from_secs(5);
+        let started = tokio::time::Instant::now();
+        relay.delay_replies_containing(Duration::from_secs(15), b"SELECT ");
+        let begin = store.begin(&id, &fp, lease).await;
+        relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
+        assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
+        // The lease over (5 s), the Postgres claim's bound (8 s) not yet.
+        tokio::time::sleep_until(started + Duration::from_millis(6_000)).await;
+        let retry = shared
+            .begin(&id, &fp, idempotency_test::conformance::LONG)
+            .await
+            .expect("retry");
+        assert!(
+            matches!(retry, Begin::Execute(_)),
+            "an operation that never ran reads as an unknown outcome: {retry:?}"
+        );
+    });
+}
+
 /// Once a write made after answering would have landed (300 ms, well before the release's
 /// second delete), the key is free: the next `begin` executes; `what` says what it found
 /// instead.
