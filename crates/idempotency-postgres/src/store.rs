@@ -1170,12 +1170,13 @@ impl PostgresStore {
     /// `caller_gone` is cancelled once nobody waits for the answer (see
     /// [`FinishOnDrop::cancels_when_orphaned`](idempotency_core::FinishOnDrop::cancels_when_orphaned)):
     /// the grants of the statements sent by then whose reply has not come are looked for
-    /// once, at once, on another connection, and given back, and the claim writes nothing
-    /// new (a statement not sent yet never is). A reply that hangs (one connection's bytes
-    /// held back) is otherwise waited for until the bound above, and a lease shorter than
-    /// that runs out first: a retry would take the key over as an attempt whose outcome is
-    /// unknown, for an operation that never ran. A grant committed after that look is given
-    /// back by the claim's answer, or its give-up.
+    /// once, at once, on another connection, and given back, and the claim starts no new
+    /// write (a round's claim statement not sent yet never is; a takeover or re-arm already
+    /// waiting for a connection is). A reply that hangs (one connection's bytes held back)
+    /// is otherwise waited for until the bound above, and a lease shorter than that runs
+    /// out first: a retry would take the key over as an attempt whose outcome is unknown,
+    /// for an operation that never ran. A grant committed after that look is given back by
+    /// the claim's answer, or its give-up.
     pub async fn claim_with_ttl(
         &self,
         id: &RecordId,
