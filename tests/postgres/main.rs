@@ -1270,18 +1270,9 @@ fn a_lost_grant_under_a_short_lease_is_given_back_before_it_runs_out() {
             armed.store(true, std::sync::atomic::Ordering::SeqCst);
             let begin = store.begin(&id, &fp("a"), lease).await;
             armed.store(false, std::sync::atomic::Ordering::SeqCst);
-            assert!(
-                matches!(begin, Err(Error::Unavailable(_))),
-                "{kind}: {begin:?}"
-            );
             // The lease over, the store's budget (1 s) not yet.
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
-            assert!(
-                matches!(retry, Begin::Execute(_)),
-                "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
-            );
-            store.drain().await;
+            let retry_at = tokio::time::Instant::now() + Duration::from_millis(600);
+            a_retry_runs_as_new(kind, begin, &shared, &store, &id, retry_at).await;
         }
     });
 }
@@ -1306,20 +1297,35 @@ fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
             relay.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
             let begin = store.begin(&id, &fp("a"), lease).await;
             relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
-            assert!(
-                matches!(begin, Err(Error::Unavailable(_))),
-                "{kind}: {begin:?}"
-            );
             // The lease over, the claim's own bound not yet.
-            tokio::time::sleep_until(started + Duration::from_millis(2_800)).await;
-            let retry = shared.begin(&id, &fp("a"), LONG).await.expect("retry");
-            assert!(
-                matches!(retry, Begin::Execute(_)),
-                "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
-            );
-            store.drain().await;
+            let retry_at = started + Duration::from_millis(2_800);
+            a_retry_runs_as_new(kind, begin, &shared, &store, &id, retry_at).await;
         }
     });
+}
+
+/// A claim of `id` on `store` answered `begin` (`Unavailable`: nobody holds what it may
+/// have granted); a retry on `shared` at `retry_at`, once the claim's lease ran out, runs
+/// as new — not as an attempt whose outcome is unknown, for an operation that never ran.
+async fn a_retry_runs_as_new(
+    kind: &str,
+    begin: idempotency_core::Result<Begin>,
+    shared: &PostgresStore,
+    store: &PostgresStore,
+    id: &idempotency_core::RecordId,
+    retry_at: tokio::time::Instant,
+) {
+    assert!(
+        matches!(begin, Err(Error::Unavailable(_))),
+        "{kind}: {begin:?}"
+    );
+    tokio::time::sleep_until(retry_at).await;
+    let retry = shared.begin(id, &fp("a"), LONG).await.expect("retry");
+    assert!(
+        matches!(retry, Begin::Execute(_)),
+        "{kind}: an operation that never ran reads as an unknown outcome: {retry:?}"
+    );
+    store.drain().await;
 }
 
 /// A claim whose caller went away while it waited for a connection is never sent: its
