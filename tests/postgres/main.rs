@@ -1304,6 +1304,54 @@ fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
     });
 }
 
+/// A claim whose statement commits after its caller has gone and after the look that
+/// followed (it waited on a lock; so too a takeover that waited for a pool connection, or a
+/// commit that waits on a replica), and whose reply then hangs, under a lease shorter than
+/// the claim's own bound (four budgets): its grant is looked for again while the claim
+/// still waits, often enough to find it before its lease runs out, so a retry after the
+/// lease runs as new. Looked for once only, it was found at the claim's give-up, after the
+/// lease ran out: the retry took the key over as an attempt whose outcome is unknown (a
+/// 409 under `Reject`) for an operation that never ran.
+#[test]
+fn a_hung_grant_committing_after_the_look_is_still_given_back_before_its_lease_runs_out() {
+    block_on(async {
+        let Some(shared) = store().await else { return };
+        let (relay, url) = delaying_relayed_url().await;
+        // Counted from when the claim's statement began (its lock wait included).
+        let lease = Duration::from_millis(3_000);
+        // A statement timeout past the lock wait.
+        let builder = || {
+            PostgresStore::builder(&url)
+                .call_timeout(Duration::from_secs(1))
+                .statement_timeout(Duration::from_secs(5))
+        };
+        let kinds = [
+            ("per-request", builder().per_request()),
+            ("group commit", builder()),
+        ];
+        for (kind, builder) in kinds {
+            let store = builder.connect().await.expect("store");
+            let id = fresh_id();
+            let started = tokio::time::Instant::now();
+            // Another transaction's insert of the key, not committed: the claim waits on it.
+            let hold = hold_insert(&shared, &id).await;
+            relay.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
+            let rollback = async {
+                // Well after the caller's budget (1 s) and the look it set off.
+                tokio::time::sleep_until(started + Duration::from_millis(1_800)).await;
+                hold.rollback().await.expect("rollback");
+            };
+            let a = fp("a");
+            let (begin, ()) = tokio::join!(store.begin(&id, &a, lease), rollback);
+            // The grant's lease over, the claim's own bound (4 s) not yet. The claim's reply,
+            // sent once the rollback let its insert through, is held all along.
+            let retry_at = started + Duration::from_millis(3_400);
+            a_retry_runs_as_new(kind, begin, &shared, &store, &id, retry_at).await;
+            relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
+        }
+    });
+}
+
 /// A claim of `id` on `store` answered `begin` (`Unavailable`: nobody holds what it may
 /// have granted); a retry on `shared` at `retry_at`, once the claim's lease ran out, runs
 /// as new — not as an attempt whose outcome is unknown, for an operation that never ran.

@@ -1170,13 +1170,14 @@ impl PostgresStore {
     /// `caller_gone` is cancelled once nobody waits for the answer (see
     /// [`FinishOnDrop::cancels_when_orphaned`](idempotency_core::FinishOnDrop::cancels_when_orphaned)):
     /// the grants of the statements sent by then whose reply has not come are looked for
-    /// once, at once, on another connection, and given back, and the claim starts no new
-    /// write (a round's claim statement not sent yet never is; a takeover or re-arm already
-    /// waiting for a connection is). A reply that hangs (one connection's bytes held back)
-    /// is otherwise waited for until the bound above, and a lease shorter than that runs
-    /// out first: a retry would take the key over as an attempt whose outcome is unknown,
-    /// for an operation that never ran. A grant committed after that look is given back by
-    /// the claim's answer, or its give-up.
+    /// at once, on another connection, and given back, and the claim starts no new write
+    /// (a round's claim statement not sent yet never is; a takeover or re-arm already
+    /// waiting for a connection is). The round under way's grant, not found, is looked for
+    /// again every third of `lease` (at most every call budget) while the claim waits: it
+    /// may commit later (a lock wait, a takeover that waited for a connection). A reply
+    /// that hangs (one connection's bytes held back) is otherwise waited for until the
+    /// bound above, and a lease shorter than that runs out first: a retry would take the
+    /// key over as an attempt whose outcome is unknown, for an operation that never ran.
     pub async fn claim_with_ttl(
         &self,
         id: &RecordId,
@@ -1201,7 +1202,7 @@ impl PostgresStore {
         let claim = tokio::time::timeout(budget, self.claim(id, fp, lease, &tokens, &rounds));
         let looked = async {
             caller_gone.cancelled().await;
-            self.look_for_orphaned_grants(id, &rounds).await;
+            self.look_for_orphaned_grants(id, lease, &rounds).await;
             std::future::pending::<std::convert::Infallible>().await
         };
         // The claim's answer ends it; the look only runs alongside.
@@ -1233,45 +1234,72 @@ impl PostgresStore {
         }
     }
 
-    /// Gives back, once, the grants a claim still running may have made and nobody will take
-    /// (its caller is gone): those of the statements sent so far; a statement not sent yet
+    /// Gives back the grants a claim still running may have made and nobody will take (its
+    /// caller is gone): those of the statements sent so far; a statement not sent yet
     /// (waiting for a connection, or in a batch's queue) never will be. A fresh grant found
     /// is deleted for good (no statement of the claim inserts its token again) and not
     /// looked for once the claim gives up; a taken-over one is ended and kept, and looked
     /// for again then only if a re-arm of it was on its way (which can still write it).
-    /// Not found (its statement not committed yet), a grant is given back by the claim's
-    /// own answer or, given up, by the looks.
-    async fn look_for_orphaned_grants(&self, id: &RecordId, rounds: &Rounds) {
+    ///
+    /// Not found (its statement not committed yet: a lock wait, a takeover that waited for
+    /// a connection), the grant of the round under way is looked for again every third of
+    /// the lease (at most every budget) while the claim waits, so that one committing late
+    /// is given back before its lease runs out and a retry runs as new; looked for once
+    /// only, it was found at the claim's give-up (four budgets), and a retry after a shorter
+    /// lease heard `TakeOver` for an operation that never ran. The claim's answer ends the
+    /// looks (it gives back what it got), as does its give-up (its own looks take over).
+    async fn look_for_orphaned_grants(&self, id: &RecordId, lease: Duration, rounds: &Rounds) {
         // First: no round begins and no takeover is sent from here on, and a round's
         // statement not sent yet is given up, so the tokens read below are all a statement
         // of this claim may still write, and each is given back the right way (a takeover
         // read as a fresh grant would be deleted, and the unfinished attempt it took over
         // forgotten: the next `begin` would answer `Execute`).
         rounds.abandon();
-        let sent: Vec<_> = rounds
-            .wires
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .filter(|(_, wire)| wire.drop_unsent())
-            .cloned()
-            .collect();
+        let (mut looking, under_way): (Vec<_>, _) = {
+            let wires = rounds
+                .wires
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let sent = wires
+                .iter()
+                .filter(|(_, wire)| wire.drop_unsent())
+                .cloned()
+                .collect();
+            (sent, wires.last().map(|(token, _)| *token))
+        };
         let takeovers = rounds
             .takeovers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
-        let looks = sent
-            .iter()
-            .map(|(token, _)| self.give_back_once(id, *token, takeovers.contains(token)));
         // A taken-over grant ended while a re-arm of it was on its way may be re-armed after
-        // all: it stays to be looked for at the give-up.
+        // all: it is looked for again, here and at the give-up. (No re-arm begins once the
+        // claim is abandoned.)
         let rearming = rounds.rearming.load(Ordering::Acquire);
-        for ((token, wire), look) in sent.iter().zip(futures::future::join_all(looks).await) {
-            let for_good = !takeovers.contains(token) || !rearming;
-            if look == Look::Settled && for_good && wire.give_up() {
-                tracing::info!(record = %id, %token, "gave back a grant whose reply had not come, its caller gone");
+        let gap = (lease / 3).min(self.call_timeout).max(MIN_LOOK_GAP);
+        loop {
+            let looks = looking
+                .iter()
+                .map(|(token, _)| self.give_back_once(id, *token, takeovers.contains(token)));
+            let found = futures::future::join_all(looks).await;
+            let mut left = Vec::new();
+            for ((token, wire), look) in looking.into_iter().zip(found) {
+                let for_good = !takeovers.contains(&token) || !rearming;
+                let settled = look == Look::Settled && for_good;
+                if settled && wire.give_up() {
+                    tracing::info!(record = %id, %token, "gave back a grant whose reply had not come, its caller gone");
+                }
+                // Only the round under way may still write its token: every earlier round's
+                // statements were answered before the next round began.
+                if !settled && Some(token) == under_way {
+                    left.push((token, wire));
+                }
             }
+            if left.is_empty() {
+                return;
+            }
+            looking = left;
+            tokio::time::sleep(gap).await;
         }
     }
 
