@@ -2488,6 +2488,15 @@ fn a_batch_of_completes_past_the_statement_timeout_gives_its_calls_back() {
     });
 }
 
+/// A group-commit store whose batches take one call each (its queue is full at 32 calls
+/// waiting) and wait on a row lock far longer than a test's steps.
+async fn one_call_batches() -> Option<Arc<PostgresStore>> {
+    let settings = GroupCommit::default()
+        .max_batch(1)
+        .lock_timeout(Duration::from_secs(10));
+    Some(Arc::new(group_commit_store_with(settings).await?))
+}
+
 /// A full queue of completes (Postgres not keeping up) refuses a claim, which ran nothing,
 /// but not an outcome, whose operation ran: the complete goes on alone, the per-request way.
 /// It was answered `Unavailable` at once, a refusal the background write could take for the
@@ -2495,13 +2504,9 @@ fn a_batch_of_completes_past_the_statement_timeout_gives_its_calls_back() {
 #[test]
 fn a_full_queue_sends_a_complete_the_per_request_way() {
     block_on(async {
-        let settings = GroupCommit::default()
-            .max_batch(1)
-            .lock_timeout(Duration::from_secs(10));
-        let Some(store) = group_commit_store_with(settings).await else {
+        let Some(store) = one_call_batches().await else {
             return;
         };
-        let store = Arc::new(store);
         let ids: Vec<_> = (0..41).map(|_| fresh_id()).collect();
         let mut tokens = Vec::new();
         for id in &ids {
@@ -2530,6 +2535,46 @@ fn a_full_queue_sends_a_complete_the_per_request_way() {
             answers.push(answer.expect("task"));
         }
         assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    });
+}
+
+/// Claims whose callers left while they waited in the queue (each out of its budget behind
+/// a batch stalled on a lock) take no place in it: a claim that comes next is queued and
+/// served, not refused as if Postgres were not keeping up. Before, the given-up claims
+/// stayed queued until a batch took them, filled the queue (`max_batch` × 32), and the next
+/// claim was answered `Unavailable` at once.
+#[test]
+fn claims_given_up_in_the_queue_do_not_fill_it() {
+    block_on(async {
+        let Some(store) = one_call_batches().await else {
+            return;
+        };
+        // The slot's batch waits on a key another transaction is inserting.
+        let locked = fresh_id();
+        let hold = hold_insert(&store, &locked).await;
+        let claim = |id| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&id, &fp("a"), LONG).await })
+        };
+        let first = claim(locked);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Thirty-two queue behind it (`max_batch` × 32); each caller leaves at its budget.
+        let gone = (0..32).map(|_| claim(fresh_id())).collect::<Vec<_>>();
+        for answer in futures::future::join_all(gone).await {
+            let answer = answer.expect("task");
+            assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+        }
+        let next = fresh_id();
+        let next = claim(next);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        hold.rollback().await.expect("rollback");
+        let answer = next.await.expect("task");
+        assert!(
+            matches!(answer, Ok(Begin::Execute(_))),
+            "a claim was refused for a queue of claims nobody waits for: {answer:?}"
+        );
+        let _ = first.await.expect("task");
+        store.drain().await;
     });
 }
 

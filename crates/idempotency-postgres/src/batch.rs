@@ -234,6 +234,11 @@ impl OnWire {
         )
     }
 
+    /// Whether the claim was given up before it was sent (it never will be).
+    pub(crate) fn dropped(&self) -> bool {
+        self.0.load(AtomicOrdering::Acquire) == Self::DROPPED
+    }
+
     /// Whether the claim was sent and then given up (its grant given back, or looked for).
     pub(crate) fn given_back(&self) -> bool {
         self.0.load(AtomicOrdering::Acquire) == Self::GIVEN_BACK
@@ -279,6 +284,10 @@ pub(crate) trait Keyed {
     fn claim(&self) -> Option<Claim> {
         None
     }
+    /// A claim given up before it was sent (its caller gone): it never will be.
+    fn given_up(&self) -> bool {
+        false
+    }
 }
 
 /// A claim's record, token and [`OnWire`].
@@ -293,6 +302,9 @@ impl Keyed for BeginJob {
     }
     fn claim(&self) -> Option<Claim> {
         Some((self.id, self.token, self.wire.clone()))
+    }
+    fn given_up(&self) -> bool {
+        self.wire.dropped()
     }
 }
 
@@ -339,6 +351,30 @@ struct Queue<J, R> {
     held: Vec<(u64, tokio::time::Instant)>,
     tickets: u64,
     stats: GroupCommitStats,
+}
+
+impl<J: Keyed, R> Queue<J, R> {
+    /// Takes out the calls nobody will be served for: a caller that went away (a claim past
+    /// its budget, a dropped `complete`) must not have its call land after it was given up,
+    /// and a claim given up before it was sent (see [`OnWire`]) never will be. Left queued,
+    /// they held places in batches, each waiting for a connection during an outage, and
+    /// filled the queue, which then refused live claims as if Postgres were not keeping up.
+    fn shed(&mut self) {
+        let waiting = std::mem::take(&mut self.waiting);
+        for (job, reply) in waiting {
+            if reply.is_closed() {
+                continue;
+            }
+            if job.given_up() {
+                // Its claim is still running (looking for what it sent before): told at once.
+                let _ = reply.send(Err(Error::unavailable(
+                    "the claim was given up before it was sent",
+                )));
+                continue;
+            }
+            self.waiting.push_back((job, reply));
+        }
+    }
 }
 
 impl<J, R> Queue<J, R> {
@@ -464,8 +500,13 @@ impl<J: Keyed + Send + 'static, R: Send + 'static> Batcher<J, R> {
                 let drain = drain.then(|| queue.hold());
                 // Checked after the takeover: a queue that filled up behind a stalled call
                 // would otherwise refuse every call, and none would ever start its drain.
-                // The call that starts one joins it, full or not.
-                if drain.is_none() && queue.waiting.len() >= settings.max_batch.saturating_mul(32) {
+                // The call that starts one joins it, full or not. Full of calls nobody waits
+                // for, it is not full.
+                let full = settings.max_batch.saturating_mul(32);
+                if drain.is_none() && queue.waiting.len() >= full {
+                    queue.shed();
+                }
+                if drain.is_none() && queue.waiting.len() >= full {
                     Start::Full
                 } else {
                     if let Some(job) = job.take() {
@@ -634,9 +675,7 @@ async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R
                 slot.released = true;
                 return;
             }
-            // A caller that went away (a claim past its budget, a dropped `complete`) is not
-            // served: its call must not land after it was given up.
-            queue.waiting.retain(|(_, reply)| !reply.is_closed());
+            queue.shed();
             if queue.waiting.is_empty() {
                 // Freed under the same lock a caller checks: no call is left without a drain.
                 queue.running -= 1;
