@@ -1314,42 +1314,73 @@ fn a_hung_grant_under_a_short_lease_is_given_back_once_its_caller_is_gone() {
 /// 409 under `Reject`) for an operation that never ran.
 #[test]
 fn a_hung_grant_committing_after_the_look_is_still_given_back_before_its_lease_runs_out() {
-    block_on(async {
-        let Some(shared) = store().await else { return };
-        let (relay, url) = delaying_relayed_url().await;
-        // Counted from when the claim's statement began (its lock wait included).
-        let lease = Duration::from_millis(3_000);
-        // A statement timeout past the lock wait.
-        let builder = || {
-            PostgresStore::builder(&url)
-                .call_timeout(Duration::from_secs(1))
-                .statement_timeout(Duration::from_secs(5))
+    // Budget 1 s; lease 3 s (a look every second); the grant committed at 1.8 s, with
+    // 1.2 s left (the lease counts from the statement's start).
+    block_on(a_hung_grant_committing_late(
+        Duration::from_secs(1),
+        Duration::from_millis(3_000),
+        Duration::from_millis(1_800),
+        Duration::from_millis(3_400),
+    ));
+}
+
+/// The same, the grant committing after the last look before its lease runs out (its lock
+/// wait took most of the lease): the claim looks once more shortly before the lease, counted
+/// from before its statement was sent, runs out. With looks a third of the lease apart
+/// only, the next came after the lease had run out, and the retry heard `TakeOver`.
+#[test]
+fn a_hung_grant_committing_in_its_leases_last_third_is_still_given_back() {
+    // Budget 2 s; lease 4.5 s (looks at 2, 3.5 and 5 s, and once more at about 4.05 s);
+    // the grant committed at 3.7 s, with 0.8 s left.
+    block_on(a_hung_grant_committing_late(
+        Duration::from_secs(2),
+        Duration::from_millis(4_500),
+        Duration::from_millis(3_700),
+        Duration::from_millis(4_800),
+    ));
+}
+
+/// A claim of a key another transaction is inserting, on a store with the budget given,
+/// whose reply is held back all along: its caller leaves at the budget, the insert holding
+/// the key rolls back at `rollback_at` (after that, the claim's grant commits, its lease
+/// counted from the statement's start), and a retry at `retry_at`, once the lease ran out
+/// and before the claim gives up (four budgets), runs as new.
+async fn a_hung_grant_committing_late(
+    budget: Duration,
+    lease: Duration,
+    rollback_at: Duration,
+    retry_at: Duration,
+) {
+    let Some(shared) = store().await else { return };
+    let (relay, url) = delaying_relayed_url().await;
+    // A statement timeout past the lock wait.
+    let builder = || {
+        PostgresStore::builder(&url)
+            .call_timeout(budget)
+            .statement_timeout(Duration::from_secs(10))
+    };
+    let kinds = [
+        ("per-request", builder().per_request()),
+        ("group commit", builder()),
+    ];
+    for (kind, builder) in kinds {
+        let store = builder.connect().await.expect("store");
+        let id = fresh_id();
+        let started = tokio::time::Instant::now();
+        // Another transaction's insert of the key, not committed: the claim waits on it.
+        let hold = hold_insert(&shared, &id).await;
+        relay.delay_replies_containing(Duration::from_secs(20), b"SELECT ");
+        let rollback = async {
+            tokio::time::sleep_until(started + rollback_at).await;
+            hold.rollback().await.expect("rollback");
         };
-        let kinds = [
-            ("per-request", builder().per_request()),
-            ("group commit", builder()),
-        ];
-        for (kind, builder) in kinds {
-            let store = builder.connect().await.expect("store");
-            let id = fresh_id();
-            let started = tokio::time::Instant::now();
-            // Another transaction's insert of the key, not committed: the claim waits on it.
-            let hold = hold_insert(&shared, &id).await;
-            relay.delay_replies_containing(Duration::from_secs(10), b"SELECT ");
-            let rollback = async {
-                // Well after the caller's budget (1 s) and the look it set off.
-                tokio::time::sleep_until(started + Duration::from_millis(1_800)).await;
-                hold.rollback().await.expect("rollback");
-            };
-            let a = fp("a");
-            let (begin, ()) = tokio::join!(store.begin(&id, &a, lease), rollback);
-            // The grant's lease over, the claim's own bound (4 s) not yet. The claim's reply,
-            // sent once the rollback let its insert through, is held all along.
-            let retry_at = started + Duration::from_millis(3_400);
-            a_retry_runs_as_new(kind, begin, &shared, &store, &id, retry_at).await;
-            relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
-        }
-    });
+        let a = fp("a");
+        let (begin, ()) = tokio::join!(store.begin(&id, &a, lease), rollback);
+        // The claim's reply, sent once the rollback let its insert through, is held all
+        // along.
+        a_retry_runs_as_new(kind, begin, &shared, &store, &id, started + retry_at).await;
+        relay.delay_replies_containing(Duration::ZERO, b"SELECT ");
+    }
 }
 
 /// A claim of `id` on `store` answered `begin` (`Unavailable`: nobody holds what it may

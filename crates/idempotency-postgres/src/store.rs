@@ -19,6 +19,7 @@ use sqlx::{
     PgConnection, PgPool,
     postgres::{PgConnectOptions, PgPoolOptions, PgSslMode},
 };
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -1173,8 +1174,9 @@ impl PostgresStore {
     /// at once, on another connection, and given back, and the claim starts no new write
     /// (a round's claim statement not sent yet never is; a takeover or re-arm already
     /// waiting for a connection is). The round under way's grant, not found, is looked for
-    /// again every third of `lease` (at most every call budget) while the claim waits: it
-    /// may commit later (a lock wait, a takeover that waited for a connection). A reply
+    /// again every third of `lease` (at most every call budget) while the claim waits, and
+    /// once more shortly before its lease runs out: it may commit later (a lock wait, a
+    /// takeover that waited for a connection). A reply
     /// that hangs (one connection's bytes held back) is otherwise waited for until the
     /// bound above, and a lease shorter than that runs out first: a retry would take the
     /// key over as an attempt whose outcome is unknown, for an operation that never ran.
@@ -1243,11 +1245,13 @@ impl PostgresStore {
     ///
     /// Not found (its statement not committed yet: a lock wait, a takeover that waited for
     /// a connection), the grant of the round under way is looked for again every third of
-    /// the lease (at most every budget) while the claim waits, so that one committing late
-    /// is given back before its lease runs out and a retry runs as new; looked for once
-    /// only, it was found at the claim's give-up (four budgets), and a retry after a shorter
-    /// lease heard `TakeOver` for an operation that never ran. The claim's answer ends the
-    /// looks (it gives back what it got), as does its give-up (its own looks take over).
+    /// the lease (at most every budget) while the claim waits, and once more shortly before
+    /// its lease, counted from before its statement was sent, runs out: one committing late
+    /// is given back before then and a retry runs as new, unless it commits in that lease's
+    /// last tenth (at least 100 ms). Looked for once only, it was found at the claim's
+    /// give-up (four budgets), and a retry after a shorter lease heard `TakeOver` for an
+    /// operation that never ran. The claim's answer ends the looks (it gives back what it
+    /// got), as does its give-up (its own looks take over).
     async fn look_for_orphaned_grants(&self, id: &RecordId, lease: Duration, rounds: &Rounds) {
         // First: no round begins and no takeover is sent from here on, and a round's
         // statement not sent yet is given up, so the tokens read below are all a statement
@@ -1277,6 +1281,14 @@ impl PostgresStore {
         // claim is abandoned.)
         let rearming = rounds.rearming.load(Ordering::Acquire);
         let gap = (lease / 3).min(self.call_timeout).max(MIN_LOOK_GAP);
+        // And once more shortly before that round's lease, counted from before its statement
+        // was sent, runs out: a lock wait spends the lease (its expiry is set when the
+        // statement starts), so a grant committing late may have less left than a gap.
+        let last_look = rounds
+            .under_way_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map(|since| since + lease.saturating_sub((lease / 10).max(MIN_LOOK_GAP)));
         loop {
             let looks = looking
                 .iter()
@@ -1299,7 +1311,12 @@ impl PostgresStore {
                 return;
             }
             looking = left;
-            tokio::time::sleep(gap).await;
+            let now = Instant::now();
+            let next = match last_look {
+                Some(at) if at > now && at < now + gap => at,
+                _ => now + gap,
+            };
+            tokio::time::sleep_until(next).await;
         }
     }
 
@@ -1519,6 +1536,12 @@ impl PostgresStore {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push((*token, wire.clone()));
+            // Before its statement is sent: the lease it may write runs out no sooner than a
+            // lease from now.
+            *rounds
+                .under_way_since
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
             let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
                 // `None`: the batch gave the call back (a lock, a race): next round.
@@ -1824,6 +1847,8 @@ struct Rounds {
     /// The rounds begun, with whether each one's statement was sent: a claim cut off by its
     /// budget gives back only the tokens of those sent, not ones no statement carried.
     wires: std::sync::Mutex<Vec<(LeaseToken, Arc<OnWire>)>>,
+    /// When the round under way began (the last of `wires`).
+    under_way_since: std::sync::Mutex<Option<Instant>>,
     /// See [`Rounds::abandon`].
     abandoned: std::sync::atomic::AtomicBool,
     /// A re-arm (`fresh_grant`) is on its way: it may write its token again after a look
