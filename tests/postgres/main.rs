@@ -1330,8 +1330,9 @@ fn a_hung_grant_committing_after_the_look_is_still_given_back_before_its_lease_r
 /// only, the next came after the lease had run out, and the retry heard `TakeOver`.
 #[test]
 fn a_hung_grant_committing_in_its_leases_last_third_is_still_given_back() {
-    // Budget 2 s; lease 4.5 s (looks at 2, 3.5 and 5 s, and once more at about 4.05 s);
-    // the grant committed at 3.7 s, with 0.8 s left.
+    // Budget 2 s; lease 4.5 s: looks at about 2 and 3.5 s, once more at about 4.05 s (a
+    // tenth of the lease before it runs out), then at about 5.5 s; the grant committed at
+    // 3.7 s, with 0.8 s left.
     block_on(a_hung_grant_committing_late(
         Duration::from_secs(2),
         Duration::from_millis(4_500),

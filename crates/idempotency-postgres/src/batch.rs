@@ -194,7 +194,7 @@ impl BeginJob {
 /// could not have written. Looked for in vain, each such grant cost a statement per look
 /// for 70 minutes, a burst of them on a new primary after every failover.
 #[derive(Debug, Default)]
-pub(crate) struct OnWire(AtomicU8);
+pub(crate) struct OnWire(AtomicU8, std::sync::OnceLock<tokio::time::Instant>);
 
 impl OnWire {
     const PENDING: u8 = 0;
@@ -207,10 +207,19 @@ impl OnWire {
     /// With a connection in hand, right before sending: false if the claim was given up
     /// (then it must not be sent).
     pub(crate) fn send(&self) -> bool {
-        matches!(
+        let sent = matches!(
             self.swap(Self::PENDING, Self::SENT),
             Ok(()) | Err(Self::SENT)
-        )
+        );
+        if sent {
+            let _ = self.1.set(tokio::time::Instant::now());
+        }
+        sent
+    }
+
+    /// When it was (first) sent: a lease it writes runs out no sooner than a lease later.
+    pub(crate) fn sent_at(&self) -> Option<tokio::time::Instant> {
+        self.1.get().copied()
     }
 
     /// Gives the claim up: whether its grant is to be looked for — its statement may have

@@ -1245,10 +1245,11 @@ impl PostgresStore {
     ///
     /// Not found (its statement not committed yet: a lock wait, a takeover that waited for
     /// a connection), the grant of the round under way is looked for again every third of
-    /// the lease (at most every budget) while the claim waits, and once more shortly before
-    /// its lease, counted from before its statement was sent, runs out: one committing late
-    /// is given back before then and a retry runs as new, unless it commits in that lease's
-    /// last tenth (at least 100 ms). Looked for once only, it was found at the claim's
+    /// the lease (at most every budget) while the claim waits, and once more a tenth of the
+    /// lease (at least 100 ms) before it runs out, counted from when the round's last
+    /// statement was sent: one committing late is mostly given back before then, and a
+    /// retry runs as new (a best effort: a grant committing in that last tenth, or a look
+    /// that waits for a connection, can still come after). Looked for once only, it was found at the claim's
     /// give-up (four budgets), and a retry after a shorter lease heard `TakeOver` for an
     /// operation that never ran. The claim's answer ends the looks (it gives back what it
     /// got), as does its give-up (its own looks take over).
@@ -1269,7 +1270,7 @@ impl PostgresStore {
                 .filter(|(_, wire)| wire.drop_unsent())
                 .cloned()
                 .collect();
-            (sent, wires.last().map(|(token, _)| *token))
+            (sent, wires.last().cloned())
         };
         let takeovers = rounds
             .takeovers
@@ -1281,14 +1282,23 @@ impl PostgresStore {
         // claim is abandoned.)
         let rearming = rounds.rearming.load(Ordering::Acquire);
         let gap = (lease / 3).min(self.call_timeout).max(MIN_LOOK_GAP);
-        // And once more shortly before that round's lease, counted from before its statement
-        // was sent, runs out: a lock wait spends the lease (its expiry is set when the
-        // statement starts), so a grant committing late may have less left than a gap.
-        let last_look = rounds
-            .under_way_since
+        // And once more shortly before that round's lease runs out, counted from when its
+        // last statement (a takeover's, or its claim's) was sent — or earlier: a lock wait
+        // spends the lease (its expiry is set when the statement starts), so a grant
+        // committing late may have less left than a gap. (A lease too long for the clock
+        // has no such look.)
+        let takeover_sent = *rounds
+            .takeover_sent
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .map(|since| since + lease.saturating_sub((lease / 10).max(MIN_LOOK_GAP)));
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let last_look = under_way.as_ref().and_then(|(token, wire)| {
+            let since = match takeover_sent {
+                Some((took, at)) if took == *token => Some(at),
+                _ => wire.sent_at(),
+            }?;
+            last_look_before_expiry(since, lease)
+        });
+        let under_way = under_way.map(|(token, _)| token);
         loop {
             let looks = looking
                 .iter()
@@ -1536,12 +1546,6 @@ impl PostgresStore {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push((*token, wire.clone()));
-            // Before its statement is sent: the lease it may write runs out no sooner than a
-            // lease from now.
-            *rounds
-                .under_way_since
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
             let batched = self.batches.is_some() && round == 0;
             let found = match (&self.batches, round) {
                 // `None`: the batch gave the call back (a lock, a race): next round.
@@ -1686,6 +1690,10 @@ impl PostgresStore {
         }
         // The takeover writes the token: in doubt from before it is sent.
         rounds.note(Some(token));
+        *rounds
+            .takeover_sent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((token, Instant::now()));
         let taken: Option<(f64,)> = claim_query(self.sql.get(TAKEOVER_SQL), id, fp, token, lease)
             .bind(state)
             .fetch_optional_on(&self.pool)
@@ -1847,8 +1855,9 @@ struct Rounds {
     /// The rounds begun, with whether each one's statement was sent: a claim cut off by its
     /// budget gives back only the tokens of those sent, not ones no statement carried.
     wires: std::sync::Mutex<Vec<(LeaseToken, Arc<OnWire>)>>,
-    /// When the round under way began (the last of `wires`).
-    under_way_since: std::sync::Mutex<Option<Instant>>,
+    /// When the round under way (the last of `wires`) sent a takeover of the row it read,
+    /// if it did: the lease it may write runs out no sooner than a lease later.
+    takeover_sent: std::sync::Mutex<Option<(LeaseToken, Instant)>>,
     /// See [`Rounds::abandon`].
     abandoned: std::sync::atomic::AtomicBool,
     /// A re-arm (`fresh_grant`) is on its way: it may write its token again after a look
@@ -1954,6 +1963,13 @@ const LATER_LOOKS: [u32; 5] = [4, 16, 64, 256, 1024];
 
 /// The least time between two looks for a grant while the store cannot be reached.
 const MIN_LOOK_GAP: Duration = Duration::from_millis(100);
+
+/// When to look for a grant once more before its lease, written by a statement sent at
+/// `since`, runs out: a tenth of the lease (at least [`MIN_LOOK_GAP`]) before. `None` for a
+/// lease too long for the clock (`Duration::MAX` is a lease for good).
+fn last_look_before_expiry(since: Instant, lease: Duration) -> Option<Instant> {
+    since.checked_add(lease.saturating_sub((lease / 10).max(MIN_LOOK_GAP)))
+}
 
 /// What one look for a grant to give back found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -2195,6 +2211,26 @@ mod tests {
     use idempotency_core::{IdempotencyKey, Scope};
 
     use super::*;
+
+    /// A lease for good (`Duration::MAX`, which `Store::begin` takes) has no look before it
+    /// runs out: added to the clock it overflowed, and the look for an orphaned claim's
+    /// grants panicked before it looked.
+    #[test]
+    fn a_lease_for_good_has_no_last_look() {
+        let now = Instant::now();
+        assert_eq!(last_look_before_expiry(now, Duration::MAX), None);
+        let lease = Duration::from_secs(10);
+        assert_eq!(
+            last_look_before_expiry(now, lease),
+            Some(now + Duration::from_secs(9))
+        );
+        // Short leases keep at least the least gap between two looks.
+        let short = Duration::from_millis(500);
+        assert_eq!(
+            last_look_before_expiry(now, short),
+            Some(now + Duration::from_millis(400))
+        );
+    }
 
     /// The call budget wraps every statement's future; it must hold that future once
     /// (an `async fn` keeps its future argument beside the one it awaits: twice the bytes,
