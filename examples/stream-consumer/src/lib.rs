@@ -539,8 +539,9 @@ impl Consumer {
     /// old consumer does not look under the new one. Keep the option for as long as the old
     /// records are kept (the store's retention).
     ///
-    /// Called again, it adds a scope: each is consulted, in the order given, and the first
-    /// that holds the charge answers — an upgrade from the group scope, and a ledger
+    /// Called again, it adds a scope: each is consulted; the charge applied with the
+    /// message's amount under any of them is applied, else the first, in the order given,
+    /// that holds anything of it answers — an upgrade from the group scope, and a ledger
     /// spelled otherwise before (`ledger:public.ledger` for a ledger now given as `ledger`;
     /// see [`Consumer::scope`]).
     ///
@@ -910,16 +911,23 @@ impl Consumer {
         Ok(())
     }
 
-    /// What the records of this charge under the previous scopes say, in the order they
-    /// were given: the first that holds anything answers.
+    /// What the records of this charge under the previous scopes say: applied with this
+    /// amount under any of them, or else what the first, in the order they were given, that
+    /// holds anything says (a dead-letter decision, another amount's record, an attempt, a
+    /// store that cannot tell). Acknowledging an applied charge adds no effect whatever
+    /// another scope holds; another scope's record of another amount, answering first,
+    /// dead-lettered a message whose own amount was in the ledger.
     async fn under_previous_scope(&self, key: &IdempotencyKey, fp: &Fingerprint) -> Previously {
+        let mut first = Previously::Nothing;
         for previous in &self.previous_scopes {
             match self.under_scope(previous, key, fp).await {
                 Previously::Nothing => {}
-                found => return found,
+                Previously::Applied => return Previously::Applied,
+                found if matches!(first, Previously::Nothing) => first = found,
+                _ => {}
             }
         }
-        Previously::Nothing
+        first
     }
 
     /// A record under a previous scope completed with this amount: applied, or decided

@@ -260,6 +260,50 @@ fn every_previous_scope_is_consulted() {
     });
 }
 
+/// A charge applied with the message's amount under a later previous scope is applied,
+/// whatever an earlier one holds (another amount's record, here): the message is
+/// acknowledged. The first scope that held anything answered before, and the message was
+/// dead-lettered as a charge applied with another amount although its own amount was in
+/// the ledger.
+#[test]
+fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
+    use idempotency::{Executor, Fingerprint, IdempotencyKey, Scope};
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        rig.consumer("setup").await.setup().await.expect("setup");
+        let group = Consumer::group_scope(&rig.stream, "ledger");
+        let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
+        let key = IdempotencyKey::new("ch_twice").expect("key");
+        // The group scope holds the charge id with another amount; the spelled scope holds
+        // it applied with the message's.
+        for (scope, amount) in [(&group, 999i64), (&spelled, 100)] {
+            let fp = Fingerprint::of(&amount.to_be_bytes());
+            Executor::new(rig.store.clone())
+                .run(scope, &key, &fp, || async {
+                    Ok::<_, std::convert::Infallible>("applied ch_twice".to_owned())
+                })
+                .await
+                .expect("an earlier version's record");
+        }
+        publish(&mut rig.redis, &rig.stream, "ch_twice", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig
+            .consumer("c1")
+            .await
+            .with_previous_scope(group)
+            .with_previous_scope(spelled);
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.replayed, polled.dead_lettered, polled.applied),
+            (1, 0, 0),
+            "{polled:?}"
+        );
+        assert_eq!(rig.effects().await.get("ch_twice"), None);
+    });
+}
+
 /// A group created anew on the same stream (renamed, or reset to the stream's start)
 /// reads every charge again: each replays, none is applied a second time. The charge is
 /// the effect's, not the group's.
