@@ -219,7 +219,7 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
 /// applied again.
 #[test]
 fn every_previous_scope_is_consulted() {
-    use idempotency::{Executor, Fingerprint, IdempotencyKey, Scope};
+    use idempotency::Scope;
 
     block_on(async {
         let Some(mut rig) = rig().await else { return };
@@ -228,14 +228,8 @@ fn every_previous_scope_is_consulted() {
         let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
         // What earlier versions recorded, each under its own scope.
         for (scope, charge) in [(&group, "ch_group"), (&spelled, "ch_spelled")] {
-            let key = IdempotencyKey::new(charge).expect("key");
-            let fp = Fingerprint::of(&100i64.to_be_bytes());
-            Executor::new(rig.store.clone())
-                .run(scope, &key, &fp, || async {
-                    Ok::<_, std::convert::Infallible>(format!("applied {charge}"))
-                })
-                .await
-                .expect("an earlier version's record");
+            let applied = format!("applied {charge}");
+            recorded(&rig, scope, charge, 100, &applied).await;
         }
         for charge in ["ch_group", "ch_spelled", "ch_new"] {
             publish(&mut rig.redis, &rig.stream, charge, 100)
@@ -267,24 +261,17 @@ fn every_previous_scope_is_consulted() {
 /// the ledger.
 #[test]
 fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
-    use idempotency::{Executor, Fingerprint, IdempotencyKey, Scope};
+    use idempotency::Scope;
 
     block_on(async {
         let Some(mut rig) = rig().await else { return };
         rig.consumer("setup").await.setup().await.expect("setup");
         let group = Consumer::group_scope(&rig.stream, "ledger");
         let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
-        let key = IdempotencyKey::new("ch_twice").expect("key");
         // The group scope holds the charge id with another amount; the spelled scope holds
         // it applied with the message's.
-        for (scope, amount) in [(&group, 999i64), (&spelled, 100)] {
-            let fp = Fingerprint::of(&amount.to_be_bytes());
-            Executor::new(rig.store.clone())
-                .run(scope, &key, &fp, || async {
-                    Ok::<_, std::convert::Infallible>("applied ch_twice".to_owned())
-                })
-                .await
-                .expect("an earlier version's record");
+        for (scope, amount) in [(&group, 999), (&spelled, 100)] {
+            recorded(&rig, scope, "ch_twice", amount, "applied ch_twice").await;
         }
         publish(&mut rig.redis, &rig.stream, "ch_twice", 100)
             .await
@@ -302,6 +289,22 @@ fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
         );
         assert_eq!(rig.effects().await.get("ch_twice"), None);
     });
+}
+
+/// Records what an earlier version of the consumer stored for `charge` with `amount` under
+/// `scope`: its decision, `value`.
+async fn recorded(rig: &Rig, scope: &idempotency::Scope, charge: &str, amount: i64, value: &str) {
+    use idempotency::{Executor, Fingerprint, IdempotencyKey};
+
+    let key = IdempotencyKey::new(charge).expect("key");
+    let fp = Fingerprint::of(&amount.to_be_bytes());
+    let value = value.to_owned();
+    Executor::new(rig.store.clone())
+        .run(scope, &key, &fp, || async move {
+            Ok::<_, std::convert::Infallible>(value)
+        })
+        .await
+        .expect("an earlier version's record");
 }
 
 /// A group created anew on the same stream (renamed, or reset to the stream's start)
@@ -1652,7 +1655,6 @@ fn a_charge_decided_dead_lettered_under_a_previous_scope_dead_letters_its_messag
 }
 
 async fn decided_dead_lettered_dead_letters_its_message(previous: bool) {
-    use idempotency::{Executor, Fingerprint, IdempotencyKey};
     let Some(mut rig) = rig().await else { return };
     let mut consumer = rig.consumer("c1").await;
     let old = Consumer::group_scope(&rig.stream, "ledger");
@@ -1667,14 +1669,8 @@ async fn decided_dead_lettered_dead_letters_its_message(previous: bool) {
         .await
         .expect("publish");
     // What the dead-lettering consumer stored before it died.
-    let key = IdempotencyKey::new("ch_decided").expect("key");
-    let fp = Fingerprint::of(&30_i64.to_be_bytes());
-    Executor::new(rig.store.clone())
-        .run(&scope, &key, &fp, || async {
-            Ok::<_, std::convert::Infallible>("dead-lettered ch_decided: failed 5 times".to_owned())
-        })
-        .await
-        .expect("decided");
+    let decided = "dead-lettered ch_decided: failed 5 times";
+    recorded(&rig, &scope, "ch_decided", 30, decided).await;
     let polled = consumer.poll(10).await.expect("poll");
     assert_eq!(
         (polled.applied, polled.replayed, polled.dead_lettered),
