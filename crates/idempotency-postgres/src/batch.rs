@@ -207,17 +207,17 @@ impl OnWire {
     /// With a connection in hand, right before sending: false if the claim was given up
     /// (then it must not be sent).
     pub(crate) fn send(&self) -> bool {
-        let sent = matches!(
+        // Stamped first: a look that sees it sent finds when (one never sent is not looked
+        // for, stamp or not).
+        let _ = self.1.set(tokio::time::Instant::now());
+        matches!(
             self.swap(Self::PENDING, Self::SENT),
             Ok(()) | Err(Self::SENT)
-        );
-        if sent {
-            let _ = self.1.set(tokio::time::Instant::now());
-        }
-        sent
+        )
     }
 
-    /// When it was (first) sent: a lease it writes runs out no sooner than a lease later.
+    /// When it was (first) sent, or about to be: a lease it writes runs out no sooner than a
+    /// lease later.
     pub(crate) fn sent_at(&self) -> Option<tokio::time::Instant> {
         self.1.get().copied()
     }
