@@ -346,6 +346,15 @@ enum Previously {
     Unknown(String),
 }
 
+/// What a completed record of a charge with the message's amount under a previous scope
+/// decided: dead-lettered (its stored value says so), or applied.
+fn decided(outcome: &idempotency::Outcome) -> Previously {
+    match serde_json::from_slice::<String>(&outcome.body) {
+        Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(value),
+        _ => Previously::Applied,
+    }
+}
+
 /// One consumer of a group.
 pub struct Consumer {
     redis: Connection,
@@ -936,10 +945,7 @@ impl Consumer {
     /// scope: acknowledged as applied, the charge left no ledger row and no dead letter.
     async fn decided_under(&self, previous: &Scope, id: &RecordId, fp: &Fingerprint) -> Previously {
         match self.store.begin(id, fp, Duration::from_secs(30)).await {
-            Ok(Begin::Replay(outcome)) => match serde_json::from_slice::<String>(&outcome.body) {
-                Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(value),
-                _ => Previously::Applied,
-            },
+            Ok(Begin::Replay(outcome)) => decided(&outcome),
             // Released since the read: nothing holds the charge there any more.
             Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
                 match self.store.release(id, token).await {
@@ -987,7 +993,8 @@ impl Consumer {
                             Err(error) => Previously::Unknown(error.to_string()),
                         }
                     }
-                    Ok(Begin::Replay(_)) => Previously::Applied,
+                    // Completed since the read (its `complete` landed late): what it decided.
+                    Ok(Begin::Replay(outcome)) => decided(&outcome),
                     Ok(Begin::InFlight { .. }) => Previously::Holding,
                     Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
                     Err(error) => Previously::Unknown(error.to_string()),
