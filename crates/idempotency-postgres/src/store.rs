@@ -712,7 +712,8 @@ impl PostgresStore {
 
     /// How many grants this store is still looking for, to give them back: the leases that
     /// claims given up (out of budget, failed after their statement was sent, dropped
-    /// mid-statement) may have written unseen. Each is looked for again and again for up to
+    /// mid-statement) may have written unseen (a claim still running whose caller left is
+    /// counted once it gives up). Each is looked for again and again for up to
     /// 70 minutes, since a statement held up (by a lock, a network that heals) can still
     /// commit that late; a grant found is given back, one never written is looked for to the
     /// end. Claims that never reached Postgres are not counted: they wrote nothing. A number
@@ -1240,19 +1241,23 @@ impl PostgresStore {
     /// caller is gone): those of the statements sent so far; a statement not sent yet
     /// (waiting for a connection, or in a batch's queue) never will be. A fresh grant found
     /// is deleted for good (no statement of the claim inserts its token again) and not
-    /// looked for once the claim gives up; a taken-over one is ended and kept, and looked
-    /// for again then only if a re-arm of it was on its way (which can still write it).
+    /// looked for once the claim gives up; a taken-over one is ended and kept, and, if a
+    /// re-arm of it was on its way (which can still write it), ended again at each of the
+    /// looks below and looked for again at the give-up.
     ///
     /// Not found (its statement not committed yet: a lock wait, a takeover that waited for
     /// a connection), the grant of the round under way is looked for again every third of
     /// the lease (at most every budget) while the claim waits, and once more a tenth of the
-    /// lease (at least 100 ms) before it runs out, counted from when the round's last
-    /// statement was sent: one committing late is mostly given back before then, and a
-    /// retry runs as new (a best effort: a grant committing in that last tenth, or a look
-    /// that waits for a connection, can still come after). Looked for once only, it was found at the claim's
-    /// give-up (four budgets), and a retry after a shorter lease heard `TakeOver` for an
-    /// operation that never ran. The claim's answer ends the looks (it gives back what it
-    /// got), as does its give-up (its own looks take over).
+    /// lease (at least 100 ms) before it runs out, counted from when the round's claim
+    /// statement was sent, or from before its takeover waited for a connection: one
+    /// committing late is mostly given back before then, and a retry runs as new (a best
+    /// effort: a grant committing in that last tenth, or a look that waits for a
+    /// connection, can still come after). Looked for once only, it was found at the claim's
+    /// give-up (four budgets for a round on the per-request path), and a retry after a
+    /// shorter lease heard `TakeOver` for an operation that never ran. The claim's answer
+    /// ends the looks (it gives back what it got), as does its give-up (its own looks take
+    /// over). These looks are not counted in [`grants_in_doubt`](Self::grants_in_doubt),
+    /// which counts the grants of claims given up.
     async fn look_for_orphaned_grants(&self, id: &RecordId, lease: Duration, rounds: &Rounds) {
         // First: no round begins and no takeover is sent from here on, and a round's
         // statement not sent yet is given up, so the tokens read below are all a statement
