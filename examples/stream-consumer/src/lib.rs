@@ -50,7 +50,9 @@
 //!   whose result begins with `dead-lettered `, never one that says `applied`), then
 //!   publish it again. A message dead-lettered because another amount's attempt that never
 //!   finished holds its charge names the scope of that attempt's record: release that one
-//!   (after an upgrade, the previous scope's), once its worker is known dead.
+//!   (after an upgrade, the previous scope's), once its worker is known dead. So does one
+//!   dead-lettered because an earlier version decided its charge so under a previous scope
+//!   (`… (decided under scope <scope>)`): release that scope's record.
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it (it may have been applied: the consumer holding it may have been applying
@@ -347,10 +349,14 @@ enum Previously {
 }
 
 /// What a completed record of a charge with the message's amount under a previous scope
-/// decided: dead-lettered (its stored value says so), or applied.
-fn decided(outcome: &idempotency::Outcome) -> Previously {
+/// decided: dead-lettered (its stored value says so; the dead letter names the scope, where
+/// its record must be released for the charge to be applied), or applied.
+fn decided(outcome: &idempotency::Outcome, previous: &Scope) -> Previously {
     match serde_json::from_slice::<String>(&outcome.body) {
-        Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(value),
+        Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(format!(
+            "{value} (decided under scope {})",
+            previous.as_str()
+        )),
         _ => Previously::Applied,
     }
 }
@@ -945,7 +951,7 @@ impl Consumer {
     /// scope: acknowledged as applied, the charge left no ledger row and no dead letter.
     async fn decided_under(&self, previous: &Scope, id: &RecordId, fp: &Fingerprint) -> Previously {
         match self.store.begin(id, fp, Duration::from_secs(30)).await {
-            Ok(Begin::Replay(outcome)) => decided(&outcome),
+            Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
             // Released since the read: nothing holds the charge there any more.
             Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
                 match self.store.release(id, token).await {
@@ -994,7 +1000,7 @@ impl Consumer {
                         }
                     }
                     // Completed since the read (its `complete` landed late): what it decided.
-                    Ok(Begin::Replay(outcome)) => decided(&outcome),
+                    Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
                     Ok(Begin::InFlight { .. }) => Previously::Holding,
                     Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
                     Err(error) => Previously::Unknown(error.to_string()),

@@ -1681,6 +1681,9 @@ async fn decided_dead_lettered_dead_letters_its_message(previous: bool) {
     let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0]["id"], id);
+    // Where the decision is, to release it there and apply the charge after all.
+    let named = format!("(decided under scope {})", scope.as_str());
+    assert!(!previous || dead[0]["reason"].ends_with(&named), "{dead:?}");
     assert_eq!(rig.pending().await, 0);
 }
 
