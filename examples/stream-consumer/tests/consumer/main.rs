@@ -219,13 +219,9 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
 /// applied again.
 #[test]
 fn every_previous_scope_is_consulted() {
-    use idempotency::Scope;
-
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        rig.consumer("setup").await.setup().await.expect("setup");
-        let group = Consumer::group_scope(&rig.stream, "ledger");
-        let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
+        let (group, spelled) = two_previous_scopes(&mut rig).await;
         // What earlier versions recorded, each under its own scope.
         for (scope, charge) in [(&group, "ch_group"), (&spelled, "ch_spelled")] {
             let applied = format!("applied {charge}");
@@ -261,13 +257,9 @@ fn every_previous_scope_is_consulted() {
 /// the ledger.
 #[test]
 fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
-    use idempotency::Scope;
-
     block_on(async {
         let Some(mut rig) = rig().await else { return };
-        rig.consumer("setup").await.setup().await.expect("setup");
-        let group = Consumer::group_scope(&rig.stream, "ledger");
-        let spelled = Scope::new(format!("ledger:public.{}", rig.ledger));
+        let (group, spelled) = two_previous_scopes(&mut rig).await;
         // The group scope holds the charge id with another amount; the spelled scope holds
         // it applied with the message's.
         for (scope, amount) in [(&group, 999), (&spelled, 100)] {
@@ -289,6 +281,15 @@ fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
         );
         assert_eq!(rig.effects().await.get("ch_twice"), None);
     });
+}
+
+/// Sets the rig up and names the two scopes earlier versions used: the group scope, and the
+/// ledger spelled `public.<table>`.
+async fn two_previous_scopes(rig: &mut Rig) -> (idempotency::Scope, idempotency::Scope) {
+    rig.consumer("setup").await.setup().await.expect("setup");
+    let group = Consumer::group_scope(&rig.stream, "ledger");
+    let spelled = idempotency::Scope::new(format!("ledger:public.{}", rig.ledger));
+    (group, spelled)
 }
 
 /// Records what an earlier version of the consumer stored for `charge` with `amount` under
