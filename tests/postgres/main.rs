@@ -1241,8 +1241,8 @@ fn a_give_back_left_on_a_runtime_that_shuts_down_still_runs() {
             assert!(matches!(begin, Err(Error::Unavailable(_))), "{begin:?}");
             doomed.shutdown_background();
             assert!(
-                shared.inspect(&id).await.expect("inspect").is_some(),
-                "the claim had committed its lease"
+                !armed.load(std::sync::atomic::Ordering::SeqCst),
+                "the relay did not cut a committed claim's reply"
             );
             store.drain().await;
             assert!(
@@ -1720,7 +1720,17 @@ async fn delaying_relayed_url() -> (idempotency_test::relay::DelayingRelay, Stri
 /// committed claim. Every claim statement is a `WITH … INSERT … SELECT` run outside a
 /// transaction: a reply carrying the `SELECT n` command tag comes after the commit.
 async fn losing_a_claims_reply(armed: Arc<std::sync::atomic::AtomicBool>) -> String {
-    relayed_url(armed, |reply| reply.windows(7).any(|w| w == b"SELECT ")).await
+    relayed_url(armed, a_committed_claims_reply).await
+}
+
+/// The reply of a claim statement that committed: its rows' command tag, then
+/// `ReadyForQuery` with the session idle (a statement outside a transaction block is
+/// committed before the server says it is ready). Postgres sends the whole reply in one
+/// write at the `Sync`. What the relays cut or replace: the commit is known from the reply
+/// itself, where a look at the table after the claim answered would race the store's
+/// give-back, which starts at once.
+fn a_committed_claims_reply(reply: &[u8]) -> bool {
+    reply.windows(7).any(|w| w == b"SELECT ") && reply.ends_with(b"Z\0\0\0\x05I")
 }
 
 /// A claim whose statement commits after its caller gave up, and after the store's first
@@ -2299,12 +2309,8 @@ async fn claims_answered_unavailable_leave_no_lease(
             !armed.load(std::sync::atomic::Ordering::SeqCst),
             "{name}: the relay did not mangle a committed claim's reply"
         );
-        assert!(
-            shared.inspect(&id).await.expect("inspect").is_some(),
-            "{name}: the claim had committed its lease"
-        );
-        // The give-back waits for the statement to have settled (a call budget); a
-        // graceful shutdown's `drain` waits for the give-back.
+        // The give-back starts at once (a look at the table here raced it, and lost on a
+        // busy host); a graceful shutdown's `drain` waits for it.
         store.drain().await;
         assert!(
             shared.inspect(&id).await.expect("inspect").is_none(),
@@ -2329,7 +2335,7 @@ fn a_claim_that_committed_but_was_answered_an_error_leaves_no_lease() {
         let port = idempotency_test::relay::replacing_relay(
             idempotency_test::relay::upstream(pg.url()),
             armed.clone(),
-            |reply| reply.windows(7).any(|w| w == b"SELECT "),
+            a_committed_claims_reply,
             idempotency_test::relay::postgres_error("08P01", "server conn crashed?"),
         )
         .await;
