@@ -31,6 +31,22 @@ use idempotency_test::{
 use sqlx::PgPool;
 use tokio::sync::{Mutex, OnceCell};
 
+/// [`pg_store`] with the default waits (2 s for a connection, 3 s a call) for the hybrid's
+/// conformance suite: its 64 racing `begin`s of one key reach Postgres whenever Redis does
+/// not answer them (no lease mirror, Redis off, or the race ahead of the mirror), and a
+/// batch sends each repeat of a key on a connection of its own, so most of them wait for
+/// one of the 20. Waited for 500 ms, in calls of 1 s, a busy host answered some of them
+/// `Unavailable` (a pool timeout, a claim out of its budget).
+async fn conformance_pg_store(url: &str) -> PostgresStore {
+    let pg = PostgresStore::builder(url)
+        .max_connections(20)
+        .connect()
+        .await
+        .expect("postgres store");
+    pg.migrate().await.expect("migrate");
+    pg
+}
+
 async fn pg_store(url: &str) -> PostgresStore {
     let pg = PostgresStore::builder(url)
         .max_connections(20)
@@ -80,7 +96,9 @@ async fn shared_store() -> Option<Arc<HybridStore>> {
     let redis = services::redis().await?;
     Some(
         STORE
-            .get_or_init(|| async { Arc::new(hybrid(pg_store(pg.url()).await, redis.url()).await) })
+            .get_or_init(|| async {
+                Arc::new(hybrid(conformance_pg_store(pg.url()).await, redis.url()).await)
+            })
             .await
             .clone(),
     )
@@ -100,7 +118,7 @@ mod no_mirror {
         Some(
             STORE
                 .get_or_init(|| async {
-                    let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+                    let store = hybrid(conformance_pg_store(pg.url()).await, redis.url()).await;
                     Arc::new(store.with_in_flight_mirror_ttl(Duration::ZERO))
                 })
                 .await
@@ -122,7 +140,7 @@ mod adaptive {
     async fn store(share: f64) -> Option<Arc<HybridStore>> {
         let pg = services::postgres().await?;
         let redis = services::redis().await?;
-        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let store = hybrid(conformance_pg_store(pg.url()).await, redis.url()).await;
         Some(Arc::new(store.with_cache_policy(CachePolicy::Adaptive {
             min_duplicate_share: share,
         })))
