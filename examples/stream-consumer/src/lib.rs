@@ -34,7 +34,8 @@
 //!   lease ran out unfinished — its worker gone, and perhaps its message trimmed, so nothing
 //!   may ever finish it — each delivery counts as a failure of the message, below);
 //! - when **the effect failed** (or panicked) for the [`Consumer::max_failures`]-th time
-//!   (default 5), or its stored result no longer decodes. Failures are counted per message
+//!   (default 5), or its stored result no longer decodes (a damaged record under a previous
+//!   scope counts each delivery as a failure too). Failures are counted per message
 //!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
 //!   consumer restarts, and only attempts that ran count, and deliveries that found the charge
 //!   held by another amount's attempt whose lease ran out: a delivery to a consumer that died
@@ -52,7 +53,8 @@
 //!   finished holds its charge names the scope of that attempt's record: release that one
 //!   (after an upgrade, the previous scope's), once its worker is known dead. So does one
 //!   dead-lettered because an earlier version decided its charge so under a previous scope
-//!   (`… (decided under scope <scope>)`): release that scope's record.
+//!   (`… (decided under scope <scope>)`): release that scope's record. A charge id applied
+//!   with another amount names the scope of its record too (`… under scope <scope> …`).
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it (it may have been applied: the consumer holding it may have been applying
@@ -217,11 +219,14 @@ fn unfinished_otherwise_reason(charge_id: &str, failures: u64, scope: &Scope) ->
     )
 }
 
-/// The dead letter's reason for a charge id decided already with another amount.
-fn applied_otherwise_reason(charge_id: &str) -> String {
+/// The dead letter's reason for a charge id decided already with another amount, its record
+/// under `scope` (after an upgrade, a previous scope's: where an operator freeing the charge
+/// id must look).
+fn applied_otherwise_reason(charge_id: &str, scope: &Scope) -> String {
     format!(
-        "mismatch: charge {charge_id} was already decided with another amount (applied, or \
-         dead-lettered: see the ledger and the dead letters)"
+        "mismatch: charge {charge_id} was already decided with another amount, under scope {} \
+         (applied, or dead-lettered: see the ledger and the dead letters)",
+        scope.as_str()
     )
 }
 
@@ -337,8 +342,8 @@ enum Previously {
     /// Decided dead-lettered with this amount (the stored decision): dead-letter the
     /// message.
     DeadLettered(String),
-    /// Applied with another amount.
-    OtherAmount,
+    /// Applied with another amount, under this scope.
+    OtherAmount(Scope),
     /// An attempt holds it: wait.
     Holding,
     /// An attempt with another amount holds it, its lease run out unfinished: counted as a
@@ -346,6 +351,22 @@ enum Previously {
     Unfinished(Scope),
     /// The store could not tell: wait.
     Unknown(String),
+    /// The record is damaged (its row, or a stored result that no longer decodes): every
+    /// delivery would find it so, and it counts as a failure of the message, as under the
+    /// current scope.
+    Damaged(String),
+}
+
+impl Previously {
+    /// A store call on `previous`'s record that failed: damaged, or the store could not
+    /// tell (an outage: wait).
+    fn failed(error: &idempotency::Error, previous: &Scope) -> Self {
+        let said = format!("{error} (scope {})", previous.as_str());
+        match error {
+            idempotency::Error::Corrupt(_) => Self::Damaged(said),
+            _ => Self::Unknown(said),
+        }
+    }
 }
 
 /// What a completed record of a charge with the message's amount under a previous scope
@@ -357,7 +378,13 @@ fn decided(outcome: &idempotency::Outcome, previous: &Scope) -> Previously {
             "{value} (decided under scope {})",
             previous.as_str()
         )),
-        _ => Previously::Applied,
+        Ok(_) => Previously::Applied,
+        // Read as applied, a dead-letter decision whose result no longer decodes would
+        // acknowledge the message with no ledger row.
+        Err(error) => Previously::Damaged(format!(
+            "the charge's stored result no longer decodes: {error} (scope {})",
+            previous.as_str()
+        )),
     }
 }
 
@@ -548,7 +575,9 @@ impl Consumer {
     /// committed on its own, under `run`) may have, and is applied again, as that version
     /// would have. An old attempt with another amount whose lease ran out unfinished holds
     /// the charge id for good: each delivery that meets it counts as a failure of the
-    /// message, dead-lettered after `max_failures`, as under the current scope.
+    /// message, dead-lettered after `max_failures`, as under the current scope; so does an
+    /// old record that is damaged (its stored result no longer decodes). Dead letters for
+    /// a record under an old key name its scope.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -750,8 +779,8 @@ impl Consumer {
                     .wait_for_unfinished(message, delivered, &charge_id, &previous, polled)
                     .await;
             }
-            Previously::OtherAmount => {
-                let reason = applied_otherwise_reason(&charge_id);
+            Previously::OtherAmount(previous) => {
+                let reason = applied_otherwise_reason(&charge_id, &previous);
                 self.dead_letter(message, delivered, &reason, polled)
                     .await?;
                 return Ok(());
@@ -760,6 +789,14 @@ impl Consumer {
                 tracing::warn!(%error, charge = %charge_id, delivered, "the idempotency store failed; will be redelivered");
                 polled.failed += 1;
                 return Ok(());
+            }
+            // Read as an outage, it kept its message pending for ever, where the same damage
+            // under the current scope is dead-lettered after `max_failures`.
+            Previously::Damaged(error) => {
+                let charge = (charge_id.as_str(), &key, &fingerprint);
+                return self
+                    .count_failed_delivery(message, charge, delivered, &error, polled)
+                    .await;
             }
         }
         let (store, ledger) = (&*self.store, &self.ledger);
@@ -818,7 +855,7 @@ impl Consumer {
             Err(RunError::Mismatch) => {
                 match self.other_amount(&id, &fingerprint).await {
                     OtherAmount::Applied => {
-                        let reason = applied_otherwise_reason(&charge_id);
+                        let reason = applied_otherwise_reason(&charge_id, &scope);
                         self.dead_letter(message, delivered, &reason, polled)
                             .await?;
                     }
@@ -851,25 +888,42 @@ impl Consumer {
             // attempt may succeed, up to `max_failures`.
             Err(error) => {
                 let error = error_chain(&error);
-                let failures: u64 = self.count_failure(message).await?;
-                if failures == 0 {
-                    tracing::info!(%error, charge = %charge_id, "attempt failed, but the message was acknowledged meanwhile");
-                    polled.failed += 1;
-                    return Ok(());
-                }
-                if failures >= self.max_failures {
-                    let reason = format!("failed {failures} times (delivery {delivered}): {error}");
-                    let charge = (charge_id.as_str(), &key, &fingerprint);
-                    return self
-                        .dead_letter_charge(message, charge, delivered, &reason, polled)
-                        .await;
-                }
-                tracing::warn!(%error, charge = %charge_id, delivered, failures, "attempt failed; will be redelivered");
-                polled.failed += 1;
-                return Ok(());
+                let charge = (charge_id.as_str(), &key, &fingerprint);
+                return self
+                    .count_failed_delivery(message, charge, delivered, &error, polled)
+                    .await;
             }
         }
         self.ack(message, charge_id, polled).await
+    }
+
+    /// Counts a delivery that failed for the message's sake (`error`): once `max_failures`
+    /// are counted, the charge is decided dead-lettered and the message moved; until then it
+    /// waits for a redelivery.
+    async fn count_failed_delivery(
+        &mut self,
+        message: &Entry,
+        charge: (&str, &IdempotencyKey, &Fingerprint),
+        delivered: u64,
+        error: &str,
+        polled: &mut Polled,
+    ) -> Result<(), ConsumeError> {
+        let charge_id = charge.0;
+        let failures: u64 = self.count_failure(message).await?;
+        if failures == 0 {
+            tracing::info!(%error, charge = %charge_id, "attempt failed, but the message was acknowledged meanwhile");
+            polled.failed += 1;
+            return Ok(());
+        }
+        if failures >= self.max_failures {
+            let reason = format!("failed {failures} times (delivery {delivered}): {error}");
+            return self
+                .dead_letter_charge(message, charge, delivered, &reason, polled)
+                .await;
+        }
+        tracing::warn!(%error, charge = %charge_id, delivered, failures, "attempt failed; will be redelivered");
+        polled.failed += 1;
+        Ok(())
     }
 
     /// Counts a failure of `message` if it is still pending; answers the count (0: it was
@@ -956,12 +1010,12 @@ impl Consumer {
             Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
                 match self.store.release(id, token).await {
                     Ok(()) => Previously::Nothing,
-                    Err(error) => Previously::Unknown(error.to_string()),
+                    Err(error) => Previously::failed(&error, previous),
                 }
             }
             // Another attempt took the record since: the next delivery reads it again.
             Ok(Begin::InFlight { .. } | Begin::Mismatch) => Previously::Holding,
-            Err(error) => Previously::Unknown(format!("{error} (scope {})", previous.as_str())),
+            Err(error) => Previously::failed(&error, previous),
         }
     }
 
@@ -975,13 +1029,13 @@ impl Consumer {
         let id = RecordId::new(previous, key);
         let found = match self.store.inspect(&id).await {
             Ok(found) => found,
-            Err(error) => return Previously::Unknown(error.to_string()),
+            Err(error) => return Previously::failed(&error, previous),
         };
         match found {
             None => Previously::Nothing,
             Some(record) => match record.state {
                 RecordState::Completed { .. } if record.fingerprint != *fp => {
-                    Previously::OtherAmount
+                    Previously::OtherAmount(previous.clone())
                 }
                 RecordState::Completed { .. } => self.decided_under(previous, &id, fp).await,
                 RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
@@ -996,14 +1050,14 @@ impl Consumer {
                     Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
                         match self.store.release(&id, token).await {
                             Ok(()) => Previously::Nothing,
-                            Err(error) => Previously::Unknown(error.to_string()),
+                            Err(error) => Previously::failed(&error, previous),
                         }
                     }
                     // Completed since the read (its `complete` landed late): what it decided.
                     Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
                     Ok(Begin::InFlight { .. }) => Previously::Holding,
                     Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
-                    Err(error) => Previously::Unknown(error.to_string()),
+                    Err(error) => Previously::failed(&error, previous),
                 },
             },
         }

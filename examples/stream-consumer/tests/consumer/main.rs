@@ -283,6 +283,78 @@ fn a_charge_applied_under_any_previous_scope_is_acknowledged() {
     });
 }
 
+/// A charge id applied with another amount under a previous scope: the dead letter names
+/// that scope, where an operator freeing the charge id must release its record. It named
+/// none, and the current scope (where the operator looked) held nothing.
+#[test]
+fn a_charge_applied_otherwise_under_a_previous_scope_names_that_scope() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        recorded(&rig, &group, "ch_other", 999, "applied ch_other").await;
+        publish(&mut rig.redis, &rig.stream, "ch_other", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        let reason = &dead[0]["reason"];
+        assert!(reason.starts_with("mismatch: charge ch_other"), "{reason}");
+        assert!(
+            reason.contains(&format!("under scope {}", group.as_str())),
+            "{reason}"
+        );
+    });
+}
+
+/// A record under a previous scope completed with the message's amount whose stored result
+/// no longer decodes fails the message, as under the current scope (dead-lettered after
+/// `max_failures`): read as applied, a dead-letter decision stored there was acknowledged,
+/// and the charge left no ledger row and no dead letter.
+#[test]
+fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        garbled(&rig, &group, "ch_1", 100).await;
+        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
+        consumer.max_failures = 1;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.dead_lettered, polled.replayed, polled.applied),
+            (1, 0, 0),
+            "{polled:?}"
+        );
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        let reason = &dead[0]["reason"];
+        assert!(reason.contains("no longer decodes"), "{reason}");
+        assert!(reason.contains(group.as_str()), "{reason}");
+        assert_eq!(rig.effects().await.get("ch_1"), None);
+        assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// Records `charge` with `amount` under `scope` completed with a result that no longer
+/// decodes (not the JSON string the executor stores).
+async fn garbled(rig: &Rig, scope: &idempotency::Scope, charge: &str, amount: i64) {
+    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Store};
+
+    let id = RecordId::new(scope, &IdempotencyKey::new(charge).expect("key"));
+    let fp = Fingerprint::of(&amount.to_be_bytes());
+    let Ok(Begin::Execute(token)) = rig.store.begin(&id, &fp, Duration::from_secs(30)).await else {
+        panic!("a fresh key");
+    };
+    let garbled = Outcome::new(200).with_body("not what the consumer stored");
+    rig.store
+        .complete(&id, token, &garbled, Duration::from_secs(3600))
+        .await
+        .expect("complete");
+}
+
 /// Sets the rig up and names the two scopes earlier versions used: the group scope, and the
 /// ledger spelled `public.<table>`.
 async fn two_previous_scopes(rig: &mut Rig) -> (idempotency::Scope, idempotency::Scope) {
@@ -419,8 +491,10 @@ fn an_upgrade_from_the_group_scope_applies_nothing_twice() {
             .execute(rig.store.pool())
             .await
             .expect("ledger");
+        // Its result as the executor stores it (a JSON string).
+        let stored = Outcome::new(200).with_body(r#""applied ch_done""#);
         rig.store
-            .complete(&done, token, &Outcome::new(200), Duration::from_secs(3600))
+            .complete(&done, token, &stored, Duration::from_secs(3600))
             .await
             .expect("complete");
         // Held by an old attempt right now, and one that ran out unfinished.
@@ -1255,27 +1329,11 @@ fn a_database_refusing_writes_for_its_own_reasons_dead_letters_nothing() {
 /// as an outage (the review of the previous commit), it stayed pending for ever.
 #[test]
 fn a_charge_whose_stored_result_no_longer_decodes_is_dead_lettered() {
-    use idempotency::{Begin, Fingerprint, IdempotencyKey, Outcome, RecordId, Store};
-
     block_on(async {
         let Some(mut rig) = rig().await else { return };
         let mut setup = rig.consumer("setup").await;
         setup.setup().await.expect("setup");
-        let id = RecordId::new(&setup.scope(), &IdempotencyKey::new("ch_1").expect("key"));
-        let fp = Fingerprint::of(&100i64.to_be_bytes());
-        let Begin::Execute(token) = rig
-            .store
-            .begin(&id, &fp, Duration::from_secs(30))
-            .await
-            .expect("begin")
-        else {
-            panic!("a fresh key");
-        };
-        let garbled = Outcome::new(200).with_body("not what the consumer stored");
-        rig.store
-            .complete(&id, token, &garbled, Duration::from_secs(3600))
-            .await
-            .expect("complete");
+        garbled(&rig, &setup.scope(), "ch_1", 100).await;
         publish(&mut rig.redis, &rig.stream, "ch_1", 100)
             .await
             .expect("publish");
