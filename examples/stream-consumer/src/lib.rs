@@ -37,8 +37,9 @@
 //!   (default 5), or its stored result no longer decodes (a damaged record under a previous
 //!   scope counts each delivery as a failure too). Failures are counted per message
 //!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
-//!   consumer restarts, and only attempts that ran count, and deliveries that found the charge
-//!   held by another amount's attempt whose lease ran out: a delivery to a consumer that died
+//!   consumer restarts, and only attempts that ran count, deliveries that found the charge
+//!   held by another amount's attempt whose lease ran out, and deliveries that found its
+//!   record under a previous scope damaged: a delivery to a consumer that died
 //!   before handling it, or that found the charge in flight elsewhere, is not a failure of
 //!   the message. A count goes with its message: dropped by the ack, and never raised for a
 //!   message no longer pending (acknowledged by another consumer meanwhile). Such a dead
@@ -403,7 +404,8 @@ pub struct Consumer {
     /// Messages idle this long in another consumer's pending list are claimed.
     pub claim_idle: Duration,
     /// A message whose effect failed this many times (counting this one; a delivery that
-    /// found its charge held by another amount's attempt whose lease ran out counts too) is
+    /// found its charge held by another amount's attempt whose lease ran out counts too, as
+    /// does one that found its record under a previous scope damaged) is
     /// dead-lettered rather than left for another attempt (default 5; 1 dead-letters on the
     /// first failure).
     pub max_failures: u64,
@@ -576,8 +578,12 @@ impl Consumer {
     /// would have. An old attempt with another amount whose lease ran out unfinished holds
     /// the charge id for good: each delivery that meets it counts as a failure of the
     /// message, dead-lettered after `max_failures`, as under the current scope; so does an
-    /// old record that is damaged (its stored result no longer decodes). Dead letters for
-    /// a record under an old key name its scope.
+    /// old record that is damaged (a row the store cannot read, or a stored result that no
+    /// longer decodes), for every message of its charge whatever the amount. Dead letters
+    /// for a record under an old key name its scope: to apply such a charge, release (or
+    /// mend) the record under that scope as well as the current scope's dead-letter record,
+    /// or the charge is dead-lettered again. While the store cannot read one of the old
+    /// scopes, the message waits.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -981,22 +987,26 @@ impl Consumer {
     }
 
     /// What the records of this charge under the previous scopes say: applied with this
-    /// amount under any of them, or else what the first, in the order they were given, that
-    /// holds anything says (a dead-letter decision, another amount's record, an attempt, a
-    /// store that cannot tell). Acknowledging an applied charge adds no effect whatever
-    /// another scope holds; another scope's record of another amount, answering first,
-    /// dead-lettered a message whose own amount was in the ledger.
+    /// amount under any of them; else, if the store could not tell for one of them, that
+    /// (the message waits: that scope may hold it applied); else what the first, in the
+    /// order they were given, that holds anything says (a dead-letter decision, another
+    /// amount's record, an attempt, a damaged record). Acknowledging an applied charge adds
+    /// no effect whatever another scope holds; another scope's record of another amount,
+    /// answering first, dead-lettered a message whose own amount was in the ledger.
     async fn under_previous_scope(&self, key: &IdempotencyKey, fp: &Fingerprint) -> Previously {
-        let mut first = Previously::Nothing;
+        let (mut first, mut unknown) = (Previously::Nothing, None);
         for previous in &self.previous_scopes {
             match self.under_scope(previous, key, fp).await {
                 Previously::Nothing => {}
                 Previously::Applied => return Previously::Applied,
+                // A scope that could not be read may hold the charge applied: the message
+                // waits, whatever the others say (a dead letter, a failure counted).
+                found @ Previously::Unknown(_) => unknown = unknown.or(Some(found)),
                 found if matches!(first, Previously::Nothing) => first = found,
                 _ => {}
             }
         }
-        first
+        unknown.unwrap_or(first)
     }
 
     /// A record under a previous scope completed with this amount: applied, or decided
@@ -1171,9 +1181,29 @@ impl Consumer {
             Err(RunError::Store(idempotency::Error::Corrupt(_))) => {
                 self.dead_letter(message, delivered, reason, polled).await?;
             }
-            // Another attempt holds the charge (or another amount does): it decides.
-            Err(RunError::InFlight { .. } | RunError::LeaseLost | RunError::Mismatch) => {
+            // Another attempt holds the charge: it decides.
+            Err(RunError::InFlight { .. } | RunError::LeaseLost) => {
                 polled.deferred += 1;
+            }
+            // Another amount does (a damaged record under a previous scope fails every
+            // message of the charge, whatever its amount, and the first one dead-lettered
+            // decided the charge with its own): as on the main path. Deferred, a message
+            // whose failures all came before the run never reached it, and stayed pending
+            // for ever.
+            Err(RunError::Mismatch) => {
+                let id = RecordId::new(&scope, key);
+                match self.other_amount(&id, fingerprint).await {
+                    OtherAmount::Applied => {
+                        let reason = applied_otherwise_reason(charge_id, &scope);
+                        self.dead_letter(message, delivered, &reason, polled)
+                            .await?;
+                    }
+                    OtherAmount::Unfinished => {
+                        self.wait_for_unfinished(message, delivered, charge_id, &scope, polled)
+                            .await?;
+                    }
+                    OtherAmount::InFlight => polled.deferred += 1,
+                }
             }
             // The dead letter was not stored (the store failed; it may yet land): the message
             // stays pending, and its next delivery finds the charge decided or free.

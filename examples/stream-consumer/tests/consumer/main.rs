@@ -338,6 +338,49 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
     });
 }
 
+/// A record under a previous scope the store cannot read fails every message of its charge,
+/// whatever the amount: the first dead-lettered decides the charge with its amount, and the
+/// next, with another, is dead-lettered as a mismatch. It was deferred (its dead-letter
+/// decision answered `Mismatch`, read as an attempt that would decide), and stayed pending
+/// for ever.
+#[test]
+fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
+    use idempotency::{IdempotencyKey, RecordId};
+
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        recorded(&rig, &group, "ch_1", 100, "applied ch_1").await;
+        let id = RecordId::new(&group, &IdempotencyKey::new("ch_1").expect("key"));
+        sqlx::query("UPDATE idempotency_keys SET status = -1 WHERE record_id = $1")
+            .bind(&id.as_bytes()[..])
+            .execute(rig.store.pool())
+            .await
+            .expect("damage the record");
+        for amount in [100, 200] {
+            publish(&mut rig.redis, &rig.stream, "ch_1", amount)
+                .await
+                .expect("publish");
+        }
+        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
+        consumer.max_failures = 1;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.dead_lettered, polled.deferred, polled.applied),
+            (2, 0, 0),
+            "{polled:?}"
+        );
+        assert_eq!(rig.pending().await, 0);
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert!(dead[0]["reason"].contains(group.as_str()), "{dead:?}");
+        assert!(
+            dead[1]["reason"].starts_with("mismatch: charge ch_1"),
+            "{dead:?}"
+        );
+        assert_eq!(rig.effects().await.get("ch_1"), None);
+    });
+}
+
 /// Records `charge` with `amount` under `scope` completed with a result that no longer
 /// decodes (not the JSON string the executor stores).
 async fn garbled(rig: &Rig, scope: &idempotency::Scope, charge: &str, amount: i64) {
