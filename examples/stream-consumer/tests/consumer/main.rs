@@ -318,18 +318,12 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
         let Some(mut rig) = rig().await else { return };
         let (group, _) = two_previous_scopes(&mut rig).await;
         garbled(&rig, &group, "ch_1", 100).await;
-        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
-            .await
-            .expect("publish");
-        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
-        consumer.max_failures = 1;
-        let polled = consumer.poll(10).await.expect("poll");
+        let (polled, dead) = ch_1_failing_once_under(&mut rig, &group, &[100]).await;
         assert_eq!(
             (polled.dead_lettered, polled.replayed, polled.applied),
             (1, 0, 0),
             "{polled:?}"
         );
-        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
         let reason = &dead[0]["reason"];
         assert!(reason.contains("no longer decodes"), "{reason}");
         assert!(reason.contains(group.as_str()), "{reason}");
@@ -357,21 +351,13 @@ fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
             .execute(rig.store.pool())
             .await
             .expect("damage the record");
-        for amount in [100, 200] {
-            publish(&mut rig.redis, &rig.stream, "ch_1", amount)
-                .await
-                .expect("publish");
-        }
-        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
-        consumer.max_failures = 1;
-        let polled = consumer.poll(10).await.expect("poll");
+        let (polled, dead) = ch_1_failing_once_under(&mut rig, &group, &[100, 200]).await;
         assert_eq!(
             (polled.dead_lettered, polled.deferred, polled.applied),
             (2, 0, 0),
             "{polled:?}"
         );
         assert_eq!(rig.pending().await, 0);
-        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
         assert!(dead[0]["reason"].contains(group.as_str()), "{dead:?}");
         assert!(
             dead[1]["reason"].starts_with("mismatch: charge ch_1"),
@@ -379,6 +365,29 @@ fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
         );
         assert_eq!(rig.effects().await.get("ch_1"), None);
     });
+}
+
+/// Publishes charge `ch_1` once with each of `amounts` and polls them once with a consumer
+/// that looks under `previous` and dead-letters a message at its first failure: what the
+/// poll counted, and the dead letters.
+async fn ch_1_failing_once_under(
+    rig: &mut Rig,
+    previous: &idempotency::Scope,
+    amounts: &[i64],
+) -> (Polled, Vec<HashMap<String, String>>) {
+    for &amount in amounts {
+        publish(&mut rig.redis, &rig.stream, "ch_1", amount)
+            .await
+            .expect("publish");
+    }
+    let mut consumer = rig
+        .consumer("c1")
+        .await
+        .with_previous_scope(previous.clone());
+    consumer.max_failures = 1;
+    let polled = consumer.poll(10).await.expect("poll");
+    let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+    (polled, dead)
 }
 
 /// Records `charge` with `amount` under `scope` completed with a result that no longer
