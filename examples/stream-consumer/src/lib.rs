@@ -206,7 +206,15 @@ enum OtherAmount {
     Applied,
     Unfinished,
     InFlight,
+    /// The record the claim answered `Mismatch` for cannot be read (the store's view of it
+    /// is damaged): every delivery would find it so.
+    Unreadable,
 }
+
+/// Why a delivery failed whose charge is held by another amount's record the store cannot
+/// read.
+const UNREADABLE: &str = "mismatch: the charge is held by another amount's record, which \
+                          cannot be read (corrupt): see the ledger and the dead letters";
 
 /// The dead letter's reason for a charge id held by another amount's attempt whose lease ran
 /// out unfinished, under `scope` (the record to release, once its attempt is known dead, to
@@ -578,12 +586,14 @@ impl Consumer {
     /// would have. An old attempt with another amount whose lease ran out unfinished holds
     /// the charge id for good: each delivery that meets it counts as a failure of the
     /// message, dead-lettered after `max_failures`, as under the current scope; so does an
-    /// old record that is damaged (a row the store cannot read, or a stored result that no
-    /// longer decodes), for every message of its charge whatever the amount. Dead letters
-    /// for a record under an old key name its scope: to apply such a charge, release (or
-    /// mend) the record under that scope as well as the current scope's dead-letter record,
-    /// or the charge is dead-lettered again. While the store cannot read one of the old
-    /// scopes, the message waits.
+    /// old record that is damaged: one with the message's amount whose stored result no
+    /// longer decodes, or one neither the operator's view nor a claim can read (a record
+    /// of another amount the operator's view cannot read counts, since nobody can tell
+    /// whether it completed). Dead letters for a record under an old key name its scope. A
+    /// damaged record may be the charge the earlier version applied: look for the charge
+    /// in the ledger before releasing anything, and publish it again only if it is not
+    /// there (released, a damaged record of an applied charge no longer stops it). While a
+    /// store call on an old scope fails (an outage), the message waits, not counted.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -870,6 +880,13 @@ impl Consumer {
                             .await?;
                     }
                     OtherAmount::InFlight => polled.deferred += 1,
+                    // Deferred as in flight, it waited for ever.
+                    OtherAmount::Unreadable => {
+                        let charge = (charge_id.as_str(), &key, &fingerprint);
+                        return self
+                            .count_failed_delivery(message, charge, delivered, UNREADABLE, polled)
+                            .await;
+                    }
                 }
                 return Ok(());
             }
@@ -1039,6 +1056,13 @@ impl Consumer {
         let id = RecordId::new(previous, key);
         let found = match self.store.inspect(&id).await {
             Ok(found) => found,
+            // A row the operator's view cannot read (its status column, say) may still hold
+            // an outcome a claim reads, the charge applied by the earlier version: the claim
+            // decides. Read as damaged, an applied charge was dead-lettered, and the docs'
+            // way to apply it (release the records, publish again) applied it twice.
+            Err(idempotency::Error::Corrupt(damage)) => {
+                return self.claimed_under(previous, &id, fp, Some(damage)).await;
+            }
             Err(error) => return Previously::failed(&error, previous),
         };
         match found {
@@ -1051,33 +1075,51 @@ impl Consumer {
                 RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
                     Previously::Holding
                 }
-                // Ran out unfinished: with the transactional completion, it never committed.
-                // Fenced by a takeover (a stalled transaction of it can no longer store its
-                // outcome, so it rolls back), then let go. Another amount's attempt answers
-                // `Mismatch`: its worker is gone and nothing may ever finish it, so each such
-                // delivery counts as a failure of the message, as under the current scope.
-                _ => match self.store.begin(&id, fp, Duration::from_secs(30)).await {
-                    Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
-                        match self.store.release(&id, token).await {
-                            Ok(()) => Previously::Nothing,
-                            Err(error) => Previously::failed(&error, previous),
-                        }
-                    }
-                    // Completed since the read (its `complete` landed late): what it decided.
-                    Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
-                    Ok(Begin::InFlight { .. }) => Previously::Holding,
-                    Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
-                    Err(error) => Previously::failed(&error, previous),
-                },
+                _ => self.claimed_under(previous, &id, fp, None).await,
             },
         }
     }
 
+    /// What a claim of the charge's record under `previous` says: a lease that ran out
+    /// unfinished (with the transactional completion, it never committed) is fenced by a
+    /// takeover (a stalled transaction of it can no longer store its outcome, so it rolls
+    /// back), then let go; a record completed since the read (its `complete` landed late)
+    /// says what it decided. Another amount's attempt answers `Mismatch`: its worker is gone
+    /// and nothing may ever finish it, so each such delivery counts as a failure of the
+    /// message, as under the current scope — and so does another amount's record the
+    /// operator's view could not read (`damage`: completed or not, nobody can tell).
+    async fn claimed_under(
+        &self,
+        previous: &Scope,
+        id: &RecordId,
+        fp: &Fingerprint,
+        damage: Option<String>,
+    ) -> Previously {
+        match self.store.begin(id, fp, Duration::from_secs(30)).await {
+            Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
+                match self.store.release(id, token).await {
+                    Ok(()) => Previously::Nothing,
+                    Err(error) => Previously::failed(&error, previous),
+                }
+            }
+            Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
+            Ok(Begin::InFlight { .. }) => Previously::Holding,
+            Ok(Begin::Mismatch) => match damage {
+                Some(damage) => Previously::Damaged(format!(
+                    "corrupt record of another amount: {damage} (scope {})",
+                    previous.as_str()
+                )),
+                None => Previously::Unfinished(previous.clone()),
+            },
+            Err(error) => Previously::failed(&error, previous),
+        }
+    }
+
     /// What the charge's record says of another amount than `fingerprint`'s: completed with
-    /// it, or held by its attempt whose lease ran out unfinished; else `InFlight` (a live
-    /// lease, the record gone, completed with this amount — a duplicate of this message won
-    /// meanwhile: the next delivery replays —, or the store cannot tell now: the message
-    /// then waits).
+    /// it, held by its attempt whose lease ran out unfinished, or unreadable (damaged); else
+    /// `InFlight` (a live lease, the record gone, completed with this amount — a duplicate
+    /// of this message won meanwhile: the next delivery replays —, or the store cannot
+    /// tell now: the message then waits).
     async fn other_amount(&self, id: &RecordId, fingerprint: &Fingerprint) -> OtherAmount {
         match self.store.inspect(id).await {
             Ok(Some(found)) if found.fingerprint != *fingerprint => match found.state {
@@ -1087,6 +1129,7 @@ impl Consumer {
                 }
                 _ => OtherAmount::InFlight,
             },
+            Err(idempotency::Error::Corrupt(_)) => OtherAmount::Unreadable,
             _ => OtherAmount::InFlight,
         }
     }
@@ -1145,7 +1188,10 @@ impl Consumer {
     /// too, instead of applying the charge: a charge is applied or dead-lettered, never both.
     /// (Moved first, a lost reply or a dropped poll between the two would leave the message
     /// dead-lettered and its charge free.) While another attempt holds the charge, the
-    /// message waits for it; a charge applied meanwhile is acknowledged as a replay.
+    /// message waits for it; a charge applied meanwhile is acknowledged as a replay. A charge
+    /// held by another amount's record (the first of its messages dead-lettered decided it
+    /// with its own amount) dead-letters the message as a mismatch, its reason naming both
+    /// causes.
     async fn dead_letter_charge(
         &mut self,
         message: &Entry,
@@ -1193,8 +1239,16 @@ impl Consumer {
             Err(RunError::Mismatch) => {
                 let id = RecordId::new(&scope, key);
                 match self.other_amount(&id, fingerprint).await {
+                    // Both causes named: the failures (a damaged record under a previous
+                    // scope names that scope), and the record that now holds the charge.
                     OtherAmount::Applied => {
-                        let reason = applied_otherwise_reason(charge_id, &scope);
+                        let otherwise = applied_otherwise_reason(charge_id, &scope);
+                        let reason = format!("{reason}; then {otherwise}");
+                        self.dead_letter(message, delivered, &reason, polled)
+                            .await?;
+                    }
+                    OtherAmount::Unreadable => {
+                        let reason = format!("{reason}; then {UNREADABLE}");
                         self.dead_letter(message, delivered, &reason, polled)
                             .await?;
                     }

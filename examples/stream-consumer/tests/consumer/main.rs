@@ -332,25 +332,18 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
     });
 }
 
-/// A record under a previous scope the store cannot read fails every message of its charge,
-/// whatever the amount: the first dead-lettered decides the charge with its amount, and the
-/// next, with another, is dead-lettered as a mismatch. It was deferred (its dead-letter
-/// decision answered `Mismatch`, read as an attempt that would decide), and stayed pending
-/// for ever.
+/// A record under a previous scope neither the operator's view nor a claim can read fails
+/// every message of its charge, whatever the amount: the first dead-lettered decides the
+/// charge with its amount, and the next, with another, is dead-lettered as a mismatch,
+/// naming the damaged scope. It was deferred (its dead-letter decision answered
+/// `Mismatch`, read as an attempt that would decide), and stayed pending for ever.
 #[test]
 fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
-    use idempotency::{IdempotencyKey, RecordId};
-
     block_on(async {
         let Some(mut rig) = rig().await else { return };
         let (group, _) = two_previous_scopes(&mut rig).await;
         recorded(&rig, &group, "ch_1", 100, "applied ch_1").await;
-        let id = RecordId::new(&group, &IdempotencyKey::new("ch_1").expect("key"));
-        sqlx::query("UPDATE idempotency_keys SET status = -1 WHERE record_id = $1")
-            .bind(&id.as_bytes()[..])
-            .execute(rig.store.pool())
-            .await
-            .expect("damage the record");
+        damage(&rig, &group, "ch_1", "status = -1, response = '\\x00'").await;
         let (polled, dead) = ch_1_failing_once_under(&mut rig, &group, &[100, 200]).await;
         assert_eq!(
             (polled.dead_lettered, polled.deferred, polled.applied),
@@ -358,13 +351,79 @@ fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
             "{polled:?}"
         );
         assert_eq!(rig.pending().await, 0);
-        assert!(dead[0]["reason"].contains(group.as_str()), "{dead:?}");
+        for letter in &dead {
+            assert!(letter["reason"].contains(group.as_str()), "{dead:?}");
+        }
         assert!(
-            dead[1]["reason"].starts_with("mismatch: charge ch_1"),
+            dead[1]["reason"].contains("mismatch: charge ch_1"),
             "{dead:?}"
         );
         assert_eq!(rig.effects().await.get("ch_1"), None);
     });
+}
+
+/// A charge an earlier version applied, its record's status column damaged (the operator's
+/// view cannot read it; a claim, which reads the stored result, can): acknowledged as
+/// applied. It was dead-lettered as damaged, and the docs' way to apply a dead-lettered
+/// charge (release its records, publish again) applied it twice.
+#[test]
+fn an_applied_charge_the_operators_view_cannot_read_under_a_previous_scope_is_acknowledged() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        recorded(&rig, &group, "ch_1", 100, "applied ch_1").await;
+        damage(&rig, &group, "ch_1", "status = -1").await;
+        let (polled, dead) = ch_1_failing_once_under(&mut rig, &group, &[100]).await;
+        assert_eq!(
+            (polled.replayed, polled.dead_lettered, polled.applied),
+            (1, 0, 0),
+            "{polled:?} {dead:?}"
+        );
+        assert_eq!(rig.pending().await, 0);
+    });
+}
+
+/// A charge applied with another amount under the current scope, its record unreadable to
+/// the operator's view: the message fails (dead-lettered after `max_failures`). The claim
+/// answered `Mismatch`, the view nothing, and the message was deferred as if another
+/// attempt held the charge, on every delivery, for ever.
+#[test]
+fn a_charge_held_by_another_amounts_unreadable_record_is_dead_lettered() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut setup = rig.consumer("setup").await;
+        setup.setup().await.expect("setup");
+        recorded(&rig, &setup.scope(), "ch_1", 100, "applied ch_1").await;
+        damage(&rig, &setup.scope(), "ch_1", "status = -1").await;
+        publish(&mut rig.redis, &rig.stream, "ch_1", 200)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c1").await;
+        consumer.max_failures = 1;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.dead_lettered, polled.deferred),
+            (1, 0),
+            "{polled:?}"
+        );
+        assert_eq!(rig.pending().await, 0);
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert!(dead[0]["reason"].contains("cannot be read"), "{dead:?}");
+    });
+}
+
+/// Damages the key table's row of `charge` under `scope` (`set`: an `UPDATE`'s assignments).
+async fn damage(rig: &Rig, scope: &idempotency::Scope, charge: &str, set: &str) {
+    use idempotency::{IdempotencyKey, RecordId};
+
+    let id = RecordId::new(scope, &IdempotencyKey::new(charge).expect("key"));
+    let sql = format!("UPDATE idempotency_keys SET {set} WHERE record_id = $1");
+    let damaged = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&id.as_bytes()[..])
+        .execute(rig.store.pool())
+        .await
+        .expect("damage the record");
+    assert_eq!(damaged.rows_affected(), 1);
 }
 
 /// Publishes charge `ch_1` once with each of `amounts` and polls them once with a consumer
