@@ -55,7 +55,10 @@
 //!   (after an upgrade, the previous scope's), once its worker is known dead. So does one
 //!   dead-lettered because an earlier version decided its charge so under a previous scope
 //!   (`… (decided under scope <scope>)`): release that scope's record. A charge id applied
-//!   with another amount names the scope of its record too (`… under scope <scope> …`).
+//!   with another amount names the scope of its record too (`… under scope <scope> …`), as
+//!   does a failure on a damaged record under a previous scope (`… (scope <scope>)`): that
+//!   record may be the charge applied (its result cannot be read to tell), so look for the
+//!   charge in the ledger before releasing it (see [`Consumer::with_previous_scope`]).
 //!
 //! A message trimmed from the stream while pending is dead-lettered with its id, all that
 //! is left of it (it may have been applied: the consumer holding it may have been applying
@@ -206,15 +209,7 @@ enum OtherAmount {
     Applied,
     Unfinished,
     InFlight,
-    /// The record the claim answered `Mismatch` for cannot be read (the store's view of it
-    /// is damaged): every delivery would find it so.
-    Unreadable,
 }
-
-/// Why a delivery failed whose charge is held by another amount's record the store cannot
-/// read.
-const UNREADABLE: &str = "mismatch: the charge is held by another amount's record, which \
-                          cannot be read (corrupt): see the ledger and the dead letters";
 
 /// The dead letter's reason for a charge id held by another amount's attempt whose lease ran
 /// out unfinished, under `scope` (the record to release, once its attempt is known dead, to
@@ -586,14 +581,16 @@ impl Consumer {
     /// would have. An old attempt with another amount whose lease ran out unfinished holds
     /// the charge id for good: each delivery that meets it counts as a failure of the
     /// message, dead-lettered after `max_failures`, as under the current scope; so does an
-    /// old record that is damaged: one with the message's amount whose stored result no
-    /// longer decodes, or one neither the operator's view nor a claim can read (a record
-    /// of another amount the operator's view cannot read counts, since nobody can tell
-    /// whether it completed). Dead letters for a record under an old key name its scope. A
-    /// damaged record may be the charge the earlier version applied: look for the charge
-    /// in the ledger before releasing anything, and publish it again only if it is not
-    /// there (released, a damaged record of an applied charge no longer stops it). While a
-    /// store call on an old scope fails (an outage), the message waits, not counted.
+    /// old record with the message's amount that is damaged (its stored result no longer
+    /// decodes, or neither the operator's view nor a claim can read it). A record the
+    /// operator's view cannot read but a claim can answers as it reads (the key table's
+    /// checks leave that view one damage to trip on, a negative status on a completed
+    /// row). Dead letters for a record under an old key name its scope. A damaged record
+    /// may be the charge the earlier version applied: look for the charge in the ledger
+    /// first. Only if it is not there, release (or mend) the record under the named scope
+    /// and the current scope's dead-letter record, then publish it again; released alone,
+    /// the current one is dead-lettered again. While a store call on an old scope fails
+    /// (an outage), the message waits, not counted.
     ///
     /// Stop every consumer of the earlier version before starting one with the new scope: an
     /// old consumer does not look under the new one. Keep the option for as long as the old
@@ -880,13 +877,6 @@ impl Consumer {
                             .await?;
                     }
                     OtherAmount::InFlight => polled.deferred += 1,
-                    // Deferred as in flight, it waited for ever.
-                    OtherAmount::Unreadable => {
-                        let charge = (charge_id.as_str(), &key, &fingerprint);
-                        return self
-                            .count_failed_delivery(message, charge, delivered, UNREADABLE, polled)
-                            .await;
-                    }
                 }
                 return Ok(());
             }
@@ -1060,8 +1050,8 @@ impl Consumer {
             // an outcome a claim reads, the charge applied by the earlier version: the claim
             // decides. Read as damaged, an applied charge was dead-lettered, and the docs'
             // way to apply it (release the records, publish again) applied it twice.
-            Err(idempotency::Error::Corrupt(damage)) => {
-                return self.claimed_under(previous, &id, fp, Some(damage)).await;
+            Err(idempotency::Error::Corrupt(_)) => {
+                return self.claimed_under(previous, &id, fp, true).await;
             }
             Err(error) => return Previously::failed(&error, previous),
         };
@@ -1075,7 +1065,7 @@ impl Consumer {
                 RecordState::InFlight { lease_remaining } if !lease_remaining.is_zero() => {
                     Previously::Holding
                 }
-                _ => self.claimed_under(previous, &id, fp, None).await,
+                _ => self.claimed_under(previous, &id, fp, false).await,
             },
         }
     }
@@ -1086,14 +1076,14 @@ impl Consumer {
     /// back), then let go; a record completed since the read (its `complete` landed late)
     /// says what it decided. Another amount's attempt answers `Mismatch`: its worker is gone
     /// and nothing may ever finish it, so each such delivery counts as a failure of the
-    /// message, as under the current scope — and so does another amount's record the
-    /// operator's view could not read (`damage`: completed or not, nobody can tell).
+    /// message, as under the current scope. Another amount's record the operator's view
+    /// could not read (`unreadable`) is a completed one: a mismatch.
     async fn claimed_under(
         &self,
         previous: &Scope,
         id: &RecordId,
         fp: &Fingerprint,
-        damage: Option<String>,
+        unreadable: bool,
     ) -> Previously {
         match self.store.begin(id, fp, Duration::from_secs(30)).await {
             Ok(Begin::TakeOver(token) | Begin::Execute(token)) => {
@@ -1104,20 +1094,17 @@ impl Consumer {
             }
             Ok(Begin::Replay(outcome)) => decided(&outcome, previous),
             Ok(Begin::InFlight { .. }) => Previously::Holding,
-            Ok(Begin::Mismatch) => match damage {
-                Some(damage) => Previously::Damaged(format!(
-                    "corrupt record of another amount: {damage} (scope {})",
-                    previous.as_str()
-                )),
-                None => Previously::Unfinished(previous.clone()),
-            },
+            // The operator's view fails on a live completed row alone (the key table's checks
+            // leave it one damage to trip on, a negative status): another amount's charge.
+            Ok(Begin::Mismatch) if unreadable => Previously::OtherAmount(previous.clone()),
+            Ok(Begin::Mismatch) => Previously::Unfinished(previous.clone()),
             Err(error) => Previously::failed(&error, previous),
         }
     }
 
     /// What the charge's record says of another amount than `fingerprint`'s: completed with
-    /// it, held by its attempt whose lease ran out unfinished, or unreadable (damaged); else
-    /// `InFlight` (a live lease, the record gone, completed with this amount — a duplicate
+    /// it (or that record unreadable to the operator's view: completed, see below), or held
+    /// by its attempt whose lease ran out unfinished; else `InFlight` (a live lease, the record gone, completed with this amount — a duplicate
     /// of this message won meanwhile: the next delivery replays —, or the store cannot
     /// tell now: the message then waits).
     async fn other_amount(&self, id: &RecordId, fingerprint: &Fingerprint) -> OtherAmount {
@@ -1129,7 +1116,10 @@ impl Consumer {
                 }
                 _ => OtherAmount::InFlight,
             },
-            Err(idempotency::Error::Corrupt(_)) => OtherAmount::Unreadable,
+            // The key table's checks leave the operator's view one damage to trip on, a
+            // negative status, and only on a live completed row: another amount's charge.
+            // Deferred as in flight, the message waited for ever.
+            Err(idempotency::Error::Corrupt(_)) => OtherAmount::Applied,
             _ => OtherAmount::InFlight,
         }
     }
@@ -1231,24 +1221,18 @@ impl Consumer {
             Err(RunError::InFlight { .. } | RunError::LeaseLost) => {
                 polled.deferred += 1;
             }
-            // Another amount does (a damaged record under a previous scope fails every
-            // message of the charge, whatever its amount, and the first one dead-lettered
-            // decided the charge with its own): as on the main path. Deferred, a message
-            // whose failures all came before the run never reached it, and stayed pending
-            // for ever.
+            // Another amount does (another message of the charge applied it, or decided it
+            // dead-lettered, since this one last failed): as on the main path. Deferred, a
+            // message that fails before it reaches the main path (a damaged record under a
+            // previous scope) would stay pending for ever.
             Err(RunError::Mismatch) => {
                 let id = RecordId::new(&scope, key);
                 match self.other_amount(&id, fingerprint).await {
-                    // Both causes named: the failures (a damaged record under a previous
-                    // scope names that scope), and the record that now holds the charge.
+                    // Both causes named: the failures (one on a damaged record under a
+                    // previous scope names that scope), and the record holding the charge.
                     OtherAmount::Applied => {
                         let otherwise = applied_otherwise_reason(charge_id, &scope);
                         let reason = format!("{reason}; then {otherwise}");
-                        self.dead_letter(message, delivered, &reason, polled)
-                            .await?;
-                    }
-                    OtherAmount::Unreadable => {
-                        let reason = format!("{reason}; then {UNREADABLE}");
                         self.dead_letter(message, delivered, &reason, polled)
                             .await?;
                     }

@@ -333,10 +333,10 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
 }
 
 /// A record under a previous scope neither the operator's view nor a claim can read fails
-/// every message of its charge, whatever the amount: the first dead-lettered decides the
-/// charge with its amount, and the next, with another, is dead-lettered as a mismatch,
-/// naming the damaged scope. It was deferred (its dead-letter decision answered
-/// `Mismatch`, read as an attempt that would decide), and stayed pending for ever.
+/// the message of its amount (dead-lettered after `max_failures`, deciding the charge with
+/// that amount); a message of another amount is dead-lettered as a mismatch, naming the
+/// damaged scope. It was counted as damaged too, its dead-letter decision then answered
+/// `Mismatch` (read as an attempt that would decide), and it stayed pending for ever.
 #[test]
 fn every_message_of_a_charge_damaged_under_a_previous_scope_is_dead_lettered() {
     block_on(async {
@@ -384,9 +384,9 @@ fn an_applied_charge_the_operators_view_cannot_read_under_a_previous_scope_is_ac
 }
 
 /// A charge applied with another amount under the current scope, its record unreadable to
-/// the operator's view: the message fails (dead-lettered after `max_failures`). The claim
-/// answered `Mismatch`, the view nothing, and the message was deferred as if another
-/// attempt held the charge, on every delivery, for ever.
+/// the operator's view (which fails on a live completed row alone): dead-lettered as a
+/// mismatch. The claim answered `Mismatch`, the view nothing, and the message was deferred
+/// as if another attempt held the charge, on every delivery, for ever.
 #[test]
 fn a_charge_held_by_another_amounts_unreadable_record_is_dead_lettered() {
     block_on(async {
@@ -408,7 +408,10 @@ fn a_charge_held_by_another_amounts_unreadable_record_is_dead_lettered() {
         );
         assert_eq!(rig.pending().await, 0);
         let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
-        assert!(dead[0]["reason"].contains("cannot be read"), "{dead:?}");
+        assert!(
+            dead[0]["reason"].starts_with("mismatch: charge ch_1"),
+            "{dead:?}"
+        );
     });
 }
 
