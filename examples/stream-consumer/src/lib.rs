@@ -597,10 +597,11 @@ impl Consumer {
     /// records are kept (the store's retention).
     ///
     /// Called again, it adds a scope: each is consulted; the charge applied with the
-    /// message's amount under any of them is applied, else the first, in the order given,
-    /// that holds anything of it answers — an upgrade from the group scope, and a ledger
-    /// spelled otherwise before (`ledger:public.ledger` for a ledger now given as `ledger`;
-    /// see [`Consumer::scope`]).
+    /// message's amount under any of them is acknowledged as applied; else, while one of
+    /// them cannot be read (an outage), the message waits; else the first, in the order
+    /// given, that holds anything of it answers — an upgrade from the group scope, and a
+    /// ledger spelled otherwise before (`ledger:public.ledger` for a ledger now given as
+    /// `ledger`; see [`Consumer::scope`]).
     ///
     /// ```no_run
     /// # fn doc(consumer: stream_consumer::Consumer) -> stream_consumer::Consumer {
