@@ -35,9 +35,10 @@ use tokio::sync::{Mutex, OnceCell};
 /// the hybrid's conformance suite runs on (the shared one serves a few mirror tests too,
 /// none of which times a Postgres call): the suite's 64 racing `begin`s of one key reach
 /// Postgres whenever Redis does not answer them (no lease mirror, Redis off, or the race
-/// ahead of the mirror), and a batch sends each repeat of a key on a connection of its
-/// own, so most of them wait for one of the 20. Waited for 500 ms, in calls of 1 s, a busy
-/// host answered some of them `Unavailable` (a pool timeout, a claim out of its budget).
+/// ahead of the mirror). A batch sent each repeat of a key on a connection of its own then,
+/// so most of them waited for one of the 20: waited for 500 ms, in calls of 1 s, a busy host
+/// answered some of them `Unavailable` (a pool timeout, a claim out of its budget). Repeats
+/// are answered from their batch now; the default waits stay, for a slow host.
 async fn conformance_pg_store(url: &str) -> PostgresStore {
     let pg = PostgresStore::builder(url)
         .max_connections(20)

@@ -1004,6 +1004,237 @@ fn concurrent_calls_share_statements() {
     });
 }
 
+/// A storm of duplicates of one key (a gateway and a client retrying together) shares the
+/// batch statement: the repeats of a key in a batch are answered from what the statement
+/// found for its first (the row it inserted, or the live row it read), as of that
+/// statement's commit. Before, each repeat ran again on the per-request pool, one pooled
+/// connection per duplicate: here, with the per-request pool's only connection held by the
+/// application, they waited for it and were answered `Unavailable` (a 503) instead of
+/// `InFlight` (a 409).
+#[test]
+fn duplicates_in_one_batch_need_no_connection_of_their_own() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let store = PostgresStore::builder(pg.url())
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(300))
+            .group_commit(GroupCommit::default().concurrency(1))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let store = Arc::new(store);
+        // The application's own query holds the per-request pool; the batches have theirs.
+        let held = store.pool().acquire().await.expect("a connection");
+        for (a, b) in [("a", "a"), ("a", "b")] {
+            let id = fresh_id();
+            let begins = (0..64).map(|i| {
+                let (store, fp) = (store.clone(), fp(if i % 2 == 0 { a } else { b }));
+                tokio::spawn(async move { store.begin(&id, &fp, LONG).await })
+            });
+            let answers: Vec<_> = futures::future::join_all(begins)
+                .await
+                .into_iter()
+                .map(|t| t.expect("task").expect("every duplicate is answered"))
+                .collect();
+            let executes = answers
+                .iter()
+                .filter(|b| matches!(b, Begin::Execute(_)))
+                .count();
+            assert_eq!(executes, 1, "{answers:?}");
+            // The others: in flight, or (another fingerprint) a mismatch.
+            for answer in &answers {
+                assert!(
+                    matches!(
+                        answer,
+                        Begin::Execute(_) | Begin::InFlight { .. } | Begin::Mismatch
+                    ),
+                    "{answer:?}"
+                );
+            }
+            if a == b {
+                assert!(!answers.iter().any(|b| matches!(b, Begin::Mismatch)));
+            }
+        }
+        drop(held);
+    });
+}
+
+/// A store from `builder` with one batch of a kind at a time, whose batches wait on a row
+/// lock for `lock_wait`: a lone claim held on a lock keeps the batch slot, and calls queue
+/// behind it (see [`hold_the_batch_slot`]).
+async fn one_batch_at_a_time(
+    builder: idempotency_postgres::PostgresStoreBuilder,
+    lock_wait: Duration,
+) -> Arc<PostgresStore> {
+    let settings = GroupCommit::default()
+        .concurrency(1)
+        .lock_timeout(lock_wait);
+    let store = builder
+        .group_commit(settings)
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    Arc::new(store)
+}
+
+/// A lone claim of a key of its own, holding the batch slot of a [`one_batch_at_a_time`]
+/// store: it waits on the returned transaction's uncommitted insert of that key (made on a
+/// connection of the test's, not the store's), until the transaction ends (within the
+/// batches' lock wait; past two call timeouts a new drain takes the slot).
+async fn hold_the_batch_slot(
+    store: &Arc<PostgresStore>,
+    url: &str,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<idempotency_core::Result<Begin>>,
+) {
+    let other = fresh_id();
+    let side = sqlx::PgPool::connect(url).await.expect("side pool");
+    let mut blocker = side.begin().await.expect("transaction");
+    sqlx::query(
+        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
+         VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
+    )
+    .bind(&other.as_bytes()[..])
+    .bind(&fp("a").as_bytes()[..])
+    .execute(&mut *blocker)
+    .await
+    .expect("blocking insert");
+    let lone = {
+        let store = store.clone();
+        tokio::spawn(async move { store.begin(&other, &fp("a"), LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    (blocker, lone)
+}
+
+/// The repeats of a key whose first claim in the batch inserted its row are answered from
+/// that row: in flight for the same request, a mismatch for another; one execution. The
+/// per-request pool's only connection is held throughout: none of them asked it.
+#[test]
+fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let builder = PostgresStore::builder(pg.url())
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(300));
+        let store = one_batch_at_a_time(builder, Duration::from_secs(1)).await;
+        // The application holds the per-request pool's only connection.
+        let held = store.pool().acquire().await.expect("a connection");
+        let (blocker, lone) = hold_the_batch_slot(&store, pg.url()).await;
+        let pause = || tokio::time::sleep(Duration::from_millis(100));
+        let id = fresh_id();
+        let spawn = |print: &'static str| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&id, &fp(print), LONG).await })
+        };
+        let first = spawn("a");
+        pause().await;
+        let same: Vec<_> = (0..8).map(|_| spawn("a")).collect();
+        let others: Vec<_> = (0..8).map(|_| spawn("b")).collect();
+        pause().await;
+        let before = store.group_commit_stats();
+        blocker.rollback().await.expect("rollback");
+        assert!(matches!(
+            lone.await.expect("task"),
+            Err(Error::Unavailable(_)) | Ok(Begin::Execute(_))
+        ));
+        assert!(matches!(first.await.expect("task"), Ok(Begin::Execute(_))));
+        for answer in futures::future::join_all(same).await {
+            let answer = answer.expect("task");
+            assert!(matches!(answer, Ok(Begin::InFlight { .. })), "{answer:?}");
+        }
+        for answer in futures::future::join_all(others).await {
+            let answer = answer.expect("task");
+            assert!(matches!(answer, Ok(Begin::Mismatch)), "{answer:?}");
+        }
+        // Seventeen claims of the key, one statement.
+        let stats = store.group_commit_stats();
+        assert_eq!(
+            stats.statements - before.statements,
+            1,
+            "{before:?} {stats:?}"
+        );
+        drop(held);
+    });
+}
+
+/// A repeat of a key in a claim batch, answered from the expired row the key's first claim
+/// met, takes that row over itself: the takeover is the first statement of its claim to
+/// write its token, and a give-up looks for what it wrote. Before, the repeat's round read as
+/// never sent: a takeover that committed after its claim ran out of budget (here, behind a
+/// row lock held past it) was given back by nobody, and the key answered `InFlight` for the
+/// whole lease, then `TakeOver` for an operation that never ran.
+#[test]
+fn a_takeover_by_a_repeat_in_a_batch_is_given_back_when_its_claim_gives_up() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        // Calls of 500 ms (a claim's budget is four), a statement timeout well past them (the
+        // takeovers wait on a lock after their claims gave up), batches that wait on a lock
+        // for 10 s (the lone claim below holds the batch slot while the storm queues).
+        let builder = PostgresStore::builder(pg.url())
+            .max_connections(20)
+            .statement_timeout(Duration::from_secs(60))
+            .call_timeout(Duration::from_millis(500));
+        let store = one_batch_at_a_time(builder, Duration::from_secs(10)).await;
+        let pause = || tokio::time::sleep(Duration::from_millis(100));
+        let id = fresh_id();
+        execute(&*store, &id, &fp("a"), Duration::from_millis(1)).await;
+        pause().await;
+        let lock = lock_row(&store, &id).await;
+        let (blocker, lone) = hold_the_batch_slot(&store, pg.url()).await;
+        // The batch behind it: first a claim of another fingerprint (the expired row answers
+        // it `Mismatch`: no takeover), then fifteen repeats, each answered that expired row
+        // and taking it over, behind the lock.
+        let spawn = |print: &'static str| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&id, &fp(print), LONG).await })
+        };
+        let first = spawn("b");
+        pause().await;
+        let started = tokio::time::Instant::now();
+        let repeats: Vec<_> = (0..15).map(|_| spawn("a")).collect();
+        pause().await;
+        blocker.rollback().await.expect("rollback");
+        lone.await.expect("task").expect("the lone claim");
+        assert!(matches!(first.await.expect("task"), Ok(Begin::Mismatch)));
+        for answer in futures::future::join_all(repeats).await {
+            let answer = answer.expect("task");
+            assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
+        }
+        // Past the claims' own budget: each gave its rounds up, its takeover still waiting.
+        tokio::time::sleep_until(started + Duration::from_secs(3)).await;
+        lock.rollback().await.expect("rollback");
+        // One repeat's takeover commits now. A bound on the looks for it (at once, one
+        // budget, four budgets after the give-up), far below the 60 s lease it writes.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let record = store.inspect(&id).await.expect("inspect");
+            let held = matches!(
+                record.as_ref().map(|r| &r.state),
+                Some(idempotency_core::RecordState::InFlight { lease_remaining })
+                    if !lease_remaining.is_zero()
+            );
+            if !held {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a takeover nobody holds: {record:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
 /// A batch whose drain task is dropped while its statement runs (the drain runs on the
 /// runtime of the call that started it; here that runtime shuts down) may still commit the
 /// claims in it: the callers, told `Unavailable`, give them back. Left, a grant nobody held

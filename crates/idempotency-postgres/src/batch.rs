@@ -10,7 +10,8 @@
 //! failed on a lock (its connections carry a short `lock_timeout`, so one row another
 //! transaction holds cannot stall the rest), a deadlock or a serialization race — the
 //! statement rolled back, so nothing of it landed — and the rare rows a batch statement cannot
-//! decide (a key twice in one batch, a row committed while the statement ran). Any other
+//! decide (a key twice in one completion or fence batch, a row committed while the statement
+//! ran; a claim repeated in a batch is answered from the row its first claim met). Any other
 //! failure fails every caller of the batch with `Unavailable`: one statement, one commit, so
 //! never a partial success that looks like a failure or the reverse.
 //!
@@ -24,7 +25,7 @@
 //! after it.
 
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicU8, Ordering as AtomicOrdering},
@@ -717,7 +718,8 @@ async fn drain<J: Keyed + Send + 'static, R: Send + 'static>(mut slot: Slot<J, R
 }
 
 /// Splits off the jobs whose key came earlier in the batch: one statement cannot insert or
-/// update a row twice. They are answered `None` (the per-request path), the rest run, in key
+/// update a row twice. They are answered `None` (the per-request path) unless their kind
+/// answers them from the first's row (a claim: [`echo_repeats`]); the rest run, in key
 /// order: every batch statement locks its rows in the order of its input (a claim's insert
 /// sorts them itself), so two batches of different kinds (a completion and a renewal of the
 /// same two keys, run side by side) never wait on each other in a cycle, each until its
@@ -895,7 +897,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
             }
             return vec![lone(answer)];
         }
-        let (mut unique, _repeats) = split_repeats(&jobs);
+        let (mut unique, repeats) = split_repeats(&jobs);
         // Claims given up while the batch waited for its connection stay out of it.
         let sending = Checkout::acquire_to_send(&store.batch_pool(), || {
             unique.retain(|&i| jobs[i].wire.send());
@@ -934,7 +936,7 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
                 unique.iter().filter_map(|&i| jobs[i].claim()).collect(),
             );
         }
-        spread(&jobs, &unique, rows, |_, row| {
+        let mut answers = spread(&jobs, &unique, rows, |_, row| {
             Ok(match row {
                 Some((true, _, _, _, Some(left))) => Some(Round::Granted(left)),
                 Some((false, Some(f), Some(s), r, Some(ms))) => {
@@ -944,8 +946,45 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
                 Some(_) => return Err(Error::Corrupt("unexpected begin row".into())),
                 None => None,
             })
-        })
+        });
+        echo_repeats(&jobs, &unique, &repeats, &mut answers);
+        answers
     })
+}
+
+/// Answers each repeat of a key in a claim batch with the row the statement met for the key's
+/// first claim: the row it inserted (in flight, that claim's fingerprint, the lease it has
+/// left), as of the statement's commit, or the live row it read, as of the statement's
+/// snapshot. Every repeat was queued before the statement ran and is answered after it
+/// committed, so either is what a read of the repeat's own could have found at a point
+/// within its call. Sent on the per-request path instead, a storm of duplicates of one key
+/// took a pooled connection per duplicate, and on a busy pool answered `Unavailable` (a 503)
+/// rather than `InFlight`. The repeat's own token is not sent here: a lease the row shows
+/// over is taken over by its claim, fenced, as any row read is, and that takeover marks the
+/// token sent (`PostgresStore::follow`), so a give-up looks for what it wrote. A first claim
+/// the batch did not settle (left out, given back, a row its snapshot could not see, a
+/// failure) leaves its repeats to the per-request path.
+fn echo_repeats(
+    jobs: &[BeginJob],
+    unique: &[usize],
+    repeats: &[usize],
+    answers: &mut Answers<Round>,
+) {
+    if repeats.is_empty() {
+        return;
+    }
+    let first: HashMap<&RecordId, usize> = unique.iter().map(|&i| (&jobs[i].id, i)).collect();
+    for &i in repeats {
+        let Some(&j) = first.get(&jobs[i].id) else {
+            continue;
+        };
+        let row = match &answers[j] {
+            Ok(Some(Round::Granted(left))) => (jobs[j].fp.as_bytes().to_vec(), 0, None, *left),
+            Ok(Some(Round::Row(row))) => row.clone(),
+            _ => continue,
+        };
+        answers[i] = Ok(Some(Round::Row(row)));
+    }
 }
 
 /// Completes every row its token still owns; for the others, says whether the same token
