@@ -805,8 +805,24 @@ impl Consumer {
                 return Ok(());
             }
             // Read as an outage, it kept its message pending for ever, where the same damage
-            // under the current scope is dead-lettered after `max_failures`.
+            // under the current scope is dead-lettered after `max_failures`. Unless the
+            // current scope decided the charge already (a message of it dead-lettered for
+            // this damage): that decision answers at once, as on the main path. Each
+            // duplicate counted failures of its own on the damaged record first, to
+            // `max_failures`, a `claim_idle` apart.
             Previously::Damaged(error) => {
+                match self.decided_here(&scope, &key, &fingerprint).await {
+                    Some(Previously::DeadLettered(decided)) => {
+                        self.dead_letter(message, delivered, &decided, polled)
+                            .await?;
+                        return Ok(());
+                    }
+                    Some(Previously::Applied) => {
+                        polled.replayed += 1;
+                        return self.ack(message, charge_id, polled).await;
+                    }
+                    _ => {}
+                }
                 let charge = (charge_id.as_str(), &key, &fingerprint);
                 return self
                     .count_failed_delivery(message, charge, delivered, &error, polled)
@@ -1034,6 +1050,29 @@ impl Consumer {
             // Another attempt took the record since: the next delivery reads it again.
             Ok(Begin::InFlight { .. } | Begin::Mismatch) => Previously::Holding,
             Err(error) => Previously::failed(&error, previous),
+        }
+    }
+
+    /// What the current `scope` decided of the charge with this amount, if it did: its
+    /// completed record read as one under a previous scope is ([`decided_under`]), a
+    /// dead-letter decision or the charge applied. `None` for anything else (no record, an
+    /// attempt, another amount, a read that failed): the caller goes on as it would have.
+    ///
+    /// [`decided_under`]: Self::decided_under
+    async fn decided_here(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+    ) -> Option<Previously> {
+        let id = RecordId::new(scope, key);
+        let record = self.store.inspect(&id).await.ok()??;
+        if !matches!(record.state, RecordState::Completed { .. }) || record.fingerprint != *fp {
+            return None;
+        }
+        match self.decided_under(scope, &id, fp).await {
+            found @ (Previously::DeadLettered(_) | Previously::Applied) => Some(found),
+            _ => None,
         }
     }
 

@@ -332,6 +332,58 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
     });
 }
 
+/// A duplicate of a charge already dead-lettered because its record under a previous scope
+/// is damaged is dead-lettered on its first delivery, with that decision: the current scope
+/// holds it. Each duplicate met the damaged record first and counted failures of its own to
+/// `max_failures` (about `max_failures` × `claim_idle` of waiting) before it got there.
+#[test]
+fn a_duplicate_of_a_charge_dead_lettered_for_a_damaged_old_record_is_dead_lettered_at_once() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        garbled(&rig, &group, "ch_1", 100).await;
+        let (polled, _) = ch_1_failing_once_under(&mut rig, &group, &[100]).await;
+        assert_eq!(polled.dead_lettered, 1, "{polled:?}");
+        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
+            .await
+            .expect("publish");
+        let mut consumer = rig.consumer("c2").await.with_previous_scope(group.clone());
+        consumer.max_failures = 3;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!((polled.dead_lettered, polled.failed), (1, 0), "{polled:?}");
+        assert_eq!(rig.pending().await, 0);
+        let dead = rig.dead_letters(&format!("{}:dead", rig.stream)).await;
+        assert_eq!(dead.len(), 2, "{dead:?}");
+        assert!(dead[1]["reason"].contains(&dead[0]["reason"]), "{dead:?}");
+        assert_eq!(rig.effects().await.get("ch_1"), None);
+    });
+}
+
+/// A charge applied under the current scope is acknowledged at once, whatever damage its
+/// record under a previous scope carries: the ledger holds it. It counted failures on that
+/// record to `max_failures` first.
+#[test]
+fn a_charge_applied_under_the_current_scope_is_acknowledged_despite_a_damaged_old_record() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let (group, _) = two_previous_scopes(&mut rig).await;
+        garbled(&rig, &group, "ch_1", 100).await;
+        let mut consumer = rig.consumer("c1").await.with_previous_scope(group.clone());
+        recorded(&rig, &consumer.scope(), "ch_1", 100, "applied ch_1").await;
+        publish(&mut rig.redis, &rig.stream, "ch_1", 100)
+            .await
+            .expect("publish");
+        consumer.max_failures = 3;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!(
+            (polled.replayed, polled.failed, polled.dead_lettered),
+            (1, 0, 0),
+            "{polled:?}"
+        );
+        assert_eq!(rig.pending().await, 0);
+    });
+}
+
 /// A record under a previous scope neither the operator's view nor a claim can read fails
 /// the message of its amount (dead-lettered after `max_failures`, deciding the charge with
 /// that amount); a message of another amount is dead-lettered as a mismatch, naming the
