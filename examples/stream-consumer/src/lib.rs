@@ -35,7 +35,8 @@
 //!   may ever finish it — each delivery counts as a failure of the message, below);
 //! - when **the effect failed** (or panicked) for the [`Consumer::max_failures`]-th time
 //!   (default 5), or its stored result no longer decodes (a damaged record under a previous
-//!   scope counts each delivery as a failure too). Failures are counted per message
+//!   scope counts each delivery as a failure too, until the current scope decides the
+//!   charge: its duplicates then replay that decision at once). Failures are counted per message
 //!   and group in a Redis hash (`<stream>:<group>:failures`), so the count survives
 //!   consumer restarts, and only attempts that ran count, deliveries that found the charge
 //!   held by another amount's attempt whose lease ran out, and deliveries that found its
@@ -582,7 +583,10 @@ impl Consumer {
     /// the charge id for good: each delivery that meets it counts as a failure of the
     /// message, dead-lettered after `max_failures`, as under the current scope; so does an
     /// old record with the message's amount that is damaged (its stored result no longer
-    /// decodes, or neither the operator's view nor a claim can read it). A record the
+    /// decodes, or neither the operator's view nor a claim can read it), until the charge
+    /// is decided under the current scope (dead-lettered, so, by the first of its messages
+    /// to fail `max_failures` times), whose decision its other messages then replay at
+    /// once. A record the
     /// operator's view cannot read but a claim can answers as it reads (the key table's
     /// checks leave that view one damage to trip on, a negative status on a completed
     /// row). Dead letters for a record under an old key name its scope. A damaged record
@@ -1053,12 +1057,15 @@ impl Consumer {
         }
     }
 
-    /// What the current `scope` decided of the charge with this amount, if it did: its
-    /// completed record read as one under a previous scope is ([`decided_under`]), a
-    /// dead-letter decision or the charge applied. `None` for anything else (no record, an
-    /// attempt, another amount, a read that failed): the caller goes on as it would have.
+    /// What the current `scope` decided of the charge with this amount, if it did: a
+    /// dead-letter decision (its stored value, as the main path replays it) or the charge
+    /// applied. `None` for anything else (no record, an attempt, another amount, a result
+    /// that does not decode, a read that failed): the caller goes on as it would have.
     ///
-    /// [`decided_under`]: Self::decided_under
+    /// The result is read by a claim (the operator's view carries none), for a second: a
+    /// record released since the view read it is claimed and released at once, and should
+    /// that release fail, the key is held for a second, not for a lease of 30 s that would
+    /// defer the charge published again after the operator's release.
     async fn decided_here(
         &self,
         scope: &Scope,
@@ -1070,9 +1077,19 @@ impl Consumer {
         if !matches!(record.state, RecordState::Completed { .. }) || record.fingerprint != *fp {
             return None;
         }
-        match self.decided_under(scope, &id, fp).await {
-            found @ (Previously::DeadLettered(_) | Previously::Applied) => Some(found),
-            _ => None,
+        match self.store.begin(&id, fp, Duration::from_secs(1)).await {
+            Ok(Begin::Replay(outcome)) => match serde_json::from_slice::<String>(&outcome.body) {
+                Ok(value) if value.starts_with(DEAD_LETTERED) => {
+                    Some(Previously::DeadLettered(value))
+                }
+                Ok(_) => Some(Previously::Applied),
+                Err(_) => None,
+            },
+            Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
+                let _ = self.store.release(&id, token).await;
+                None
+            }
+            Ok(Begin::InFlight { .. } | Begin::Mismatch) | Err(_) => None,
         }
     }
 
