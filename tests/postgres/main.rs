@@ -1124,7 +1124,7 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
         let builder = PostgresStore::builder(pg.url())
             .max_connections(1)
             .acquire_timeout(Duration::from_millis(300));
-        let store = one_batch_at_a_time(builder, Duration::from_secs(1)).await;
+        let store = one_batch_at_a_time(builder, Duration::from_secs(10)).await;
         // The application holds the per-request pool's only connection.
         let held = store.pool().acquire().await.expect("a connection");
         let (blocker, lone) = hold_the_batch_slot(&store, pg.url()).await;
@@ -1134,10 +1134,10 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
             let store = store.clone();
             tokio::spawn(async move { store.begin(&id, &fp(print), LONG).await })
         };
-        let first = spawn("a");
-        pause().await;
-        let same: Vec<_> = (0..8).map(|_| spawn("a")).collect();
-        let others: Vec<_> = (0..8).map(|_| spawn("b")).collect();
+        let prints: Vec<_> = (0..17)
+            .map(|i| if i % 2 == 0 { "a" } else { "b" })
+            .collect();
+        let claims: Vec<_> = prints.iter().map(|print| spawn(print)).collect();
         pause().await;
         let before = store.group_commit_stats();
         blocker.rollback().await.expect("rollback");
@@ -1145,14 +1145,31 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
             lone.await.expect("task"),
             Err(Error::Unavailable(_)) | Ok(Begin::Execute(_))
         ));
-        assert!(matches!(first.await.expect("task"), Ok(Begin::Execute(_))));
-        for answer in futures::future::join_all(same).await {
-            let answer = answer.expect("task");
-            assert!(matches!(answer, Ok(Begin::InFlight { .. })), "{answer:?}");
-        }
-        for answer in futures::future::join_all(others).await {
-            let answer = answer.expect("task");
-            assert!(matches!(answer, Ok(Begin::Mismatch)), "{answer:?}");
+        // The first of them queued inserts the row; the others answer from it.
+        let answers: Vec<_> = futures::future::join_all(claims)
+            .await
+            .into_iter()
+            .zip(prints)
+            .map(|(answer, print)| {
+                (
+                    answer.expect("task").expect("every claim is answered"),
+                    print,
+                )
+            })
+            .collect();
+        let executed: Vec<_> = answers
+            .iter()
+            .filter(|(answer, _)| matches!(answer, Begin::Execute(_)))
+            .map(|(_, print)| *print)
+            .collect();
+        assert_eq!(executed.len(), 1, "{answers:?}");
+        for (answer, print) in &answers {
+            match answer {
+                Begin::Execute(_) => {}
+                Begin::InFlight { .. } => assert_eq!(*print, executed[0], "{answers:?}"),
+                Begin::Mismatch => assert_ne!(*print, executed[0], "{answers:?}"),
+                other => panic!("{other:?}"),
+            }
         }
         // Seventeen claims of the key, one statement.
         let stats = store.group_commit_stats();
@@ -1162,76 +1179,6 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
             "{before:?} {stats:?}"
         );
         drop(held);
-    });
-}
-
-/// A repeat of a key in a claim batch, answered from the expired row the key's first claim
-/// met, takes that row over itself: the takeover is the first statement of its claim to
-/// write its token, and a give-up looks for what it wrote. Before, the repeat's round read as
-/// never sent: a takeover that committed after its claim ran out of budget (here, behind a
-/// row lock held past it) was given back by nobody, and the key answered `InFlight` for the
-/// whole lease, then `TakeOver` for an operation that never ran.
-#[test]
-fn a_takeover_by_a_repeat_in_a_batch_is_given_back_when_its_claim_gives_up() {
-    block_on(async {
-        let Some(pg) = services::postgres().await else {
-            return;
-        };
-        // Calls of 500 ms (a claim's budget is four), a statement timeout well past them (the
-        // takeovers wait on a lock after their claims gave up), batches that wait on a lock
-        // for 10 s (the lone claim below holds the batch slot while the storm queues).
-        let builder = PostgresStore::builder(pg.url())
-            .max_connections(20)
-            .statement_timeout(Duration::from_secs(60))
-            .call_timeout(Duration::from_millis(500));
-        let store = one_batch_at_a_time(builder, Duration::from_secs(10)).await;
-        let pause = || tokio::time::sleep(Duration::from_millis(100));
-        let id = fresh_id();
-        execute(&*store, &id, &fp("a"), Duration::from_millis(1)).await;
-        pause().await;
-        let lock = lock_row(&store, &id).await;
-        let (blocker, lone) = hold_the_batch_slot(&store, pg.url()).await;
-        // The batch behind it: first a claim of another fingerprint (the expired row answers
-        // it `Mismatch`: no takeover), then fifteen repeats, each answered that expired row
-        // and taking it over, behind the lock.
-        let spawn = |print: &'static str| {
-            let store = store.clone();
-            tokio::spawn(async move { store.begin(&id, &fp(print), LONG).await })
-        };
-        let first = spawn("b");
-        pause().await;
-        let started = tokio::time::Instant::now();
-        let repeats: Vec<_> = (0..15).map(|_| spawn("a")).collect();
-        pause().await;
-        blocker.rollback().await.expect("rollback");
-        lone.await.expect("task").expect("the lone claim");
-        assert!(matches!(first.await.expect("task"), Ok(Begin::Mismatch)));
-        for answer in futures::future::join_all(repeats).await {
-            let answer = answer.expect("task");
-            assert!(matches!(answer, Err(Error::Unavailable(_))), "{answer:?}");
-        }
-        // Past the claims' own budget: each gave its rounds up, its takeover still waiting.
-        tokio::time::sleep_until(started + Duration::from_secs(3)).await;
-        lock.rollback().await.expect("rollback");
-        // One repeat's takeover commits now. A bound on the looks for it (at once, one
-        // budget, four budgets after the give-up), far below the 60 s lease it writes.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let record = store.inspect(&id).await.expect("inspect");
-            let held = matches!(
-                record.as_ref().map(|r| &r.state),
-                Some(idempotency_core::RecordState::InFlight { lease_remaining })
-                    if !lease_remaining.is_zero()
-            );
-            if !held {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "a takeover nobody holds: {record:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
     });
 }
 

@@ -11,7 +11,8 @@
 //! transaction holds cannot stall the rest), a deadlock or a serialization race — the
 //! statement rolled back, so nothing of it landed — and the rare rows a batch statement cannot
 //! decide (a key twice in one completion or fence batch, a row committed while the statement
-//! ran; a claim repeated in a batch is answered from the row its first claim met). Any other
+//! ran; a claim repeated in a batch is answered from the row its first claim met, when that
+//! row answers it rather than asks for a takeover). Any other
 //! failure fails every caller of the batch with `Unavailable`: one statement, one commit, so
 //! never a partial success that looks like a failure or the reverse.
 //!
@@ -952,18 +953,21 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
     })
 }
 
-/// Answers each repeat of a key in a claim batch with the row the statement met for the key's
-/// first claim: the row it inserted (in flight, that claim's fingerprint, the lease it has
-/// left), as of the statement's commit, or the live row it read, as of the statement's
-/// snapshot. Every repeat was queued before the statement ran and is answered after it
-/// committed, so either is what a read of the repeat's own could have found at a point
-/// within its call. Sent on the per-request path instead, a storm of duplicates of one key
-/// took a pooled connection per duplicate, and on a busy pool answered `Unavailable` (a 503)
-/// rather than `InFlight`. The repeat's own token is not sent here: a lease the row shows
-/// over is taken over by its claim, fenced, as any row read is, and that takeover marks the
-/// token sent (`PostgresStore::follow`), so a give-up looks for what it wrote. A first claim
-/// the batch did not settle (left out, given back, a row its snapshot could not see, a
-/// failure) leaves its repeats to the per-request path.
+/// Answers each repeat of a key in a claim batch whose answer the row the statement met for
+/// the key's first claim gives: the row it inserted (in flight, that claim's fingerprint,
+/// the lease it has left), as of the statement's commit, or the live row it read, as of the
+/// statement's snapshot. Every repeat was queued before the statement ran and is answered
+/// after it committed, so either is what a read of the repeat's own could have found at a
+/// point within its call. Sent on the per-request path instead, a storm of duplicates of one
+/// key took a pooled connection per duplicate, and on a busy pool answered `Unavailable` (a
+/// 503) rather than `InFlight` (a 409).
+///
+/// Only an answer (`InFlight`, `Replay`, `Mismatch`): a row whose lease or retention is over
+/// leaves the repeat to the per-request path, which reads the row again (most often the
+/// takeover of the first claim, in flight) rather than race that takeover with one of its
+/// own. A takeover is a write: its round must be one that was sent, for a give-up to look
+/// for what it wrote. A first claim the batch did not settle (left out, given back, a row
+/// its snapshot could not see, a failure) leaves its repeats to the per-request path too.
 fn echo_repeats(
     jobs: &[BeginJob],
     unique: &[usize],
@@ -983,7 +987,9 @@ fn echo_repeats(
             Ok(Some(Round::Row(row))) => row.clone(),
             _ => continue,
         };
-        answers[i] = Ok(Some(Round::Row(row)));
+        if matches!(PostgresStore::decide(&jobs[i].fp, row.clone()), Ok(Some(_))) {
+            answers[i] = Ok(Some(Round::Row(row)));
+        }
     }
 }
 

@@ -1112,7 +1112,10 @@ impl PostgresStore {
     }
 
     /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
-    fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<(Begin, Option<Duration>)>> {
+    pub(crate) fn decide(
+        fp: &Fingerprint,
+        row: RowView,
+    ) -> Result<Option<(Begin, Option<Duration>)>> {
         let (stored_fp, state, response, remaining_ms) = row;
         if remaining_ms <= 0.0 && (state == 1 || stored_fp == fp.as_bytes()) {
             return Ok(None); // expired: take it over
@@ -1569,10 +1572,7 @@ impl PostgresStore {
                 rounds.note(Some(*token));
             }
             let settled = match found {
-                Ok(Some(found)) => {
-                    self.follow(id, fp, lease, (*token, &*wire), found, rounds)
-                        .await
-                }
+                Ok(Some(found)) => self.follow(id, fp, lease, *token, found, rounds).await,
                 other => other.map(|_| None),
             };
             match settled {
@@ -1658,7 +1658,7 @@ impl PostgresStore {
         id: &RecordId,
         fp: &Fingerprint,
         lease: Duration,
-        (token, wire): (LeaseToken, &OnWire),
+        token: LeaseToken,
         round: Round,
         rounds: &Rounds,
     ) -> Result<Option<(Begin, Option<Duration>)>> {
@@ -1695,15 +1695,6 @@ impl PostgresStore {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(token);
-        }
-        // The takeover is this round's first statement to write its token when the row came
-        // from another claim's statement (a repeat of a key in a batch, answered from the
-        // row its first claim met): marked sent here, so that a give-up from now on looks
-        // for its grant (one that came first leaves it unsent). Unmarked, a takeover that
-        // committed after its claim's budget was given back by nobody: `InFlight` for the
-        // lease, then `TakeOver` for an operation that never ran.
-        if !wire.send() {
-            return Err(Error::unavailable("nobody waits for this claim any more"));
         }
         // The takeover writes the token: in doubt from before it is sent.
         rounds.note(Some(token));
