@@ -38,7 +38,8 @@ use tokio::sync::{Mutex, OnceCell};
 /// ahead of the mirror). A batch sent each repeat of a key on a connection of its own then,
 /// so most of them waited for one of the 20: waited for 500 ms, in calls of 1 s, a busy host
 /// answered some of them `Unavailable` (a pool timeout, a claim out of its budget). Repeats
-/// are answered from their batch now; the default waits stay, for a slow host.
+/// are answered from their batch now when their first claim's row answers them (not behind
+/// an expired row); the default waits stay, for a slow host.
 async fn conformance_pg_store(url: &str) -> PostgresStore {
     let pg = PostgresStore::builder(url)
         .max_connections(20)

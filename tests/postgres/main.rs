@@ -765,7 +765,15 @@ async fn insert_uncommitted(
     store: &PostgresStore,
     id: &idempotency_core::RecordId,
 ) -> sqlx::Transaction<'static, sqlx::Postgres> {
-    let mut blocker = store.pool().begin().await.expect("transaction");
+    insert_uncommitted_on(store.pool(), id).await
+}
+
+/// [`insert_uncommitted`] on a connection of `pool`.
+async fn insert_uncommitted_on(
+    pool: &sqlx::PgPool,
+    id: &idempotency_core::RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = pool.begin().await.expect("transaction");
     sqlx::query(
         "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
          VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
@@ -1005,111 +1013,36 @@ fn concurrent_calls_share_statements() {
 }
 
 /// A storm of duplicates of one key (a gateway and a client retrying together) shares the
-/// batch statement: the repeats of a key in a batch are answered from what the statement
-/// found for its first (the row it inserted, or the live row it read), as of that
-/// statement's commit. Before, each repeat ran again on the per-request pool, one pooled
-/// connection per duplicate: here, with the per-request pool's only connection held by the
-/// application, they waited for it and were answered `Unavailable` (a 503) instead of
-/// `InFlight` (a 409).
+/// batch statement: the repeats of a key in a batch are answered from the row the statement
+/// met for its first claim, here the live row of the request that runs. Before, each repeat
+/// ran again on the per-request pool, one pooled connection per duplicate: here, with the
+/// per-request pool's only connection held by the application, they waited for it and were
+/// answered `Unavailable` (a 503) instead of `InFlight` (a 409) or `Mismatch` (a 422).
 #[test]
 fn duplicates_in_one_batch_need_no_connection_of_their_own() {
     block_on(async {
         let Some(pg) = services::postgres().await else {
             return;
         };
-        let store = PostgresStore::builder(pg.url())
-            .max_connections(1)
-            .acquire_timeout(Duration::from_millis(300))
-            .group_commit(GroupCommit::default().concurrency(1))
-            .connect()
-            .await
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        let store = Arc::new(store);
-        // The application's own query holds the per-request pool; the batches have theirs.
-        let held = store.pool().acquire().await.expect("a connection");
-        for (a, b) in [("a", "a"), ("a", "b")] {
+        let (store, held) = one_batch_at_a_time(pg.url()).await;
+        for other in ["a", "b"] {
             let id = fresh_id();
-            let begins = (0..64).map(|i| {
-                let (store, fp) = (store.clone(), fp(if i % 2 == 0 { a } else { b }));
-                tokio::spawn(async move { store.begin(&id, &fp, LONG).await })
-            });
-            let answers: Vec<_> = futures::future::join_all(begins)
-                .await
-                .into_iter()
-                .map(|t| t.expect("task").expect("every duplicate is answered"))
+            execute(&*store, &id, &fp("a"), LONG).await;
+            let prints: Vec<_> = (0..64)
+                .map(|i| if i % 2 == 0 { "a" } else { other })
                 .collect();
-            let executes = answers
-                .iter()
-                .filter(|b| matches!(b, Begin::Execute(_)))
-                .count();
-            assert_eq!(executes, 1, "{answers:?}");
-            // The others: in flight, or (another fingerprint) a mismatch.
-            for answer in &answers {
-                assert!(
-                    matches!(
-                        answer,
-                        Begin::Execute(_) | Begin::InFlight { .. } | Begin::Mismatch
-                    ),
-                    "{answer:?}"
-                );
+            let (answers, statements) = storm_behind_the_slot(&store, pg.url(), &id, &prints).await;
+            for (answer, print) in answers.into_iter().zip(prints) {
+                let answer = answer.expect("every duplicate is answered");
+                match print {
+                    "a" => assert!(matches!(answer, Begin::InFlight { .. }), "{answer:?}"),
+                    _ => assert!(matches!(answer, Begin::Mismatch), "{answer:?}"),
+                }
             }
-            if a == b {
-                assert!(!answers.iter().any(|b| matches!(b, Begin::Mismatch)));
-            }
+            assert_eq!(statements, 1);
         }
         drop(held);
     });
-}
-
-/// A store from `builder` with one batch of a kind at a time, whose batches wait on a row
-/// lock for `lock_wait`: a lone claim held on a lock keeps the batch slot, and calls queue
-/// behind it (see [`hold_the_batch_slot`]).
-async fn one_batch_at_a_time(
-    builder: idempotency_postgres::PostgresStoreBuilder,
-    lock_wait: Duration,
-) -> Arc<PostgresStore> {
-    let settings = GroupCommit::default()
-        .concurrency(1)
-        .lock_timeout(lock_wait);
-    let store = builder
-        .group_commit(settings)
-        .connect()
-        .await
-        .expect("store");
-    store.migrate().await.expect("migrate");
-    Arc::new(store)
-}
-
-/// A lone claim of a key of its own, holding the batch slot of a [`one_batch_at_a_time`]
-/// store: it waits on the returned transaction's uncommitted insert of that key (made on a
-/// connection of the test's, not the store's), until the transaction ends (within the
-/// batches' lock wait; past two call timeouts a new drain takes the slot).
-async fn hold_the_batch_slot(
-    store: &Arc<PostgresStore>,
-    url: &str,
-) -> (
-    sqlx::Transaction<'static, sqlx::Postgres>,
-    tokio::task::JoinHandle<idempotency_core::Result<Begin>>,
-) {
-    let other = fresh_id();
-    let side = sqlx::PgPool::connect(url).await.expect("side pool");
-    let mut blocker = side.begin().await.expect("transaction");
-    sqlx::query(
-        "INSERT INTO idempotency_keys (record_id, fingerprint, state, lease_token, expires_at) \
-         VALUES ($1, $2, 0, gen_random_uuid(), now() + interval '1 hour')",
-    )
-    .bind(&other.as_bytes()[..])
-    .bind(&fp("a").as_bytes()[..])
-    .execute(&mut *blocker)
-    .await
-    .expect("blocking insert");
-    let lone = {
-        let store = store.clone();
-        tokio::spawn(async move { store.begin(&other, &fp("a"), LONG).await })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    (blocker, lone)
 }
 
 /// The repeats of a key whose first claim in the batch inserted its row are answered from
@@ -1121,41 +1054,17 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
         let Some(pg) = services::postgres().await else {
             return;
         };
-        let builder = PostgresStore::builder(pg.url())
-            .max_connections(1)
-            .acquire_timeout(Duration::from_millis(300));
-        let store = one_batch_at_a_time(builder, Duration::from_secs(10)).await;
-        // The application holds the per-request pool's only connection.
-        let held = store.pool().acquire().await.expect("a connection");
-        let (blocker, lone) = hold_the_batch_slot(&store, pg.url()).await;
-        let pause = || tokio::time::sleep(Duration::from_millis(100));
+        let (store, held) = one_batch_at_a_time(pg.url()).await;
         let id = fresh_id();
-        let spawn = |print: &'static str| {
-            let store = store.clone();
-            tokio::spawn(async move { store.begin(&id, &fp(print), LONG).await })
-        };
         let prints: Vec<_> = (0..17)
             .map(|i| if i % 2 == 0 { "a" } else { "b" })
             .collect();
-        let claims: Vec<_> = prints.iter().map(|print| spawn(print)).collect();
-        pause().await;
-        let before = store.group_commit_stats();
-        blocker.rollback().await.expect("rollback");
-        assert!(matches!(
-            lone.await.expect("task"),
-            Err(Error::Unavailable(_)) | Ok(Begin::Execute(_))
-        ));
+        let (answers, statements) = storm_behind_the_slot(&store, pg.url(), &id, &prints).await;
         // The first of them queued inserts the row; the others answer from it.
-        let answers: Vec<_> = futures::future::join_all(claims)
-            .await
+        let answers: Vec<_> = answers
             .into_iter()
             .zip(prints)
-            .map(|(answer, print)| {
-                (
-                    answer.expect("task").expect("every claim is answered"),
-                    print,
-                )
-            })
+            .map(|(answer, print)| (answer.expect("every claim is answered"), print))
             .collect();
         let executed: Vec<_> = answers
             .iter()
@@ -1171,15 +1080,111 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
                 other => panic!("{other:?}"),
             }
         }
-        // Seventeen claims of the key, one statement.
-        let stats = store.group_commit_stats();
-        assert_eq!(
-            stats.statements - before.statements,
-            1,
-            "{before:?} {stats:?}"
-        );
+        assert_eq!(statements, 1);
         drop(held);
     });
+}
+
+/// A store with one batch of a kind at a time whose batches wait on a row lock for 10 s (a
+/// lone claim held on a lock keeps the batch slot, and calls queue behind it: see
+/// [`hold_the_batch_slot`]), and the only connection of its per-request pool, held as the
+/// application's own query would. Both pools have connected already.
+async fn one_batch_at_a_time(
+    url: &str,
+) -> (
+    Arc<PostgresStore>,
+    sqlx::pool::PoolConnection<sqlx::Postgres>,
+) {
+    let settings = GroupCommit::default()
+        .concurrency(1)
+        .lock_timeout(Duration::from_secs(10));
+    let store = PostgresStore::builder(url)
+        .max_connections(1)
+        // The batches' lock wait is at most half of it.
+        .statement_timeout(Duration::from_secs(30))
+        .group_commit(settings)
+        .connect()
+        .await
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    execute(&store, &fresh_id(), &fp("a"), LONG).await;
+    let held = store.pool().acquire().await.expect("a connection");
+    (Arc::new(store), held)
+}
+
+/// A lone claim of a key of its own, holding the batch slot of a [`one_batch_at_a_time`]
+/// store: it waits on the returned transaction's uncommitted insert of that key (made on a
+/// connection of the test's, not the store's) until the transaction ends. Returned once the
+/// claim has the slot.
+async fn hold_the_batch_slot(
+    store: &Arc<PostgresStore>,
+    url: &str,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<idempotency_core::Result<Begin>>,
+) {
+    let other = fresh_id();
+    let side = sqlx::PgPool::connect(url).await.expect("side pool");
+    let blocker = insert_uncommitted_on(&side, &other).await;
+    let calls = store.group_commit_stats().calls;
+    let lone = {
+        let store = store.clone();
+        tokio::spawn(async move { store.begin(&other, &fp("a"), LONG).await })
+    };
+    joined(store, calls + 1).await;
+    (blocker, lone)
+}
+
+/// Claims of `id` with each of `prints`, queued together behind [`hold_the_batch_slot`]'s
+/// lone claim, then let go: their answers, and the statements the batches took for them.
+async fn storm_behind_the_slot(
+    store: &Arc<PostgresStore>,
+    url: &str,
+    id: &idempotency_core::RecordId,
+    prints: &[&'static str],
+) -> (Vec<idempotency_core::Result<Begin>>, u64) {
+    let (blocker, lone) = hold_the_batch_slot(store, url).await;
+    let storm = storm(store, id, prints).await;
+    let before = store.group_commit_stats();
+    blocker.rollback().await.expect("rollback");
+    assert!(matches!(
+        lone.await.expect("task"),
+        Ok(Begin::Execute(_)) | Err(Error::Unavailable(_))
+    ));
+    let answers = futures::future::join_all(storm)
+        .await
+        .into_iter()
+        .map(|answer| answer.expect("task"))
+        .collect();
+    let statements = store.group_commit_stats().statements - before.statements;
+    (answers, statements)
+}
+
+/// Claims of `id` with each of `prints`, spawned together; returned once every one of them
+/// has joined the batch queue.
+async fn storm(
+    store: &Arc<PostgresStore>,
+    id: &idempotency_core::RecordId,
+    prints: &[&'static str],
+) -> Vec<tokio::task::JoinHandle<idempotency_core::Result<Begin>>> {
+    let calls = store.group_commit_stats().calls;
+    let claims = prints
+        .iter()
+        .map(|print| {
+            let (store, id, fp) = (store.clone(), *id, fp(print));
+            tokio::spawn(async move { store.begin(&id, &fp, LONG).await })
+        })
+        .collect();
+    joined(store, calls + prints.len() as u64).await;
+    claims
+}
+
+/// Waits until `calls` calls have gone through the store's batch queues (taken its slot, or
+/// queued behind it).
+async fn joined(store: &PostgresStore, calls: u64) {
+    while store.group_commit_stats().calls < calls {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// A batch whose drain task is dropped while its statement runs (the drain runs on the

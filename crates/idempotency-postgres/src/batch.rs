@@ -962,12 +962,14 @@ fn run_begin(store: PostgresStore, jobs: Vec<BeginJob>) -> BoxFuture<'static, An
 /// key took a pooled connection per duplicate, and on a busy pool answered `Unavailable` (a
 /// 503) rather than `InFlight` (a 409).
 ///
-/// Only an answer (`InFlight`, `Replay`, `Mismatch`): a row whose lease or retention is over
-/// leaves the repeat to the per-request path, which reads the row again (most often the
-/// takeover of the first claim, in flight) rather than race that takeover with one of its
-/// own. A takeover is a write: its round must be one that was sent, for a give-up to look
-/// for what it wrote. A first claim the batch did not settle (left out, given back, a row
-/// its snapshot could not see, a failure) leaves its repeats to the per-request path too.
+/// Only a row that answers (`InFlight`, `Replay`, `Mismatch`, or the `Corrupt` error a
+/// damaged outcome gives, told without a connection too; the caller decodes it, not this
+/// drain): a row whose lease or retention is over leaves the repeat to the per-request path,
+/// which reads the row again (most often the takeover of the first claim, in flight) rather
+/// than race that takeover with one of its own. A takeover is a write: its round must be one
+/// that was sent, for a give-up to look for what it wrote. A first claim the batch did not
+/// settle (left out, given back, a row its snapshot could not see, a failure) leaves its
+/// repeats to the per-request path too.
 fn echo_repeats(
     jobs: &[BeginJob],
     unique: &[usize],
@@ -987,7 +989,7 @@ fn echo_repeats(
             Ok(Some(Round::Row(row))) => row.clone(),
             _ => continue,
         };
-        if matches!(PostgresStore::decide(&jobs[i].fp, row.clone()), Ok(Some(_))) {
+        if !PostgresStore::takes_over(&jobs[i].fp, &row) {
             answers[i] = Ok(Some(Round::Row(row)));
         }
     }

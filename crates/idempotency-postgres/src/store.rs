@@ -1111,15 +1111,19 @@ impl PostgresStore {
         Ok(fresh.then_some(fp))
     }
 
+    /// Whether `row` is one a claim with `fp` takes over rather than answers from: its lease
+    /// or its retention is over (another request's lapsed lease answers `Mismatch`).
+    pub(crate) fn takes_over(fp: &Fingerprint, row: &RowView) -> bool {
+        let (stored_fp, state, _, remaining_ms) = row;
+        *remaining_ms <= 0.0 && (*state == 1 || stored_fp[..] == fp.as_bytes()[..])
+    }
+
     /// Reads a live row's answer, with how long the row still lives; `None` when it expired.
-    pub(crate) fn decide(
-        fp: &Fingerprint,
-        row: RowView,
-    ) -> Result<Option<(Begin, Option<Duration>)>> {
-        let (stored_fp, state, response, remaining_ms) = row;
-        if remaining_ms <= 0.0 && (state == 1 || stored_fp == fp.as_bytes()) {
+    fn decide(fp: &Fingerprint, row: RowView) -> Result<Option<(Begin, Option<Duration>)>> {
+        if Self::takes_over(fp, &row) {
             return Ok(None); // expired: take it over
         }
+        let (stored_fp, state, response, remaining_ms) = row;
         let remaining = Duration::from_millis(remaining_ms.ceil() as u64);
         if stored_fp != fp.as_bytes() {
             return Ok(Some((Begin::Mismatch, None)));

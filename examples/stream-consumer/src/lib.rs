@@ -811,9 +811,9 @@ impl Consumer {
             // Read as an outage, it kept its message pending for ever, where the same damage
             // under the current scope is dead-lettered after `max_failures`. Unless the
             // current scope decided the charge already (a message of it dead-lettered for
-            // this damage): that decision answers at once, as on the main path. Each
-            // duplicate counted failures of its own on the damaged record first, to
-            // `max_failures`, a `claim_idle` apart.
+            // this damage): that decision answers at once, as on the main path. (Before,
+            // each duplicate counted failures of its own on the damaged record first, to
+            // `max_failures`, a `claim_idle` apart.)
             Previously::Damaged(error) => {
                 match self.decided_here(&scope, &key, &fingerprint).await {
                     Some(Previously::DeadLettered(decided)) => {

@@ -334,8 +334,9 @@ fn a_damaged_result_under_a_previous_scope_is_dead_lettered() {
 
 /// A duplicate of a charge already dead-lettered because its record under a previous scope
 /// is damaged is dead-lettered on its first delivery, with that decision: the current scope
-/// holds it. Each duplicate met the damaged record first and counted failures of its own to
-/// `max_failures` (about `max_failures` × `claim_idle` of waiting) before it got there.
+/// holds it. Before, each duplicate met the damaged record first and counted failures of its
+/// own to `max_failures` (about `max_failures` × `claim_idle` of waiting) before it got
+/// there.
 #[test]
 fn a_duplicate_of_a_charge_dead_lettered_for_a_damaged_old_record_is_dead_lettered_at_once() {
     block_on(async {
@@ -362,8 +363,8 @@ fn a_duplicate_of_a_charge_dead_lettered_for_a_damaged_old_record_is_dead_letter
 }
 
 /// A charge applied under the current scope is acknowledged at once, whatever damage its
-/// record under a previous scope carries: the ledger holds it. It counted failures on that
-/// record to `max_failures` first.
+/// record under a previous scope carries: the ledger holds it. Before, it counted failures
+/// on that record to `max_failures` first.
 #[test]
 fn a_charge_applied_under_the_current_scope_is_acknowledged_despite_a_damaged_old_record() {
     block_on(async {
