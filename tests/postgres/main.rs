@@ -1085,6 +1085,38 @@ fn repeats_of_a_key_inserted_by_their_batch_answer_from_its_row() {
     });
 }
 
+/// Duplicates of a key whose stored outcome is damaged are each told so (`Corrupt`, a 500
+/// the operator must see), from their batch: they asked the per-request pool for a
+/// connection, one each, and on a busy pool were answered `Unavailable` (a 503, "retry")
+/// instead.
+#[test]
+fn repeats_of_a_damaged_record_are_told_so_from_their_batch() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let (store, mut held) = one_batch_at_a_time(pg.url()).await;
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        let outcome = Outcome::new(201).with_body("ok");
+        store
+            .complete(&id, token, &outcome, LONG)
+            .await
+            .expect("complete");
+        sqlx::query("UPDATE idempotency_keys SET response = '\\x00' WHERE record_id = $1")
+            .bind(&id.as_bytes()[..])
+            .execute(&mut *held)
+            .await
+            .expect("damage");
+        let prints = ["a"; 16];
+        let (answers, _) = storm_behind_the_slot(&store, pg.url(), &id, &prints).await;
+        for answer in answers {
+            assert!(matches!(answer, Err(Error::Corrupt(_))), "{answer:?}");
+        }
+        drop(held);
+    });
+}
+
 /// A store with one batch of a kind at a time whose batches wait on a row lock for 10 s (a
 /// lone claim held on a lock keeps the batch slot, and calls queue behind it: see
 /// [`hold_the_batch_slot`]), and the only connection of its per-request pool, held as the
