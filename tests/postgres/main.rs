@@ -1118,9 +1118,11 @@ fn repeats_of_a_damaged_record_are_told_so_from_their_batch() {
 }
 
 /// A store with one batch of a kind at a time whose batches wait on a row lock for 10 s (a
-/// lone claim held on a lock keeps the batch slot, and calls queue behind it: see
-/// [`hold_the_batch_slot`]), and the only connection of its per-request pool, held as the
-/// application's own query would. Both pools have connected already.
+/// lone claim held on a lock keeps the batch slot, and calls queue behind it, for up to 10 s:
+/// see [`hold_the_batch_slot`]), and the only connection of its per-request pool, held as
+/// the application's own query would. Both pools have connected already. Calls of 10 s (a
+/// batch's deadline is two, a caller waits one): a slow host's storm is answered before its
+/// callers give up.
 async fn one_batch_at_a_time(
     url: &str,
 ) -> (
@@ -1132,6 +1134,7 @@ async fn one_batch_at_a_time(
         .lock_timeout(Duration::from_secs(10));
     let store = PostgresStore::builder(url)
         .max_connections(1)
+        .call_timeout(Duration::from_secs(10))
         // The batches' lock wait is at most half of it.
         .statement_timeout(Duration::from_secs(30))
         .group_commit(settings)
@@ -1146,8 +1149,9 @@ async fn one_batch_at_a_time(
 
 /// A lone claim of a key of its own, holding the batch slot of a [`one_batch_at_a_time`]
 /// store: it waits on the returned transaction's uncommitted insert of that key (made on a
-/// connection of the test's, not the store's) until the transaction ends. Returned once the
-/// claim has the slot.
+/// connection of the test's, not the store's) until the transaction ends (or its lock wait,
+/// 10 s). Returned once the claim has the slot: once the store counts one more call, so no
+/// other call of the store's may be under way (the count is of every kind's calls).
 async fn hold_the_batch_slot(
     store: &Arc<PostgresStore>,
     url: &str,
@@ -1212,9 +1216,16 @@ async fn storm(
 }
 
 /// Waits until `calls` calls have gone through the store's batch queues (taken its slot, or
-/// queued behind it).
+/// queued behind it). A bound on liveness, not a timing: a claim that ended before it reached
+/// the queue would leave the test waiting for ever.
 async fn joined(store: &PostgresStore, calls: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while store.group_commit_stats().calls < calls {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{calls} calls never joined the batch queues: {:?}",
+            store.group_commit_stats()
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
