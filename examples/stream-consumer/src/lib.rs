@@ -378,12 +378,12 @@ impl Previously {
 /// decided: dead-lettered (its stored value says so; the dead letter names the scope, where
 /// its record must be released for the charge to be applied), or applied.
 fn decided(outcome: &idempotency::Outcome, previous: &Scope) -> Previously {
-    match serde_json::from_slice::<String>(&outcome.body) {
-        Ok(value) if value.starts_with(DEAD_LETTERED) => Previously::DeadLettered(format!(
+    match stored_decision(outcome) {
+        Ok(Some(value)) => Previously::DeadLettered(format!(
             "{value} (decided under scope {})",
             previous.as_str()
         )),
-        Ok(_) => Previously::Applied,
+        Ok(None) => Previously::Applied,
         // Read as applied, a dead-letter decision whose result no longer decodes would
         // acknowledge the message with no ledger row.
         Err(error) => Previously::Damaged(format!(
@@ -391,6 +391,13 @@ fn decided(outcome: &idempotency::Outcome, previous: &Scope) -> Previously {
             previous.as_str()
         )),
     }
+}
+
+/// What a charge's stored result says: its dead-letter decision (`Some`), or that it was
+/// applied (`None`); an error when it no longer decodes.
+fn stored_decision(outcome: &idempotency::Outcome) -> serde_json::Result<Option<String>> {
+    let value = serde_json::from_slice::<String>(&outcome.body)?;
+    Ok(value.starts_with(DEAD_LETTERED).then_some(value))
 }
 
 /// One consumer of a group.
@@ -1078,11 +1085,9 @@ impl Consumer {
             return None;
         }
         match self.store.begin(&id, fp, Duration::from_secs(1)).await {
-            Ok(Begin::Replay(outcome)) => match serde_json::from_slice::<String>(&outcome.body) {
-                Ok(value) if value.starts_with(DEAD_LETTERED) => {
-                    Some(Previously::DeadLettered(value))
-                }
-                Ok(_) => Some(Previously::Applied),
+            Ok(Begin::Replay(outcome)) => match stored_decision(&outcome) {
+                Ok(Some(value)) => Some(Previously::DeadLettered(value)),
+                Ok(None) => Some(Previously::Applied),
                 Err(_) => None,
             },
             Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
