@@ -191,6 +191,144 @@ mod cluster {
         });
     }
 
+    /// Claims a cluster shard refuses without running them (`NOREPLICAS` here: one master
+    /// wants a replica to write and has none) each owe a cancel — the cluster client may have
+    /// resent a claim whose first copy landed — and the cancels are refused too, as long as
+    /// the refusal lasts. While they are, one of them probes, with backoff; the rest wait for
+    /// its answer. Before, every refused claim's cancel retried on its own (from 50 ms apart
+    /// to every 5 s, for an hour): writes into the shard that was refusing them, growing
+    /// with every claim refused (401 for these 64 claims in two seconds). A cancel on a
+    /// shard that takes writes does not wait for them: a retry of its key runs. Once the
+    /// shard takes writes again, every cancel lands and the keys are free.
+    #[test]
+    fn cancels_owed_by_refused_claims_probe_one_at_a_time() {
+        block_on(async {
+            if services::skipping() {
+                return;
+            }
+            // A cluster of its own: the module's is shared with its conformance tests.
+            let cluster = services::start_redis_cluster().await.expect("cluster");
+            let urls = cluster.node_urls();
+            let store = RedisStore::cluster_builder(urls.clone())
+                .connect_timeout(Duration::from_secs(1))
+                .response_timeout(Duration::from_secs(1))
+                .call_budget(Duration::from_secs(2))
+                .connect()
+                .await
+                .expect("cluster store");
+            let mut masters = Vec::new();
+            for url in &urls {
+                let client = redis::Client::open(url.as_str()).expect("client");
+                let conn = client.get_multiplexed_async_connection().await;
+                masters.push(conn.expect("node"));
+            }
+            let replicas_to_write = |conn: &mut redis::aio::MultiplexedConnection, n: &str| {
+                let (mut conn, n) = (conn.clone(), n.to_owned());
+                async move {
+                    let _: () = redis::cmd("CONFIG")
+                        .arg("SET")
+                        .arg("min-replicas-to-write")
+                        .arg(n)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("config set");
+                }
+            };
+            let _: () = redis::cmd("CONFIG")
+                .arg("RESETSTAT")
+                .query_async(&mut masters[0])
+                .await
+                .expect("resetstat");
+            replicas_to_write(&mut masters[0], "1").await;
+            // Claims of fresh keys: the first master's are refused, the others' run.
+            let (mut refused, mut ran) = (Vec::new(), Vec::new());
+            while refused.len() < 64 {
+                let ids: Vec<_> = (0..64).map(|_| fresh_id()).collect();
+                let print = fp("a");
+                let claims = ids.iter().map(|id| store.begin(id, &print, LONG));
+                for (id, claim) in ids.iter().zip(futures::future::join_all(claims).await) {
+                    match claim {
+                        Ok(Begin::Execute(token)) => ran.push((*id, token)),
+                        Err(Error::Unavailable(why)) if why.to_string().contains("NOREPLICAS") => {
+                            refused.push(*id);
+                        }
+                        // A claim that timed out on a busy host: its cancel tries at once,
+                        // once; the count below leaves room for it.
+                        Err(Error::Unavailable(_)) => {}
+                        other => panic!("{other:?}"),
+                    }
+                }
+            }
+            // A claim on a shard that takes writes, given up after its `SET` was sent (the
+            // other masters pause writes, so it lands after its caller left): its cancel
+            // does not wait for the refused ones' turns, and a retry of its key runs.
+            let (id, token) = ran[0];
+            store.release(&id, token).await.expect("release");
+            for master in &mut masters[1..] {
+                let _: () = redis::cmd("CLIENT")
+                    .arg("PAUSE")
+                    .arg(1000)
+                    .arg("WRITE")
+                    .query_async(master)
+                    .await
+                    .expect("pause");
+            }
+            let print = fp("a");
+            let gone =
+                tokio::time::timeout(Duration::from_millis(200), store.begin(&id, &print, LONG));
+            assert!(gone.await.is_err(), "the claim waits for the paused master");
+            // Within a lease (60 s): a lease that ran out would free the key without the
+            // cancel. Polled: how soon depends on the host, not on the answer.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                match store.begin(&id, &fp("a"), LONG).await {
+                    Ok(Begin::Execute(_)) => break,
+                    Ok(Begin::InFlight { .. }) | Err(Error::Unavailable(_))
+                        if tokio::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    other => panic!("the given-up claim still holds its key: {other:?}"),
+                }
+            }
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut masters[0])
+                .await
+                .expect("info");
+            let refused_cancels = script_calls_refused(&info);
+            assert!(
+                (1..refused.len() as u64).contains(&refused_cancels),
+                "{refused_cancels} cancels refused for {} claims refused",
+                refused.len()
+            );
+            replicas_to_write(&mut masters[0], "0").await;
+            tokio::time::timeout(Duration::from_secs(60), store.drain())
+                .await
+                .expect("every owed cancel lands once the shard takes writes");
+            // Nothing of those claims holds its key: each is a first request again.
+            for id in &refused {
+                let again = store.begin(id, &fp("a"), LONG).await;
+                assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
+            }
+        });
+    }
+
+    /// The script calls `INFO commandstats` counts as refused or failed.
+    fn script_calls_refused(info: &str) -> u64 {
+        info.lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+            })
+            .flat_map(|line| line.split([':', ',']))
+            .filter_map(|field| {
+                let (name, value) = field.split_once('=')?;
+                matches!(name, "rejected_calls" | "failed_calls")
+                    .then(|| value.parse::<u64>().ok())?
+            })
+            .sum()
+    }
+
     /// The eviction check asks every master: a cluster routes `CONFIG GET` to one node of
     /// its choosing, so one evicting master among three let the store start about two times
     /// in three, and a record evicted there executes a second time.

@@ -266,6 +266,112 @@ pub struct RedisStore {
     /// The runtime the store was made on: a claim's cancel runs there too, for the caller's
     /// may be shutting down (see [`cancel_later`](Self::cancel_later)).
     home: Option<tokio::runtime::Handle>,
+    /// Shared by clones: while Redis refuses cancels, one of them probes at a time.
+    cancels: Arc<CancelGate>,
+}
+
+/// The store's turns for cancels Redis refuses as it refuses writes (`NOREPLICAS`,
+/// `MISCONF`, ...: a shard that cannot write): one such cancel probes at a time, with
+/// backoff (from 50 ms, doubling up to 5 s); the others wait for its answer. Every claim
+/// given up owes a cancel, so cancels retrying on their own made the writes into a Redis
+/// that refuses them grow with every claim refused (64 claims refused for two seconds:
+/// 401 scripts refused). Only a cancel refused that way waits its turn: one on a shard that
+/// takes writes (a cluster with one shard refusing), or failed another way (a timeout),
+/// retries on its own as before. No lock is held across an await: a probe on a runtime that
+/// stops being driven holds the turn for its budget (at most 5 s), not for ever.
+///
+/// The turns are the store's, not a shard's (the store does not know which node refused):
+/// with two shards refusing, a probe that lands on one lets every waiting cancel try at
+/// once, and one that recovered may not get a turn soon among the other's many. So a
+/// waiting cancel also tries on its own once a minute ([`OWN_TRY`]): a shard's cancels
+/// land within a minute of it taking writes again, and the writes into one that refuses
+/// are a sixtieth of a cancel each per second, not a fifth.
+#[derive(Debug)]
+struct CancelGate(std::sync::Mutex<Turns>);
+
+#[derive(Debug)]
+struct Turns {
+    /// A cancel was refused, and no probe has landed since.
+    refusing: bool,
+    /// No probe starts before this.
+    next: tokio::time::Instant,
+    backoff: Duration,
+}
+
+/// Whose turn it is for a cancel that Redis refused.
+enum Turn {
+    /// Nothing is refused now: try.
+    Free,
+    /// This cancel is the probe: try, and say how it went ([`CancelGate::probed`]).
+    Probe,
+    /// Another probe's: wait until then, and ask again.
+    Wait(tokio::time::Instant),
+}
+
+impl Default for CancelGate {
+    fn default() -> Self {
+        Self(std::sync::Mutex::new(Turns {
+            refusing: false,
+            next: tokio::time::Instant::now(),
+            backoff: FIRST_CANCEL_BACKOFF,
+        }))
+    }
+}
+
+impl CancelGate {
+    fn turns(&self) -> std::sync::MutexGuard<'_, Turns> {
+        // Nothing panics while it is held; a poisoned one is still consistent.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A cancel (or the claim that owes one) was refused as Redis refuses writes.
+    fn refused(&self) {
+        let mut turns = self.turns();
+        if !turns.refusing {
+            turns.refusing = true;
+            turns.next = tokio::time::Instant::now() + turns.backoff;
+        }
+    }
+
+    /// The turn of a cancel that was refused; a probe holds it for `budget` (its answer).
+    fn turn(&self, budget: Duration) -> Turn {
+        let mut turns = self.turns();
+        let now = tokio::time::Instant::now();
+        if !turns.refusing {
+            Turn::Free
+        } else if now >= turns.next {
+            turns.next = now + budget.min(MAX_CANCEL_BACKOFF);
+            Turn::Probe
+        } else {
+            Turn::Wait(turns.next)
+        }
+    }
+
+    /// How the probe went: landed, every cancel may try; refused, the next probe waits
+    /// longer. (Failed another way, the next probe waits for this one's budget.)
+    fn probed(&self, landed: bool, refused: bool) {
+        let mut turns = self.turns();
+        if landed {
+            turns.refusing = false;
+            turns.backoff = FIRST_CANCEL_BACKOFF;
+        } else if refused {
+            turns.next = tokio::time::Instant::now() + turns.backoff;
+            turns.backoff = (turns.backoff * 2).min(MAX_CANCEL_BACKOFF);
+        }
+    }
+}
+
+const FIRST_CANCEL_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_CANCEL_BACKOFF: Duration = Duration::from_secs(5);
+/// How often a cancel waiting for the store's turn tries on its own (see [`CancelGate`]).
+const OWN_TRY: Duration = Duration::from_secs(60);
+
+/// Whether a call failed because Redis refuses writes for now (see [`refuses_writes`]).
+fn refused_write(error: &Error) -> bool {
+    matches!(error, Error::Unavailable(source)
+        if source.downcast_ref::<redis::RedisError>().is_some_and(refuses_writes))
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -529,6 +635,7 @@ impl RedisStoreBuilder {
             }),
             settling: tokio_util::task::TaskTracker::new(),
             home: tokio::runtime::Handle::try_current().ok(),
+            cancels: Arc::default(),
         };
         match self.eviction {
             EvictionCheck::Skip => {}
@@ -639,7 +746,7 @@ impl Drop for Unanswered<'_> {
         if !self.armed || self.unrun.load(Ordering::Relaxed) {
             return;
         }
-        self.store.cancel_later(&self.id, self.token);
+        self.store.cancel_later(&self.id, self.token, false);
     }
 }
 
@@ -695,11 +802,16 @@ fn by<T>(
 
 /// Whether Redis refused a command without running it, on a connection that does not resend.
 fn refused_unrun(conn: &Conn, error: &redis::RedisError) -> bool {
-    matches!(conn, Conn::Single(_) | Conn::Own(_))
-        && matches!(
-            error.code(),
-            Some("OOM" | "READONLY" | "NOREPLICAS" | "MISCONF" | "LOADING" | "BUSY")
-        )
+    matches!(conn, Conn::Single(_) | Conn::Own(_)) && refuses_writes(error)
+}
+
+/// Whether Redis answered that it runs no write for now (full, read-only, no replicas to
+/// write to, a failed save, loading, a script running).
+fn refuses_writes(error: &redis::RedisError) -> bool {
+    matches!(
+        error.code(),
+        Some("OOM" | "READONLY" | "NOREPLICAS" | "MISCONF" | "LOADING" | "BUSY")
+    )
 }
 
 /// Whether a command met a record of the earlier (hash) layout.
@@ -1210,6 +1322,15 @@ impl RedisStore {
                     None => Err(Error::unavailable(error)),
                 };
             }
+            // Refused as the cancel this claim owes would be (a cluster client may have
+            // resent the claim, whose first copy may have landed): that cancel waits for the
+            // store's probe rather than trying at once. (Not `OOM`: the cancel, `allow-oom`,
+            // lands.)
+            Err(error) if refuses_writes(&error) && error.code() != Some("OOM") => {
+                self.cancels.refused();
+                self.cancel_later(id, token, true);
+                return Err(Error::unavailable(error));
+            }
             Err(error) => Err(Error::unavailable(error)),
         };
         let found = match claimed {
@@ -1226,7 +1347,7 @@ impl RedisStore {
                 read_record(&value, pttl, fp, &raw)
             }
             Err(error) => {
-                self.cancel_later(id, token);
+                self.cancel_later(id, token, false);
                 return Err(error);
             }
         };
@@ -1290,7 +1411,7 @@ impl RedisStore {
                 )));
             }
             Err(error) => {
-                self.cancel_later(id, token);
+                self.cancel_later(id, token, false);
                 return Err(error);
             }
         };
@@ -1353,7 +1474,7 @@ impl RedisStore {
         match claimed {
             Ok(value) => parse_begin(value, token),
             Err(error) => {
-                self.cancel_later(id, token);
+                self.cancel_later(id, token, false);
                 Err(error)
             }
         }
@@ -1375,13 +1496,16 @@ impl RedisStore {
     /// dropped as its runtime shuts down would otherwise have its cancel dropped unrun with
     /// that runtime's tasks. The cancel is fenced on the claim's token: twice, it changes
     /// nothing more.
-    fn cancel_later(&self, id: &RecordId, token: LeaseToken) {
+    ///
+    /// `refused`: Redis refused the claim as it would refuse the cancel (see
+    /// [`cancel_claim`](Self::cancel_claim)).
+    fn cancel_later(&self, id: &RecordId, token: LeaseToken, refused: bool) {
         let cancel = || {
             let (this, id) = (self.clone(), *id);
             async move {
-                if !this.cancel_claim(&id, token).await {
+                if !this.cancel_claim(&id, token, refused).await {
                     tokio::time::sleep(this.budget * 3).await;
-                    this.cancel_claim(&id, token).await;
+                    this.cancel_claim(&id, token, false).await;
                 }
             }
         };
@@ -1454,29 +1578,48 @@ impl RedisStore {
     }
 
     /// Retries the cancel script until Redis answers (for at most the grace period): until
-    /// then a late claim could still land.
+    /// then a late claim could still land. A cancel refused as Redis refuses writes (or whose
+    /// claim was: `refused`) tries again only in the store's turn ([`CancelGate`]); one that
+    /// failed another way (Redis hung) backs off on its own.
     /// `true` when it deleted or ended the claim's own lease.
-    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken) -> bool {
+    async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, refused: bool) -> bool {
         let (raw, text) = token_forms(token);
         let keys = [self.key(id), self.tombstone(id, token)];
         let ttl = grace_ms();
+        let args: [&[u8]; 4] = [&raw, &text, ttl.as_bytes(), ttl.as_bytes()];
         let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
-        let mut backoff = Duration::from_millis(50);
+        let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
+        let mut own_try = tokio::time::Instant::now() + OWN_TRY;
         while tokio::time::Instant::now() < give_up {
+            let probe = refused
+                && match self.cancels.turn(self.budget) {
+                    Turn::Free => false,
+                    Turn::Probe => true,
+                    Turn::Wait(_) if tokio::time::Instant::now() >= own_try => false,
+                    Turn::Wait(until) => {
+                        tokio::time::sleep_until(until.min(own_try).min(give_up)).await;
+                        continue;
+                    }
+                };
             let undone: Result<i64> = self
-                .run_keys(
-                    self.budget,
-                    &self.scripts.cancel,
-                    &keys,
-                    &[&raw, &text, ttl.as_bytes(), grace_ms().as_bytes()],
-                )
+                .run_keys(self.budget, &self.scripts.cancel, &keys, &args)
                 .await;
+            own_try = tokio::time::Instant::now() + OWN_TRY;
+            refused = undone.as_ref().is_err_and(refused_write);
+            if probe {
+                self.cancels.probed(undone.is_ok(), refused);
+            }
             match undone {
                 Ok(undone) => return undone == 1,
                 Err(error) => {
                     tracing::debug!(%error, record = %id, "cancelling an unanswered claim; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    if refused {
+                        self.cancels.refused();
+                    } else {
+                        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+                        tokio::time::sleep(backoff.min(left)).await;
+                        backoff = (backoff * 2).min(MAX_CANCEL_BACKOFF);
+                    }
                 }
             }
         }
@@ -2091,6 +2234,31 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The store's turns for refused cancels: none until one is refused, then one probe at a
+    /// time, whose hold on the turn is capped at the longest backoff whatever the store's
+    /// budget (a budget of an hour held every other cancel for that hour: past their give-up,
+    /// they ended without a try); a probe that lands frees every cancel.
+    #[tokio::test]
+    async fn refused_cancels_take_turns() {
+        let gate = CancelGate::default();
+        let hour = Duration::from_secs(3600);
+        assert!(matches!(gate.turn(hour), Turn::Free));
+        gate.refused();
+        let Turn::Wait(until) = gate.turn(hour) else {
+            panic!("a refusal makes the next cancel wait");
+        };
+        tokio::time::sleep_until(until).await;
+        assert!(matches!(gate.turn(hour), Turn::Probe));
+        let Turn::Wait(until) = gate.turn(hour) else {
+            panic!("one probe at a time");
+        };
+        assert!(until <= tokio::time::Instant::now() + MAX_CANCEL_BACKOFF);
+        gate.probed(false, true);
+        assert!(matches!(gate.turn(hour), Turn::Wait(_)));
+        gate.probed(true, false);
+        assert!(matches!(gate.turn(hour), Turn::Free));
+    }
 
     /// What `INFO server` says decides: 6.x is refused with the node named, 7.x and later
     /// (Valkey says `redis_version:7.2.4` too) pass, and an answer without a version passes.
