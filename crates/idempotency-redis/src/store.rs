@@ -271,21 +271,24 @@ pub struct RedisStore {
 }
 
 /// The store's turns for cancels Redis refuses as it refuses writes (`NOREPLICAS`,
-/// `MISCONF`, ...: a shard that cannot write): one such cancel probes at a time, with
-/// backoff (from 50 ms, doubling up to 5 s); the others wait for its answer. Every claim
-/// given up owes a cancel, so cancels retrying on their own made the writes into a Redis
-/// that refuses them grow with every claim refused (64 claims refused for two seconds:
-/// 401 scripts refused). Only a cancel refused that way waits its turn: one on a shard that
-/// takes writes (a cluster with one shard refusing), or failed another way (a timeout),
-/// retries on its own as before. No lock is held across an await: a probe on a runtime that
-/// stops being driven holds the turn for its budget (at most 5 s), not for ever.
+/// `MISCONF`, `LOADING`, ...: a shard that cannot write, on a cluster or a direct
+/// connection): one such cancel probes at a time, with backoff (from 50 ms, doubling up to
+/// 5 s); the others wait. Every claim given up owes a cancel, so cancels retrying on their
+/// own made the writes into a Redis that refuses them grow with every claim refused (64
+/// claims refused for two seconds: 401 scripts refused). Only a cancel refused that way
+/// waits its turn: one on a shard that takes writes (a cluster with one shard refusing), or
+/// failed another way (a timeout), retries on its own as before. A probe that lands lets
+/// every waiting cancel try when its wait ends (within the probe's hold, at most 5 s). No
+/// lock is held across an await: a probe dropped mid-call, or on a runtime no longer driven,
+/// holds the turn for its budget (at most 5 s), not for ever.
 ///
 /// The turns are the store's, not a shard's (the store does not know which node refused):
-/// with two shards refusing, a probe that lands on one lets every waiting cancel try at
-/// once, and one that recovered may not get a turn soon among the other's many. So a
-/// waiting cancel also tries on its own once a minute ([`OWN_TRY`]): a shard's cancels
-/// land within a minute of it taking writes again, and the writes into one that refuses
-/// are a sixtieth of a cancel each per second, not a fifth.
+/// with two shards refusing, a probe that lands on one lets the other's cancels try too,
+/// and one that recovered may not get a turn soon among the other's many. So a waiting
+/// cancel also tries on its own every one to two minutes ([`own_try_after`], spread by its
+/// token so that a burst of them does not write in step): a shard's cancels land within two
+/// minutes of it taking writes again, and a shard that refuses is sent about one cancel a
+/// second for every ninety it is owed (before: one for every five), besides the probes.
 #[derive(Debug)]
 struct CancelGate(std::sync::Mutex<Turns>);
 
@@ -342,6 +345,11 @@ impl CancelGate {
         if !turns.refusing {
             Turn::Free
         } else if now >= turns.next {
+            // Nobody asked for a turn since well past the last one: that refusal ended
+            // without a probe seeing it (its cancels landed on their own tries, or gave up).
+            if now > turns.next + MAX_CANCEL_BACKOFF {
+                turns.backoff = FIRST_CANCEL_BACKOFF;
+            }
             turns.next = now + budget.min(MAX_CANCEL_BACKOFF);
             Turn::Probe
         } else {
@@ -350,7 +358,7 @@ impl CancelGate {
     }
 
     /// How the probe went: landed, every cancel may try; refused, the next probe waits
-    /// longer. (Failed another way, the next probe waits for this one's budget.)
+    /// longer. (Failed another way, the next probe waits for this one's hold.)
     fn probed(&self, landed: bool, refused: bool) {
         let mut turns = self.turns();
         if landed {
@@ -365,8 +373,12 @@ impl CancelGate {
 
 const FIRST_CANCEL_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_CANCEL_BACKOFF: Duration = Duration::from_secs(5);
-/// How often a cancel waiting for the store's turn tries on its own (see [`CancelGate`]).
-const OWN_TRY: Duration = Duration::from_secs(60);
+/// How long after its last try a cancel waiting for the store's turn tries on its own (see
+/// [`CancelGate`]): one to two minutes, spread by its token (random).
+fn own_try_after(token: LeaseToken) -> Duration {
+    let spread = token.as_uuid().as_u128() % 60_000;
+    Duration::from_secs(60) + Duration::from_millis(u64::try_from(spread).unwrap_or(0))
+}
 
 /// Whether a call failed because Redis refuses writes for now (see [`refuses_writes`]).
 fn refused_write(error: &Error) -> bool {
@@ -1589,7 +1601,8 @@ impl RedisStore {
         let args: [&[u8]; 4] = [&raw, &text, ttl.as_bytes(), ttl.as_bytes()];
         let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
         let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
-        let mut own_try = tokio::time::Instant::now() + OWN_TRY;
+        let own_try_after = own_try_after(token);
+        let mut own_try = tokio::time::Instant::now() + own_try_after;
         while tokio::time::Instant::now() < give_up {
             let probe = refused
                 && match self.cancels.turn(self.budget) {
@@ -1604,7 +1617,7 @@ impl RedisStore {
             let undone: Result<i64> = self
                 .run_keys(self.budget, &self.scripts.cancel, &keys, &args)
                 .await;
-            own_try = tokio::time::Instant::now() + OWN_TRY;
+            own_try = tokio::time::Instant::now() + own_try_after;
             refused = undone.as_ref().is_err_and(refused_write);
             if probe {
                 self.cancels.probed(undone.is_ok(), refused);
@@ -2238,11 +2251,13 @@ mod tests {
     /// The store's turns for refused cancels: none until one is refused, then one probe at a
     /// time, whose hold on the turn is capped at the longest backoff whatever the store's
     /// budget (a budget of an hour held every other cancel for that hour: past their give-up,
-    /// they ended without a try); a probe that lands frees every cancel.
-    #[tokio::test]
+    /// they ended without a try); the backoff doubles with each refused probe, and starts
+    /// again for a refusal no probe saw end; a probe that lands frees every cancel.
+    #[tokio::test(start_paused = true)]
     async fn refused_cancels_take_turns() {
         let gate = CancelGate::default();
         let hour = Duration::from_secs(3600);
+        let now = tokio::time::Instant::now;
         assert!(matches!(gate.turn(hour), Turn::Free));
         gate.refused();
         let Turn::Wait(until) = gate.turn(hour) else {
@@ -2253,9 +2268,28 @@ mod tests {
         let Turn::Wait(until) = gate.turn(hour) else {
             panic!("one probe at a time");
         };
-        assert!(until <= tokio::time::Instant::now() + MAX_CANCEL_BACKOFF);
+        assert!(until <= now() + MAX_CANCEL_BACKOFF);
+        // Refused probes, each in its turn: the wait grows to the longest backoff.
+        for _ in 0..8 {
+            gate.probed(false, true);
+            let Turn::Wait(until) = gate.turn(hour) else {
+                panic!("a refused probe makes the next cancel wait");
+            };
+            tokio::time::sleep_until(until).await;
+            assert!(matches!(gate.turn(hour), Turn::Probe));
+        }
         gate.probed(false, true);
-        assert!(matches!(gate.turn(hour), Turn::Wait(_)));
+        assert!(
+            matches!(gate.turn(hour), Turn::Wait(until) if until == now() + MAX_CANCEL_BACKOFF)
+        );
+        // Nobody asked for a turn for a while (those cancels landed on their own tries):
+        // the next refusal starts from the shortest backoff again.
+        tokio::time::sleep(MAX_CANCEL_BACKOFF * 3).await;
+        assert!(matches!(gate.turn(hour), Turn::Probe));
+        gate.probed(false, true);
+        assert!(
+            matches!(gate.turn(hour), Turn::Wait(until) if until == now() + FIRST_CANCEL_BACKOFF)
+        );
         gate.probed(true, false);
         assert!(matches!(gate.turn(hour), Turn::Free));
     }
