@@ -270,17 +270,14 @@ pub struct RedisStore {
     cancels: Arc<CancelGate>,
 }
 
-/// The store's turns for cancels that fail for every cancel of the store: on a direct
-/// connection any failure (a hung Redis, one refusing writes: `LOADING`, `MISCONF`, ...), on
-/// a cluster a refusal of writes (`NOREPLICAS`, `MISCONF`, ...: a shard that cannot write).
-/// One such cancel probes at a time, with backoff (from 50 ms, doubling up to 5 s); the
-/// others wait. Every claim given up owes a cancel, so cancels retrying on their own made
-/// the writes into a Redis that refuses them grow with every claim refused (64 claims
-/// refused for two seconds: 401 scripts refused), and queued as many into one that hung
-/// (64 claims given up for six seconds: 517 scripts run when it resumed, 136 now). On a cluster, a
-/// cancel on a shard that takes writes (one other shard refusing), or one that failed
-/// another way (a node that hung: the store cannot tell which), retries on its own as
-/// before. A probe that lands lets
+/// The store's turns for cancels Redis refuses as it refuses writes (`NOREPLICAS`,
+/// `MISCONF`, `LOADING`, ...: a shard that cannot write, on a cluster or a direct
+/// connection): one such cancel probes at a time, with backoff (from 50 ms, doubling up to
+/// 5 s); the others wait. Every claim given up owes a cancel, so cancels retrying on their
+/// own made the writes into a Redis that refuses them grow with every claim refused (64
+/// claims refused for two seconds: 401 scripts refused). Only a cancel refused that way
+/// waits its turn: one on a shard that takes writes (a cluster with one shard refusing), or
+/// failed another way (a timeout), retries on its own as before. A probe that lands lets
 /// every waiting cancel try when its wait ends (within the probe's hold, at most 5 s). No
 /// lock is held across an await: a probe dropped mid-call, or on a runtime no longer driven,
 /// holds the turn for its budget (at most 5 s), not for ever.
@@ -332,8 +329,7 @@ impl CancelGate {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A cancel failed as every cancel of the store would (or the claim that owes one was
-    /// refused so).
+    /// A cancel (or the claim that owes one) was refused as Redis refuses writes.
     fn refused(&self) {
         let mut turns = self.turns();
         if !turns.refusing {
@@ -1594,10 +1590,9 @@ impl RedisStore {
     }
 
     /// Retries the cancel script until Redis answers (for at most the grace period): until
-    /// then a late claim could still land. A cancel whose failure is the store's — any, on a
-    /// direct connection; a refusal of writes, on a cluster — or whose claim was refused so
-    /// (`refused`), tries again only in the store's turn ([`CancelGate`]); one that failed
-    /// another way on a cluster (a node that hung) backs off on its own.
+    /// then a late claim could still land. A cancel refused as Redis refuses writes (or whose
+    /// claim was: `refused`) tries again only in the store's turn ([`CancelGate`]); one that
+    /// failed another way (Redis hung) backs off on its own.
     /// `true` when it deleted or ended the claim's own lease.
     async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, refused: bool) -> bool {
         let (raw, text) = token_forms(token);
@@ -1605,12 +1600,11 @@ impl RedisStore {
         let ttl = grace_ms();
         let args: [&[u8]; 4] = [&raw, &text, ttl.as_bytes(), ttl.as_bytes()];
         let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
-        let (mut gated, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
+        let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
         let own_try_after = own_try_after(token);
-        let direct = matches!(self.conn, Conn::Single(_) | Conn::Own(_));
         let mut own_try = tokio::time::Instant::now() + own_try_after;
         while tokio::time::Instant::now() < give_up {
-            let probe = gated
+            let probe = refused
                 && match self.cancels.turn(self.budget) {
                     Turn::Free => false,
                     Turn::Probe => true,
@@ -1624,21 +1618,15 @@ impl RedisStore {
                 .run_keys(self.budget, &self.scripts.cancel, &keys, &args)
                 .await;
             own_try = tokio::time::Instant::now() + own_try_after;
-            // On a direct connection every cancel goes to the one Redis, so any failure (a
-            // hung Redis) is every cancel's; on a cluster only a refusal of writes is taken
-            // for the store's (a timeout may be one node's, and the others' cancels must not
-            // wait behind it).
-            gated = undone
-                .as_ref()
-                .is_err_and(|error| direct || refused_write(error));
+            refused = undone.as_ref().is_err_and(refused_write);
             if probe {
-                self.cancels.probed(undone.is_ok(), gated);
+                self.cancels.probed(undone.is_ok(), refused);
             }
             match undone {
                 Ok(undone) => return undone == 1,
                 Err(error) => {
                     tracing::debug!(%error, record = %id, "cancelling an unanswered claim; retrying");
-                    if gated {
+                    if refused {
                         self.cancels.refused();
                     } else {
                         let left = give_up.saturating_duration_since(tokio::time::Instant::now());
