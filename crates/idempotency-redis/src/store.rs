@@ -278,7 +278,8 @@ pub struct RedisStore {
 /// claims refused for two seconds: 401 scripts refused). Only a cancel refused that way
 /// waits its turn: one on a shard that takes writes (a cluster with one shard refusing), or
 /// failed another way (a timeout), retries on its own as before. A probe that lands lets
-/// every waiting cancel try when its wait ends (within the probe's hold, at most 5 s). No
+/// every waiting cancel try when its wait ends: within the probe's hold (at most 5 s) and
+/// a second, spread over that second so that they do not reach Redis as one burst. No
 /// lock is held across an await: a probe dropped mid-call, or on a runtime no longer driven,
 /// holds the turn for its budget (at most 5 s), not for ever.
 ///
@@ -374,10 +375,16 @@ impl CancelGate {
 const FIRST_CANCEL_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_CANCEL_BACKOFF: Duration = Duration::from_secs(5);
 /// How long after its last try a cancel waiting for the store's turn tries on its own (see
-/// [`CancelGate`]): one to two minutes, spread by its token (random).
+/// [`CancelGate`]): one to two minutes, spread by its token.
 fn own_try_after(token: LeaseToken) -> Duration {
-    let spread = token.as_uuid().as_u128() % 60_000;
-    Duration::from_secs(60) + Duration::from_millis(u64::try_from(spread).unwrap_or(0))
+    Duration::from_secs(60) + spread(token, Duration::from_secs(60))
+}
+
+/// A share of `over` that `token` (random) picks: cancels waiting together wake spread over
+/// it rather than in step (a burst of scripts on the connection live claims share).
+fn spread(token: LeaseToken, over: Duration) -> Duration {
+    let millis = over.as_millis().max(1);
+    Duration::from_millis(u64::try_from(token.as_uuid().as_u128() % millis).unwrap_or(0))
 }
 
 /// Whether a call failed because Redis refuses writes for now (see [`refuses_writes`]).
@@ -1590,9 +1597,10 @@ impl RedisStore {
     }
 
     /// Retries the cancel script until Redis answers (for at most the grace period): until
-    /// then a late claim could still land. A cancel refused as Redis refuses writes (or whose
-    /// claim was: `refused`) tries again only in the store's turn ([`CancelGate`]); one that
-    /// failed another way (Redis hung) backs off on its own.
+    /// then a late claim could still land. Its first try is at once unless its claim was
+    /// refused as Redis refuses writes (`refused`). Refused so, it tries again in the store's
+    /// turn ([`CancelGate`]), or on its own one to two minutes after its last try; failed
+    /// another way (Redis hung), it backs off on its own (50 ms doubling to 5 s).
     /// `true` when it deleted or ended the claim's own lease.
     async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, refused: bool) -> bool {
         let (raw, text) = token_forms(token);
@@ -1610,7 +1618,8 @@ impl RedisStore {
                     Turn::Probe => true,
                     Turn::Wait(_) if tokio::time::Instant::now() >= own_try => false,
                     Turn::Wait(until) => {
-                        tokio::time::sleep_until(until.min(own_try).min(give_up)).await;
+                        let wake = until + spread(token, Duration::from_secs(1));
+                        tokio::time::sleep_until(wake.min(own_try).min(give_up)).await;
                         continue;
                     }
                 };
