@@ -123,24 +123,24 @@ mod cluster {
         let cluster = cluster().await?;
         Some(
             STORE
-                .get_or_init(|| async {
-                    Arc::new(
-                        // Three Redis processes share CI's two cores with the rest of the
-                        // suite: a reply can take longer than the 250 ms default response
-                        // timeout, and this suite checks answers, not latency (a CI run
-                        // failed two first claims with `Unavailable(timed out)`).
-                        RedisStore::cluster_builder(cluster.node_urls())
-                            .connect_timeout(Duration::from_secs(1))
-                            .response_timeout(Duration::from_secs(1))
-                            .call_budget(Duration::from_secs(2))
-                            .connect()
-                            .await
-                            .expect("cluster store"),
-                    )
-                })
+                .get_or_init(|| async { Arc::new(store_on(cluster.node_urls()).await) })
                 .await
                 .clone(),
         )
+    }
+
+    /// A store on the cluster at `urls`, with the timeouts of a test. Three Redis processes
+    /// share CI's two cores with the rest of the suite: a reply can take longer than the
+    /// 250 ms default response timeout, and this suite checks answers, not latency (a CI run
+    /// failed two first claims with `Unavailable(timed out)`).
+    async fn store_on(urls: Vec<String>) -> RedisStore {
+        RedisStore::cluster_builder(urls)
+            .connect_timeout(Duration::from_secs(1))
+            .response_timeout(Duration::from_secs(1))
+            .call_budget(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("cluster store")
     }
 
     idempotency_test::conformance_tests!(async {
@@ -209,13 +209,7 @@ mod cluster {
             // A cluster of its own: the module's is shared with its conformance tests.
             let cluster = services::start_redis_cluster().await.expect("cluster");
             let urls = cluster.node_urls();
-            let store = RedisStore::cluster_builder(urls.clone())
-                .connect_timeout(Duration::from_secs(1))
-                .response_timeout(Duration::from_secs(1))
-                .call_budget(Duration::from_secs(2))
-                .connect()
-                .await
-                .expect("cluster store");
+            let store = store_on(urls.clone()).await;
             let mut masters = Vec::new();
             for url in &urls {
                 let client = redis::Client::open(url.as_str()).expect("client");

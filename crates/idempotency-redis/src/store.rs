@@ -1346,7 +1346,6 @@ impl RedisStore {
             // store's probe rather than trying at once. (Not `OOM`: the cancel, `allow-oom`,
             // lands.)
             Err(error) if refuses_writes(&error) && error.code() != Some("OOM") => {
-                self.cancels.refused();
                 self.cancel_later(id, token, true);
                 return Err(Error::unavailable(error));
             }
@@ -1608,6 +1607,11 @@ impl RedisStore {
         let ttl = grace_ms();
         let args: [&[u8]; 4] = [&raw, &text, ttl.as_bytes(), ttl.as_bytes()];
         let give_up = tokio::time::Instant::now() + idempotency_core::LATE_COMPLETION_GRACE;
+        // Refused so, the first try waits its turn too (a burst of refused claims would
+        // otherwise send as many first tries before one of them failed).
+        if refused {
+            self.cancels.refused();
+        }
         let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
         let own_try_after = own_try_after(token);
         let mut own_try = tokio::time::Instant::now() + own_try_after;
