@@ -266,7 +266,8 @@ pub struct RedisStore {
     /// The runtime the store was made on: a claim's cancel runs there too, for the caller's
     /// may be shutting down (see [`cancel_later`](Self::cancel_later)).
     home: Option<tokio::runtime::Handle>,
-    /// Shared by clones: while Redis refuses cancels, one of them probes at a time.
+    /// Shared by clones: while Redis refuses cancels, one of them probes at a time; on a
+    /// direct connection, a few cancels retry at once.
     cancels: Arc<CancelGate>,
 }
 
@@ -281,7 +282,8 @@ pub struct RedisStore {
 /// every waiting cancel try when its wait ends: within the probe's hold (at most 5 s) and
 /// a second, spread over that second so that they do not reach Redis as one burst. No
 /// lock is held across an await: a probe dropped mid-call, or on a runtime no longer driven,
-/// holds the turn for its budget (at most 5 s), not for ever.
+/// holds the turn for its budget (at most 5 s), not for ever. It also keeps the places of
+/// the cancels retrying on a direct connection ([`CancelGate::retry`]).
 ///
 /// The turns are the store's, not a shard's (the store does not know which node refused):
 /// with two shards refusing, a probe that lands on one lets the other's cancels try too,
@@ -300,6 +302,9 @@ struct Turns {
     /// No probe starts before this.
     next: tokio::time::Instant,
     backoff: Duration,
+    /// When each retry in flight on a direct connection ends at the latest (see
+    /// [`CancelGate::retry`]); one in the past is free.
+    retries: [tokio::time::Instant; CANCEL_RETRIES_IN_FLIGHT],
 }
 
 /// Whose turn it is for a cancel that Redis refused.
@@ -314,10 +319,12 @@ enum Turn {
 
 impl Default for CancelGate {
     fn default() -> Self {
+        let now = tokio::time::Instant::now();
         Self(std::sync::Mutex::new(Turns {
             refusing: false,
-            next: tokio::time::Instant::now(),
+            next: now,
             backoff: FIRST_CANCEL_BACKOFF,
+            retries: [now; CANCEL_RETRIES_IN_FLIGHT],
         }))
     }
 }
@@ -370,8 +377,49 @@ impl CancelGate {
             turns.backoff = (turns.backoff * 2).min(MAX_CANCEL_BACKOFF);
         }
     }
+
+    /// A place for one cancel's retry on a direct connection, held for `hold` (its budget)
+    /// at most: `None` while [`CANCEL_RETRIES_IN_FLIGHT`] are in flight. Replies on one
+    /// connection come in order, so while one call hangs every call behind it does (a hung
+    /// Redis, or a shard that hangs behind a proxy): cancels retrying on their own there sent
+    /// a script per cancel per try into it, growing with every claim given up (256 claims
+    /// for six seconds: 2,135 scripts run when it resumed). A retry that finds no place
+    /// skips its try and backs off. Held by time, not by a guard: one dropped mid-call, or on
+    /// a runtime no longer driven, frees its place when its budget ends.
+    fn retry(&self, hold: Duration) -> Option<RetryPlace> {
+        let mut turns = self.turns();
+        let now = tokio::time::Instant::now();
+        let (slot, until) = turns
+            .retries
+            .iter_mut()
+            .enumerate()
+            .find(|(_, until)| **until <= now)?;
+        *until = now + hold;
+        Some(RetryPlace {
+            slot,
+            until: *until,
+        })
+    }
+
+    /// The retry in `place` ended: its place is free (unless its hold ended and another
+    /// took it).
+    fn retried(&self, place: RetryPlace) {
+        let mut turns = self.turns();
+        if turns.retries[place.slot] == place.until {
+            turns.retries[place.slot] = tokio::time::Instant::now();
+        }
+    }
 }
 
+/// A place taken by [`CancelGate::retry`].
+#[derive(Debug, Clone, Copy)]
+struct RetryPlace {
+    slot: usize,
+    until: tokio::time::Instant,
+}
+
+/// How many cancels retry at once on a direct connection (see [`CancelGate::retry`]).
+const CANCEL_RETRIES_IN_FLIGHT: usize = 4;
 const FIRST_CANCEL_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_CANCEL_BACKOFF: Duration = Duration::from_secs(5);
 /// How long after its last try a cancel waiting for the store's turn tries on its own (see
@@ -385,6 +433,13 @@ fn own_try_after(token: LeaseToken) -> Duration {
 fn spread(token: LeaseToken, over: Duration) -> Duration {
     let millis = over.as_millis().max(1);
     Duration::from_millis(u64::try_from(token.as_uuid().as_u128() % millis).unwrap_or(0))
+}
+
+/// A cancel's backoff, stretched by up to as much again by its token: cancels given up
+/// together otherwise retry in step, every round (and on a direct connection, where a few
+/// retry at a time, all but those few would skip every round together).
+fn jittered(backoff: Duration, token: LeaseToken) -> Duration {
+    backoff + spread(token, backoff)
 }
 
 /// Whether a call failed because Redis refuses writes for now (see [`refuses_writes`]).
@@ -1599,7 +1654,9 @@ impl RedisStore {
     /// then a late claim could still land. Its first try is at once unless its claim was
     /// refused as Redis refuses writes (`refused`). Refused so, it tries again in the store's
     /// turn ([`CancelGate`]), or on its own one to two minutes after its last try; failed
-    /// another way (Redis hung), it backs off on its own (50 ms doubling to 5 s).
+    /// another way (Redis hung), it backs off on its own (50 ms doubling to 5 s, stretched
+    /// by its token). On a direct connection its retries also need a place among a few
+    /// ([`CancelGate::retry`]).
     /// `true` when it deleted or ended the claim's own lease.
     async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, refused: bool) -> bool {
         let (raw, text) = token_forms(token);
@@ -1615,13 +1672,30 @@ impl RedisStore {
         let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
         let own_try_after = own_try_after(token);
         let mut own_try = tokio::time::Instant::now() + own_try_after;
+        // On a direct connection, a few retries at a time (see `CancelGate::retry`).
+        let direct = matches!(self.conn, Conn::Single(_) | Conn::Own(_));
+        let mut tried = false;
         while tokio::time::Instant::now() < give_up {
+            let place = if direct && tried {
+                let Some(place) = self.cancels.retry(self.budget) else {
+                    let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+                    tokio::time::sleep(jittered(backoff, token).min(left)).await;
+                    backoff = (backoff * 2).min(MAX_CANCEL_BACKOFF);
+                    continue;
+                };
+                Some(place)
+            } else {
+                None
+            };
             let probe = refused
                 && match self.cancels.turn(self.budget) {
                     Turn::Free => false,
                     Turn::Probe => true,
                     Turn::Wait(_) if tokio::time::Instant::now() >= own_try => false,
                     Turn::Wait(until) => {
+                        if let Some(place) = place {
+                            self.cancels.retried(place);
+                        }
                         let wake = until + spread(token, Duration::from_secs(1));
                         tokio::time::sleep_until(wake.min(own_try).min(give_up)).await;
                         continue;
@@ -1630,6 +1704,10 @@ impl RedisStore {
             let undone: Result<i64> = self
                 .run_keys(self.budget, &self.scripts.cancel, &keys, &args)
                 .await;
+            if let Some(place) = place {
+                self.cancels.retried(place);
+            }
+            tried = true;
             own_try = tokio::time::Instant::now() + own_try_after;
             refused = undone.as_ref().is_err_and(refused_write);
             if probe {
@@ -1643,7 +1721,7 @@ impl RedisStore {
                         self.cancels.refused();
                     } else {
                         let left = give_up.saturating_duration_since(tokio::time::Instant::now());
-                        tokio::time::sleep(backoff.min(left)).await;
+                        tokio::time::sleep(jittered(backoff, token).min(left)).await;
                         backoff = (backoff * 2).min(MAX_CANCEL_BACKOFF);
                     }
                 }
@@ -2305,6 +2383,34 @@ mod tests {
         );
         gate.probed(true, false);
         assert!(matches!(gate.turn(hour), Turn::Free));
+    }
+
+    /// A few cancels retry at once on a direct connection; a place is free again when its
+    /// retry ends, or when its hold does (a retry dropped mid-call, or never polled again).
+    #[tokio::test(start_paused = true)]
+    async fn a_few_cancels_retry_at_once() {
+        let gate = CancelGate::default();
+        let budget = Duration::from_millis(500);
+        let places: Vec<_> = (0..CANCEL_RETRIES_IN_FLIGHT)
+            .map(|_| gate.retry(budget).expect("a free place"))
+            .collect();
+        assert!(gate.retry(budget).is_none(), "every place taken");
+        gate.retried(places[0]);
+        let again = gate.retry(budget).expect("the place the retry left");
+        assert!(gate.retry(budget).is_none());
+        // The holds end: every place is free, though three were never given back...
+        tokio::time::sleep(budget).await;
+        let later: Vec<_> = (0..CANCEL_RETRIES_IN_FLIGHT)
+            .map(|_| gate.retry(budget).expect("a place whose hold ended"))
+            .collect();
+        assert!(gate.retry(budget).is_none());
+        // ...and one given back late frees nothing another took since.
+        gate.retried(places[1]);
+        gate.retried(again);
+        assert!(gate.retry(budget).is_none());
+        gate.retried(later[0]);
+        assert!(gate.retry(budget).is_some());
+        assert!(gate.retry(budget).is_none());
     }
 
     /// What `INFO server` says decides: 6.x is refused with the node named, 7.x and later
