@@ -358,7 +358,7 @@ fn concurrent_begins_execute_once_per_key() {
 /// resumes) each owe a cancel, retried until Redis answers. On a direct connection replies
 /// come in order, so while one call hangs every call behind it does: at most a few cancels
 /// retry at once there, rather than every cancel on its own, each try another script queued
-/// into the hung Redis (256 claims given up for six seconds: about 2,300 cancel scripts run
+/// into the hung Redis (256 claims given up for six seconds: 2,135 cancel scripts run
 /// when it resumed). Every cancel still lands once Redis is back, and the keys are free.
 #[test]
 fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
