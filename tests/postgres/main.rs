@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use idempotency_core::{Begin, Error, Outcome, Store};
+use idempotency_core::{Begin, Error, LeaseToken, Outcome, Store};
 use idempotency_postgres::{GroupCommit, PostgresStore};
 use idempotency_test::{
     block_on,
@@ -1848,6 +1848,55 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
         for claimed in futures::future::join_all(together).await {
             claimed.expect("task");
         }
+        execute(&*store, &fresh_id(), &fp("a"), LONG).await;
+    });
+}
+
+/// The batches have few connections of their own (four per batch in flight), and a lone
+/// call of each kind runs in its caller's future: four such calls held but never polled
+/// again (a claim, a completion, a release, a renewal) keep every one of them. A claim then
+/// finds no batch connection; nothing was sent, so it goes the per-request way. Before, it
+/// waited out the batch pool's acquire timeout and answered `Unavailable`, as did every
+/// claim after it for as long as the four were held.
+#[test]
+fn claims_go_per_request_while_every_batch_connection_is_held() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let store = PostgresStore::builder(pg.url())
+            .call_timeout(Duration::from_secs(1))
+            .acquire_timeout(Duration::from_millis(200))
+            .group_commit(GroupCommit::default().concurrency(1))
+            .connect()
+            .await
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        let store = Arc::new(store);
+        let claim = stalled_claim(&store).await;
+        let (id, token, outcome) = (fresh_id(), LeaseToken::generate(), Outcome::new(200));
+        type Held<'a> = std::pin::Pin<
+            Box<dyn std::future::Future<Output = idempotency_core::Result<()>> + Send + 'a>,
+        >;
+        let mut held: [Held<'_>; 3] = [
+            Box::pin(store.complete(&id, token, &outcome, LONG)),
+            Box::pin(store.release(&id, token)),
+            Box::pin(store.renew(&id, token, LONG)),
+        ];
+        for call in &mut held {
+            assert!(
+                futures::poll!(call).is_pending(),
+                "a lone call waits on Postgres"
+            );
+        }
+        // Past the batch deadline (twice the call budget) the claims' slot passes on.
+        tokio::time::sleep(store.call_timeout() * 2 + Duration::from_millis(200)).await;
+        let answer = store.begin(&fresh_id(), &fp("a"), LONG).await;
+        assert!(
+            matches!(answer, Ok(Begin::Execute(_))),
+            "a claim with every batch connection held: {answer:?}"
+        );
+        drop((claim, held));
         execute(&*store, &fresh_id(), &fp("a"), LONG).await;
     });
 }

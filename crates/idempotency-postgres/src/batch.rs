@@ -12,9 +12,11 @@
 //! statement rolled back, so nothing of it landed — and the rare rows a batch statement cannot
 //! decide (a key twice in one completion or fence batch, a row committed while the statement
 //! ran; a claim repeated in a batch is answered from the row its first claim met, when that
-//! row answers it rather than asks for a takeover). Any other
-//! failure fails every caller of the batch with `Unavailable`: one statement, one commit, so
-//! never a partial success that looks like a failure or the reverse.
+//! row answers it rather than asks for a takeover), or a batch that found no connection
+//! (nothing sent: lone calls held unpolled may keep all of the batches' few). Any other
+//! failure fails every caller of the batch with `Unavailable` (but a claim repeated in it,
+//! which reads its row per request): one statement, one commit, so never a partial success
+//! that looks like a failure or the reverse.
 //!
 //! Batches of more than one run in tasks of their own: a caller that goes away does not take
 //! its neighbours' answers with it, and its own call still lands (which every store call may
@@ -23,7 +25,7 @@
 //! without polling it — or should a drain task's runtime stop running it (a current-thread
 //! runtime between two `block_on`s, workers all blocked) — the slot passes to a new drain
 //! task once the batch deadline has gone by, so one parked future cannot stall every call
-//! after it.
+//! after it; its connection stays with it, and batches that find none left go per request.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -736,12 +738,18 @@ fn split_repeats<J: Keyed>(jobs: &[J]) -> (Vec<usize>, Vec<usize>) {
 /// Whether a failed batch statement rolled back for a reason the per-request path handles:
 /// a lock wait past `lock_timeout`, a deadlock between two batches, a serialization race —
 /// or one call's own bad input (a data exception, class 22; a message over a limit, 54000),
-/// which then fails that call alone instead of every call batched with it.
+/// which then fails that call alone instead of every call batched with it. Or it was never
+/// sent, for want of a batch connection: the batches have few (four per batch in flight),
+/// and a lone call held but never polled again keeps its own, so four such calls would
+/// otherwise fail every batch until they were dropped, with the per-request pool free.
 fn give_back(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db)
-    if db.code().is_some_and(|code| {
-        matches!(&*code, "55P03" | "40P01" | "40001" | "54000") || code.starts_with("22")
-    }))
+    match error {
+        sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            matches!(&*code, "55P03" | "40P01" | "40001" | "54000") || code.starts_with("22")
+        }),
+        _ => false,
+    }
 }
 
 /// Whether a statement was cancelled by `statement_timeout` (and rolled back).
