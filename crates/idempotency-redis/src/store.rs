@@ -266,8 +266,8 @@ pub struct RedisStore {
     /// The runtime the store was made on: a claim's cancel runs there too, for the caller's
     /// may be shutting down (see [`cancel_later`](Self::cancel_later)).
     home: Option<tokio::runtime::Handle>,
-    /// Shared by clones: while Redis refuses cancels, one of them probes at a time; on a
-    /// direct connection, a few cancels retry at once.
+    /// Shared by clones: while Redis refuses cancels, one of them probes at a time; while a
+    /// direct connection hangs, a few cancels retry at once.
     cancels: Arc<CancelGate>,
 }
 
@@ -283,7 +283,7 @@ pub struct RedisStore {
 /// a second, spread over that second so that they do not reach Redis as one burst. No
 /// lock is held across an await: a probe dropped mid-call, or on a runtime no longer driven,
 /// holds the turn for its budget (at most 5 s), not for ever. It also keeps the places of
-/// the cancels retrying on a direct connection ([`CancelGate::retry`]).
+/// the cancels retrying on a direct connection that hangs ([`CancelGate::retry`]).
 ///
 /// The turns are the store's, not a shard's (the store does not know which node refused):
 /// with two shards refusing, a probe that lands on one lets the other's cancels try too,
@@ -302,8 +302,11 @@ struct Turns {
     /// No probe starts before this.
     next: tokio::time::Instant,
     backoff: Duration,
-    /// When each retry in flight on a direct connection ends at the latest (see
-    /// [`CancelGate::retry`]); one in the past is free.
+    /// The last cancel tried on a direct connection got no answer (see
+    /// [`CancelGate::retry`]).
+    hung: bool,
+    /// When each retry in flight on a direct connection while it hangs ends at the latest;
+    /// one in the past is free.
     retries: [tokio::time::Instant; CANCEL_RETRIES_IN_FLIGHT],
 }
 
@@ -324,6 +327,7 @@ impl Default for CancelGate {
             refusing: false,
             next: now,
             backoff: FIRST_CANCEL_BACKOFF,
+            hung: false,
             retries: [now; CANCEL_RETRIES_IN_FLIGHT],
         }))
     }
@@ -378,24 +382,33 @@ impl CancelGate {
         }
     }
 
-    /// A place for one cancel's retry on a direct connection, held for `hold` (its budget)
-    /// at most: `None` while [`CANCEL_RETRIES_IN_FLIGHT`] are in flight. Replies on one
+    /// Whether one more cancel may retry on a direct connection now. Replies on one
     /// connection come in order, so while one call hangs every call behind it does (a hung
     /// Redis, or a shard that hangs behind a proxy): cancels retrying on their own there sent
     /// a script per cancel per try into it, growing with every claim given up (256 claims
-    /// for six seconds: 2,135 scripts run when it resumed). A retry that finds no place
-    /// skips its try and backs off. Held by time, not by a guard: one dropped mid-call, or on
-    /// a runtime no longer driven, frees its place when its budget ends.
-    fn retry(&self, hold: Duration) -> Option<RetryPlace> {
+    /// given up for six seconds: about 2,560 cancel scripts run when it resumed). So while
+    /// the last cancel tried got no answer, at most [`CANCEL_RETRIES_IN_FLIGHT`] retry at
+    /// once, each place held for `hold` (its budget, at most 5 s) at most; a retry that finds
+    /// none skips its try and backs off. Once one is answered, they all go again, so that
+    /// the cancels owed after a hang drain at Redis' pace. Held by time, not by a guard: a
+    /// retry dropped mid-call, or on a runtime no longer driven, frees its place when its
+    /// hold ends.
+    fn retry(&self, hold: Duration) -> Retry {
         let mut turns = self.turns();
+        if !turns.hung {
+            return Retry::Go;
+        }
         let now = tokio::time::Instant::now();
-        let (slot, until) = turns
+        let Some((slot, until)) = turns
             .retries
             .iter_mut()
             .enumerate()
-            .find(|(_, until)| **until <= now)?;
-        *until = now + hold;
-        Some(RetryPlace {
+            .find(|(_, until)| **until <= now)
+        else {
+            return Retry::Full;
+        };
+        *until = now + hold.min(MAX_CANCEL_BACKOFF);
+        Retry::Placed(RetryPlace {
             slot,
             until: *until,
         })
@@ -409,6 +422,22 @@ impl CancelGate {
             turns.retries[place.slot] = tokio::time::Instant::now();
         }
     }
+
+    /// How a cancel's try on a direct connection went: `answered` (a value, or an error
+    /// reply), or not (no answer in its budget, a broken connection).
+    fn tried(&self, answered: bool) {
+        self.turns().hung = !answered;
+    }
+}
+
+/// What a cancel's retry on a direct connection may do ([`CancelGate::retry`]).
+enum Retry {
+    /// Redis answers: go.
+    Go,
+    /// Go, in this place; give it back when the call ends ([`CancelGate::retried`]).
+    Placed(RetryPlace),
+    /// Every place is taken: skip this try.
+    Full,
 }
 
 /// A place taken by [`CancelGate::retry`].
@@ -418,7 +447,8 @@ struct RetryPlace {
     until: tokio::time::Instant,
 }
 
-/// How many cancels retry at once on a direct connection (see [`CancelGate::retry`]).
+/// How many cancels retry at once on a direct connection that hangs (see
+/// [`CancelGate::retry`]).
 const CANCEL_RETRIES_IN_FLIGHT: usize = 4;
 const FIRST_CANCEL_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_CANCEL_BACKOFF: Duration = Duration::from_secs(5);
@@ -435,11 +465,22 @@ fn spread(token: LeaseToken, over: Duration) -> Duration {
     Duration::from_millis(u64::try_from(token.as_uuid().as_u128() % millis).unwrap_or(0))
 }
 
-/// A cancel's backoff, stretched by up to as much again by its token: cancels given up
-/// together otherwise retry in step, every round (and on a direct connection, where a few
-/// retry at a time, all but those few would skip every round together).
+/// A cancel's backoff, spread by its token over half to one and a half times it: cancels
+/// given up together otherwise retry in step, every round (and on a direct connection that
+/// hangs, where a few retry at a time, all but those few would skip every round together).
 fn jittered(backoff: Duration, token: LeaseToken) -> Duration {
-    backoff + spread(token, backoff)
+    backoff / 2 + spread(token, backoff)
+}
+
+/// Whether Redis answered a call (a value, or an error reply), rather than not within its
+/// budget or on a broken connection.
+fn answered<T>(result: &Result<T>) -> bool {
+    match result {
+        Err(Error::Unavailable(source)) => source
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(|error| error.code().is_some()),
+        _ => true,
+    }
 }
 
 /// Whether a call failed because Redis refuses writes for now (see [`refuses_writes`]).
@@ -1654,9 +1695,9 @@ impl RedisStore {
     /// then a late claim could still land. Its first try is at once unless its claim was
     /// refused as Redis refuses writes (`refused`). Refused so, it tries again in the store's
     /// turn ([`CancelGate`]), or on its own one to two minutes after its last try; failed
-    /// another way (Redis hung), it backs off on its own (50 ms doubling to 5 s, stretched
-    /// by its token). On a direct connection its retries also need a place among a few
-    /// ([`CancelGate::retry`]).
+    /// another way (Redis hung), it backs off on its own (50 ms doubling to 5 s, spread by
+    /// its token over half to one and a half times that). On a direct connection that hangs,
+    /// its retries also need a place among a few ([`CancelGate::retry`]).
     /// `true` when it deleted or ended the claim's own lease.
     async fn cancel_claim(&self, id: &RecordId, token: LeaseToken, refused: bool) -> bool {
         let (raw, text) = token_forms(token);
@@ -1672,20 +1713,22 @@ impl RedisStore {
         let (mut refused, mut backoff) = (refused, FIRST_CANCEL_BACKOFF);
         let own_try_after = own_try_after(token);
         let mut own_try = tokio::time::Instant::now() + own_try_after;
-        // On a direct connection, a few retries at a time (see `CancelGate::retry`).
+        // On a direct connection that hangs, a few retries at a time (`CancelGate::retry`).
         let direct = matches!(self.conn, Conn::Single(_) | Conn::Own(_));
         let mut tried = false;
         while tokio::time::Instant::now() < give_up {
-            let place = if direct && tried {
-                let Some(place) = self.cancels.retry(self.budget) else {
-                    let left = give_up.saturating_duration_since(tokio::time::Instant::now());
-                    tokio::time::sleep(jittered(backoff, token).min(left)).await;
-                    backoff = (backoff * 2).min(MAX_CANCEL_BACKOFF);
-                    continue;
-                };
-                Some(place)
-            } else {
-                None
+            let place = match direct && tried {
+                false => None,
+                true => match self.cancels.retry(self.budget) {
+                    Retry::Go => None,
+                    Retry::Placed(place) => Some(place),
+                    Retry::Full => {
+                        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+                        tokio::time::sleep(jittered(backoff, token).min(left)).await;
+                        backoff = (backoff * 2).min(MAX_CANCEL_BACKOFF);
+                        continue;
+                    }
+                },
             };
             let probe = refused
                 && match self.cancels.turn(self.budget) {
@@ -1706,6 +1749,9 @@ impl RedisStore {
                 .await;
             if let Some(place) = place {
                 self.cancels.retried(place);
+            }
+            if direct {
+                self.cancels.tried(answered(&undone));
             }
             tried = true;
             own_try = tokio::time::Instant::now() + own_try_after;
@@ -2385,32 +2431,46 @@ mod tests {
         assert!(matches!(gate.turn(hour), Turn::Free));
     }
 
-    /// A few cancels retry at once on a direct connection; a place is free again when its
-    /// retry ends, or when its hold does (a retry dropped mid-call, or never polled again).
+    /// While a direct connection hangs, a few cancels retry at once; a place is free again
+    /// when its retry ends, or when its hold does (a retry dropped mid-call, or never polled
+    /// again: at most 5 s, whatever the budget). Once Redis answers, every cancel may retry.
     #[tokio::test(start_paused = true)]
-    async fn a_few_cancels_retry_at_once() {
+    async fn a_few_cancels_retry_at_once_while_redis_hangs() {
         let gate = CancelGate::default();
         let budget = Duration::from_millis(500);
+        let place = |gate: &CancelGate, hold| match gate.retry(hold) {
+            Retry::Placed(place) => Some(place),
+            Retry::Full => None,
+            Retry::Go => panic!("a place is needed while Redis hangs"),
+        };
+        assert!(matches!(gate.retry(budget), Retry::Go), "Redis answers");
+        gate.tried(false);
         let places: Vec<_> = (0..CANCEL_RETRIES_IN_FLIGHT)
-            .map(|_| gate.retry(budget).expect("a free place"))
+            .map(|_| place(&gate, budget).expect("a free place"))
             .collect();
-        assert!(gate.retry(budget).is_none(), "every place taken");
+        assert!(place(&gate, budget).is_none(), "every place taken");
         gate.retried(places[0]);
-        let again = gate.retry(budget).expect("the place the retry left");
-        assert!(gate.retry(budget).is_none());
+        let again = place(&gate, budget).expect("the place the retry left");
+        assert!(place(&gate, budget).is_none());
         // The holds end: every place is free, though three were never given back...
         tokio::time::sleep(budget).await;
+        let hour = Duration::from_secs(3600);
         let later: Vec<_> = (0..CANCEL_RETRIES_IN_FLIGHT)
-            .map(|_| gate.retry(budget).expect("a place whose hold ended"))
+            .map(|_| place(&gate, hour).expect("a place whose hold ended"))
             .collect();
-        assert!(gate.retry(budget).is_none());
+        assert!(place(&gate, budget).is_none());
         // ...and one given back late frees nothing another took since.
         gate.retried(places[1]);
         gate.retried(again);
-        assert!(gate.retry(budget).is_none());
+        assert!(place(&gate, budget).is_none());
         gate.retried(later[0]);
-        assert!(gate.retry(budget).is_some());
-        assert!(gate.retry(budget).is_none());
+        assert!(place(&gate, budget).is_some());
+        // A hold is 5 s at most, whatever the budget.
+        tokio::time::sleep(MAX_CANCEL_BACKOFF).await;
+        assert!(place(&gate, budget).is_some());
+        // Redis answered a cancel: the others go without a place.
+        gate.tried(true);
+        assert!(matches!(gate.retry(budget), Retry::Go));
     }
 
     /// What `INFO server` says decides: 6.x is refused with the node named, 7.x and later
