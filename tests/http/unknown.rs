@@ -283,6 +283,42 @@ fn a_reconciled_answer_the_policy_does_not_store_is_not_stored() {
     });
 }
 
+/// Nor a `1xx` a hook answers, whatever the policy says (as for a handler's): here one that
+/// stores every status below 500. It was stored, and every retry was replayed a `101` that
+/// upgrades nothing.
+#[test]
+fn a_reconciled_1xx_is_never_stored() {
+    block_on(async {
+        let Some(store) = postgres().await else {
+            return;
+        };
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = asked.clone();
+        let hook = OutcomeUnknown::reconcile(move |_| {
+            let count = count.clone();
+            async move {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(Some(Outcome::new(101)))
+            }
+        });
+        let storing = idempotency_core::Policy::default().with_cacheable(|status| status < 500);
+        let (router, calls, _) = app(layer(store.clone())
+            .policy(storing)
+            .on_outcome_unknown(hook));
+        let (key, _) = crashed_attempt(&*store).await;
+        for _ in 0..2 {
+            let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(answer.status, 101, "{}", answer.body);
+        }
+        assert_eq!(
+            asked.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "not stored: the retry asked the hook again"
+        );
+        assert_eq!(calls.get(), 0);
+    });
+}
+
 #[test]
 fn a_failing_reconcile_hook_answers_503_and_runs_nothing() {
     block_on(async {
@@ -462,6 +498,33 @@ fn a_panicked_handler_under_reject_leaves_the_outcome_unknown() {
         let panicked = send(&router, "POST", Some("k"), &[("x-panic", "1")], "{}").await;
         assert_eq!(panicked.status, 500);
         let retry = send(&router, "POST", Some("k"), &[], "{}").await;
+        assert_eq!(retry.status, 409, "{}", retry.body);
+        assert_eq!(
+            retry.problem_type(),
+            "urn:idempotency:problem:outcome-unknown"
+        );
+        assert_eq!(calls.get(), 0, "the retry did not run the operation");
+    });
+}
+
+/// Under `Reexecute` a retry runs again, but a run that took over an attempt whose outcome is
+/// unknown and then panics must still keep that attempt's record (end the lease), as a
+/// plain failure after a takeover does, and as the executor does: it was released, the
+/// attempt was forgotten, and a gateway under `Reject` on the same store ran the operation
+/// as a fresh `Execute`.
+#[test]
+fn a_panic_after_a_takeover_under_reexecute_keeps_the_record() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (rejecting, calls, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reject));
+        let (reexecuting, _, _) =
+            app(layer(store.clone()).on_outcome_unknown(OutcomeUnknown::Reexecute));
+        let crashed = send(&rejecting, "POST", Some("k"), &[("x-panic", "1")], "{}").await;
+        assert_eq!(crashed.status, 500);
+        let again = send(&reexecuting, "POST", Some("k"), &[("x-panic", "1")], "{}").await;
+        assert_eq!(again.status, 500);
+        let retry = send(&rejecting, "POST", Some("k"), &[], "{}").await;
         assert_eq!(retry.status, 409, "{}", retry.body);
         assert_eq!(
             retry.problem_type(),

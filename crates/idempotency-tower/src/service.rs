@@ -547,7 +547,10 @@ where
                     // 409, a refusal the policy leaves out) is answered, and the key stays
                     // unresolved: the lease ended, the record kept, so the next retry asks
                     // the hook again rather than be replayed that answer for the retention.
-                    Ok(Ok(Some(outcome))) if config.policy.is_cacheable(outcome.status) => {
+                    // Never a `1xx`, whatever the policy says (see `cacheable`).
+                    Ok(Ok(Some(outcome)))
+                        if outcome.status >= 200 && config.policy.is_cacheable(outcome.status) =>
+                    {
                         let mut outcome = advertise_expiry_of(&config, outcome);
                         if !complete(&config, id, token, &outcome).await {
                             // Not stored (the lease was taken, the store stayed down): no
@@ -1164,7 +1167,7 @@ where
         // chose to answer.
         Err(_panic) => {
             Metrics::inc(&m.panics, "idempotency_panics_total");
-            give_up(config, id, token, "handler panicked").await;
+            give_up(config, id, token, took_over, "handler panicked").await;
             let detail = "the request failed and was not completed; retry with the same key";
             return Settled::Answer(Ok(Problem::Internal.refusal(detail, None)));
         }
@@ -1187,8 +1190,13 @@ where
             // store what is known, marked incomplete.
             tracing::warn!(%error, "the handler's response body failed");
             let outcome = to_outcome(config, &parts, None, BodyMark::Incomplete);
-            complete(config, id, token, &outcome).await;
-            let detail = "the response could not be produced in full; its outcome is stored";
+            // Not stored (the lease lost, the store still down): the retry gets whatever the
+            // key holds then, so no promise of this outcome.
+            let detail = if complete(config, id, token, &outcome).await {
+                "the response could not be produced in full; its outcome is stored"
+            } else {
+                "the response could not be produced in full; retry with the same key"
+            };
             return Settled::Answer(Ok(Problem::Internal.refusal(detail, None)));
         }
         Produced::Streaming(mut parts, body) => {
@@ -1286,7 +1294,14 @@ async fn not_stored(
     maybe_applied: bool,
 ) {
     if maybe_applied {
-        give_up(config, id, token, "a failure that may have taken effect").await;
+        give_up(
+            config,
+            id,
+            token,
+            took_over,
+            "a failure that may have taken effect",
+        )
+        .await;
         return;
     }
     Metrics::inc(&config.metrics.released, "idempotency_released_total");
@@ -1634,9 +1649,17 @@ async fn give_back(
 /// Settles the lease of a handler whose outcome is unknown (it panicked, or answered a failure
 /// marked [`MaybeApplied`](crate::MaybeApplied)): released under [`OutcomeUnknown::Reexecute`](crate::OutcomeUnknown), so the
 /// retry runs again; under the other policies ended and kept (renewed for zero), so that the
-/// retry is taken over and the policy decides, as after a crash.
-async fn give_up(config: &Config, id: RecordId, token: LeaseToken, why: &'static str) {
-    let end = !matches!(config.outcome_unknown, crate::OutcomeUnknown::Reexecute);
+/// retry is taken over and the policy decides, as after a crash. A lease `took_over` from an
+/// attempt whose outcome is unknown is ended under every policy: released, the record of that
+/// attempt would go with it (as [`give_back`] keeps it, and the executor does).
+async fn give_up(
+    config: &Config,
+    id: RecordId,
+    token: LeaseToken,
+    took_over: bool,
+    why: &'static str,
+) {
+    let end = took_over || !matches!(config.outcome_unknown, crate::OutcomeUnknown::Reexecute);
     if end {
         tracing::warn!(why, record = %id, "the outcome is unknown: the key is kept for the outcome-unknown policy");
     }
