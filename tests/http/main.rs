@@ -1380,6 +1380,57 @@ fn a_response_the_store_refuses_for_good_is_not_run_again() {
     });
 }
 
+/// The same for a gRPC call: its retry is told as a gRPC status (`INTERNAL`, the marker's
+/// detail in `grpc-message`). It was the marker's HTTP 500 problem, which a gRPC client
+/// reads as `UNKNOWN` ("grpc-status header missing"), with nothing to say the call ran.
+#[test]
+fn a_grpc_call_whose_response_was_not_stored_is_told_so_as_a_status() {
+    block_on(async {
+        let Some((store, table)) = postgres_on_a_table_of_its_own("small_grpc").await else {
+            return;
+        };
+        let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
+        sqlx::query(sqlx::AssertSqlSafe(small))
+            .execute(store.pool())
+            .await
+            .expect("constraint");
+        let lease = Duration::from_millis(500);
+        let layer = layer(Arc::new(store.clone()))
+            .policy(idempotency_core::Policy::default().with_lease(lease));
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let router = axum::Router::new()
+            .route(
+                "/grpc",
+                axum::routing::post(move || async move {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    (
+                        [("content-type", "application/grpc"), ("grpc-status", "0")],
+                        "x".repeat(4000),
+                    )
+                }),
+            )
+            .layer(layer.clone());
+        let call = || {
+            let request = axum::http::Request::post("/grpc")
+                .header("content-type", "application/grpc")
+                .header("idempotency-key", "big")
+                .body(Body::empty())
+                .expect("request");
+            router.clone().oneshot(request)
+        };
+        let first = call().await.expect("infallible");
+        assert_eq!(first.headers()["grpc-status"], "0");
+        layer.drain().await; // the late write, and the marker in its place
+        let retry = call().await.expect("infallible");
+        assert_eq!(retry.status(), 200, "gRPC travels in HTTP 200");
+        assert_eq!(retry.headers()["grpc-status"], "13");
+        let message = retry.headers()["grpc-message"].to_str().expect("ascii");
+        assert!(message.contains("carried out"), "{message}");
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    });
+}
+
 /// The layer counts a lease from the ask: a claim answered with half its lease or less left
 /// (the request future was held without being polled, its runtime starved) may already be
 /// taken over by a retry that is running the handler. It is 503, the handler does not run,

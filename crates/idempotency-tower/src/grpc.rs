@@ -100,8 +100,10 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
 /// `grpc-retry-pushback-ms`. Sent as HTTP, a gRPC client read a 409 or a 422 as `UNKNOWN`
 /// ("grpc-status header missing") and a 400 as `INTERNAL`: "in flight, retry later" looked
 /// like a failure of unknown effect, which its retry policy does not retry, and a client
-/// that started over with a new key ran the operation twice. Any other response — a
-/// handler's, a replay of a stored outcome, even one in problem+json — is left as it is.
+/// that started over with a new key ran the operation twice. So is the replay of the
+/// layer's marker for a call that ran but whose response could not be stored (`INTERNAL`,
+/// its detail saying so). Any other response — a handler's, a replay of a stored outcome,
+/// even one in problem+json — is left as it is.
 ///
 /// ```text
 /// in flight 409, store unavailable 503, a request body that

@@ -177,7 +177,9 @@ impl Problem {
 }
 
 /// Marks a response the layer made itself to refuse a request (never a handler's, nor a
-/// replay of a stored outcome): only those are put in gRPC's terms for a gRPC client
+/// replay of a stored outcome, but the replay of the layer's own marker for an outcome not
+/// stored, [`Outcome::not_stored`](idempotency_core::Outcome::not_stored)): only those are
+/// put in gRPC's terms for a gRPC client
 /// ([`refusal_as_status`](crate::grpc::refusal_as_status)).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Refused {

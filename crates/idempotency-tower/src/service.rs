@@ -1943,6 +1943,8 @@ fn field_map(fields: Vec<(String, Bytes)>, keep: impl Fn(&str) -> bool) -> Heade
 }
 
 fn replay(outcome: Outcome) -> Response<Body> {
+    // The layer's own marker, not a handler's answer: a gRPC client gets it as a status.
+    let marker = outcome.is_not_stored();
     // Filtered again: a reconcile hook's answer, or a record stored before the filter, may
     // hold trailers that would reset an HTTP/2 stream on every replay.
     let trailers = field_map(outcome.trailers, replayable_trailer);
@@ -1962,5 +1964,11 @@ fn replay(outcome: Outcome) -> Response<Body> {
         headers.insert(header::TRAILER, announced);
     }
     headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    if marker {
+        response.extensions_mut().insert(crate::problem::Refused {
+            problem: Problem::Internal,
+            transient: false,
+        });
+    }
     response
 }
