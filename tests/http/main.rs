@@ -1336,6 +1336,20 @@ fn a_table_gone_for_a_moment_does_not_stop_the_handler() {
     });
 }
 
+/// A layer (lease 500 ms) on a Postgres table of its own that refuses, for good, every
+/// response over 1,000 bytes (a `CHECK` constraint) and takes the smaller marker of an
+/// outcome not stored.
+async fn refusing_large_responses(prefix: &str) -> Option<idempotency_tower::IdempotencyLayer> {
+    let (store, table) = postgres_on_a_table_of_its_own(prefix).await?;
+    let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
+    sqlx::query(sqlx::AssertSqlSafe(small))
+        .execute(store.pool())
+        .await
+        .expect("constraint");
+    let lease = Duration::from_millis(500);
+    Some(layer(Arc::new(store)).policy(idempotency_core::Policy::default().with_lease(lease)))
+}
+
 /// A response the store refuses for good while it takes renewals (here Postgres, whose table
 /// is given a constraint no response over 1,000 bytes meets): the client that made the
 /// request gets it, and every retry is answered that it was carried out and its response not
@@ -1344,17 +1358,9 @@ fn a_table_gone_for_a_moment_does_not_stop_the_handler() {
 #[test]
 fn a_response_the_store_refuses_for_good_is_not_run_again() {
     block_on(async {
-        let Some((store, table)) = postgres_on_a_table_of_its_own("small").await else {
+        let Some(layer) = refusing_large_responses("small").await else {
             return;
         };
-        let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
-        sqlx::query(sqlx::AssertSqlSafe(small))
-            .execute(store.pool())
-            .await
-            .expect("constraint");
-        let lease = Duration::from_millis(500);
-        let layer = layer(Arc::new(store.clone()))
-            .policy(idempotency_core::Policy::default().with_lease(lease));
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = calls.clone();
         let router = axum::Router::new()
@@ -1386,17 +1392,9 @@ fn a_response_the_store_refuses_for_good_is_not_run_again() {
 #[test]
 fn a_grpc_call_whose_response_was_not_stored_is_told_so_as_a_status() {
     block_on(async {
-        let Some((store, table)) = postgres_on_a_table_of_its_own("small_grpc").await else {
+        let Some(layer) = refusing_large_responses("small_grpc").await else {
             return;
         };
-        let small = format!("ALTER TABLE {table} ADD CHECK (octet_length(response) < 1000)");
-        sqlx::query(sqlx::AssertSqlSafe(small))
-            .execute(store.pool())
-            .await
-            .expect("constraint");
-        let lease = Duration::from_millis(500);
-        let layer = layer(Arc::new(store.clone()))
-            .policy(idempotency_core::Policy::default().with_lease(lease));
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = calls.clone();
         let router = axum::Router::new()
