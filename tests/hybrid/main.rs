@@ -488,6 +488,43 @@ fn drain_waits_for_the_second_delete_of_an_operators_release() {
     });
 }
 
+/// An operator's release that Postgres answers by keeping the record (here a live lease,
+/// released only with `with_live`) deleted nothing: the calls after it mirror and copy to
+/// Redis as before. Before, every release held off this process's mirrors and copies for the
+/// whole wait of its second delete (about 11 s): every key completed meanwhile had no copy,
+/// and its retries went to Postgres (503, were Postgres down).
+#[test]
+fn a_release_that_kept_the_record_leaves_the_copies_on() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let redis = services::redis().await.expect("redis");
+        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+        let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
+        let live = fresh_id();
+        idempotency_test::conformance::execute(&store, &live, &fp, long).await;
+        let kept = store
+            .force_release(&live, ReleaseScope::default())
+            .await
+            .expect("release");
+        assert_eq!(kept, idempotency_core::ForceReleased::Live);
+        let id = fresh_id();
+        let token = idempotency_test::conformance::execute(&store, &id, &fp, long).await;
+        let outcome = Outcome::new(201).with_body("charged");
+        store
+            .complete(&id, token, &outcome, long)
+            .await
+            .expect("complete");
+        let copy = store.redis().peek(&id, &fp).await.expect("peek");
+        assert_eq!(
+            copy,
+            idempotency_redis::Peek::Found(Begin::Replay(outcome)),
+            "the outcome copied to Redis"
+        );
+    });
+}
+
 /// Found by the differential case (`answers_as_the_model_store`): an operator's release
 /// right after a claim or a completion (a lease released live, an outcome deleted) left
 /// Redis holding what that call wrote after answering — the lease's mirror, or the outcome's

@@ -1570,9 +1570,10 @@ impl Store for HybridStore {
             // The second delete is scheduled before Postgres is asked: a call that fails or
             // is dropped once its delete has been sent may have deleted the row all the
             // same, and the copy in Redis (or one on its way) would then replay it. Only an
-            // answer that Postgres kept the record calls it off.
-            let kept = Arc::new(AtomicBool::new(false));
-            let (again, forget, called_off) = (self.clone(), *id, kept.clone());
+            // answer that Postgres kept the record calls it off, and ends the hold on this
+            // process's mirrors and copies at once: nothing was deleted.
+            let (keep, kept) = tokio::sync::oneshot::channel::<()>();
+            let (again, forget) = (self.clone(), *id);
             // Every copy that could still land is over by then: its Postgres delete commits
             // within one call timeout of now (it carries that bound, by the database's clock), a read just before it is answered within
             // another (a replay answered later is not copied), and a copy sent then lands
@@ -1584,9 +1585,11 @@ impl Store for HybridStore {
             // waits for it with `drain`.
             self.spawn(async move {
                 let _releasing = releasing;
-                tokio::time::sleep(writes_over).await;
-                if called_off.load(Ordering::Acquire) {
-                    return;
+                // A call dropped or failed before Postgres answered drops `keep` unsent: that
+                // branch is then off, and the wait goes on.
+                tokio::select! {
+                    _ = tokio::time::sleep(writes_over) => {}
+                    Ok(()) = kept => return,
                 }
                 // Until Redis takes it: tried once, a blip as it went out left it queued in
                 // this process, and a process that made no Redis call after (the admin CLI
@@ -1614,7 +1617,7 @@ impl Store for HybridStore {
                 // this process's next Redis call: the admin CLI makes none, and a copy left
                 // from before a release whose second delete never got through (a record
                 // since made again while Redis was down) would replay the old outcome.
-                kept.store(true, Ordering::Release);
+                let _ = keep.send(());
                 match &redis_refused {
                     Some(error) if found == ForceReleased::Completed => {
                         return Err(Error::unavailable(format!(
