@@ -568,42 +568,33 @@ SELECT state, fingerprint, status,
        (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8
 FROM idempotency_keys WHERE record_id = $1";
 
-/// The operator's release: an in-flight row whose lease ran out, or any in-flight row when
-/// `$2` (its token goes with the row, so the owner's late writes find nothing to update); a
-/// live completed row when `$3`. The lease is read by the same statement that deletes, so a
-/// takeover that renewed it in between is not deleted; a concurrent `complete` or takeover
-/// holds the row lock, and the delete waits and re-checks the row it leaves behind.
+/// The operator's release reads the row under its lock: its state, and whether its lease or
+/// retention is over (by the database's clock). Nothing can change the row until the
+/// release's transaction ends: a concurrent `complete` or takeover that holds the lock first
+/// is waited for, and the newest row is read.
+const LOCK_ROW_SQL: &str = "
+SELECT state, expires_at <= clock_timestamp() FROM idempotency_keys
+WHERE record_id = $1 FOR UPDATE";
+
+/// The operator's release deletes the row it locked (`LOCK_ROW_SQL`), its scope covering
+/// it: an in-flight row whose lease ran out, any in-flight row with live leases in scope (its
+/// token goes with the row, so the owner's late writes find nothing to update), a live
+/// completed row with completed records in scope.
 ///
-/// Only until `$4` (seconds since the epoch, by the database's clock): the end of the call's
+/// Only until `$2` (seconds since the epoch, by the database's clock): the end of the call's
 /// budget. A delete that reaches Postgres later (its bytes held up by the network after the
 /// call gave up) deletes nothing; otherwise it could take a record that came after the
 /// operator was told `Unavailable`, released the key again, and a new request completed it.
-/// (The bound is read with the row: a wait on the row's lock, itself bounded by the statement
-/// timeout, can carry the delete past it.) The second column says the bound is past: a row
-/// not deleted may have been left for that alone. (Read after the delete: Postgres runs a
-/// data-modifying CTE to its end before the outer query's columns, whose `clock_timestamp()`
-/// is then no earlier than the delete's.)
-const FORCE_RELEASE_SQL: &str = "
-WITH deleted AS (
-    DELETE FROM idempotency_keys
-    WHERE record_id = $1
-      AND clock_timestamp() < to_timestamp($4)
-      AND ((state = 0 AND ($2 OR expires_at <= clock_timestamp()))
-           OR ($3 AND state = 1 AND expires_at > clock_timestamp()))
-    RETURNING state
-)
-SELECT (SELECT state FROM deleted), clock_timestamp() >= to_timestamp($4)";
+const DELETE_LOCKED_SQL: &str = "
+DELETE FROM idempotency_keys WHERE record_id = $1 AND clock_timestamp() < to_timestamp($2)";
 
 /// The database's clock, in seconds since the epoch: what an operator's release is bounded
-/// by (`FORCE_RELEASE_SQL`).
-const CLOCK_SQL: &str = "SELECT extract(epoch FROM clock_timestamp())::float8";
-
-/// Why `FORCE_RELEASE_SQL` deleted nothing: an in-flight row (a live lease; or one whose
-/// lease ran out since, or that arrived since), a live completed row, or none. The second
-/// column: the lease ran out.
-const WHY_KEPT_SQL: &str = "
-SELECT state, expires_at <= clock_timestamp() FROM idempotency_keys
-WHERE record_id = $1 AND (state = 0 OR expires_at > clock_timestamp())";
+/// by (`DELETE_LOCKED_SQL`). And, for the release's transaction, the longest it may stay
+/// idle (`$1`, in milliseconds): a connection that hangs mid-transaction holds the row's
+/// lock, and every claim of the key waits on it, until the server ends the session.
+const CLOCK_SQL: &str = "
+SELECT extract(epoch FROM clock_timestamp())::float8,
+       set_config('idle_in_transaction_session_timeout', $1, true)";
 
 /// Every statement on the key table, rewritten for another table at connect.
 pub(crate) const ALL_SQL: &[&str] = &[
@@ -618,8 +609,8 @@ pub(crate) const ALL_SQL: &[&str] = &[
     EXPIRE_SQL,
     PURGE_SQL,
     INSPECT_SQL,
-    FORCE_RELEASE_SQL,
-    WHY_KEPT_SQL,
+    LOCK_ROW_SQL,
+    DELETE_LOCKED_SQL,
     crate::batch::BEGIN_BATCH_SQL,
     crate::batch::COMPLETE_BATCH_SQL,
     crate::batch::RELEASE_BATCH_SQL,
@@ -2035,12 +2026,35 @@ impl PostgresStore {
         scope: ReleaseScope,
         asked: tokio::time::Instant,
     ) -> Result<ForceReleased> {
-        // The end of this call's budget by the database's clock, which the deletes carry:
-        // one that arrives later deletes nothing (see `FORCE_RELEASE_SQL`).
         // On a checked-out connection, as every statement: one that hangs is closed when
-        // given up, not handed back to the pool through a ping that waits for ever.
-        let (clock,): (f64,) = sqlx::query_as(CLOCK_SQL)
-            .fetch_one_on(&self.pool)
+        // given up (its transaction rolled back, the row's lock freed), not handed back to
+        // the pool through a ping that waits for ever.
+        let mut checkout = Checkout::acquire(&self.pool).await.map_err(db_error)?;
+        let released = self
+            .force_release_locked(checkout.conn(), id, scope, asked)
+            .await;
+        checkout.finished();
+        released
+    }
+
+    /// The row is read, and deleted if the scope covers it, under its lock in one
+    /// transaction, so the answer is what the release met. (A delete and then a read of why
+    /// it deleted nothing, two statements without the lock, let a claim come between them
+    /// every time under a stream of claims: a release of live leases answered `Live`, which
+    /// no order of the calls gives; found by the linearizability check.)
+    async fn force_release_locked(
+        &self,
+        conn: &mut PgConnection,
+        id: &RecordId,
+        scope: ReleaseScope,
+        asked: tokio::time::Instant,
+    ) -> Result<ForceReleased> {
+        let mut tx = sqlx::Connection::begin(conn).await.map_err(db_error)?;
+        // The end of this call's budget by the database's clock, which the delete carries:
+        // one that arrives later deletes nothing (see `DELETE_LOCKED_SQL`).
+        let (clock, _): (f64, String) = sqlx::query_as(CLOCK_SQL)
+            .bind(self.call_timeout.as_millis().max(1).to_string())
+            .fetch_one(&mut *tx)
             .await
             .map_err(db_error)?;
         let until = clock
@@ -2048,64 +2062,41 @@ impl PostgresStore {
                 .call_timeout
                 .saturating_sub(asked.elapsed())
                 .as_secs_f64();
-        // The delete, then a read of why it deleted nothing: two statements, and a row can
-        // arrive between them (a claim that committed after the delete's snapshot, a lease
-        // completed, a lease run out). A row of a kind the scope covers would have been
-        // deleted had it been there: it is another delete's to take, not an answer ("live"
-        // under a scope with live leases is what no order of the calls gives), and the
-        // release is ordered after what brought it (a claim made while an operator releases
-        // the key's live leases is released too, as one made just before would be). Tried
-        // again a few times; past that, what is there is reported, so the operator sees the
-        // lease or the outcome.
-        let mut kept = None;
-        for _ in 0..FORCE_RELEASE_TRIES {
-            let (deleted, too_late): (Option<i16>, bool) =
-                sqlx::query_as(self.sql.get(FORCE_RELEASE_SQL))
-                    .bind(&id.as_bytes()[..])
-                    .bind(scope.live)
-                    .bind(scope.completed)
-                    .bind(until)
-                    .fetch_one_on(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-            match deleted {
-                Some(0) => return Ok(ForceReleased::Released),
-                Some(_) => return Ok(ForceReleased::Deleted),
-                // Perhaps left for being late, not for what the row is: no answer.
-                None if too_late => {
-                    return Err(Error::unavailable(
-                        "the release reached Postgres past its budget and deleted nothing; \
-                         call again",
-                    ));
-                }
-                None => {}
-            }
-            kept = sqlx::query_as::<_, (i16, bool)>(self.sql.get(WHY_KEPT_SQL))
-                .bind(&id.as_bytes()[..])
-                .fetch_optional_on(&self.pool)
-                .await
-                .map_err(db_error)?;
-            // Every scope takes an unfinished lease that ran out.
-            let covered = match kept {
-                Some((0, ran_out)) => scope.live || ran_out,
-                Some(_) => scope.completed,
-                None => false,
-            };
-            if !covered {
-                break;
-            }
-        }
-        Ok(match kept {
-            Some((0, _)) => ForceReleased::Live,
-            Some(_) => ForceReleased::Completed,
+        let row: Option<(i16, bool)> = sqlx::query_as(self.sql.get(LOCK_ROW_SQL))
+            .bind(&id.as_bytes()[..])
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        let found = match row {
             None => ForceReleased::Absent,
-        })
+            // Every scope takes an unfinished lease that ran out.
+            Some((0, over)) if scope.live || over => ForceReleased::Released,
+            Some((0, _)) => ForceReleased::Live,
+            // Past its retention the row is gone for every other call: so it is here.
+            Some((_, true)) => ForceReleased::Absent,
+            Some(_) if scope.completed => ForceReleased::Deleted,
+            Some(_) => ForceReleased::Completed,
+        };
+        if !matches!(found, ForceReleased::Released | ForceReleased::Deleted) {
+            // Left as it is (a rollback that fails changed nothing either).
+            let _ = tx.rollback().await;
+            return Ok(found);
+        }
+        let deleted = sqlx::query(self.sql.get(DELETE_LOCKED_SQL))
+            .bind(&id.as_bytes()[..])
+            .bind(until)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        if deleted.rows_affected() == 0 {
+            return Err(Error::unavailable(
+                "the release reached Postgres past its budget and deleted nothing; call again",
+            ));
+        }
+        tx.commit().await.map_err(db_error)?;
+        Ok(found)
     }
 }
-
-/// Deletes an operator's release makes when rows of a kind its scope covers keep arriving
-/// between its delete and its read.
-const FORCE_RELEASE_TRIES: usize = 3;
 
 #[async_trait]
 impl Store for PostgresStore {

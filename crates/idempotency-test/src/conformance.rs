@@ -1034,6 +1034,49 @@ pub async fn force_release_spares_a_takeover(store: &dyn Store) {
     );
 }
 
+/// An operator's release of every kind of record (live leases and outcomes) while claims of
+/// the key come and go: whatever it met, it took, so its answer is `Released`, `Deleted` or
+/// `Absent`, never `Live` or `Completed`, which no order of the calls gives. Found by the
+/// linearizability check on the hybrid store (seed 20261205, round 18): the Postgres store
+/// deleted, then read why nothing was deleted, in two statements, and when a claim came
+/// between them three times running it answered `Live`.
+pub async fn a_full_release_among_claims_answers_as_some_order_would(store: Arc<dyn Store>) {
+    let id = fresh_id();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let claimers: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|body| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match store.begin(&id, &fp(body), LONG).await {
+                        Ok(Begin::Execute(token) | Begin::TakeOver(token)) => {
+                            // Released by the operator first, it is `LeaseLost`.
+                            let _ = store.release(&id, token).await;
+                        }
+                        _ => tokio::task::yield_now().await,
+                    }
+                }
+            })
+        })
+        .collect();
+    let all = ReleaseScope::default().with_live().with_completed();
+    for n in 0..300 {
+        let answer = store.force_release(&id, all).await.expect("force_release");
+        assert!(
+            matches!(
+                answer,
+                ForceReleased::Released | ForceReleased::Deleted | ForceReleased::Absent
+            ),
+            "release {n} of every kind answered {answer:?}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for claimer in claimers {
+        claimer.await.expect("claimer");
+    }
+}
+
 /// A completed record stays (and replays) unless the operator asks for it explicitly; then
 /// the key executes again. A record past its retention is absent.
 pub async fn force_release_keeps_a_completed_record_unless_asked(store: &dyn Store) {
@@ -1153,6 +1196,7 @@ macro_rules! conformance_tests {
             takeover_races_late_completion,
             resolving_an_unknown_outcome_races_the_late_completion,
             dropped_calls_leave_the_key_answerable,
+            a_full_release_among_claims_answers_as_some_order_would,
             answers_as_the_model_store,
             $($more,)?
         );
