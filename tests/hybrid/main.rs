@@ -2974,11 +2974,9 @@ fn an_operators_release_given_up_after_postgres_deleted_still_deletes_the_copy()
         // Back in the pool (sqlx checks a connection as it returns) before replies are held.
         tokio::time::sleep(Duration::from_millis(200)).await;
 
-        // The delete's answer only (the release reads the database's clock first): its row,
-        // a completed record deleted (`1`, an `int2`) in time (`false`), in Postgres' binary
-        // format: `D`, the message's length (17), two columns of 2 and 1 bytes.
-        let deleted_in_time = b"D\0\0\0\x11\0\x02\0\0\0\x02\0\x01\0\0\0\x01\0";
-        relay.delay_replies_containing(Duration::from_millis(1500), deleted_in_time);
+        // The commit's answer only (the release reads the row and deletes it in one
+        // transaction): the delete has committed, and the call is given up before it hears.
+        relay.delay_replies_containing(Duration::from_millis(1500), b"COMMIT");
         let given_up = tokio::time::timeout(
             Duration::from_millis(300),
             operator.force_release(&id, ReleaseScope::default().with_completed()),
