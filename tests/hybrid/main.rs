@@ -525,6 +525,59 @@ fn a_release_that_kept_the_record_leaves_the_copies_on() {
     });
 }
 
+/// With the lease mirror off (a TTL of zero) no lease has a mirror, so a completion that
+/// finds its token completed it before (as `Executor::run_with_claim`'s confirmation does)
+/// has nothing in Redis to repair. It queued a repair all the same: one more script in Redis
+/// before this process's next call there, and, while Redis was down, one more entry in the
+/// backlog per such completion.
+#[test]
+fn without_mirrors_a_repeated_completion_queues_no_repair() {
+    block_on(async {
+        let Some(pg) = services::postgres().await else {
+            return;
+        };
+        let redis = services::start_redis(RedisOptions::default()).await;
+        let store = hybrid(pg_store(pg.url()).await, redis.url())
+            .await
+            .with_in_flight_mirror_ttl(Duration::ZERO);
+        let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
+        let id = fresh_id();
+        let token = idempotency_test::conformance::execute(&store, &id, &fp, long).await;
+        let outcome = Outcome::new(201);
+        store
+            .complete(&id, token, &outcome, long)
+            .await
+            .expect("complete");
+        store.drain().await; // the outcome's copy written
+        let mut conn = redis::Client::open(redis.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection");
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut conn)
+            .await
+            .expect("resetstat");
+        store
+            .complete(&id, token, &outcome, long)
+            .await
+            .expect("completed before");
+        // The next call that reaches Redis runs whatever repairs are queued first.
+        idempotency_test::conformance::execute(&store, &fresh_id(), &fp, long).await;
+        store.drain().await;
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut conn)
+            .await
+            .expect("info");
+        assert!(
+            !info.contains("cmdstat_evalsha") && !info.contains("cmdstat_eval:"),
+            "a script ran: {info}"
+        );
+    });
+}
+
 /// Found by the differential case (`answers_as_the_model_store`): an operator's release
 /// right after a claim or a completion (a lease released live, an outcome deleted) left
 /// Redis holding what that call wrote after answering — the lease's mirror, or the outcome's

@@ -1348,12 +1348,10 @@ impl Store for HybridStore {
                 // `outcome` here was not stored, so it is not cached; the lease's mirror, if
                 // any, is dropped now, so duplicates ask Postgres (left to the repair queue,
                 // it answered "in flight" until its TTL or this process's next Redis call).
+                // Under `Always` only a mirror TTL of zero says no mirror: nothing to repair.
                 if self.may_be_mirrored(&token) {
                     self.drop_mirror(id, token).await;
                 } else {
-                    if self.always() {
-                        self.needs_repair(id, token);
-                    }
                     self.forget_mirror(&token);
                 }
                 return Ok(());
