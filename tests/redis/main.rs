@@ -228,11 +228,7 @@ mod cluster {
                         .expect("config set");
                 }
             };
-            let _: () = redis::cmd("CONFIG")
-                .arg("RESETSTAT")
-                .query_async(&mut masters[0])
-                .await
-                .expect("resetstat");
+            services::reset_command_stats(&mut masters[0]).await;
             replicas_to_write(&mut masters[0], "1").await;
             // Claims of fresh keys: the first master's are refused, the others' run.
             let (mut refused, mut ran) = (Vec::new(), Vec::new());
@@ -285,12 +281,8 @@ mod cluster {
                     other => panic!("the given-up claim still holds its key: {other:?}"),
                 }
             }
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut masters[0])
-                .await
-                .expect("info");
-            let refused_cancels = super::script_calls(&info, &["rejected_calls", "failed_calls"]);
+            let refusals = ["rejected_calls", "failed_calls"];
+            let refused_cancels = services::script_calls(&mut masters[0], &refusals).await;
             assert!(
                 (1..refused.len() as u64).contains(&refused_cancels),
                 "{refused_cancels} cancels refused for {} claims refused",
@@ -390,11 +382,7 @@ fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
             .get_multiplexed_async_connection()
             .await
             .expect("connection");
-        let _: () = redis::cmd("CONFIG")
-            .arg("RESETSTAT")
-            .query_async(&mut conn)
-            .await
-            .expect("resetstat");
+        services::reset_command_stats(&mut conn).await;
         redis.pause().await;
         let ids: Vec<_> = (0..256).map(|_| fresh_id()).collect();
         let print = fp("a");
@@ -409,18 +397,13 @@ fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
         tokio::time::timeout(Duration::from_secs(60), store.drain())
             .await
             .expect("every owed cancel lands once Redis is back");
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut conn)
-            .await
-            .expect("info");
         // Each claim's cancel runs three times once Redis resumes, however it waited: its
         // first try, queued behind the claim (it cancels the lease, but its answer comes too
         // late), the try that answers (it finds the lease cancelled already), and the second
         // cancel of one that did not find its lease (see `cancel_later`). The retries sent
         // while Redis hung add about seven per claim retrying on its own, a number that does
         // not grow with the claims when a few retry at a time.
-        let cancels = script_calls(&info, &["calls"]);
+        let cancels = services::script_calls(&mut conn, &["calls"]).await;
         assert!(
             cancels < 4 * ids.len() as u64,
             "{cancels} cancel scripts run for {} claims given up",
@@ -431,18 +414,6 @@ fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
             assert!(matches!(again, Ok(Begin::Execute(_))), "{again:?}");
         }
     });
-}
-
-/// The calls of scripts (`EVAL`, `EVALSHA`) `INFO commandstats` counts in `fields`.
-fn script_calls(info: &str, fields: &[&str]) -> u64 {
-    info.lines()
-        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
-        .flat_map(|line| line.split([':', ',']))
-        .filter_map(|field| {
-            let (name, value) = field.split_once('=')?;
-            fields.contains(&name).then(|| value.parse::<u64>().ok())?
-        })
-        .sum()
 }
 
 /// Every call on a hung (paused) or stopped Redis returns `Unavailable` within the store's

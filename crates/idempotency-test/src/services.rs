@@ -179,6 +179,34 @@ pub fn skipping() -> bool {
     skip
 }
 
+/// Resets the command statistics of the Redis `conn` is connected to: what runs after is
+/// what [`script_calls`] counts.
+pub async fn reset_command_stats(conn: &mut impl redis::aio::ConnectionLike) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(conn)
+        .await
+        .expect("resetstat");
+}
+
+/// The calls of scripts (`EVAL`, `EVALSHA`) that `INFO commandstats` counts in `fields`
+/// (`calls`, `rejected_calls`, `failed_calls`) on the Redis `conn` is connected to.
+pub async fn script_calls(conn: &mut impl redis::aio::ConnectionLike, fields: &[&str]) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("info");
+    info.lines()
+        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
+        .flat_map(|line| line.split([':', ',']))
+        .filter_map(|field| {
+            let (name, value) = field.split_once('=')?;
+            fields.contains(&name).then(|| value.parse::<u64>().ok())?
+        })
+        .sum()
+}
+
 /// The Postgres shared by every test of this test binary.
 pub async fn postgres() -> Option<&'static Service> {
     static PG: OnceCell<Service> = OnceCell::const_new();
