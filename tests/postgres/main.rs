@@ -2892,12 +2892,14 @@ fn claims_given_up_in_the_queue_do_not_fill_it() {
     });
 }
 
-/// An operator's release whose `DELETE` reaches Postgres after the call gave up (its bytes
-/// held up by the network, then delivered: a kernel retransmits a closed socket's unsent
-/// bytes for minutes) must delete nothing: by then the operator was told `Unavailable`, may
-/// have released the key again, and a new request may have run and completed under it.
-/// Before, the late delete took that new outcome, and the next retry of the key ran the
-/// operation a second time.
+/// An operator's release whose statements reach Postgres after the call gave up (their
+/// bytes held up by the network, then delivered: a kernel retransmits a closed socket's
+/// unsent bytes for minutes) must delete nothing: by then the operator was told
+/// `Unavailable`, may have released the key again, and a new request may have run and
+/// completed under it. Before, a late delete took that new outcome, and the next retry of
+/// the key ran the operation a second time. (The release is a transaction now: its row read
+/// is held back here, so its delete is never sent; a late commit is bounded by the server's
+/// idle timeout, see `DELETE_LOCKED_SQL`.)
 #[test]
 fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
     block_on(async {

@@ -814,6 +814,11 @@ fn spread<J: Keyed, R, T>(
                 answers[i] = answer(&jobs[i], by_id.remove(&jobs[i].id().as_bytes()[..]));
             }
         }
+        // No batch connection within the acquire timeout: worth a warning (lone calls held
+        // unpolled, or Postgres unreachable, where the per-request path waits again).
+        Err(error @ sqlx::Error::PoolTimedOut) => {
+            tracing::warn!(%error, calls = unique.len(), "no batch connection; the calls go per request");
+        }
         Err(error) if give_back(&error) => {
             tracing::debug!(%error, "a batch gave its calls back to the per-request path");
         }

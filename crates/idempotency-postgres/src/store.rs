@@ -583,15 +583,28 @@ WHERE record_id = $1 FOR UPDATE";
 ///
 /// Only until `$2` (seconds since the epoch, by the database's clock): the end of the call's
 /// budget. A delete that reaches Postgres later (its bytes held up by the network after the
-/// call gave up) deletes nothing; otherwise it could take a record that came after the
-/// operator was told `Unavailable`, released the key again, and a new request completed it.
+/// call gave up) deletes nothing, and the commit after it must come by then too: the
+/// transaction may stay idle only until then, after which the server ends the session and
+/// the delete rolls back. So the release commits within its budget or not at all, as the
+/// hybrid store's second delete of the record's copy in Redis counts on. (While the
+/// transaction lives the row stays locked: no record made since can be taken by it.)
 const DELETE_LOCKED_SQL: &str = "
-DELETE FROM idempotency_keys WHERE record_id = $1 AND clock_timestamp() < to_timestamp($2)";
+WITH deleted AS (
+    DELETE FROM idempotency_keys
+    WHERE record_id = $1 AND clock_timestamp() < to_timestamp($2)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM deleted),
+       set_config('idle_in_transaction_session_timeout',
+                  greatest(1, ceil((extract(epoch FROM to_timestamp($2))
+                                    - extract(epoch FROM clock_timestamp())) * 1000))::bigint::text,
+                  true)";
 
 /// The database's clock, in seconds since the epoch: what an operator's release is bounded
 /// by (`DELETE_LOCKED_SQL`). And, for the release's transaction, the longest it may stay
-/// idle (`$1`, in milliseconds): a connection that hangs mid-transaction holds the row's
-/// lock, and every claim of the key waits on it, until the server ends the session.
+/// idle (`$1`, in milliseconds: what is left of the call's budget): a connection that hangs
+/// mid-transaction holds the row's lock, and every claim of the key waits on it, until the
+/// server ends the session.
 const CLOCK_SQL: &str = "
 SELECT extract(epoch FROM clock_timestamp())::float8,
        set_config('idle_in_transaction_session_timeout', $1, true)";
@@ -2049,19 +2062,22 @@ impl PostgresStore {
         scope: ReleaseScope,
         asked: tokio::time::Instant,
     ) -> Result<ForceReleased> {
-        let mut tx = sqlx::Connection::begin(conn).await.map_err(db_error)?;
+        // Read committed whatever the pool's default (an application's own pool may set
+        // another): under a snapshot taken at the first statement, a row changed before the
+        // lock would fail the release with a serialization error.
+        let mut tx = sqlx::Connection::begin_with(conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(db_error)?;
         // The end of this call's budget by the database's clock, which the delete carries:
         // one that arrives later deletes nothing (see `DELETE_LOCKED_SQL`).
+        let left = || self.call_timeout.saturating_sub(asked.elapsed());
         let (clock, _): (f64, String) = sqlx::query_as(CLOCK_SQL)
-            .bind(self.call_timeout.as_millis().max(1).to_string())
+            .bind(left().as_millis().max(1).to_string())
             .fetch_one(&mut *tx)
             .await
             .map_err(db_error)?;
-        let until = clock
-            + self
-                .call_timeout
-                .saturating_sub(asked.elapsed())
-                .as_secs_f64();
+        // Counted from the answer: the clock was read no later than it came.
+        let until = clock + left().as_secs_f64();
         let row: Option<(i16, bool)> = sqlx::query_as(self.sql.get(LOCK_ROW_SQL))
             .bind(&id.as_bytes()[..])
             .fetch_optional(&mut *tx)
@@ -2082,13 +2098,13 @@ impl PostgresStore {
             let _ = tx.rollback().await;
             return Ok(found);
         }
-        let deleted = sqlx::query(self.sql.get(DELETE_LOCKED_SQL))
+        let (deleted, _): (i64, String) = sqlx::query_as(self.sql.get(DELETE_LOCKED_SQL))
             .bind(&id.as_bytes()[..])
             .bind(until)
-            .execute(&mut *tx)
+            .fetch_one(&mut *tx)
             .await
             .map_err(db_error)?;
-        if deleted.rows_affected() == 0 {
+        if deleted == 0 {
             return Err(Error::unavailable(
                 "the release reached Postgres past its budget and deleted nothing; call again",
             ));
