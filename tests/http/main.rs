@@ -1429,6 +1429,49 @@ fn a_grpc_call_whose_response_was_not_stored_is_told_so_as_a_status() {
     });
 }
 
+/// A response that carries the layer's marker header of an outcome not stored (forwarded
+/// from another layered service that replayed its marker) is not that marker here: the
+/// header is not stored, and a gRPC retry is replayed the call's own status. It was stored,
+/// and every retry was told `INTERNAL` ("its response could not be stored").
+#[test]
+fn a_handlers_marker_header_is_not_the_layers_marker() {
+    block_on(async {
+        let router = axum::Router::new()
+            .route(
+                "/grpc",
+                axum::routing::post(|| async {
+                    (
+                        [
+                            ("content-type", "application/grpc"),
+                            ("grpc-status", "0"),
+                            (idempotency_core::OUTCOME_NOT_STORED, "1"),
+                        ],
+                        "ok",
+                    )
+                }),
+            )
+            .layer(layer(memory()));
+        let call = || {
+            let request = axum::http::Request::post("/grpc")
+                .header("content-type", "application/grpc")
+                .header("idempotency-key", "forwarded")
+                .body(Body::empty())
+                .expect("request");
+            router.clone().oneshot(request)
+        };
+        let first = call().await.expect("infallible");
+        assert_eq!(first.headers()["grpc-status"], "0");
+        let retry = call().await.expect("infallible");
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert_eq!(retry.headers()["grpc-status"], "0");
+        assert!(
+            !retry
+                .headers()
+                .contains_key(idempotency_core::OUTCOME_NOT_STORED)
+        );
+    });
+}
+
 /// The layer counts a lease from the ask: a claim answered with half its lease or less left
 /// (the request future was held without being polled, its runtime starved) may already be
 /// taken over by a retry that is running the handler. It is 503, the handler does not run,

@@ -283,39 +283,48 @@ fn a_reconciled_answer_the_policy_does_not_store_is_not_stored() {
     });
 }
 
-/// Nor a `1xx` a hook answers, whatever the policy says (as for a handler's): here one that
-/// stores every status below 500. It was stored, and every retry was replayed a `101` that
-/// upgrades nothing.
+/// Nor a `1xx` a hook answers, whatever the policy says, nor a gRPC failure in its fields
+/// (HTTP 200 with `grpc-status: 14`), both judged as a handler's response would be: here
+/// under a policy that stores every status below 500. They were stored, and every retry was
+/// replayed a `101` that upgrades nothing, or an `UNAVAILABLE` for the whole retention.
 #[test]
-fn a_reconciled_1xx_is_never_stored() {
+fn a_reconciled_1xx_or_grpc_failure_is_never_stored() {
     block_on(async {
         let Some(store) = postgres().await else {
             return;
         };
-        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let count = asked.clone();
-        let hook = OutcomeUnknown::reconcile(move |_| {
-            let count = count.clone();
-            async move {
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                Ok(Some(Outcome::new(101)))
+        let found = [
+            Outcome::new(101),
+            Outcome::new(200)
+                .with_header("content-type", "application/grpc")
+                .with_header("grpc-status", "14"),
+        ];
+        for outcome in found {
+            let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let (count, answer) = (asked.clone(), outcome.clone());
+            let hook = OutcomeUnknown::reconcile(move |_| {
+                let (count, answer) = (count.clone(), answer.clone());
+                async move {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(Some(answer))
+                }
+            });
+            let storing = idempotency_core::Policy::default().with_cacheable(|status| status < 500);
+            let (router, calls, _) = app(layer(store.clone())
+                .policy(storing)
+                .on_outcome_unknown(hook));
+            let (key, _) = crashed_attempt(&*store).await;
+            for _ in 0..2 {
+                let answer = send(&router, "POST", Some(&key), &[], "{}").await;
+                assert_eq!(answer.status, outcome.status, "{}", answer.body);
             }
-        });
-        let storing = idempotency_core::Policy::default().with_cacheable(|status| status < 500);
-        let (router, calls, _) = app(layer(store.clone())
-            .policy(storing)
-            .on_outcome_unknown(hook));
-        let (key, _) = crashed_attempt(&*store).await;
-        for _ in 0..2 {
-            let answer = send(&router, "POST", Some(&key), &[], "{}").await;
-            assert_eq!(answer.status, 101, "{}", answer.body);
+            assert_eq!(
+                asked.load(std::sync::atomic::Ordering::SeqCst),
+                2,
+                "{outcome:?} not stored: the retry asked the hook again"
+            );
+            assert_eq!(calls.get(), 0);
         }
-        assert_eq!(
-            asked.load(std::sync::atomic::Ordering::SeqCst),
-            2,
-            "not stored: the retry asked the hook again"
-        );
-        assert_eq!(calls.get(), 0);
     });
 }
 
@@ -896,6 +905,10 @@ fn an_operators_resolution_is_refused_unless_it_names_an_outcome_for_an_unknown_
             (
                 r#"{"status": 201, "headers": {"content-encoding": "gzip"}}"#,
                 "an encoding for a text body",
+            ),
+            (
+                r#"{"status": 201, "headers": {"Idempotency-Outcome-Not-Stored": "1"}}"#,
+                "the layer's marker of an outcome not stored",
             ),
         ] {
             let refused = operator(&store, "PUT", &key, body).await;

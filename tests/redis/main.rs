@@ -401,7 +401,7 @@ fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
         // first try, queued behind the claim (it cancels the lease, but its answer comes too
         // late), the try that answers (it finds the lease cancelled already), and the second
         // cancel of one that did not find its lease (see `cancel_later`). The retries sent
-        // while Redis hung add about seven per claim retrying on its own, a number that does
+        // while Redis hung add about six per claim retrying on its own, a number that does
         // not grow with the claims when a few retry at a time.
         let cancels = services::script_calls(&mut conn, &["calls"]).await;
         assert!(

@@ -433,6 +433,11 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
                 {
                     return Err(bad(format!("{name:?}: {value:?} is not a valid header")));
                 }
+                if lower == idempotency_core::OUTCOME_NOT_STORED {
+                    return Err(bad(format!(
+                        "{name:?} is the layer's own marker of an outcome it could not store"
+                    )));
+                }
                 if NOT_STORED.contains(&lower.as_str()) {
                     return Err(bad(format!(
                         "{name:?} is not stored: the server frames each replay itself, and \

@@ -75,9 +75,10 @@ impl<S> Idempotency<S> {
 const MAX_DETOURS: u8 = 4;
 
 /// Headers never stored: hop-by-hop (RFC 9110 §7.6.1; so are those a response's
-/// `Connection` names), recomputed (`content-length`), or describing this response rather
-/// than the outcome (`date`).
-const NOT_STORED: [&str; 10] = [
+/// `Connection` names), recomputed (`content-length`), describing this response rather
+/// than the outcome (`date`), or the layer's own marker of an outcome not stored (a
+/// response that carries it, replayed from another layered service, is not that marker).
+const NOT_STORED: [&str; 11] = [
     "connection",
     "keep-alive",
     "proxy-authenticate",
@@ -88,6 +89,7 @@ const NOT_STORED: [&str; 10] = [
     "upgrade",
     "content-length",
     "date",
+    idempotency_core::OUTCOME_NOT_STORED,
 ];
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
@@ -547,10 +549,8 @@ where
                     // 409, a refusal the policy leaves out) is answered, and the key stays
                     // unresolved: the lease ended, the record kept, so the next retry asks
                     // the hook again rather than be replayed that answer for the retention.
-                    // Never a `1xx`, whatever the policy says (see `cacheable`).
-                    Ok(Ok(Some(outcome)))
-                        if outcome.status >= 200 && config.policy.is_cacheable(outcome.status) =>
-                    {
+                    // Judged as a handler's response would be (`cacheable`).
+                    Ok(Ok(Some(outcome))) if hook_cacheable(&config.policy, &outcome) => {
                         let mut outcome = advertise_expiry_of(&config, outcome);
                         if !complete(&config, id, token, &outcome).await {
                             // Not stored (the lease was taken, the store stayed down): no
@@ -1270,6 +1270,24 @@ fn cacheable(
     }
     let status = crate::grpc::status(&parts.headers, trailers);
     policy.is_cacheable(status.unwrap_or(parts.status.as_u16()))
+}
+
+/// [`cacheable`] for a reconcile hook's answer: never a `1xx`, a gRPC failure in its fields
+/// judged by the status it stands for, and never a status past 599 (replayed as a 500).
+fn hook_cacheable(policy: &idempotency_core::Policy, outcome: &Outcome) -> bool {
+    let Some(status) = (200..600)
+        .contains(&outcome.status)
+        .then(|| StatusCode::from_u16(outcome.status).ok())
+        .flatten()
+    else {
+        return false;
+    };
+    let (mut parts, ()) = Response::new(()).into_parts();
+    parts.status = status;
+    parts.headers = field_map(outcome.headers.clone(), |_| true);
+    let trailers =
+        (!outcome.trailers.is_empty()).then(|| field_map(outcome.trailers.clone(), |_| true));
+    cacheable(policy, &parts, trailers.as_ref())
 }
 
 /// Whether the handler marked its response [`MaybeApplied`](crate::MaybeApplied), or it is a

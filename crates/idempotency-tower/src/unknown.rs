@@ -35,7 +35,8 @@ pub struct Unresolved {
 /// retry runs again; with this extension the key is settled like a handler that panicked:
 /// under [`OutcomeUnknown::Reject`] and [`OutcomeUnknown::Reconcile`] it is kept, and the
 /// retry meets an attempt whose outcome is unknown (409, or the reconcile hook); under
-/// [`OutcomeUnknown::Reexecute`] it is given back as before. A response the policy stores is
+/// [`OutcomeUnknown::Reexecute`] it is given back as before (unless the request took the key
+/// over from an attempt whose outcome is unknown: that record is kept). A response the policy stores is
 /// stored: its outcome is known.
 ///
 /// An inner service's `Err` carries no extension, and the layer cannot look into it: it is
