@@ -1409,14 +1409,7 @@ fn a_grpc_call_whose_response_was_not_stored_is_told_so_as_a_status() {
                 }),
             )
             .layer(layer.clone());
-        let call = || {
-            let request = axum::http::Request::post("/grpc")
-                .header("content-type", "application/grpc")
-                .header("idempotency-key", "big")
-                .body(Body::empty())
-                .expect("request");
-            router.clone().oneshot(request)
-        };
+        let call = || unary_grpc(&router, "big");
         let first = call().await.expect("infallible");
         assert_eq!(first.headers()["grpc-status"], "0");
         layer.drain().await; // the late write, and the marker in its place
@@ -1427,6 +1420,19 @@ fn a_grpc_call_whose_response_was_not_stored_is_told_so_as_a_status() {
         assert!(message.contains("carried out"), "{message}");
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     });
+}
+
+/// An empty unary gRPC call to `router`'s `/grpc` with `key`.
+async fn unary_grpc(
+    router: &axum::Router,
+    key: &str,
+) -> Result<axum::http::Response<Body>, std::convert::Infallible> {
+    let request = axum::http::Request::post("/grpc")
+        .header("content-type", "application/grpc")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .expect("request");
+    router.clone().oneshot(request).await
 }
 
 /// A response that carries the layer's marker header of an outcome not stored (forwarded
@@ -1451,14 +1457,7 @@ fn a_handlers_marker_header_is_not_the_layers_marker() {
                 }),
             )
             .layer(layer(memory()));
-        let call = || {
-            let request = axum::http::Request::post("/grpc")
-                .header("content-type", "application/grpc")
-                .header("idempotency-key", "forwarded")
-                .body(Body::empty())
-                .expect("request");
-            router.clone().oneshot(request)
-        };
+        let call = || unary_grpc(&router, "forwarded");
         let first = call().await.expect("infallible");
         assert_eq!(first.headers()["grpc-status"], "0");
         let retry = call().await.expect("infallible");
