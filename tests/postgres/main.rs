@@ -2930,6 +2930,44 @@ fn an_operators_delete_that_arrives_after_its_call_gave_up_deletes_nothing() {
     });
 }
 
+/// An operator's release whose commit reaches Postgres after the call's budget (held up by
+/// the network) commits nothing: the operator was told `Unavailable`. Its transaction may
+/// stay idle after the delete only until the budget's end; it could stay idle a whole call
+/// budget after its clock read, and a commit arriving 1.3 s into a budget of 1 s deleted the
+/// record after its caller had given up.
+#[test]
+fn an_operators_commit_that_arrives_after_its_budget_commits_nothing() {
+    block_on(async {
+        let Some(store) = store().await else { return };
+        let (relay, late) = relayed_operator(Duration::from_secs(1)).await;
+        let id = fresh_id();
+        let token = execute(&*store, &id, &fp("a"), LONG).await;
+        let first = Outcome::new(201).with_body("first");
+        store
+            .complete(&id, token, &first, LONG)
+            .await
+            .expect("complete");
+        // The row read's answer (a completed record, its retention not over: `1`, an
+        // `int2`, and `false`, in Postgres' binary format) comes 700 ms late, so the delete
+        // runs 300 ms before the budget's end; its commit then takes 600 ms to get there.
+        let row = b"D\0\0\0\x11\0\x02\0\0\0\x02\0\x01\0\0\0\x01\0";
+        relay.delay_replies_containing(Duration::from_millis(700), row);
+        relay.delay_requests_containing(Duration::from_millis(600), b"COMMIT\0");
+        let scope = idempotency_core::ReleaseScope::default().with_completed();
+        let gave_up = late.force_release(&id, scope).await;
+        assert!(matches!(gave_up, Err(Error::Unavailable(_))), "{gave_up:?}");
+        relay.delay_replies(Duration::ZERO);
+        relay.delay_requests(Duration::ZERO);
+        // The commit has reached Postgres by then.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+            Begin::Replay(first),
+            "the late commit deleted the record"
+        );
+    });
+}
+
 /// An operator's release whose delete was refused for coming past its budget (the answer
 /// of its clock read came late) answers `Unavailable` ("call again"), never that the record
 /// was kept: here a lease that ran out, which every release takes, was reported `Live`.

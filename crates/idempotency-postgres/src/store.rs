@@ -583,22 +583,26 @@ WHERE record_id = $1 FOR UPDATE";
 ///
 /// Only until `$2` (seconds since the epoch, by the database's clock): the end of the call's
 /// budget. A delete that reaches Postgres later (its bytes held up by the network after the
-/// call gave up) deletes nothing, and the commit after it must come by then too: the
+/// call gave up) deletes nothing, and the commit after it must arrive by then too: the
 /// transaction may stay idle only until then, after which the server ends the session and
-/// the delete rolls back. So the release commits within its budget or not at all, as the
-/// hybrid store's second delete of the record's copy in Redis counts on. (While the
-/// transaction lives the row stays locked: no record made since can be taken by it.)
+/// the delete rolls back. So the release's commit reaches Postgres within its budget or
+/// not at all, as the hybrid store's second delete of the record's copy in Redis counts on
+/// (a commit that then waits on a synchronous standby becomes visible when that wait ends).
+/// While the transaction lives the row stays locked: no record made since can be taken by
+/// it. (Nothing deleted, the transaction is rolled back: no shorter idle time then.)
 const DELETE_LOCKED_SQL: &str = "
 WITH deleted AS (
     DELETE FROM idempotency_keys
     WHERE record_id = $1 AND clock_timestamp() < to_timestamp($2)
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM deleted),
-       set_config('idle_in_transaction_session_timeout',
-                  greatest(1, ceil((extract(epoch FROM to_timestamp($2))
-                                    - extract(epoch FROM clock_timestamp())) * 1000))::bigint::text,
-                  true)";
+SELECT n,
+       CASE WHEN n > 0 THEN set_config(
+           'idle_in_transaction_session_timeout',
+           greatest(1, ceil((extract(epoch FROM to_timestamp($2))
+                             - extract(epoch FROM clock_timestamp())) * 1000))::bigint::text,
+           true) ELSE '' END
+FROM (SELECT count(*) AS n FROM deleted) AS d";
 
 /// The database's clock, in seconds since the epoch: what an operator's release is bounded
 /// by (`DELETE_LOCKED_SQL`). And, for the release's transaction, the longest it may stay

@@ -423,8 +423,9 @@ impl CancelGate {
         }
     }
 
-    /// How a cancel's try on a direct connection went: `answered` (a value, or an error
-    /// reply), or not (no answer in its budget, a broken connection).
+    /// How a cancel's try on a direct connection went: `answered` (the script ran, or Redis
+    /// refused it as it refuses writes: see [`answered`]), or not (no answer in its budget, a
+    /// broken connection, another error reply).
     fn tried(&self, answered: bool) {
         self.turns().hung = !answered;
     }

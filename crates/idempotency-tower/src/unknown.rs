@@ -106,10 +106,11 @@ pub enum OutcomeUnknown {
     /// Ask the application first: the hook gets the record id and the request
     /// ([`Unresolved`]) and looks for the earlier attempt's effect. `Some(outcome)`: the effect happened; the outcome is stored and
     /// answered as a replay (`Idempotent-Replayed: true`), and the operation does not run
-    /// again (an outcome whose status the policy does not store is answered, not stored:
-    /// the next retry asks again; its headers are kept as a handler's would be, without
-    /// hop-by-hop headers, `Content-Length`, `Date` or, unless the layer stores it,
-    /// `Set-Cookie`). `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
+    /// again (an outcome the policy would not store from a handler — its status, a gRPC
+    /// failure in its fields, a `1xx` — is answered, not stored: the next retry asks again;
+    /// its headers are kept as a handler's would be, without hop-by-hop headers,
+    /// `Content-Length`, `Date`, the layer's own marker of an outcome not stored or, unless
+    /// the layer stores it, `Set-Cookie`). `None`: nothing happened; the operation runs. `Err`, a panic, or no answer
     /// within half a lease: nobody knows yet; the answer is `503` with `Retry-After` and the
     /// key stays unresolved (the next retry asks again once this attempt's lease ran out).
     /// The lease is renewed while the hook runs.
