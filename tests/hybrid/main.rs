@@ -549,12 +549,7 @@ fn without_mirrors_a_repeated_completion_queues_no_repair() {
             .await
             .expect("complete");
         store.drain().await; // the outcome's copy written
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
-        services::reset_command_stats(&mut conn).await;
+        let mut conn = services::command_stats_from_now(redis.url()).await;
         store
             .complete(&id, token, &outcome, long)
             .await

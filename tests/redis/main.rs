@@ -377,12 +377,7 @@ fn a_hung_redis_is_sent_a_bounded_number_of_cancel_retries() {
         );
         redis.unpause().await;
         store.drain().await;
-        let mut conn = redis::Client::open(redis.url())
-            .expect("client")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connection");
-        services::reset_command_stats(&mut conn).await;
+        let mut conn = services::command_stats_from_now(redis.url()).await;
         redis.pause().await;
         let ids: Vec<_> = (0..256).map(|_| fresh_id()).collect();
         let print = fp("a");

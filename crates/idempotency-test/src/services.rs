@@ -179,6 +179,18 @@ pub fn skipping() -> bool {
     skip
 }
 
+/// A connection of the test's own to the Redis at `url`, its command statistics reset
+/// ([`reset_command_stats`]).
+pub async fn command_stats_from_now(url: &str) -> redis::aio::MultiplexedConnection {
+    let mut conn = redis::Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    reset_command_stats(&mut conn).await;
+    conn
+}
+
 /// Resets the command statistics of the Redis `conn` is connected to: what runs after is
 /// what [`script_calls`] counts.
 pub async fn reset_command_stats(conn: &mut impl redis::aio::ConnectionLike) {
