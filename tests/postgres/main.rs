@@ -1855,18 +1855,20 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
 /// The batches have few connections of their own (four per batch in flight), and a lone
 /// call of each kind runs in its caller's future: four such calls held but never polled
 /// again (a claim, a completion, a release, a renewal) keep every one of them. A claim then
-/// finds no batch connection; nothing was sent, so it goes the per-request way. Before, it
+/// finds no batch connection; nothing was sent, so it goes the per-request way. At first it
 /// waited out the batch pool's acquire timeout and answered `Unavailable`, as did every
-/// claim after it for as long as the four were held.
+/// claim after it for as long as the four were held. Then it went per request, but only
+/// after that whole wait (2 s by default, here past the claim's 1 s budget): now a batch
+/// that finds every connection out waits only as long as for a row lock.
 #[test]
 fn claims_go_per_request_while_every_batch_connection_is_held() {
     block_on(async {
         let Some(pg) = services::postgres().await else {
             return;
         };
+        // The pool's default acquire timeout (2 s), longer than the call budget.
         let store = PostgresStore::builder(pg.url())
             .call_timeout(Duration::from_secs(1))
-            .acquire_timeout(Duration::from_millis(200))
             .group_commit(GroupCommit::default().concurrency(1))
             .connect()
             .await

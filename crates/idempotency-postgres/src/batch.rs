@@ -80,7 +80,9 @@ pub struct GroupCommit {
     /// Calls per statement at most (default 128).
     pub max_batch: usize,
     /// How long a batch waits on a row lock before its callers go the per-request way
-    /// (default 100 ms).
+    /// (default 100 ms); and, on a store made by the builder, how long it waits for a
+    /// connection when every one of the batches' own is out (held by lone calls whose
+    /// callers no longer poll them), before the same.
     pub lock_timeout: Duration,
 }
 
@@ -129,6 +131,10 @@ pub struct GroupCommitStats {
 #[derive(Debug)]
 pub(crate) struct Batches {
     pub(crate) pool: PgPool,
+    /// Whether `pool` is the batches' own (the builder's), not the per-request one too
+    /// ([`PostgresStore::from_pool`](crate::PostgresStore::from_pool)), where all its
+    /// connections out is the application's load, not lone calls held.
+    pub(crate) own_pool: bool,
     pub(crate) settings: GroupCommit,
     pub(crate) begin: Batcher<BeginJob, Round>,
     pub(crate) complete: Batcher<CompleteJob, Option<Fingerprint>>,
@@ -137,12 +143,13 @@ pub(crate) struct Batches {
 }
 
 impl Batches {
-    pub(crate) fn new(pool: PgPool, mut settings: GroupCommit) -> Self {
+    pub(crate) fn new(pool: PgPool, own_pool: bool, mut settings: GroupCommit) -> Self {
         // The fields are public: zero would mean no drain ever, or empty batches forever.
         settings.concurrency = settings.concurrency.max(1);
         settings.max_batch = settings.max_batch.max(1);
         Self {
             pool,
+            own_pool,
             settings,
             begin: Batcher::new(run_begin, |round| matches!(round, Round::Granted(_))),
             complete: Batcher::new(run_complete, |_| false),
@@ -814,8 +821,9 @@ fn spread<J: Keyed, R, T>(
                 answers[i] = answer(&jobs[i], by_id.remove(&jobs[i].id().as_bytes()[..]));
             }
         }
-        // No batch connection within the acquire timeout: worth a warning (lone calls held
-        // unpolled, or Postgres unreachable, where the per-request path waits again).
+        // No batch connection: every one out past the short wait (lone calls held unpolled),
+        // or none opened within the acquire timeout (Postgres unreachable, where the
+        // per-request path waits again). Worth a warning either way.
         Err(error @ sqlx::Error::PoolTimedOut) => {
             tracing::warn!(%error, calls = unique.len(), "no batch connection; the calls go per request");
         }

@@ -11,7 +11,7 @@
 //! (the same unbounded ping, after a statement that answered, hangs as long when the host
 //! vanishes in between).
 
-use std::future::Future;
+use std::{future::Future, time::Duration};
 
 use sqlx::{
     PgPool, Postgres,
@@ -22,15 +22,71 @@ use sqlx::{
 
 /// How long a connection may take to be pinged on its way back to the pool (sqlx's bound on
 /// closing one).
-const HAND_BACK_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+const HAND_BACK_LIMIT: Duration = Duration::from_secs(5);
+
+/// Where a [`Checkout`] comes from: a pool, and how long to wait for one of its connections
+/// when every one it may open is checked out.
+pub(crate) trait Source: Sync {
+    fn pool(&self) -> &PgPool;
+
+    /// The wait for a connection when all of them are out; `None`: the pool's acquire
+    /// timeout, as for any wait.
+    fn all_out_wait(&self) -> Option<Duration> {
+        None
+    }
+}
+
+impl Source for PgPool {
+    fn pool(&self) -> &PgPool {
+        self
+    }
+}
+
+/// The group commit's pool. Its own few connections (four per batch in flight) are out only
+/// briefly, unless held by lone calls their callers keep unpolled: a batch that finds them
+/// all out waits for one only as long as it would wait on a row lock, then gives its calls
+/// back to the per-request pool. Waiting the pool's whole acquire timeout (2 s by default)
+/// spent most of a claim's budget before it went the per-request way. On a pool shared
+/// with the per-request path (a store made `from_pool`) it waits as any call does: all
+/// out is then ordinary load, and the per-request path would wait for the same pool.
+#[derive(Clone)]
+pub(crate) struct BatchPool {
+    pub(crate) pool: PgPool,
+    pub(crate) all_out_wait: Option<Duration>,
+}
+
+impl Source for BatchPool {
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn all_out_wait(&self) -> Option<Duration> {
+        self.all_out_wait
+    }
+}
 
 /// A pooled connection checked out for one statement: closed if dropped before
 /// [`Checkout::finished`], handed back to the pool after it.
 pub(crate) struct Checkout(Option<PoolConnection<Postgres>>);
 
 impl Checkout {
-    pub(crate) async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
-        Ok(Self(Some(pool.acquire().await?)))
+    /// A connection of `source`: `PoolTimedOut` if none came within its wait.
+    pub(crate) async fn acquire(source: &impl Source) -> Result<Self, sqlx::Error> {
+        let pool = source.pool();
+        let conn = match source.all_out_wait() {
+            // Checked once, on the way in: a pool that fills up while this call waits makes it
+            // wait the acquire timeout, as it would have anyway. Dropped there, the acquire
+            // is still waiting for a permit: it has no connection to lose.
+            Some(wait)
+                if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() =>
+            {
+                tokio::time::timeout(wait, pool.acquire())
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??
+            }
+            _ => pool.acquire().await?,
+        };
+        Ok(Self(Some(conn)))
     }
 
     /// A connection to send a statement on, if `send` still says so once one is in hand
@@ -38,7 +94,7 @@ impl Checkout {
     /// [`OnWire`](crate::batch::OnWire)); `None`, the connection back in the pool, if not.
     /// An error getting one sent nothing.
     pub(crate) async fn acquire_to_send(
-        pool: &PgPool,
+        pool: &impl Source,
         send: impl FnOnce() -> bool,
     ) -> Result<Option<Self>, sqlx::Error> {
         let checkout = Self::acquire(pool).await?;
@@ -87,12 +143,15 @@ impl Drop for Checkout {
 pub(crate) trait QueryAsOnPool<O> {
     fn fetch_optional_on(
         self,
-        pool: &PgPool,
+        pool: &impl Source,
     ) -> impl Future<Output = Result<Option<O>, sqlx::Error>> + Send;
-    fn fetch_one_on(self, pool: &PgPool) -> impl Future<Output = Result<O, sqlx::Error>> + Send;
+    fn fetch_one_on(
+        self,
+        pool: &impl Source,
+    ) -> impl Future<Output = Result<O, sqlx::Error>> + Send;
     fn fetch_all_on(
         self,
-        pool: &PgPool,
+        pool: &impl Source,
     ) -> impl Future<Output = Result<Vec<O>, sqlx::Error>> + Send;
 }
 
@@ -100,21 +159,21 @@ impl<'q, O> QueryAsOnPool<O> for QueryAs<'q, Postgres, O, PgArguments>
 where
     O: Send + Unpin + for<'r> sqlx::FromRow<'r, PgRow> + 'q,
 {
-    async fn fetch_optional_on(self, pool: &PgPool) -> Result<Option<O>, sqlx::Error> {
+    async fn fetch_optional_on(self, pool: &impl Source) -> Result<Option<O>, sqlx::Error> {
         let mut checkout = Checkout::acquire(pool).await?;
         let answer = self.fetch_optional(checkout.conn()).await;
         checkout.finished();
         answer
     }
 
-    async fn fetch_one_on(self, pool: &PgPool) -> Result<O, sqlx::Error> {
+    async fn fetch_one_on(self, pool: &impl Source) -> Result<O, sqlx::Error> {
         let mut checkout = Checkout::acquire(pool).await?;
         let answer = self.fetch_one(checkout.conn()).await;
         checkout.finished();
         answer
     }
 
-    async fn fetch_all_on(self, pool: &PgPool) -> Result<Vec<O>, sqlx::Error> {
+    async fn fetch_all_on(self, pool: &impl Source) -> Result<Vec<O>, sqlx::Error> {
         let mut checkout = Checkout::acquire(pool).await?;
         let answer = self.fetch_all(checkout.conn()).await;
         checkout.finished();
@@ -126,12 +185,12 @@ where
 pub(crate) trait QueryOnPool {
     fn execute_on(
         self,
-        pool: &PgPool,
+        pool: &impl Source,
     ) -> impl Future<Output = Result<PgQueryResult, sqlx::Error>> + Send;
 }
 
 impl QueryOnPool for Query<'_, Postgres, PgArguments> {
-    async fn execute_on(self, pool: &PgPool) -> Result<PgQueryResult, sqlx::Error> {
+    async fn execute_on(self, pool: &impl Source) -> Result<PgQueryResult, sqlx::Error> {
         let mut checkout = Checkout::acquire(pool).await?;
         let answer = self.execute(checkout.conn()).await;
         checkout.finished();

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats, OnWire},
-    checkout::{Checkout, QueryAsOnPool, QueryOnPool},
+    checkout::{BatchPool, Checkout, QueryAsOnPool, QueryOnPool, Source},
     table::{Statements, Table, quoted},
 };
 
@@ -322,7 +322,7 @@ impl PostgresStoreBuilder {
                 .max_connections(u32::try_from(settings.concurrency.max(1) * 4).unwrap_or(u32::MAX))
                 .acquire_timeout(self.acquire_timeout)
                 .connect_lazy_with(options);
-            Arc::new(Batches::new(pool, settings))
+            Arc::new(Batches::new(pool, true, settings))
         });
         Ok(PostgresStore {
             pool,
@@ -661,7 +661,7 @@ impl PostgresStore {
     /// the application's keep theirs, and a commit acknowledged but lost in a crash runs its
     /// operation again on the retry.
     pub fn from_pool(pool: PgPool) -> Self {
-        let batches = Arc::new(Batches::new(pool.clone(), GroupCommit::default()));
+        let batches = Arc::new(Batches::new(pool.clone(), false, GroupCommit::default()));
         Self {
             pool,
             call_timeout: Duration::from_secs(3),
@@ -686,7 +686,7 @@ impl PostgresStore {
         self.batches = self
             .batches
             .as_deref()
-            .map(|b| Arc::new(Batches::new(b.pool.clone(), b.settings)));
+            .map(|b| Arc::new(Batches::new(b.pool.clone(), b.own_pool, b.settings)));
         Ok(self)
     }
 
@@ -748,10 +748,17 @@ impl PostgresStore {
             .unwrap_or_default()
     }
 
-    pub(crate) fn batch_pool(&self) -> PgPool {
-        self.batches
-            .as_deref()
-            .map_or_else(|| self.pool.clone(), |b| b.pool.clone())
+    pub(crate) fn batch_pool(&self) -> BatchPool {
+        match self.batches.as_deref() {
+            Some(batches) => BatchPool {
+                pool: batches.pool.clone(),
+                all_out_wait: batches.own_pool.then_some(batches.settings.lock_timeout),
+            },
+            None => BatchPool {
+                pool: self.pool.clone(),
+                all_out_wait: None,
+            },
+        }
     }
 
     /// The pool, for the application's own queries and transactions. Built by
@@ -1079,7 +1086,7 @@ impl PostgresStore {
     pub(crate) async fn complete_statement(
         &self,
         job: &CompleteJob,
-        pool: &PgPool,
+        pool: &impl Source,
     ) -> Result<Option<Fingerprint>> {
         let mut checkout = Checkout::acquire(pool).await.map_err(db_error)?;
         let completed = self.complete_encoded(checkout.conn(), job).await;
@@ -1634,7 +1641,11 @@ impl PostgresStore {
     ///
     /// Sent only once a connection was had for it, and only if the claim was not given up
     /// meanwhile (see [`OnWire`](crate::batch::OnWire)).
-    pub(crate) async fn begin_statement(&self, job: &BeginJob, pool: &PgPool) -> Result<Round> {
+    pub(crate) async fn begin_statement(
+        &self,
+        job: &BeginJob,
+        pool: &impl Source,
+    ) -> Result<Round> {
         let Some(mut checkout) = Checkout::acquire_to_send(pool, || job.wire.send())
             .await
             .map_err(db_error)?
@@ -1797,7 +1808,11 @@ impl PostgresStore {
 
 impl PostgresStore {
     /// The per-request `release`: whether the token owned the in-flight row.
-    pub(crate) async fn release_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
+    pub(crate) async fn release_statement(
+        &self,
+        job: &FenceJob,
+        pool: &impl Source,
+    ) -> Result<bool> {
         let done = sqlx::query(self.sql.get(RELEASE_SQL))
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
@@ -1808,7 +1823,7 @@ impl PostgresStore {
     }
 
     /// The per-request `renew`: whether the token owned the in-flight row.
-    pub(crate) async fn renew_statement(&self, job: &FenceJob, pool: &PgPool) -> Result<bool> {
+    pub(crate) async fn renew_statement(&self, job: &FenceJob, pool: &impl Source) -> Result<bool> {
         let done = sqlx::query(self.sql.get(RENEW_SQL))
             .bind(&job.id.as_bytes()[..])
             .bind(job.token.as_uuid())
