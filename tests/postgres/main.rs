@@ -1859,7 +1859,7 @@ fn a_stalled_lone_call_does_not_hold_the_batch_slot() {
 /// waited out the batch pool's acquire timeout and answered `Unavailable`, as did every
 /// claim after it for as long as the four were held. Then it went per request, but only
 /// after that whole wait (2 s by default, here past the claim's 1 s budget): now a batch
-/// that finds every connection out waits only as long as for a row lock.
+/// that finds every connection out waits a quarter of a second.
 #[test]
 fn claims_go_per_request_while_every_batch_connection_is_held() {
     block_on(async {

@@ -80,9 +80,7 @@ pub struct GroupCommit {
     /// Calls per statement at most (default 128).
     pub max_batch: usize,
     /// How long a batch waits on a row lock before its callers go the per-request way
-    /// (default 100 ms); and, on a store made by the builder, how long it waits for a
-    /// connection when every one of the batches' own is out (held by lone calls whose
-    /// callers no longer poll them), before the same.
+    /// (default 100 ms).
     pub lock_timeout: Duration,
 }
 

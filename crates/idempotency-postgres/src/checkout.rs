@@ -42,10 +42,15 @@ impl Source for PgPool {
     }
 }
 
+/// How long a batch waits for one of its own connections when every one is out: long enough
+/// for one on its way back to the pool (pinged first: a round trip), far shorter than the
+/// pool's acquire timeout.
+pub(crate) const ALL_OUT_WAIT: Duration = Duration::from_millis(250);
+
 /// The group commit's pool. Its own few connections (four per batch in flight) are out only
 /// briefly, unless held by lone calls their callers keep unpolled: a batch that finds them
-/// all out waits for one only as long as it would wait on a row lock, then gives its calls
-/// back to the per-request pool. Waiting the pool's whole acquire timeout (2 s by default)
+/// all out waits for one only [`ALL_OUT_WAIT`], then gives its calls back to the
+/// per-request pool. Waiting the pool's whole acquire timeout (2 s by default)
 /// spent most of a claim's budget before it went the per-request way. On a pool shared
 /// with the per-request path (a store made `from_pool`) it waits as any call does: all
 /// out is then ordinary load, and the per-request path would wait for the same pool.
@@ -75,8 +80,9 @@ impl Checkout {
         let pool = source.pool();
         let conn = match source.all_out_wait() {
             // Checked once, on the way in: a pool that fills up while this call waits makes it
-            // wait the acquire timeout, as it would have anyway. Dropped there, the acquire
-            // is still waiting for a permit: it has no connection to lose.
+            // wait the acquire timeout, as it would have anyway. Cut short, the acquire
+            // closes whatever connection it was opening or pinging (sqlx pools none it gave
+            // up on): nothing of ours was sent on it.
             Some(wait)
                 if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() =>
             {

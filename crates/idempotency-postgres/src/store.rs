@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     batch::{Batches, BeginJob, CompleteJob, FenceJob, GroupCommit, GroupCommitStats, OnWire},
-    checkout::{BatchPool, Checkout, QueryAsOnPool, QueryOnPool, Source},
+    checkout::{ALL_OUT_WAIT, BatchPool, Checkout, QueryAsOnPool, QueryOnPool, Source},
     table::{Statements, Table, quoted},
 };
 
@@ -752,7 +752,7 @@ impl PostgresStore {
         match self.batches.as_deref() {
             Some(batches) => BatchPool {
                 pool: batches.pool.clone(),
-                all_out_wait: batches.own_pool.then_some(batches.settings.lock_timeout),
+                all_out_wait: batches.own_pool.then_some(ALL_OUT_WAIT),
             },
             None => BatchPool {
                 pool: self.pool.clone(),
