@@ -496,31 +496,84 @@ fn drain_waits_for_the_second_delete_of_an_operators_release() {
 #[test]
 fn a_release_that_kept_the_record_leaves_the_copies_on() {
     block_on(async {
-        let Some(pg) = services::postgres().await else {
+        let Some((store, _, kept)) = released(false, ReleaseScope::default()).await else {
             return;
         };
-        let redis = services::redis().await.expect("redis");
-        let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
-        let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
-        let live = fresh_id();
-        idempotency_test::conformance::execute(&store, &live, &fp, long).await;
-        let kept = store
-            .force_release(&live, ReleaseScope::default())
-            .await
-            .expect("release");
         assert_eq!(kept, idempotency_core::ForceReleased::Live);
-        let id = fresh_id();
-        let token = idempotency_test::conformance::execute(&store, &id, &fp, long).await;
-        let outcome = Outcome::new(201).with_body("charged");
+        completes_with_a_copy(&store, &fresh_id()).await;
+    });
+}
+
+/// A hybrid store, and a record claimed on it (and completed, if `complete`) that an operator
+/// then released with `scope`: the store, the record and the release's answer.
+async fn released(
+    complete: bool,
+    scope: ReleaseScope,
+) -> Option<(HybridStore, RecordId, idempotency_core::ForceReleased)> {
+    let pg = services::postgres().await?;
+    let redis = services::redis().await.expect("redis");
+    let store = hybrid(pg_store(pg.url()).await, redis.url()).await;
+    let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
+    let id = fresh_id();
+    let token = idempotency_test::conformance::execute(&store, &id, &fp, long).await;
+    if complete {
         store
-            .complete(&id, token, &outcome, long)
+            .complete(&id, token, &Outcome::new(201), long)
             .await
             .expect("complete");
-        let copy = store.redis().peek(&id, &fp).await.expect("peek");
+    }
+    let answer = store.force_release(&id, scope).await.expect("release");
+    Some((store, id, answer))
+}
+
+/// Claims and completes `id`, and checks that the outcome was copied to Redis.
+async fn completes_with_a_copy(store: &HybridStore, id: &RecordId) {
+    let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
+    let token = idempotency_test::conformance::execute(store, id, &fp, long).await;
+    let outcome = Outcome::new(201).with_body("charged");
+    store
+        .complete(id, token, &outcome, long)
+        .await
+        .expect("complete");
+    let copy = store.redis().peek(id, &fp).await.expect("peek");
+    assert_eq!(
+        copy,
+        idempotency_redis::Peek::Found(Begin::Replay(outcome)),
+        "the outcome copied to Redis"
+    );
+}
+
+/// A release that deleted its record holds off the mirrors and copies of that record (and of
+/// the records whose id shares its first byte) until its second delete, not of every key: a
+/// record completed meanwhile is copied to Redis, and its retries are answered there. Before,
+/// the hold was process-wide: for the ~11 s of the second delete's wait every key completed
+/// in this process had no copy, and its retries went to Postgres (503, were Postgres down).
+#[test]
+fn a_release_that_deleted_leaves_the_other_records_copies_on() {
+    block_on(async {
+        let scope = ReleaseScope::default().with_completed();
+        let Some((store, released, deleted)) = released(true, scope).await else {
+            return;
+        };
+        assert_eq!(deleted, idempotency_core::ForceReleased::Deleted);
+        let (fp, long) = (Fingerprint::of(b"a"), idempotency_test::conformance::LONG);
+        // Another record, whose id does not share the released one's first byte.
+        let id = std::iter::repeat_with(fresh_id)
+            .find(|id| id.as_bytes()[0] != released.as_bytes()[0])
+            .expect("an id");
+        completes_with_a_copy(&store, &id).await;
+        // The released record itself, claimed and completed again, is not copied while
+        // the release's second delete is to come.
+        let token = idempotency_test::conformance::execute(&store, &released, &fp, long).await;
+        store
+            .complete(&released, token, &Outcome::new(202), long)
+            .await
+            .expect("complete again");
+        let copy = store.redis().peek(&released, &fp).await.expect("peek");
         assert_eq!(
             copy,
-            idempotency_redis::Peek::Found(Begin::Replay(outcome)),
-            "the outcome copied to Redis"
+            idempotency_redis::Peek::Absent,
+            "copied during the hold"
         );
     });
 }

@@ -138,46 +138,75 @@ struct Shared {
     /// Where the work a call leaves running runs (see [`HybridStore::spawn`]).
     home: Home,
     /// This process's operators' releases: a completion's copy finding its lease's mirror
-    /// gone is written only if none was under way at its Postgres write or began since.
+    /// gone is written only if none of its record was under way at its Postgres write or
+    /// began since.
     releases: Releases,
 }
 
-/// Operators' releases in this process: how many began, and how many are under way.
-#[derive(Debug, Default)]
+/// Operators' releases in this process, by the first byte of their record's id (uniform:
+/// a SHA-256): for each of the 256 stripes, how many began, and how many are under way.
+/// A release holds off the mirrors and copies of its stripe's records only — 1/256 of the
+/// keys, its own among them — not of every key for the ~11 s its second delete waits. A
+/// count per stripe, not per record, still tells a release that began and ended since (a
+/// set of the records under way would not) and never grows.
+#[derive(Debug)]
 struct Releases {
+    stripes: Box<[Stripe; 256]>,
+}
+
+impl Default for Releases {
+    fn default() -> Self {
+        Self {
+            stripes: Box::new(std::array::from_fn(|_| Stripe::default())),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Stripe {
     begun: AtomicU64,
     under_way: AtomicU64,
 }
 
-/// What [`Releases::seen`] saw: releases begun, and whether one was under way.
+/// What [`Releases::seen`] saw of a record's stripe: releases begun, and whether one was
+/// under way.
 #[derive(Debug, Clone, Copy)]
 struct ReleasesSeen {
+    stripe: u8,
     begun: u64,
     under_way: bool,
 }
 
 impl Releases {
-    /// A release begins; it is under way until the guard drops.
-    fn begin(shared: &Arc<Shared>) -> Releasing {
-        let releases = &shared.releases;
-        releases.under_way.fetch_add(1, Ordering::SeqCst);
-        releases.begun.fetch_add(1, Ordering::SeqCst);
-        Releasing(shared.clone())
+    fn stripe(&self, stripe: u8) -> &Stripe {
+        &self.stripes[usize::from(stripe)]
     }
 
-    fn seen(&self) -> ReleasesSeen {
+    /// A release of `id` begins; it is under way until the guard drops.
+    fn begin(shared: &Arc<Shared>, id: &RecordId) -> Releasing {
+        let stripe = id.as_bytes()[0];
+        let releases = shared.releases.stripe(stripe);
+        releases.under_way.fetch_add(1, Ordering::SeqCst);
+        releases.begun.fetch_add(1, Ordering::SeqCst);
+        Releasing(shared.clone(), stripe)
+    }
+
+    fn seen(&self, id: &RecordId) -> ReleasesSeen {
+        let stripe = id.as_bytes()[0];
+        let releases = self.stripe(stripe);
         // `begun` first (`begin` counts in the other order): a release that begins between
         // the two reads is seen under way.
-        let begun = self.begun.load(Ordering::SeqCst);
+        let begun = releases.begun.load(Ordering::SeqCst);
         ReleasesSeen {
-            under_way: self.under_way.load(Ordering::SeqCst) > 0,
+            stripe,
+            under_way: releases.under_way.load(Ordering::SeqCst) > 0,
             begun,
         }
     }
 
-    /// Whether no release was under way when `seen`, nor began since.
+    /// Whether no release of the record's stripe was under way when `seen`, nor began since.
     fn none_since(&self, seen: ReleasesSeen) -> bool {
-        !seen.under_way && self.begun.load(Ordering::SeqCst) == seen.begun
+        !seen.under_way && self.stripe(seen.stripe).begun.load(Ordering::SeqCst) == seen.begun
     }
 }
 
@@ -189,12 +218,13 @@ struct Asked {
     releases: ReleasesSeen,
 }
 
-/// A release under way, until dropped.
-struct Releasing(Arc<Shared>);
+/// A release under way (of a record of the stripe), until dropped.
+struct Releasing(Arc<Shared>, u8);
 
 impl Drop for Releasing {
     fn drop(&mut self) {
-        self.0.releases.under_way.fetch_sub(1, Ordering::SeqCst);
+        let stripe = self.0.releases.stripe(self.1);
+        stripe.under_way.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -730,10 +760,10 @@ const SECOND_DELETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 const REPAIR_CHUNK: usize = 256;
 
 impl HybridStore {
-    /// Notes the releases under way or begun, then the time: to be called right before
-    /// Postgres is asked for what a copy will copy.
-    fn asking(&self) -> Asked {
-        let releases = self.inner.releases.seen();
+    /// Notes the releases of `id`'s stripe under way or begun, then the time: to be called
+    /// right before Postgres is asked for what a copy will copy.
+    fn asking(&self, id: &RecordId) -> Asked {
+        let releases = self.inner.releases.seen(id);
         Asked {
             at: Instant::now(),
             releases,
@@ -834,7 +864,8 @@ impl HybridStore {
     /// their way by that much, may be over, and the copy would replay a deleted record; and
     /// it lands by [`copy_deadline`](Self::copy_deadline) or deletes the key.
     ///
-    /// Nor when an operator's release in this process was under way as Postgres was asked
+    /// Nor when an operator's release in this process of a record of the same stripe (see
+    /// [`Releases`]), this one's among them, was under way as Postgres was asked
     /// (`asked.releases`) or began since: Postgres may have read the record just
     /// before the release deleted it, and the release, which waits for the writes on their
     /// way when it deletes in Redis, may have looked before this one was noted. Landing
@@ -1191,7 +1222,7 @@ impl HybridStore {
         // 2. Postgres decides. An absent Redis entry (evicted, flushed, restarted) only cost
         //    this round trip: the unique key still refuses a second execution.
         //    (This runs inside `begin`'s `detached_claim` already: it needs no second one.)
-        let asked = self.asking();
+        let asked = self.asking(id);
         let (answer, ttl) = self.pg.claim_with_ttl(id, fp, lease, caller_gone).await?;
         let first = matches!(answer, Begin::Execute(_) | Begin::TakeOver(_));
         self.inner.duplicates.observe(!first);
@@ -1217,8 +1248,9 @@ impl HybridStore {
                     .max(Duration::from_millis(1));
                 self.note_mirror(token, mirror);
                 self.write_after_answering(id, token, Written::Mirror, async move {
-                    // Not after an operator's release in this process began (as for a copy:
-                    // see `copy_after_answering`): it may have released this very grant,
+                    // Not after an operator's release in this process of a record of its
+                    // stripe began (as for a copy: see `copy_after_answering`): it may have
+                    // released this very grant,
                     // and have looked for the writes on their way before this one was
                     // noted; landing after its delete, the mirror would say "in flight"
                     // for a lease that is over. Duplicates then ask Postgres.
@@ -1336,7 +1368,7 @@ impl Store for HybridStore {
             // Postgres first: once it has the outcome, a lost Redis write costs one Postgres
             // read later. The Redis copy expires no later than the row: the row's retention
             // started when Postgres ran the statement, which was before `sent` returned.
-            let asked = self.asking();
+            let asked = self.asking(id);
             let (sent, releases) = (asked.at, asked.releases);
             let fp = self
                 .pg
@@ -1391,8 +1423,8 @@ impl Store for HybridStore {
                 Some(Replaced::Written) => true,
                 // No mirror there: it ran out (an operation longer than the mirror's TTL),
                 // or never landed, or a release deleted it. Copied all the same unless an
-                // operator's release in this process was under way at the write or began
-                // since (a release elsewhere is what the second delete is for, as for any
+                // operator's release in this process of a record of its stripe was under way
+                // at the write or began since (a release elsewhere is what the second delete is for, as for any
                 // copy on its way).
                 Some(Replaced::Absent) => {
                     // Noted with the record before the check: a release that begins after
@@ -1563,13 +1595,13 @@ impl Store for HybridStore {
             // copy its outcome back.
             // Held by the second delete: a delete given up on here (a budget run out, this
             // future dropped) may still commit, up to then.
-            let releasing = Releases::begin(&self.inner);
+            let releasing = Releases::begin(&self.inner, id);
             self.inner.repairs().push((*id, None));
             // The second delete is scheduled before Postgres is asked: a call that fails or
             // is dropped once its delete has been sent may have deleted the row all the
             // same, and the copy in Redis (or one on its way) would then replay it. Only an
-            // answer that Postgres kept the record calls it off, and ends the hold on this
-            // process's mirrors and copies at once: nothing was deleted.
+            // answer that Postgres kept the record calls it off, and ends the hold on the
+            // mirrors and copies of the record's stripe at once: nothing was deleted.
             let (keep, kept) = tokio::sync::oneshot::channel::<()>();
             let (again, forget) = (self.clone(), *id);
             // Every copy that could still land is over by then: its Postgres delete commits
