@@ -183,6 +183,9 @@ pub(crate) struct Rigged {
     /// Armed: right after the next `inspect` read, the record is released and another
     /// request (this fingerprint) claims the key.
     pub(crate) replace_after_inspect: std::sync::Mutex<Option<idempotency_core::Fingerprint>>,
+    /// Armed: right after the next `inspect` read, the record is released (another
+    /// operator's `DELETE`).
+    pub(crate) release_after_inspect: std::sync::atomic::AtomicBool,
 }
 
 impl Rigged {
@@ -256,11 +259,14 @@ impl Store for Rigged {
     ) -> idempotency_core::Result<Option<idempotency_core::Inspection>> {
         let read = self.inner.inspect(id).await;
         let armed = self.replace_after_inspect.lock().expect("lock").take();
-        if let Some(another) = armed {
+        let release = self.release_after_inspect.swap(false, Ordering::SeqCst);
+        if armed.is_some() || release {
             let scope = idempotency_core::ReleaseScope::default()
                 .with_live()
                 .with_completed();
             self.inner.force_release(id, scope).await?;
+        }
+        if let Some(another) = armed {
             self.inner
                 .begin(id, &another, Duration::from_secs(30))
                 .await?;

@@ -868,6 +868,61 @@ fn a_resolution_that_finds_another_requests_record_says_so() {
     });
 }
 
+/// The attempt's record released by another operator (a `DELETE`: no effect found, the key
+/// runs again) between the resolution's read and its takeover: nothing is stored, and the
+/// answer is the `404` the resolution would get after that release. Before, the resolution
+/// claimed the free key and stored its outcome (`204`): both operators were told they had
+/// succeeded, and the key's retries replayed an outcome for an operation the other operator
+/// had found never took effect, which no order of the two gives.
+#[test]
+fn a_resolution_that_finds_the_record_released_since_stores_nothing() {
+    block_on(async {
+        let rigged = Arc::new(crate::support::Rigged::default());
+        let store: Arc<dyn Store> = rigged.clone();
+        let (key, id) = crashed_attempt(&*store).await;
+        rigged
+            .release_after_inspect
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let found = r#"{"status": 201, "body": "{\"id\":\"ch_found\"}"}"#;
+        let resolved = operator(&store, "PUT", &key, found).await;
+        assert_eq!(resolved.status, 404, "{}", resolved.body);
+        let left = store.inspect(&id).await.expect("inspect");
+        assert!(left.is_none(), "stored after the release: {left:?}");
+    });
+}
+
+/// A stored outcome with more header fields than a response holds (24,576: stored by an
+/// operator's `PUT` before it was bounded, or a reconcile hook's answer) replays with those
+/// that fit. Before, the replay panicked, on every retry of the key for its retention.
+#[test]
+fn an_outcome_with_more_fields_than_a_response_holds_still_replays() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let (router, calls, _) = app(layer(store.clone()));
+        let (key, id) = crashed_attempt(&*store).await;
+        let fp = store.inspect(&id).await.expect("inspect").expect("kept");
+        let taken = store
+            .begin(&id, &fp.fingerprint, Duration::from_secs(30))
+            .await
+            .expect("begin");
+        let Begin::TakeOver(token) = taken else {
+            panic!("{taken:?}");
+        };
+        let outcome = (0..25_000).fold(Outcome::new(201).with_body("charged"), |o, i| {
+            o.with_header(format!("x-h{i}"), "v")
+        });
+        store
+            .complete(&id, token, &outcome, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(retry.body, "charged");
+        assert_eq!(retry.headers["x-h0"], "v");
+        assert_eq!(calls.get(), 0, "the operation never ran again");
+    });
+}
+
 /// What the resolving `PUT` refuses, each with a problem that says why, storing nothing: a
 /// body it cannot read, a record that is not an attempt whose outcome is unknown.
 #[test]
@@ -877,6 +932,8 @@ fn an_operators_resolution_is_refused_unless_it_names_an_outcome_for_an_unknown_
             return;
         };
         let (key, id) = crashed_attempt(&*store).await;
+        let fields: Vec<String> = (0..101).map(|i| format!(r#""x-h{i}": "v""#)).collect();
+        let many_headers = format!(r#"{{"status": 201, "headers": {{{}}}}}"#, fields.join(", "));
         for (body, why) in [
             ("not json", "not JSON"),
             ("[]", "an array"),
@@ -910,6 +967,11 @@ fn an_operators_resolution_is_refused_unless_it_names_an_outcome_for_an_unknown_
                 r#"{"status": 201, "headers": {"Idempotency-Outcome-Not-Stored": "1"}}"#,
                 "the layer's marker of an outcome not stored",
             ),
+            (
+                r#"{"status": 201, "headers": {"Idempotency-Expires": "Fri, 01 Jan 2100 00:00:00 GMT"}}"#,
+                "an expiry date the store does not keep to",
+            ),
+            (&many_headers, "more headers than a client reads"),
         ] {
             let refused = operator(&store, "PUT", &key, body).await;
             assert_eq!(refused.status, 400, "{why}: {}", refused.body);

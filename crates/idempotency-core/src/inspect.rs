@@ -165,7 +165,8 @@ pub enum Resolved {
     /// The record is completed (now or since it was read): its outcome replays already.
     /// Nothing changed.
     Completed,
-    /// There is no live record under this id. Nothing changed.
+    /// There is no live record under this id (now, or since it was read: purged, or
+    /// released by an operator). Nothing changed.
     Absent,
     /// Another request's record holds the key: the attempt's was released (or purged) after
     /// it was read, and a request with another fingerprint claimed the key. Nothing changed:
@@ -222,12 +223,20 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
         RecordState::InFlight { .. } => return Ok(Resolved::Live),
         RecordState::Completed { .. } => return Ok(Resolved::Completed),
     }
-    // `Execute`: the record was purged since it was read; the operator's answer stands.
     let token = match store
         .begin(id, &record.fingerprint, RESOLVING_LEASE)
         .await?
     {
-        Begin::TakeOver(token) | Begin::Execute(token) => token,
+        Begin::TakeOver(token) => token,
+        // No record since it was read: purged, or released by another operator (found no
+        // effect: the key runs again). Stored now, the outcome would answer for an attempt
+        // that operator was told is gone, and both would be told they succeeded, which no
+        // order of the two gives. The claim goes back (dropped or failing here, the key is
+        // held for the resolving lease, then taken over as an unknown attempt's).
+        Begin::Execute(token) => {
+            store.release(id, token).await?;
+            return Ok(Resolved::Absent);
+        }
         Begin::InFlight { .. } => return Ok(Resolved::Live),
         Begin::Replay(_) => return Ok(Resolved::Completed),
         // The attempt's own fingerprint, refused: another request's record, since.

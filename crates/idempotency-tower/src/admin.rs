@@ -44,7 +44,8 @@ use crate::Problem;
 ///   (below). `409` problem+json for a live lease (its holder, or a retry being told the
 ///   outcome is unknown, holds it: look again), for a completed record, and for a record
 ///   another request (another body, method, path…) made after the attempt's was released since it was read
-///   (`record-replaced`); `404` when there is none;
+///   (`record-replaced`); `404` when there is none, and when the record was released (by
+///   another operator's `DELETE`) or purged since it was read;
 /// - the same three at `/idempotency/keys/{key}` for the global scope.
 ///
 /// **Resolving.** Under [`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject) an
@@ -61,10 +62,11 @@ use crate::Problem;
 ///  "body": "{\"id\":\"ch_1\"}", "retention_seconds": 86400}
 /// ```
 ///
-/// `status` is 200 to 599; `headers` (optional; each name once, in any case) are sent with
-/// every replay, except those the server sets itself (`content-length`,
-/// `transfer-encoding`, `date`, hop-by-hop fields), a proxy's, and `content-encoding` (the
-/// body is text), which are a `400`; `body` (optional) is text; `retention_seconds`
+/// `status` is 200 to 599; `headers` (optional; at most 100, each name once, in any case)
+/// are sent with every replay, except those the server sets itself (`content-length`,
+/// `transfer-encoding`, `date`, hop-by-hop fields), a proxy's, `content-encoding` (the
+/// body is text) and `Idempotency-Expires` (a date the store would not keep to), which are
+/// a `400`; `body` (optional) is text; `retention_seconds`
 /// (optional, a day by default, not the layer's retention, which these routes do not know)
 /// is how long the outcome is kept.
 ///
@@ -395,6 +397,11 @@ const NOT_STORED: [&str; 12] = [
     "upgrade",
 ];
 
+/// Header fields a `PUT` outcome may name: as many as a client reads in a response by
+/// default (hyper's limit). Unbounded, an outcome could name more than a response holds
+/// (24,576), and every replay of its key would fail.
+const MAX_HEADERS: usize = 100;
+
 /// The outcome and retention a `PUT` body names; a 400 problem when it does not.
 fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
     let bad = |detail: String| Box::new(problem(Problem::InvalidRequest, &detail));
@@ -420,6 +427,12 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
     let mut outcome = Outcome::new(status);
     match fields.get("headers") {
         None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Object(headers)) if headers.len() > MAX_HEADERS => {
+            return Err(bad(format!(
+                "{} headers: an outcome names {MAX_HEADERS} at most",
+                headers.len()
+            )));
+        }
         Some(serde_json::Value::Object(headers)) => {
             for (name, value) in headers {
                 let lower = name.to_ascii_lowercase();
@@ -436,6 +449,12 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
                 if lower == idempotency_core::OUTCOME_NOT_STORED {
                     return Err(bad(format!(
                         "{name:?} is the layer's own marker of an outcome it could not store"
+                    )));
+                }
+                if lower == crate::IDEMPOTENCY_EXPIRES {
+                    return Err(bad(format!(
+                        "{name:?} is not stored: a date given here would outlive the \
+                         retention the store keeps (retention_seconds says how long)"
                     )));
                 }
                 if NOT_STORED.contains(&lower.as_str()) {

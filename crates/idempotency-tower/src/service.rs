@@ -1954,11 +1954,24 @@ fn field_map(fields: Vec<(String, Bytes)>, keep: impl Fn(&str) -> bool) -> Heade
             HeaderValue::from_maybe_shared(value),
         ) && keep(name.as_str())
         {
+            if map.len() >= REPLAYED_FIELDS {
+                tracing::warn!(
+                    "a stored outcome has more than {REPLAYED_FIELDS} header fields; the rest are not replayed"
+                );
+                break;
+            }
             map.append(name, value);
         }
     }
     map
 }
+
+/// Header fields (and trailers) a replay carries at most. A record may hold more than a
+/// response can (24,576 in all, past which adding one panics): one stored by an older
+/// version's unbounded operator `PUT`, or a reconcile hook's answer. Bounded well under that,
+/// so the fields the layers add to a replay still fit; unbounded, every retry of the key
+/// panicked for its retention.
+const REPLAYED_FIELDS: usize = 4096;
 
 fn replay(outcome: Outcome) -> Response<Body> {
     // The layer's own marker, not a handler's answer: a gRPC client gets it as a status.
