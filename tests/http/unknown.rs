@@ -891,6 +891,41 @@ fn a_resolution_that_finds_the_record_released_since_stores_nothing() {
     });
 }
 
+/// The resolution's own lease released by another operator (`DELETE ?live=true`) while its
+/// completion was on its way: nothing is stored, and the answer is the `404` of a record
+/// released, not the `409` "live lease, look again" it was, about a key with no record.
+#[test]
+fn a_resolution_whose_lease_an_operator_released_says_the_record_is_gone() {
+    block_on(async {
+        let rigged = Arc::new(crate::support::Rigged {
+            complete_takes: Duration::from_secs(1),
+            ..Default::default()
+        });
+        let store: Arc<dyn Store> = rigged.clone();
+        let (key, id) = crashed_attempt(&*store).await;
+        let resolving = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let found = r#"{"status": 201}"#;
+                operator(&store, "PUT", &key, found).await
+            })
+        };
+        // Whether this lands before the resolution's takeover or during its completion, the
+        // record is gone when it answers.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let scope = ReleaseScope::default().with_live();
+        rigged
+            .inner
+            .force_release(&id, scope)
+            .await
+            .expect("release");
+        let resolved = resolving.await.expect("task");
+        assert_eq!(resolved.status, 404, "{}", resolved.body);
+        let left = store.inspect(&id).await.expect("inspect");
+        assert!(left.is_none(), "stored after the release: {left:?}");
+    });
+}
+
 /// A stored outcome with more header fields than a response holds (24,576: stored by an
 /// operator's `PUT` before it was bounded, or a reconcile hook's answer) replays with those
 /// that fit. Before, the replay panicked, on every retry of the key for its retention.

@@ -244,9 +244,16 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
     };
     match store.complete(id, token, outcome, retention).await {
         Ok(()) => Ok(Resolved::Stored),
-        // Held past the takeover's lease (a store that answered late), and taken over by a
-        // retry since: nothing stored.
-        Err(Error::LeaseLost) => Ok(Resolved::Live),
+        // Held past the takeover's lease (a store that answered late) and taken over by a
+        // retry since, or released by an operator (`?live=true`): nothing stored. Said as
+        // it is now, so that a release is not reported as a live lease to look at again.
+        Err(Error::LeaseLost) => Ok(match store.inspect(id).await {
+            Ok(None) => Resolved::Absent,
+            Ok(Some(record)) if matches!(record.state, RecordState::Completed { .. }) => {
+                Resolved::Completed
+            }
+            _ => Resolved::Live,
+        }),
         Err(error) => {
             // Not stored: the record is an attempt whose outcome is unknown again now,
             // rather than "in flight" to its retries for a lease.
