@@ -1156,11 +1156,14 @@ impl<S: Store + ?Sized> Drop for LeaseGuard<S> {
         if self.settled {
             return;
         }
-        let runtime =
-            tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
-        let (store, id, token) = (self.store.clone(), self.id, self.token);
-        self.settling
-            .spawn_on(give_back(store, id, token, self.took_over), &runtime);
+        // On the runtime dropping it and on the one the run started on: the first may be
+        // shutting down, or a current-thread runtime never driven again, and drop the task
+        // unrun (the key then held by nobody for a lease). The give-back is fenced on the
+        // token: a second copy changes nothing.
+        let (store, id, token, took_over) = (&self.store, self.id, self.token, self.took_over);
+        crate::spawn_where_it_survives(&self.settling, Some(&self.runtime), || {
+            give_back(store.clone(), id, token, took_over)
+        });
     }
 }
 
@@ -1986,6 +1989,38 @@ mod tests {
             assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
         });
         drop(run); // here, outside the runtime
+        let redelivered = runtime.block_on(async {
+            executor.drain().await;
+            executor
+                .run(&scope, &k, &fp, || async { Ok::<_, &str>(2u32) })
+                .await
+        });
+        assert!(
+            matches!(&redelivered, Ok(done) if done.value == 2 && !done.replayed),
+            "{redelivered:?}"
+        );
+    }
+
+    /// A run dropped inside another runtime that is never driven again (a current-thread
+    /// runtime between two `block_on`s, then dropped) still gives its lease back, on the
+    /// runtime it ran on. Before, the give-back went only to the runtime dropping it, which
+    /// dropped it unrun: the redelivery found the key in flight for nobody.
+    #[test]
+    fn a_run_dropped_on_a_runtime_that_never_runs_again_still_gives_its_lease_back() {
+        let (runtime, executor, (scope, fp, k)) = outside_rig();
+        let mut run = Box::pin(executor.run(&scope, &k, &fp, || async {
+            std::future::pending::<()>().await;
+            Ok::<_, &str>(1u32)
+        }));
+        runtime.block_on(async {
+            assert!(futures::poll!(&mut run).is_pending(), "the operation waits");
+        });
+        let other = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        other.block_on(async move { drop(run) });
+        drop(other); // with whatever was spawned on it, unrun
         let redelivered = runtime.block_on(async {
             executor.drain().await;
             executor
