@@ -18,8 +18,8 @@
 //! that happens its owner's late `complete` or `release` still finds its token and is
 //! accepted. A mirror (`m`) lives exactly its TTL.
 //!
-//! A claim is a plain `SET … NX GET PX` (a `PTTL` follows only when it finds a lease): no
-//! script on the common path. Scripts remain where the record must be checked and changed atomically: a
+//! A claim is a plain `SET … NX GET PX` (a read of the record with its TTL follows only when
+//! it finds a lease): no script on the common path. Scripts remain where the record must be checked and changed atomically: a
 //! takeover, and the writes fenced on the token (`complete`, `release`, `renew`, `cancel`).
 //!
 //! Records written by earlier versions (a hash with fields `st`, `fp`, `tok`, `out`, `exp`)
@@ -67,7 +67,7 @@ if v then
   local pttl = redis.call('PTTL', KEYS[1])
   if st == 'c' then
     if string.sub(v, 34, 49) == ARGV[4] then return {'c'} end
-  elseif not (st == '0' and pttl <= tonumber(ARGV[3])) then
+  elseif not (st == '0' and pttl ~= -1 and pttl <= tonumber(ARGV[3])) then
     return {'v', v, pttl}
   elseif string.sub(v, 2, 33) ~= string.sub(ARGV[1], 2, 33) then
     return {'v', v, pttl}

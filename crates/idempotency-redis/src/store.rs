@@ -41,7 +41,9 @@ pub enum Replaced {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Peek {
-    /// No record (never written, expired, evicted or flushed).
+    /// Nothing that answers by itself: no record (never written, expired, evicted or
+    /// flushed), a lease that is over, a cancel marker, or another request's mirror (Postgres
+    /// decides).
     Absent,
     /// A record that answers `begin` by itself: `Replay`, `InFlight` or `Mismatch`.
     Found(Begin),
