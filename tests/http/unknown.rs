@@ -926,6 +926,39 @@ fn a_resolution_whose_lease_an_operator_released_says_the_record_is_gone() {
     });
 }
 
+/// An outcome resolved through the layer's own admin routes, without a `retention_seconds`,
+/// is kept for the layer's retention (here a week), as the layer keeps what it stores: a
+/// retry on the second day replays it. From `admin_router(store)`, which does not know the
+/// layer, it was kept a day, and such a retry ran the operation again.
+#[test]
+fn an_outcome_resolved_through_the_layers_routes_is_kept_for_the_layers_retention() {
+    block_on(async {
+        use tower::ServiceExt;
+
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let week = Duration::from_secs(7 * 86_400);
+        let layer = layer(store.clone()).policy(Policy::default().with_retention(week));
+        let (key, id) = crashed_attempt(&*store).await;
+        let request = axum::http::Request::put(format!("/idempotency/scopes/anonymous/keys/{key}"))
+            .body(axum::body::Body::from(r#"{"status": 201}"#))
+            .expect("request");
+        let response = layer
+            .admin_router()
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        let resolved = crate::answer(response).await;
+        assert_eq!(resolved.status, 204, "{}", resolved.body);
+        let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+        let two_days = std::time::SystemTime::now() + Duration::from_secs(2 * 86_400);
+        assert!(
+            kept.expires_at > two_days,
+            "kept until {:?}, not the layer's week",
+            kept.expires_at
+        );
+    });
+}
+
 /// A stored outcome with more header fields than a response holds (24,576: stored by an
 /// operator's `PUT` before it was bounded, or a reconcile hook's answer) replays with those
 /// that fit. Before, the replay panicked, on every retry of the key for its retention.

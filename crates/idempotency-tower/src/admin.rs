@@ -66,9 +66,11 @@ use crate::Problem;
 /// are sent with every replay, except those the server sets itself (`content-length`,
 /// `transfer-encoding`, `date`, hop-by-hop fields), a proxy's, `content-encoding` (the
 /// body is text) and `Idempotency-Expires` (a date the store would not keep to), which are
-/// a `400`; `body` (optional) is text; `retention_seconds`
-/// (optional, a day by default, not the layer's retention, which these routes do not know)
-/// is how long the outcome is kept.
+/// a `400`; `body` (optional) is text; `retention_seconds` (optional) is how long the
+/// outcome is kept: by default the layer's retention from
+/// [`IdempotencyLayer::admin_router`](crate::IdempotencyLayer::admin_router) (prefer it: the
+/// key's retries come as long as the layer keeps outcomes), a day from this function, which
+/// does not know the layer's.
 ///
 /// **Releasing a live lease (`?live=true`) lets the operation run again while its holder may
 /// still be running it.** Fencing refuses the holder's later writes to the store (its outcome
@@ -139,6 +141,23 @@ use crate::Problem;
 /// );
 /// ```
 pub fn admin_router(store: Arc<dyn Store>) -> Router {
+    routes(Routes {
+        store,
+        retention: Policy::default().retention(),
+    })
+}
+
+/// What the routes act on: the store, and how long a resolved outcome is kept when the `PUT`
+/// does not say (the layer's retention, from
+/// [`IdempotencyLayer::admin_router`](crate::IdempotencyLayer::admin_router); a day from
+/// [`admin_router`]).
+#[derive(Clone)]
+pub(crate) struct Routes {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) retention: Duration,
+}
+
+pub(crate) fn routes(state: Routes) -> Router {
     // The scoped and the global routes differ in more than a segment's count: were they
     // `keys/{scope}/{key}` and `keys/{key}`, a global key `a/b` sent unencoded would name key
     // `b` of scope `a`, and a `?live=true` release another record's live lease. (The global
@@ -164,7 +183,7 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
         .route("/idempotency/", any(no_such_route))
         .route("/idempotency/{*rest}", any(no_such_route))
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(store)
+        .with_state(state)
 }
 
 /// A method the path does not take (the router adds the `Allow` header to a 405).
@@ -299,7 +318,7 @@ pub fn record_view(
     view
 }
 
-async fn inspect(State(store): State<Arc<dyn Store>>, named: Named) -> Response {
+async fn inspect(State(Routes { store, .. }): State<Routes>, named: Named) -> Response {
     let (scope, key, id) = match record_id(named) {
         Ok(named) => named,
         Err(response) => return *response,
@@ -324,7 +343,7 @@ async fn inspect(State(store): State<Arc<dyn Store>>, named: Named) -> Response 
 }
 
 async fn release(
-    State(store): State<Arc<dyn Store>>,
+    State(Routes { store, .. }): State<Routes>,
     named: Named,
     RawQuery(query): RawQuery,
 ) -> Response {
@@ -403,7 +422,7 @@ const NOT_STORED: [&str; 12] = [
 const MAX_HEADERS: usize = 100;
 
 /// The outcome and retention a `PUT` body names; a 400 problem when it does not.
-fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
+fn resolution(body: &[u8], retention: Duration) -> Result<(Outcome, Duration), Box<Response>> {
     let bad = |detail: String| Box::new(problem(Problem::InvalidRequest, &detail));
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
@@ -481,7 +500,7 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
         Some(_) => return Err(bad("\"body\" is a string".into())),
     }
     let retention = match fields.get("retention_seconds") {
-        None | Some(serde_json::Value::Null) => Policy::default().retention(),
+        None | Some(serde_json::Value::Null) => retention,
         Some(seconds) => seconds
             .as_u64()
             .filter(|seconds| *seconds > 0)
@@ -494,7 +513,7 @@ fn resolution(body: &[u8]) -> Result<(Outcome, Duration), Box<Response>> {
 /// `PUT`: stores the outcome an operator found for an attempt whose outcome is unknown (see
 /// [`admin_router`]).
 async fn resolve(
-    State(store): State<Arc<dyn Store>>,
+    State(Routes { store, retention }): State<Routes>,
     named: Named,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -519,7 +538,7 @@ async fn resolve(
             );
         }
     };
-    let (outcome, retention) = match resolution(&body) {
+    let (outcome, retention) = match resolution(&body, retention) {
         Ok(resolution) => resolution,
         Err(response) => return *response,
     };

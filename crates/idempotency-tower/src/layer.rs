@@ -331,6 +331,32 @@ impl IdempotencyLayer {
         self.edit(|c| c.advertise_expiry = advertise)
     }
 
+    /// The operator's routes ([`admin_router`](crate::admin_router)) over this layer's store,
+    /// where an outcome an operator resolves without a `retention_seconds` is kept for this
+    /// layer's retention, as the layer keeps the outcomes it stores. (From `admin_router`
+    /// it is kept a day: with a layer keeping outcomes a week, a retry on the second day
+    /// found no record and ran the operation again.) Nest it behind your operators'
+    /// authentication.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotency_core::{MemoryStore, Policy};
+    /// use idempotency_tower::IdempotencyLayer;
+    ///
+    /// let week = Duration::from_secs(7 * 86_400);
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()))
+    ///     .policy(Policy::default().with_retention(week));
+    /// let admin: axum::Router = layer.admin_router(); // nest under "/admin", authenticated
+    /// ```
+    #[cfg(feature = "admin")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
+    pub fn admin_router(&self) -> axum::Router {
+        crate::admin::routes(crate::admin::Routes {
+            store: self.config.store.clone(),
+            retention: self.config.policy.retention(),
+        })
+    }
+
     /// For one retention period after upgrading from a version whose fingerprint took the
     /// path without `Router::nest`'s prefix (a version before `OriginalUri` was read, or a
     /// build without the `axum` feature, which was off by default before it was on): a

@@ -11,7 +11,7 @@ use axum::{
 };
 use bytes::Bytes;
 use idempotency::{
-    Outcome, Scope, Store,
+    Outcome, Scope,
     hybrid::HybridStore,
     tower::{IdempotencyContext, IdempotencyLayer, MaybeApplied, OutcomeUnknown, Problem},
 };
@@ -209,11 +209,13 @@ async fn demo_knobs_valid(
 /// The operator's routes under `/admin` (`GET`/`DELETE`/`PUT /admin/idempotency/scopes/{account}/keys/{key}`),
 /// for requests bearing `Authorization: Bearer <token>`: the demo's stand-in for the
 /// application's own operator authentication.
-pub(crate) fn admin(store: Arc<dyn Store>, token: String) -> Router {
+pub(crate) fn admin(layer: &IdempotencyLayer, token: String) -> Router {
     let token: Arc<str> = token.into();
     Router::new().nest(
         "/admin",
-        idempotency::tower::admin_router(store).layer(axum::middleware::from_fn(
+        // The layer's own routes: an outcome resolved without a `retention_seconds` is kept
+        // as long as the layer keeps the outcomes it stores.
+        layer.admin_router().layer(axum::middleware::from_fn(
             move |request: axum::extract::Request, next: axum::middleware::Next| {
                 let token = token.clone();
                 async move {

@@ -224,7 +224,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
     let admin = config
         .admin_token
         .clone()
-        .map(|token| app::admin(store, token));
+        .map(|token| app::admin(&layer, token));
     let router = app::router(app, layer.clone(), admin);
     let listener = tokio::net::TcpListener::bind(&config.bind).await?;
     let addr = listener.local_addr()?;
