@@ -186,6 +186,9 @@ pub(crate) struct Rigged {
     /// Armed: right after the next `inspect` read, the record is released (another
     /// operator's `DELETE`).
     pub(crate) release_after_inspect: std::sync::atomic::AtomicBool,
+    /// Armed: the next `complete` first releases the record (live lease and all), and
+    /// another request (this fingerprint) claims and completes the key.
+    pub(crate) replace_before_complete: std::sync::Mutex<Option<idempotency_core::Fingerprint>>,
 }
 
 impl Rigged {
@@ -214,6 +217,20 @@ impl Store for Rigged {
     ) -> idempotency_core::Result<()> {
         if !self.complete_takes.is_zero() {
             tokio::time::sleep(self.complete_takes).await;
+        }
+        let armed = self.replace_before_complete.lock().expect("lock").take();
+        if let Some(another) = armed {
+            let scope = idempotency_core::ReleaseScope::default().with_live();
+            self.inner.force_release(id, scope).await?;
+            let begun = self
+                .inner
+                .begin(id, &another, Duration::from_secs(30))
+                .await?;
+            let idempotency_core::Begin::Execute(theirs) = begun else {
+                panic!("the other request's claim: {begun:?}");
+            };
+            let done = idempotency_core::Outcome::new(202);
+            self.inner.complete(id, theirs, &done, retention).await?;
         }
         self.inner.complete(id, token, outcome, retention).await
     }

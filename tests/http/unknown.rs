@@ -769,6 +769,12 @@ fn an_outcome_a_reconcile_hook_found_advertises_its_expiry() {
 /// `PUT`, `DELETE` or `GET` on the admin routes for `key` (global scope: the layer's default
 /// is "anonymous" here), with `body`.
 async fn operator(store: &Arc<dyn Store>, method: &str, key: &str, body: &str) -> crate::Answer {
+    let routes = idempotency_tower::admin_router(store.clone());
+    operator_on(routes, method, key, body).await
+}
+
+/// An operator's call to `routes` about `key` in the `anonymous` scope.
+async fn operator_on(routes: axum::Router, method: &str, key: &str, body: &str) -> crate::Answer {
     use tower::ServiceExt;
 
     let request = axum::http::Request::builder()
@@ -776,10 +782,7 @@ async fn operator(store: &Arc<dyn Store>, method: &str, key: &str, body: &str) -
         .uri(format!("/idempotency/scopes/anonymous/keys/{key}"))
         .body(axum::body::Body::from(body.to_owned()))
         .expect("request");
-    let response = idempotency_tower::admin_router(store.clone())
-        .oneshot(request)
-        .await
-        .expect("infallible");
+    let response = routes.oneshot(request).await.expect("infallible");
     crate::answer(response).await
 }
 
@@ -836,35 +839,49 @@ async fn resolved_and_replayed(store: Arc<dyn Store>) {
 }
 
 /// The attempt's record released and the key claimed by another request (another body)
-/// between the resolution's read and its takeover: nothing is stored, and the answer says
-/// that another request holds the key (`record-replaced`). Before, it said the record was
-/// completed and its outcome replayed already, about a key whose record was in flight.
+/// between the resolution's read and its takeover, or (the resolution's own lease released)
+/// completed by that request while the resolution's completion was on its way: nothing of the
+/// resolution is stored, and the answer says that another request holds the key
+/// (`record-replaced`). Before, it said the record was completed and its outcome replayed
+/// already: about a key whose record was in flight, and about one whose retries get 422.
 #[test]
 fn a_resolution_that_finds_another_requests_record_says_so() {
     block_on(async {
-        let rigged = Arc::new(crate::support::Rigged::default());
-        let store: Arc<dyn Store> = rigged.clone();
-        let (key, id) = crashed_attempt(&*store).await;
-        let another = Fingerprint::of(b"another request");
-        *rigged.replace_after_inspect.lock().expect("lock") = Some(another);
-        let found = r#"{"status": 201, "body": "{\"id\":\"ch_found\"}"}"#;
-        let resolved = operator(&store, "PUT", &key, found).await;
-        assert_eq!(resolved.status, 409, "{}", resolved.body);
-        assert_eq!(
-            resolved.problem_type(),
-            "urn:idempotency:problem:record-replaced",
-            "{}",
-            resolved.body
-        );
-        let kept = store.inspect(&id).await.expect("inspect").expect("kept");
-        assert_eq!(
-            kept.fingerprint, another,
-            "the other request's record stays"
-        );
-        assert!(
-            matches!(kept.state, idempotency_core::RecordState::InFlight { .. }),
-            "nothing was stored: {kept:?}"
-        );
+        for before_complete in [false, true] {
+            let rigged = Arc::new(crate::support::Rigged::default());
+            let store: Arc<dyn Store> = rigged.clone();
+            let (key, id) = crashed_attempt(&*store).await;
+            let another = Fingerprint::of(b"another request");
+            let armed = if before_complete {
+                &rigged.replace_before_complete
+            } else {
+                &rigged.replace_after_inspect
+            };
+            *armed.lock().expect("lock") = Some(another);
+            let found = r#"{"status": 201, "body": "{\"id\":\"ch_found\"}"}"#;
+            let resolved = operator(&store, "PUT", &key, found).await;
+            assert_eq!(resolved.status, 409, "{}", resolved.body);
+            assert_eq!(
+                resolved.problem_type(),
+                "urn:idempotency:problem:record-replaced",
+                "{}",
+                resolved.body
+            );
+            let kept = store.inspect(&id).await.expect("inspect").expect("kept");
+            assert_eq!(
+                kept.fingerprint, another,
+                "the other request's record stays"
+            );
+            let theirs = if before_complete {
+                matches!(
+                    kept.state,
+                    idempotency_core::RecordState::Completed { status: 202 }
+                )
+            } else {
+                matches!(kept.state, idempotency_core::RecordState::InFlight { .. })
+            };
+            assert!(theirs, "nothing of the resolution was stored: {kept:?}");
+        }
     });
 }
 
@@ -926,6 +943,34 @@ fn a_resolution_whose_lease_an_operator_released_says_the_record_is_gone() {
     });
 }
 
+/// Through the routes of a layer that advertises expiry, a resolved outcome carries
+/// `Idempotency-Expires` as the layer's own do (for a retention of millions of years too: it is
+/// kept for good, a century, as every store keeps it, and dated so).
+#[test]
+fn an_outcome_resolved_through_a_layer_that_advertises_expiry_carries_it() {
+    block_on(async {
+        let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
+        let layer = layer(store.clone()).advertise_expiry(true);
+        let (router, calls, _) = app(layer.clone());
+        for body in [
+            r#"{"status": 201}"#,
+            r#"{"status": 201, "retention_seconds": 1000000000000000}"#,
+        ] {
+            let (key, _) = crashed_attempt(&*store).await;
+            let resolved = operator_on(layer.admin_router(), "PUT", &key, body).await;
+            assert_eq!(resolved.status, 204, "{body}: {}", resolved.body);
+            let retry = send(&router, "POST", Some(&key), &[], "{}").await;
+            assert_eq!(retry.status, 201, "{}", retry.body);
+            assert!(
+                retry.headers.contains_key("idempotency-expires"),
+                "{body}: {:?}",
+                retry.headers
+            );
+        }
+        assert_eq!(calls.get(), 0, "the operation never ran again");
+    });
+}
+
 /// An outcome resolved through the layer's own admin routes, without a `retention_seconds`,
 /// is kept for the layer's retention (here a week), as the layer keeps what it stores: a
 /// retry on the second day replays it. From `admin_router(store)`, which does not know the
@@ -933,21 +978,11 @@ fn a_resolution_whose_lease_an_operator_released_says_the_record_is_gone() {
 #[test]
 fn an_outcome_resolved_through_the_layers_routes_is_kept_for_the_layers_retention() {
     block_on(async {
-        use tower::ServiceExt;
-
         let store: Arc<dyn Store> = Arc::new(idempotency_core::MemoryStore::new());
         let week = Duration::from_secs(7 * 86_400);
         let layer = layer(store.clone()).policy(Policy::default().with_retention(week));
         let (key, id) = crashed_attempt(&*store).await;
-        let request = axum::http::Request::put(format!("/idempotency/scopes/anonymous/keys/{key}"))
-            .body(axum::body::Body::from(r#"{"status": 201}"#))
-            .expect("request");
-        let response = layer
-            .admin_router()
-            .oneshot(request)
-            .await
-            .expect("infallible");
-        let resolved = crate::answer(response).await;
+        let resolved = operator_on(layer.admin_router(), "PUT", &key, r#"{"status": 201}"#).await;
         assert_eq!(resolved.status, 204, "{}", resolved.body);
         let kept = store.inspect(&id).await.expect("inspect").expect("kept");
         let two_days = std::time::SystemTime::now() + Duration::from_secs(2 * 86_400);

@@ -234,8 +234,11 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
         // order of the two gives. The claim goes back (dropped or failing here, the key is
         // held for the resolving lease, then taken over as an unknown attempt's).
         Begin::Execute(token) => {
-            store.release(id, token).await?;
-            return Ok(Resolved::Absent);
+            match store.release(id, token).await {
+                // Released by an operator meanwhile (`live`): gone all the same.
+                Ok(()) | Err(Error::LeaseLost) => return Ok(Resolved::Absent),
+                Err(error) => return Err(error),
+            }
         }
         Begin::InFlight { .. } => return Ok(Resolved::Live),
         Begin::Replay(_) => return Ok(Resolved::Completed),
@@ -247,12 +250,11 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
         // Held past the takeover's lease (a store that answered late) and taken over by a
         // retry since, or released by an operator (`?live=true`): nothing stored. Said as
         // it is now, so that a release is not reported as a live lease to look at again.
-        Err(Error::LeaseLost) => Ok(match store.inspect(id).await {
-            Ok(None) => Resolved::Absent,
-            Ok(Some(record)) if matches!(record.state, RecordState::Completed { .. }) => {
-                Resolved::Completed
-            }
-            _ => Resolved::Live,
+        Err(Error::LeaseLost) => Ok(match store.inspect(id).await? {
+            None => Resolved::Absent,
+            Some(now) if now.fingerprint != record.fingerprint => Resolved::Replaced,
+            Some(now) if matches!(now.state, RecordState::Completed { .. }) => Resolved::Completed,
+            Some(_) => Resolved::Live,
         }),
         Err(error) => {
             // Not stored: the record is an attempt whose outcome is unknown again now,

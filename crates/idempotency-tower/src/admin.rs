@@ -144,6 +144,7 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
     routes(Routes {
         store,
         retention: Policy::default().retention(),
+        advertise_expiry: false,
     })
 }
 
@@ -155,6 +156,9 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
 pub(crate) struct Routes {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) retention: Duration,
+    /// Whether a resolved outcome carries `Idempotency-Expires`, as the layer's do
+    /// ([`IdempotencyLayer::advertise_expiry`](crate::IdempotencyLayer::advertise_expiry)).
+    pub(crate) advertise_expiry: bool,
 }
 
 pub(crate) fn routes(state: Routes) -> Router {
@@ -504,7 +508,8 @@ fn resolution(body: &[u8], retention: Duration) -> Result<(Outcome, Duration), B
         Some(seconds) => seconds
             .as_u64()
             .filter(|seconds| *seconds > 0)
-            .map(Duration::from_secs)
+            // As every store keeps it: at most "for good" (a century).
+            .map(|seconds| Duration::from_secs(seconds).min(idempotency_core::FOR_GOOD))
             .ok_or_else(|| bad("\"retention_seconds\" is a whole number above 0".into()))?,
     };
     Ok((outcome, retention))
@@ -513,7 +518,11 @@ fn resolution(body: &[u8], retention: Duration) -> Result<(Outcome, Duration), B
 /// `PUT`: stores the outcome an operator found for an attempt whose outcome is unknown (see
 /// [`admin_router`]).
 async fn resolve(
-    State(Routes { store, retention }): State<Routes>,
+    State(Routes {
+        store,
+        retention,
+        advertise_expiry,
+    }): State<Routes>,
     named: Named,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -541,6 +550,14 @@ async fn resolve(
     let (outcome, retention) = match resolution(&body, retention) {
         Ok(resolution) => resolution,
         Err(response) => return *response,
+    };
+    // As the layer dates what it stores: from now, before the store counts its retention.
+    let expires = advertise_expiry
+        .then(|| crate::service::expires_after(retention))
+        .flatten();
+    let outcome = match expires {
+        Some(date) => outcome.with_header(crate::IDEMPOTENCY_EXPIRES, date.as_bytes().to_vec()),
+        None => outcome,
     };
     match idempotency_core::resolve_unknown(&*store, &id, &outcome, retention).await {
         Ok(Resolved::Stored) => StatusCode::NO_CONTENT.into_response(),

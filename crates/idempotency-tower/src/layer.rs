@@ -333,7 +333,8 @@ impl IdempotencyLayer {
 
     /// The operator's routes ([`admin_router`](crate::admin_router)) over this layer's store,
     /// where an outcome an operator resolves without a `retention_seconds` is kept for this
-    /// layer's retention, as the layer keeps the outcomes it stores. (From `admin_router`
+    /// layer's retention, as the layer keeps the outcomes it stores (and carries
+    /// `Idempotency-Expires` when the layer [advertises it](Self::advertise_expiry)). (From `admin_router`
     /// it is kept a day: with a layer keeping outcomes a week, a retry on the second day
     /// found no record and ran the operation again.) Nest it behind your operators'
     /// authentication.
@@ -354,6 +355,7 @@ impl IdempotencyLayer {
         crate::admin::routes(crate::admin::Routes {
             store: self.config.store.clone(),
             retention: self.config.policy.retention(),
+            advertise_expiry: self.config.advertise_expiry,
         })
     }
 

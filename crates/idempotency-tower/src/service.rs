@@ -1797,8 +1797,19 @@ fn expiry(config: &Config) -> Option<HeaderValue> {
     if !config.advertise_expiry {
         return None;
     }
-    let until = std::time::SystemTime::now() + config.policy.retention();
-    HeaderValue::from_str(&httpdate::fmt_http_date(until)).ok()
+    expires_after(config.policy.retention())
+}
+
+/// `Idempotency-Expires` for an outcome stored now and kept `retention`; none past what an
+/// HTTP-date can say (the year 9999: `httpdate` panics there), which is kept for good anyway.
+pub(crate) fn expires_after(retention: std::time::Duration) -> Option<HeaderValue> {
+    /// 9999-12-31T23:59:59Z, in seconds since the Unix epoch.
+    const LAST_HTTP_DATE: u64 = 253_402_300_799;
+    let until = std::time::SystemTime::now().checked_add(retention)?;
+    let since_epoch = until.duration_since(std::time::UNIX_EPOCH).ok()?;
+    (since_epoch.as_secs() <= LAST_HTTP_DATE)
+        .then(|| HeaderValue::from_str(&httpdate::fmt_http_date(until)).ok())
+        .flatten()
 }
 
 /// How much of the body an outcome carries; replays say so in `Idempotent-Replay-Body`.
