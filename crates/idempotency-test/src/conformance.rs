@@ -674,12 +674,7 @@ pub async fn resolving_an_unknown_outcome_races_the_late_completion(store: Arc<d
         async move {
             let complete = store.complete(&id, stale, &late, LONG);
             let resolve = resolve_unknown(&*store, &id, &found, LONG);
-            let (completed, resolved) = if i % 2 == 0 {
-                tokio::join!(complete, resolve)
-            } else {
-                let (resolved, completed) = tokio::join!(resolve, complete);
-                (completed, resolved)
-            };
+            let (completed, resolved) = join_in_turn(i, complete, resolve).await;
             let stored = match (completed, resolved.expect("resolve")) {
                 (Ok(()), Resolved::Completed) => &late,
                 (Err(Error::LeaseLost), Resolved::Stored) => &found,
@@ -694,6 +689,63 @@ pub async fn resolving_an_unknown_outcome_races_the_late_completion(store: Arc<d
         }
     });
     futures::future::join_all(races).await;
+}
+
+/// An operator resolving an unknown outcome ([`resolve_unknown`]) while another releases the
+/// attempt (`force_release`, default scope: found no effect), many keys at once: the answers
+/// are those of some order of the two. The release first: it released, and the resolution
+/// finds no record and stores nothing. The resolution first: its takeover holds the key
+/// (the release answers `Live`) or its outcome is stored (`Completed`), and that outcome
+/// replays. Never both "released" and "stored": a resolution that claimed the key the
+/// release had just freed stored its outcome, found by review.
+///
+/// [`resolve_unknown`]: idempotency_core::resolve_unknown
+pub async fn resolving_an_unknown_outcome_races_an_operators_release(store: Arc<dyn Store>) {
+    use idempotency_core::{ForceReleased, ReleaseScope, Resolved, resolve_unknown};
+
+    let found = Outcome::new(201).with_body("found by the operator");
+    let mut keys = Vec::new();
+    for _ in 0..16 {
+        let id = fresh_id();
+        execute(&*store, &id, &fp("a"), SHORT).await;
+        keys.push(id);
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    let races = keys.into_iter().enumerate().map(|(i, id)| {
+        let (store, found) = (store.clone(), found.clone());
+        async move {
+            let release = store.force_release(&id, ReleaseScope::default());
+            let resolve = resolve_unknown(&*store, &id, &found, LONG);
+            let (released, resolved) = join_in_turn(i, release, resolve).await;
+            let (released, resolved) = (released.expect("release"), resolved.expect("resolve"));
+            let stored = match (released, resolved) {
+                (ForceReleased::Released | ForceReleased::Live, Resolved::Absent) => false,
+                (ForceReleased::Live | ForceReleased::Completed, Resolved::Stored) => true,
+                other => panic!("no order of the two answers {other:?}"),
+            };
+            if stored {
+                assert_eq!(
+                    store.begin(&id, &fp("a"), LONG).await.expect("begin"),
+                    Begin::Replay(found.clone())
+                );
+            } else {
+                let left = store.inspect(&id).await.expect("inspect");
+                assert!(left.is_none(), "released, yet kept: {left:?}");
+            }
+        }
+    });
+    futures::future::join_all(races).await;
+}
+
+/// `a` and `b` joined, `a` polled first for an even `i` and `b` for an odd one (so that races
+/// run in both orders over many keys); the answers in argument order.
+async fn join_in_turn<A: Future, B: Future>(i: usize, a: A, b: B) -> (A::Output, B::Output) {
+    if i.is_multiple_of(2) {
+        tokio::join!(a, b)
+    } else {
+        let (b, a) = tokio::join!(b, a);
+        (a, b)
+    }
 }
 
 /// A completed record past its retention behaves as absent.
@@ -1195,6 +1247,7 @@ macro_rules! conformance_tests {
             concurrent_mixed_calls_answer_as_alone,
             takeover_races_late_completion,
             resolving_an_unknown_outcome_races_the_late_completion,
+            resolving_an_unknown_outcome_races_an_operators_release,
             dropped_calls_leave_the_key_answerable,
             a_full_release_among_claims_answers_as_some_order_would,
             answers_as_the_model_store,
