@@ -160,9 +160,12 @@ pub enum Resolved {
     Stored,
     /// The record's lease is live: its holder may still be running the operation, or a
     /// retry is being told its outcome is unknown. Nothing changed: look again once the
-    /// lease ran out.
+    /// lease ran out. (Also said of a record under the attempt's fingerprint found after the
+    /// resolution's own completion was refused: a retry's, which ran after an operator
+    /// released the resolution's lease; the store cannot tell it from the attempt.)
     Live,
-    /// The record is completed (now or since it was read): its outcome replays already.
+    /// The record is completed (now or since it was read): its outcome replays already —
+    /// the attempt's, or that of a retry that ran after an operator released the key.
     /// Nothing changed.
     Completed,
     /// There is no live record under this id (now, or since it was read: purged, or

@@ -719,7 +719,9 @@ pub async fn resolving_an_unknown_outcome_races_an_operators_release(store: Arc<
             let (released, resolved) = join_in_turn(i, release, resolve).await;
             let (released, resolved) = (released.expect("release"), resolved.expect("resolve"));
             let stored = match (released, resolved) {
-                (ForceReleased::Released | ForceReleased::Live, Resolved::Absent) => false,
+                // The release is one step, the resolution three (read, takeover, completion):
+                // these three placements are all there is.
+                (ForceReleased::Released, Resolved::Absent) => false,
                 (ForceReleased::Live | ForceReleased::Completed, Resolved::Stored) => true,
                 other => panic!("no order of the two answers {other:?}"),
             };
