@@ -943,6 +943,48 @@ fn a_resolution_whose_lease_an_operator_released_says_the_record_is_gone() {
     });
 }
 
+/// An operator who hangs up while the resolution's completion is on its way (an interrupted
+/// `curl`: the request's future dropped) does not leave it half done: the outcome is stored.
+/// Before, the resolution was dropped with the request after its takeover: the key was held
+/// by the resolving lease (30 s), then read as an attempt whose outcome is unknown again.
+#[test]
+fn a_resolution_whose_operator_hung_up_still_stores_its_outcome() {
+    block_on(async {
+        let rigged = Arc::new(crate::support::Rigged {
+            complete_takes: Duration::from_millis(500),
+            ..Default::default()
+        });
+        let store: Arc<dyn Store> = rigged.clone();
+        let (key, id) = crashed_attempt(&*store).await;
+        let resolving = {
+            let store = store.clone();
+            tokio::spawn(async move { operator(&store, "PUT", &key, r#"{"status": 201}"#).await })
+        };
+        // Past the takeover (the memory store answers at once), within the completion.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        resolving.abort();
+        assert!(resolving.await.is_err_and(|e| e.is_cancelled()));
+        let completed = |kept: &Option<idempotency_core::Inspection>| {
+            matches!(
+                kept.as_ref().map(|record| record.state),
+                Some(idempotency_core::RecordState::Completed { status: 201 })
+            )
+        };
+        let mut kept = None;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            kept = store.inspect(&id).await.expect("inspect");
+            if completed(&kept) {
+                break;
+            }
+        }
+        assert!(
+            completed(&kept),
+            "the resolution was left half done: {kept:?}"
+        );
+    });
+}
+
 /// Through the routes of a layer that advertises expiry, a resolved outcome carries
 /// `Idempotency-Expires` as the layer's own do (for a retention of millions of years too: it is
 /// kept for good, a century, as every store keeps it, and dated so).

@@ -45,7 +45,8 @@ use crate::Problem;
 ///   outcome is unknown, holds it: look again), for a completed record, and for a record
 ///   another request (another body, method, path…) made after the attempt's was released since it was read
 ///   (`record-replaced`); `404` when there is none, and when the record was released (by
-///   another operator's `DELETE`) or purged since it was read;
+///   another operator's `DELETE`) or purged since it was read. It runs to its end in a task
+///   of its own: an operator who hangs up does not leave it half done;
 /// - the same three at `/idempotency/keys/{key}` for the global scope.
 ///
 /// **Resolving.** Under [`OutcomeUnknown::Reject`](crate::OutcomeUnknown::Reject) an
@@ -145,6 +146,7 @@ pub fn admin_router(store: Arc<dyn Store>) -> Router {
         store,
         retention: Policy::default().retention(),
         advertise_expiry: false,
+        detached: None,
     })
 }
 
@@ -159,6 +161,9 @@ pub(crate) struct Routes {
     /// Whether a resolved outcome carries `Idempotency-Expires`, as the layer's do
     /// ([`IdempotencyLayer::advertise_expiry`](crate::IdempotencyLayer::advertise_expiry)).
     pub(crate) advertise_expiry: bool,
+    /// Where a resolution runs (the layer's tasks, which its `drain` waits for); `None`: a
+    /// task of its own.
+    pub(crate) detached: Option<tokio_util::task::TaskTracker>,
 }
 
 pub(crate) fn routes(state: Routes) -> Router {
@@ -522,6 +527,7 @@ async fn resolve(
         store,
         retention,
         advertise_expiry,
+        detached,
     }): State<Routes>,
     named: Named,
     body: Result<Bytes, BytesRejection>,
@@ -559,7 +565,25 @@ async fn resolve(
         Some(date) => outcome.with_header(crate::IDEMPOTENCY_EXPIRES, date.as_bytes().to_vec()),
         None => outcome,
     };
-    match idempotency_core::resolve_unknown(&*store, &id, &outcome, retention).await {
+    // In a task of its own: an operator who hangs up mid-way (an interrupted `curl`) does not
+    // leave it half done — its takeover held and its outcome not stored, the key then read
+    // as an attempt whose outcome is unknown once the resolving lease ran out.
+    let resolution =
+        async move { idempotency_core::resolve_unknown(&*store, &id, &outcome, retention).await };
+    let resolved = match detached {
+        Some(tracker) => tracker.spawn(resolution).await,
+        None => tokio::spawn(resolution).await,
+    };
+    let resolved = match resolved {
+        Ok(resolved) => resolved,
+        Err(failed) => {
+            return problem(
+                Problem::Internal,
+                &format!("the resolution failed: {failed}; GET the record before trying again"),
+            );
+        }
+    };
+    match resolved {
         Ok(Resolved::Stored) => StatusCode::NO_CONTENT.into_response(),
         Ok(Resolved::Live) => problem(
             Problem::LeaseLive,

@@ -356,6 +356,7 @@ impl IdempotencyLayer {
             store: self.config.store.clone(),
             retention: self.config.policy.retention(),
             advertise_expiry: self.config.advertise_expiry,
+            detached: Some(self.config.detached.clone()),
         })
     }
 
