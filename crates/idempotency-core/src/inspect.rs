@@ -190,16 +190,22 @@ const RESOLVING_LEASE: Duration = Duration::from_secs(30);
 /// The record is taken over as a retry of the attempt would take it (under its own
 /// fingerprint: the store checks that the lease ran out in the same step), then completed.
 /// A retry that took the key over since it was read keeps it ([`Resolved::Live`]), and the
-/// attempt's late completion is refused. Dropped, or failing after the takeover, it leaves
-/// the record an attempt whose outcome is unknown again (at once, or when its 30 s lease
-/// runs out).
+/// attempt's late completion is refused.
+///
+/// Dropped mid-way (an operator's tool that timed out), it runs to its end in a task of its
+/// own ([`finish_on_drop`](crate::finish_on_drop)): half done, it would leave its takeover
+/// held for its 30 s lease, and then the record read as an attempt whose outcome is unknown
+/// again — or, where the key had been released since it was read, a fresh claim read so, an
+/// operator's release undone. So it takes the store as an `Arc`. Failing after its takeover,
+/// it gives the lease back in a task of its own, retried while the store is unavailable
+/// ([`end_orphan`](crate::end_orphan), [`release_orphan`](crate::release_orphan)).
 ///
 /// ```
-/// use std::time::Duration;
+/// use std::{sync::Arc, time::Duration};
 /// use idempotency_core::{resolve_unknown, Begin, Fingerprint, MemoryStore, Outcome, RecordId, Resolved, Store};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() -> Result<(), idempotency_core::Error> {
-/// let store = MemoryStore::new();
+/// let store = Arc::new(MemoryStore::new());
 /// let (id, fp) = (RecordId::from_bytes([7; 32]), Fingerprint::of(b"charge 1000"));
 /// store.begin(&id, &fp, Duration::from_secs(1)).await?; // an attempt that crashed
 /// tokio::time::advance(Duration::from_secs(2)).await;
@@ -210,8 +216,20 @@ const RESOLVING_LEASE: Duration = Duration::from_secs(30);
 /// assert_eq!(store.begin(&id, &fp, Duration::from_secs(30)).await?, Begin::Replay(found));
 /// # Ok(()) }
 /// ```
-pub async fn resolve_unknown<S: crate::Store + ?Sized>(
-    store: &S,
+pub async fn resolve_unknown<S: crate::Store + ?Sized + 'static>(
+    store: &std::sync::Arc<S>,
+    id: &crate::RecordId,
+    outcome: &crate::Outcome,
+    retention: Duration,
+) -> crate::Result<Resolved> {
+    let (store, id, outcome) = (store.clone(), *id, outcome.clone());
+    let resolution = async move { resolve(store, &id, &outcome, retention).await };
+    crate::finish_on_drop(resolution, |_| Box::pin(async {})).await
+}
+
+/// [`resolve_unknown`]'s steps: read, take over, complete.
+async fn resolve<S: crate::Store + ?Sized + 'static>(
+    store: std::sync::Arc<S>,
     id: &crate::RecordId,
     outcome: &crate::Outcome,
     retention: Duration,
@@ -234,14 +252,17 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
         // No record since it was read: purged, or released by another operator (found no
         // effect: the key runs again). Stored now, the outcome would answer for an attempt
         // that operator was told is gone, and both would be told they succeeded, which no
-        // order of the two gives. The claim goes back (dropped or failing here, the key is
-        // held for the resolving lease, then taken over as an unknown attempt's).
+        // order of the two gives. The claim goes back.
         Begin::Execute(token) => {
-            match store.release(id, token).await {
+            return match store.release(id, token).await {
                 // Released by an operator meanwhile (`live`): gone all the same.
-                Ok(()) | Err(Error::LeaseLost) => return Ok(Resolved::Absent),
-                Err(error) => return Err(error),
-            }
+                Ok(()) | Err(Error::LeaseLost) => Ok(Resolved::Absent),
+                Err(error) => {
+                    // Kept, it would read as an unknown attempt once its lease ran out.
+                    give_back_later(store, *id, Begin::Execute(token));
+                    Err(error)
+                }
+            };
         }
         Begin::InFlight { .. } => return Ok(Resolved::Live),
         Begin::Replay(_) => return Ok(Resolved::Completed),
@@ -262,10 +283,20 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized>(
         Err(error) => {
             // Not stored: the record is an attempt whose outcome is unknown again now,
             // rather than "in flight" to its retries for a lease.
-            let _ = store.renew(id, token, Duration::ZERO).await;
+            give_back_later(store, *id, Begin::TakeOver(token));
             Err(error)
         }
     }
+}
+
+/// Gives `grant` back in a task of its own ([`give_back_orphan`](crate::give_back_orphan):
+/// retried while the store is unavailable), so that the caller hears of the failure now.
+fn give_back_later<S: crate::Store + ?Sized + 'static>(
+    store: std::sync::Arc<S>,
+    id: crate::RecordId,
+    grant: crate::Begin,
+) {
+    tokio::spawn(async move { crate::give_back_orphan(&*store, &id, grant).await });
 }
 
 /// A time given in milliseconds since the Unix epoch (what SQL's `extract(epoch …)` and
@@ -281,4 +312,190 @@ pub fn system_time_from_millis(millis: f64) -> SystemTime {
         return SystemTime::UNIX_EPOCH;
     }
     SystemTime::UNIX_EPOCH + Duration::from_secs_f64(millis / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    };
+
+    use super::*;
+    use crate::{
+        Begin, Error, ForceReleased, LeaseToken, MemoryStore, Outcome, RecordId, Result, Store,
+    };
+
+    /// A memory store an operator races: the record is released right after it is read
+    /// (`release_after_inspect`), and writes are slow or fail once.
+    #[derive(Default)]
+    struct Raced {
+        inner: MemoryStore,
+        release_after_inspect: AtomicBool,
+        /// Each `release` and `complete` takes this long (a store a slow round trip away).
+        writes_take: Duration,
+        /// The next `release` or `complete` fails (`Unavailable`: a connection reset).
+        fail_next_write: AtomicBool,
+    }
+
+    impl Raced {
+        async fn write(&self) -> Result<()> {
+            tokio::time::sleep(self.writes_take).await;
+            match self.fail_next_write.swap(false, Ordering::SeqCst) {
+                true => Err(Error::unavailable("connection reset")),
+                false => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Raced {
+        async fn begin(&self, id: &RecordId, fp: &Fingerprint, lease: Duration) -> Result<Begin> {
+            self.inner.begin(id, fp, lease).await
+        }
+        async fn complete(
+            &self,
+            id: &RecordId,
+            token: LeaseToken,
+            outcome: &Outcome,
+            retention: Duration,
+        ) -> Result<()> {
+            self.write().await?;
+            self.inner.complete(id, token, outcome, retention).await
+        }
+        async fn release(&self, id: &RecordId, token: LeaseToken) -> Result<()> {
+            self.write().await?;
+            self.inner.release(id, token).await
+        }
+        async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+            self.inner.renew(id, token, lease).await
+        }
+        async fn purge_expired(&self, batch: usize) -> Result<u64> {
+            self.inner.purge_expired(batch).await
+        }
+        async fn inspect(&self, id: &RecordId) -> Result<Option<Inspection>> {
+            let found = self.inner.inspect(id).await?;
+            if self.release_after_inspect.swap(false, Ordering::SeqCst) {
+                let released = self
+                    .inner
+                    .force_release(id, ReleaseScope::default())
+                    .await?;
+                assert_eq!(released, ForceReleased::Released);
+            }
+            Ok(found)
+        }
+        async fn force_release(&self, id: &RecordId, scope: ReleaseScope) -> Result<ForceReleased> {
+            self.inner.force_release(id, scope).await
+        }
+        fn name(&self) -> &'static str {
+            "raced"
+        }
+    }
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    /// An attempt that crashed: its record, its lease run out.
+    async fn unknown_attempt(store: &Raced) -> (RecordId, Fingerprint) {
+        let (id, fp) = (
+            RecordId::from_bytes([7; 32]),
+            Fingerprint::of(b"charge 1000"),
+        );
+        store.begin(&id, &fp, Duration::from_secs(1)).await.unwrap();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        (id, fp)
+    }
+
+    /// Lets the tasks spawned so far run to their end (time is paused: sleeps end at once).
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+    }
+
+    /// Another operator released the attempt (found no effect) between the resolution's read
+    /// and its claim; the resolution's caller gave up while its claim was going back. The key
+    /// is free, as that operator was told. Before, the claim was held for 30 s and then read
+    /// as an unknown attempt: the release undone, the key's retries refused.
+    #[tokio::test(start_paused = true)]
+    async fn a_resolution_dropped_while_giving_its_claim_back_still_gives_it_back() {
+        let store = Arc::new(Raced {
+            writes_take: Duration::from_secs(5),
+            ..Raced::default()
+        });
+        let (id, _) = unknown_attempt(&store).await;
+        store.release_after_inspect.store(true, Ordering::SeqCst);
+        let found = Outcome::new(201).with_body("ch_1");
+        let resolution = resolve_unknown(&store, &id, &found, DAY);
+        let gave_up = tokio::time::timeout(Duration::from_secs(1), resolution).await;
+        assert!(gave_up.is_err(), "still giving the claim back: {gave_up:?}");
+        settle().await;
+        assert_eq!(store.inspect(&id).await.unwrap(), None);
+    }
+
+    /// The same, with the give-back failing (a connection reset): the caller hears of the
+    /// failure, and the claim goes back all the same.
+    #[tokio::test(start_paused = true)]
+    async fn a_resolution_whose_give_back_failed_still_gives_its_claim_back() {
+        let store = Arc::new(Raced::default());
+        let (id, _) = unknown_attempt(&store).await;
+        store.release_after_inspect.store(true, Ordering::SeqCst);
+        store.fail_next_write.store(true, Ordering::SeqCst);
+        let found = Outcome::new(201).with_body("ch_1");
+        let resolved = resolve_unknown(&store, &id, &found, DAY).await;
+        assert!(
+            matches!(resolved, Err(Error::Unavailable(_))),
+            "{resolved:?}"
+        );
+        settle().await;
+        assert_eq!(store.inspect(&id).await.unwrap(), None);
+    }
+
+    /// The resolution's caller gave up while the outcome was being stored: it is stored
+    /// all the same, and the key's retries replay it. Before, the takeover was left held,
+    /// and the record was read as an unknown attempt again once its lease ran out.
+    #[tokio::test(start_paused = true)]
+    async fn a_resolution_dropped_while_storing_still_stores() {
+        let store = Arc::new(Raced {
+            writes_take: Duration::from_secs(5),
+            ..Raced::default()
+        });
+        let (id, fp) = unknown_attempt(&store).await;
+        let found = Outcome::new(201).with_body("ch_1");
+        let resolution = resolve_unknown(&store, &id, &found, DAY);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), resolution)
+                .await
+                .is_err()
+        );
+        settle().await;
+        let retry = store
+            .begin(&id, &fp, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(retry, Begin::Replay(found));
+    }
+
+    /// Storing failed (a connection reset): the caller hears of it, and the record is an
+    /// attempt whose outcome is unknown again at once, not "in flight" for the resolution's
+    /// lease.
+    #[tokio::test(start_paused = true)]
+    async fn a_resolution_that_could_not_store_leaves_the_attempt_unknown_at_once() {
+        let store = Arc::new(Raced::default());
+        let (id, fp) = unknown_attempt(&store).await;
+        store.fail_next_write.store(true, Ordering::SeqCst);
+        let found = Outcome::new(201).with_body("ch_1");
+        let resolved = resolve_unknown(&store, &id, &found, DAY).await;
+        assert!(
+            matches!(resolved, Err(Error::Unavailable(_))),
+            "{resolved:?}"
+        );
+        for _ in 0..4 {
+            tokio::task::yield_now().await; // the give-back's task
+        }
+        let retry = store
+            .begin(&id, &fp, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(matches!(retry, Begin::TakeOver(_)), "{retry:?}");
+    }
 }

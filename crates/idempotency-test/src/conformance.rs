@@ -673,7 +673,7 @@ pub async fn resolving_an_unknown_outcome_races_the_late_completion(store: Arc<d
         let (store, late, found) = (store.clone(), late.clone(), found.clone());
         async move {
             let complete = store.complete(&id, stale, &late, LONG);
-            let resolve = resolve_unknown(&*store, &id, &found, LONG);
+            let resolve = resolve_unknown(&store, &id, &found, LONG);
             let (completed, resolved) = join_in_turn(i, complete, resolve).await;
             let stored = match (completed, resolved.expect("resolve")) {
                 (Ok(()), Resolved::Completed) => &late,
@@ -715,7 +715,7 @@ pub async fn resolving_an_unknown_outcome_races_an_operators_release(store: Arc<
         let (store, found) = (store.clone(), found.clone());
         async move {
             let release = store.force_release(&id, ReleaseScope::default());
-            let resolve = resolve_unknown(&*store, &id, &found, LONG);
+            let resolve = resolve_unknown(&store, &id, &found, LONG);
             let (released, resolved) = join_in_turn(i, release, resolve).await;
             let (released, resolved) = (released.expect("release"), resolved.expect("resolve"));
             let stored = match (released, resolved) {

@@ -569,7 +569,7 @@ async fn resolve(
     // leave it half done — its takeover held and its outcome not stored, the key then read
     // as an attempt whose outcome is unknown once the resolving lease ran out.
     let resolution =
-        async move { idempotency_core::resolve_unknown(&*store, &id, &outcome, retention).await };
+        async move { idempotency_core::resolve_unknown(&store, &id, &outcome, retention).await };
     let resolved = match detached {
         Some(tracker) => tracker.spawn(resolution).await,
         None => tokio::spawn(resolution).await,
