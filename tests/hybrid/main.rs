@@ -330,6 +330,58 @@ fn a_release_right_after_begin_leaves_no_stale_mirror() {
     });
 }
 
+/// A lease's mirror written late (its task ran long after `begin` answered: a busy runtime)
+/// lives no longer than the row's lease: a retry after the lease ran out takes the key over.
+/// Before, the mirror's TTL was the whole lease counted from when it landed, and the retry
+/// was told "in flight" by Redis for as long as the mirror was late.
+#[test]
+fn a_mirror_written_late_ends_with_its_lease() {
+    let urls = block_on(async {
+        let pg = services::postgres().await?;
+        let redis = services::redis().await?;
+        Some((pg.url().to_owned(), redis.url().to_owned()))
+    });
+    let Some((pg, redis)) = urls else {
+        return;
+    };
+    // One worker: while the test's task blocks it, the mirror's task cannot run.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let lease = Duration::from_secs(2);
+        // Made on this runtime: its tasks run on its one worker.
+        let store = hybrid(pg_store(&pg).await, &redis)
+            .await
+            .with_in_flight_mirror_ttl(lease);
+        let (id, fp) = (
+            idempotency_test::conformance::fresh_id(),
+            Fingerprint::of(b"late mirror"),
+        );
+        // On the worker, so that blocking it holds up the mirror's task spawned meanwhile.
+        let test = tokio::spawn(async move {
+            let answered = std::time::Instant::now();
+            let Begin::Execute(_) = store.begin(&id, &fp, lease).await.expect("begin") else {
+                panic!("a fresh key executes")
+            };
+            // Busy elsewhere for most of the lease; then the mirror is written.
+            std::thread::sleep(Duration::from_millis(1_500));
+            mirror_landed(&store, &id, &fp).await;
+            // The attempt crashed: nobody renews. Past its lease, a retry takes the key over.
+            let past = answered + lease + Duration::from_millis(300);
+            tokio::time::sleep(past.saturating_duration_since(std::time::Instant::now())).await;
+            let retry = store.begin(&id, &fp, lease).await.expect("retry");
+            assert!(
+                matches!(retry, Begin::TakeOver(_)),
+                "past the lease: {retry:?}"
+            );
+        });
+        test.await.expect("the test's task");
+    });
+}
+
 /// Claims a fresh record (its lease mirrored) and completes it in a committed application
 /// transaction (`complete_in`, as `Executor::run_with_claim` does); returns the token.
 async fn completed_in_a_transaction(

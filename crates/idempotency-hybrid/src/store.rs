@@ -1239,8 +1239,9 @@ impl HybridStore {
                 // mirror (`replace_mirror` is fenced on it).
                 let (this, id, fp, token) = (self.clone(), *id, *fp, *token);
                 // No longer than what is left of the lease (less than asked after a lock
-                // wait): a mirror must not say "in flight" past the row's lease.
-                // (A millisecond at least: Redis refuses a TTL of zero.)
+                // wait), counted from before Postgres was asked: a mirror must not say "in
+                // flight" past the row's lease. (A millisecond at least: Redis refuses a TTL
+                // of zero.)
                 let mirror = left
                     .unwrap_or(lease)
                     .min(lease)
@@ -1254,9 +1255,18 @@ impl HybridStore {
                     // and have looked for the writes on their way before this one was
                     // noted; landing after its delete, the mirror would say "in flight"
                     // for a lease that is over. Duplicates then ask Postgres.
-                    if this.inner.releases.none_since(asked.releases) {
-                        this.try_redis(|| this.redis.cache_in_flight(&id, &fp, token, mirror))
-                            .await;
+                    //
+                    // Its TTL counts from when it is sent, not from when Postgres was asked:
+                    // less what the task waited to run (a busy runtime) and its repairs took,
+                    // or a mirror written late says "in flight" past the row's lease. (A
+                    // lease all but over is not mirrored.)
+                    let left = || mirror.saturating_sub(asked.at.elapsed());
+                    if this.inner.releases.none_since(asked.releases) && !left().is_zero() {
+                        let cache = || {
+                            let ttl = left().max(Duration::from_millis(1));
+                            this.redis.cache_in_flight(&id, &fp, token, ttl)
+                        };
+                        this.try_redis(cache).await;
                     }
                 });
             }
