@@ -116,12 +116,20 @@
 //! # Shutting down
 //!
 //! Stop polling between messages, or drop a poll anywhere: either way nothing is applied
-//! twice. Then [`Consumer::drain`], which waits for what dropped runs left to settle (a
+//! twice. (A poll dropped or failed mid-way leaves the messages it took and had not started
+//! to the consumer's next poll; the one it was handling is claimed again after
+//! `claim_idle`.) Then [`Consumer::drain`], which waits for what dropped runs left to settle (a
 //! lease given back, an outcome being stored).
 //!
 //! Run the example with: `DATABASE_URL=postgres://… REDIS_URL=redis://… cargo run -p stream-consumer`
 
-use std::{collections::HashMap, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    time::Duration,
+};
 
 use idempotency::{
     Begin, Executor, FOR_GOOD, Fingerprint, IdempotencyKey, Policy, RecordId, RecordState,
@@ -429,6 +437,11 @@ pub struct Consumer {
     /// bounded number of entries, so always starting at the front would never reach an idle
     /// message behind a long run of live ones.
     claim_from: String,
+    /// Messages a poll took (claimed or read) and had not started to handle when it failed
+    /// or was dropped, with their delivery counts: the next poll handles them first. Left to
+    /// the claim, they waited `claim_idle` (30 s by default) after one failed `XACK`, their
+    /// idle time reset by the claim or the read that took them.
+    owed: VecDeque<(Entry, u64)>,
     /// The scopes earlier versions keyed charges by, consulted in order before a charge is
     /// applied ([`Consumer::with_previous_scope`]).
     previous_scopes: Vec<Scope>,
@@ -489,6 +502,7 @@ impl Consumer {
             dead_letter_stream: format!("{stream}:dead"),
             failures: format!("{stream}:{group}:failures"),
             claim_from: "0-0".into(),
+            owed: VecDeque::new(),
             previous_scopes: Vec::new(),
             crash_before_ack: None,
             crash_before_dead_letter: None,
@@ -676,6 +690,8 @@ impl Consumer {
         tracing::warn!(%error, stream = %self.stream, group = %self.group, "the consumer group is gone: created again from the stream's start");
         self.create_group().await?;
         self.claim_from = "0-0".to_owned();
+        // Read again from the stream's start, under the group made again.
+        self.owed.clear();
         Ok(polled)
     }
 
@@ -683,6 +699,9 @@ impl Consumer {
     /// and acknowledges each.
     pub async fn poll(&mut self, count: usize) -> Result<Polled, ConsumeError> {
         let mut polled = Polled::default();
+        // What the last poll took and did not get to: its messages are pending under this
+        // consumer, idle for less than `claim_idle`, and `>` does not hand them out again.
+        self.handle_owed(&mut polled).await?;
         let idle = u64::try_from(self.claim_idle.as_millis()).unwrap_or(u64::MAX);
         // Read as values, not as `StreamAutoClaimReply` or `StreamReadReply`: those take
         // field names for strings, and one name that is not UTF-8 failed the whole reply, so
@@ -727,23 +746,31 @@ impl Consumer {
             Err(error) if group_is_gone(&error) => return self.group_lost(&error, polled).await,
             read => read?,
         };
-        let fresh = read_entries(&read)?;
+        // `>` hands out messages never delivered before: this is their first delivery.
+        self.owed = read_entries(&read)?.into_iter().map(|m| (m, 1)).collect();
         let deliveries = self.deliveries(&claimed.entries).await?;
-        for message in &claimed.entries {
+        for message in claimed.entries.into_iter().rev() {
             // Not pending any more (acknowledged meanwhile): whatever happens, its `XACK`
             // answers 0; count it as a first delivery so nothing is dead-lettered for it.
             let delivered = deliveries.get(&message.id).copied().unwrap_or(1);
-            self.handle(message, delivered, &mut polled).await?;
+            self.owed.push_front((message, delivered));
         }
-        // `>` hands out messages never delivered before: this is their first delivery.
-        for message in &fresh {
-            self.handle(message, 1, &mut polled).await?;
-        }
+        self.handle_owed(&mut polled).await?;
         // Only once what it claimed was handled: a poll that fails before leaves the cursor
         // where it was, and the next one scans that stretch again.
         // `0-0` once the scan has gone round the whole list.
         self.claim_from = claimed.next;
         Ok(polled)
+    }
+
+    /// Handles the messages owed ([`Consumer::owed`]), in order. Each leaves the list as its
+    /// handling starts: one that fails, or whose handling is dropped, is left to the claim,
+    /// as before (so that a message that always fails so does not hold up every poll).
+    async fn handle_owed(&mut self, polled: &mut Polled) -> Result<(), ConsumeError> {
+        while let Some((message, delivered)) = self.owed.pop_front() {
+            self.handle(&message, delivered, polled).await?;
+        }
+        Ok(())
     }
 
     /// How many times each claimed message has been delivered, this claim included, as the

@@ -213,6 +213,70 @@ fn a_crash_before_ack_is_redelivered_without_a_second_effect() {
     });
 }
 
+/// Consumer `c1` of the rig's group, made, with `charges` published (100 each).
+async fn consumer_of(rig: &mut Rig, charges: &[&str]) -> Consumer {
+    let mut consumer = rig.consumer("c1").await;
+    consumer.setup().await.expect("setup");
+    for charge in charges {
+        publish(&mut rig.redis, &rig.stream, charge, 100)
+            .await
+            .expect("publish");
+    }
+    consumer
+}
+
+/// A poll that fails on one message (its `XACK` refused: here a crash before it) leaves the
+/// messages it took after that one to the same consumer's next poll. Before, they waited in
+/// its pending list for `claim_idle` (30 s by default): the read that took them had reset
+/// their idle time, and `>` does not hand them out again.
+#[test]
+fn a_failed_poll_leaves_the_rest_of_its_messages_to_the_next() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = consumer_of(&mut rig, &["ch_fails", "ch_next"]).await;
+        consumer.crash_before_ack = Some("ch_fails".into());
+        assert!(matches!(
+            consumer.poll(10).await,
+            Err(ConsumeError::Crashed(_))
+        ));
+        assert_eq!(rig.effects().await.get("ch_next"), None);
+        consumer.crash_before_ack = None;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!((polled.applied, polled.acked), (1, 1), "{polled:?}");
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_fails".to_owned(), 1), ("ch_next".to_owned(), 1)]),
+        );
+        // The one that failed waits for the claim, as before.
+        assert_eq!(rig.pending().await, 1);
+    });
+}
+
+/// A poll dropped in the middle of one message's effect (an outer timeout) leaves the
+/// messages it took after that one to the next poll, as a poll that failed does.
+#[test]
+fn a_dropped_poll_leaves_the_rest_of_its_messages_to_the_next() {
+    block_on(async {
+        let Some(mut rig) = rig().await else { return };
+        let mut consumer = consumer_of(&mut rig, &["ch_held", "ch_next"]).await;
+        let reached = Arc::new(Notify::new());
+        consumer.after_effect = Some(hold_at("ch_held", reached.clone(), Arc::new(Notify::new())));
+        tokio::select! {
+            polled = consumer.poll(10) => panic!("the effect is held: {polled:?}"),
+            () = reached.notified() => {}
+        }
+        consumer.after_effect = None;
+        let polled = consumer.poll(10).await.expect("poll");
+        assert_eq!((polled.applied, polled.acked), (1, 1), "{polled:?}");
+        assert_eq!(
+            rig.effects().await,
+            HashMap::from([("ch_next".to_owned(), 1)]),
+            "the held one rolled back; the next applied"
+        );
+        assert_eq!(rig.pending().await, 1);
+    });
+}
+
 /// Several previous scopes are each consulted: an upgrade from the group scope and a
 /// ledger spelled otherwise before (`public.<table>`) carried together. The option held
 /// one scope, and a second call replaced the first: the charges recorded under it were
