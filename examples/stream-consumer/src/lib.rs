@@ -690,8 +690,6 @@ impl Consumer {
         tracing::warn!(%error, stream = %self.stream, group = %self.group, "the consumer group is gone: created again from the stream's start");
         self.create_group().await?;
         self.claim_from = "0-0".to_owned();
-        // Read again from the stream's start, under the group made again.
-        self.owed.clear();
         Ok(polled)
     }
 
@@ -701,7 +699,15 @@ impl Consumer {
         let mut polled = Polled::default();
         // What the last poll took and did not get to: its messages are pending under this
         // consumer, idle for less than `claim_idle`, and `>` does not hand them out again.
-        self.handle_owed(&mut polled).await?;
+        if let Err(error) = self.handle_owed(&mut polled).await {
+            // The rest go back to the claim, as before: a Redis failing now would fail them
+            // one a poll. The group gone, the claim below meets it too and makes it again
+            // (its stream read from the start: they come back).
+            self.owed.clear();
+            if !matches!(&error, ConsumeError::Redis(error) if group_is_gone(error)) {
+                return Err(error);
+            }
+        }
         let idle = u64::try_from(self.claim_idle.as_millis()).unwrap_or(u64::MAX);
         // Read as values, not as `StreamAutoClaimReply` or `StreamReadReply`: those take
         // field names for strings, and one name that is not UTF-8 failed the whole reply, so
