@@ -189,6 +189,9 @@ pub(crate) struct Rigged {
     /// Armed: the next `complete` first releases the record (live lease and all), and
     /// another request (this fingerprint) claims and completes the key.
     pub(crate) replace_before_complete: std::sync::Mutex<Option<idempotency_core::Fingerprint>>,
+    /// The next this many releases answer `Unavailable` (a connection reset), changing
+    /// nothing.
+    pub(crate) releases_unavailable: std::sync::atomic::AtomicUsize,
 }
 
 impl Rigged {
@@ -241,6 +244,14 @@ impl Store for Rigged {
     ) -> idempotency_core::Result<()> {
         if self.panic_next_give_back.swap(false, Ordering::SeqCst) {
             panic!("the store's release panics on purpose");
+        }
+        let unavailable =
+            self.releases_unavailable
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                    left.checked_sub(1)
+                });
+        if unavailable.is_ok() {
+            return Err(idempotency_core::Error::unavailable("connection reset"));
         }
         self.inner.release(id, token).await
     }

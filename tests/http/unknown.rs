@@ -908,6 +908,33 @@ fn a_resolution_that_finds_the_record_released_since_stores_nothing() {
     });
 }
 
+/// The same, with the resolution's give-back of its claim failing (the store unavailable for
+/// a moment): the operator hears `503`, and the claim goes back in a task the layer's drain
+/// waits for, so that a shutdown right after does not leave it held and then read as an
+/// unknown attempt (the other operator's release undone). Found by review.
+#[test]
+fn a_resolution_whose_give_back_failed_gives_it_back_before_the_drain_returns() {
+    block_on(async {
+        let rigged = Arc::new(crate::support::Rigged::default());
+        let store: Arc<dyn Store> = rigged.clone();
+        let layer = layer(store.clone());
+        let (key, id) = crashed_attempt(&*store).await;
+        rigged
+            .release_after_inspect
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // The resolution's own try and the give-back's first.
+        rigged
+            .releases_unavailable
+            .store(2, std::sync::atomic::Ordering::SeqCst);
+        let found = r#"{"status": 201}"#;
+        let resolved = operator_on(layer.admin_router(), "PUT", &key, found).await;
+        assert_eq!(resolved.status, 503, "{}", resolved.body);
+        layer.drain().await;
+        let left = store.inspect(&id).await.expect("inspect");
+        assert!(left.is_none(), "the claim was not given back: {left:?}");
+    });
+}
+
 /// The resolution's own lease released by another operator (`DELETE ?live=true`) while its
 /// completion was on its way: nothing is stored, and the answer is the `404` of a record
 /// released, not the `409` "live lease, look again" it was, about a key with no record.

@@ -196,9 +196,12 @@ const RESOLVING_LEASE: Duration = Duration::from_secs(30);
 /// own ([`finish_on_drop`](crate::finish_on_drop)): half done, it would leave its takeover
 /// held for its 30 s lease, and then the record read as an attempt whose outcome is unknown
 /// again — or, where the key had been released since it was read, a fresh claim read so, an
-/// operator's release undone. So it takes the store as an `Arc`. Failing after its takeover,
-/// it gives the lease back in a task of its own, retried while the store is unavailable
-/// ([`end_orphan`](crate::end_orphan), [`release_orphan`](crate::release_orphan)).
+/// operator's release undone. So it takes the store as an `Arc`. Failing after its claim, it
+/// gives the lease back before it answers; that failing too (the store unavailable), in a
+/// task of its own, retried until the store answers ([`end_orphan`](crate::end_orphan),
+/// [`release_orphan`](crate::release_orphan)). A shutdown waits for neither task unless
+/// you use [`resolve_unknown_tracked`], as the layer's admin routes do. (Dropped outside
+/// any Tokio runtime, it stops where it is: there is nowhere to run the rest.)
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
@@ -222,9 +225,43 @@ pub async fn resolve_unknown<S: crate::Store + ?Sized + 'static>(
     outcome: &crate::Outcome,
     retention: Duration,
 ) -> crate::Result<Resolved> {
+    let untracked = tokio_util::task::TaskTracker::new();
+    resolve_unknown_tracked(store, id, outcome, retention, &untracked).await
+}
+
+/// [`resolve_unknown`], with what it leaves running — its rest when dropped, a give-back
+/// retried after a failure — spawned as tasks of `tracker`, so that a graceful shutdown that
+/// waits for the tracker waits for them: the process exiting right after a failed
+/// resolution would otherwise leave its claim held, then read as an unknown attempt.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotency_core::{resolve_unknown_tracked, MemoryStore, Outcome, RecordId, Resolved};
+/// use tokio_util::task::TaskTracker;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotency_core::Error> {
+/// let (store, settling) = (Arc::new(MemoryStore::new()), TaskTracker::new());
+/// let (id, found) = (RecordId::from_bytes([7; 32]), Outcome::new(201));
+/// let day = Duration::from_secs(86_400);
+/// let resolved = resolve_unknown_tracked(&store, &id, &found, day, &settling).await?;
+/// assert_eq!(resolved, Resolved::Absent); // no record to resolve
+/// settling.close();
+/// settling.wait().await; // a shutdown: whatever it left running has ended
+/// # Ok(()) }
+/// ```
+pub async fn resolve_unknown_tracked<S: crate::Store + ?Sized + 'static>(
+    store: &std::sync::Arc<S>,
+    id: &crate::RecordId,
+    outcome: &crate::Outcome,
+    retention: Duration,
+    tracker: &tokio_util::task::TaskTracker,
+) -> crate::Result<Resolved> {
     let (store, id, outcome) = (store.clone(), *id, outcome.clone());
-    let resolution = async move { resolve(store, &id, &outcome, retention).await };
-    crate::finish_on_drop(resolution, |_| Box::pin(async {})).await
+    let settling = tracker.clone();
+    let resolution = async move { resolve(store, &id, &outcome, retention, &settling).await };
+    crate::finish_on_drop(resolution, |_| Box::pin(async {}))
+        .tracked_by(tracker)
+        .await
 }
 
 /// [`resolve_unknown`]'s steps: read, take over, complete.
@@ -233,6 +270,7 @@ async fn resolve<S: crate::Store + ?Sized + 'static>(
     id: &crate::RecordId,
     outcome: &crate::Outcome,
     retention: Duration,
+    settling: &tokio_util::task::TaskTracker,
 ) -> crate::Result<Resolved> {
     use crate::{Begin, Error};
 
@@ -259,7 +297,7 @@ async fn resolve<S: crate::Store + ?Sized + 'static>(
                 Ok(()) | Err(Error::LeaseLost) => Ok(Resolved::Absent),
                 Err(error) => {
                     // Kept, it would read as an unknown attempt once its lease ran out.
-                    give_back_later(store, *id, Begin::Execute(token));
+                    give_back_later(&store, *id, &Begin::Execute(token), settling);
                     Err(error)
                 }
             };
@@ -282,21 +320,32 @@ async fn resolve<S: crate::Store + ?Sized + 'static>(
         }),
         Err(error) => {
             // Not stored: the record is an attempt whose outcome is unknown again now,
-            // rather than "in flight" to its retries for a lease.
-            give_back_later(store, *id, Begin::TakeOver(token));
+            // rather than "in flight" to its retries for a lease (or, the store failing,
+            // once a retry in a task of its own lands).
+            if let Err(Error::Unavailable(_)) = store.renew(id, token, Duration::ZERO).await {
+                give_back_later(&store, *id, &Begin::TakeOver(token), settling);
+            }
             Err(error)
         }
     }
 }
 
-/// Gives `grant` back in a task of its own ([`give_back_orphan`](crate::give_back_orphan):
+/// Gives `grant` back in a task of `settling` ([`give_back_orphan`](crate::give_back_orphan):
 /// retried while the store is unavailable), so that the caller hears of the failure now.
+/// Outside any runtime the grant is left to run out (its lease, 30 s).
 fn give_back_later<S: crate::Store + ?Sized + 'static>(
-    store: std::sync::Arc<S>,
+    store: &std::sync::Arc<S>,
     id: crate::RecordId,
-    grant: crate::Begin,
+    grant: &crate::Begin,
+    settling: &tokio_util::task::TaskTracker,
 ) {
-    tokio::spawn(async move { crate::give_back_orphan(&*store, &id, grant).await });
+    let give_back = || {
+        let (store, grant) = (store.clone(), grant.clone());
+        async move { crate::give_back_orphan(&*store, &id, grant).await }
+    };
+    if crate::spawn_where_it_survives(settling, None, give_back) == 0 {
+        tracing::warn!(record = %id, "no runtime to give a resolution's claim back on; its lease runs out");
+    }
 }
 
 /// A time given in milliseconds since the Unix epoch (what SQL's `extract(epoch …)` and

@@ -46,7 +46,7 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use handover::{FinishInAnyCase, HANDOVER_AFTER, finish_in_any_case};
 pub use inspect::{
     ForceReleased, Inspection, RecordState, ReleaseScope, Resolved, resolve_unknown,
-    system_time_from_millis,
+    resolve_unknown_tracked, system_time_from_millis,
 };
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, RecordId, Scope};
 pub use memory::MemoryStore;

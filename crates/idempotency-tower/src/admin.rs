@@ -568,12 +568,14 @@ async fn resolve(
     // In a task of its own: an operator who hangs up mid-way (an interrupted `curl`) does not
     // leave it half done — its takeover held and its outcome not stored, the key then read
     // as an attempt whose outcome is unknown once the resolving lease ran out.
-    let resolution =
-        async move { idempotency_core::resolve_unknown(&store, &id, &outcome, retention).await };
-    let resolved = match detached {
-        Some(tracker) => tracker.spawn(resolution).await,
-        None => tokio::spawn(resolution).await,
+    // So too what it leaves running (a claim whose give-back failed, retried): the layer's
+    // drain waits for both.
+    let tracker = detached.unwrap_or_default();
+    let settling = tracker.clone();
+    let resolution = async move {
+        idempotency_core::resolve_unknown_tracked(&store, &id, &outcome, retention, &settling).await
     };
+    let resolved = tracker.spawn(resolution).await;
     let resolved = match resolved {
         Ok(resolved) => resolved,
         Err(failed) => {
