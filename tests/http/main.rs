@@ -2870,27 +2870,38 @@ async fn layer_sweep_once(store: Arc<dyn Store>, delay_ms: Option<&'static str>)
         let before = calls.get();
         let first = drop_at_poll(router.clone().oneshot(request(&key)), k).await;
         let deadline = tokio::time::Instant::now() + ANSWERABLE_WITHIN;
-        let status = loop {
+        let response = loop {
             let response = router
                 .clone()
                 .oneshot(request(&key))
                 .await
                 .expect("response");
-            let status = response.status().as_u16();
-            if status != 409 || tokio::time::Instant::now() > deadline {
-                break status;
+            if response.status() != 409 || tokio::time::Instant::now() > deadline {
+                break response;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         };
-        assert_eq!(status, 201, "after a drop at poll {k}");
+        assert_eq!(response.status(), 201, "after a drop at poll {k}");
         assert_eq!(
             calls.get(),
             before + 1,
             "one execution per key (drop at poll {k})"
         );
+        // And what the retry got is that execution's outcome (its call's number), not
+        // another's or a half-stored one.
+        let executed = format!(r#""charge":{}"#, before + 1);
+        let body = |response: axum::response::Response| async move {
+            let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await;
+            String::from_utf8(bytes.expect("body").to_vec()).expect("utf-8")
+        };
+        let got = body(response).await;
+        assert!(got.contains(&executed), "drop at poll {k}: {got}");
         match first {
             Some(done) => {
-                assert_eq!(done.expect("response").status(), 201);
+                let done = done.expect("response");
+                assert_eq!(done.status(), 201);
+                let got = body(done).await;
+                assert!(got.contains(&executed), "undropped: {got}");
                 return dropped;
             }
             None => dropped += 1,
