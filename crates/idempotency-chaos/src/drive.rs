@@ -159,8 +159,14 @@ impl Driver {
                 } else {
                     Duration::from_secs(8)
                 };
+                // And some meet a processor that fails before charging (`X-Demo-Fail: 503`):
+                // a 5xx is not stored, so the key runs again on its next attempt, and no
+                // later answer may replay that 503.
+                let fail = rng.random_range(0..20) == 0;
                 let sent = Instant::now();
-                let answer = self.send(&charge, (delay, delay_after), timeout).await;
+                let answer = self
+                    .send(&charge, (delay, delay_after), fail, timeout)
+                    .await;
                 let done = matches!(&answer, Ok(reply) if (200..300).contains(&reply.status) || reply.status == 422);
                 let pause = match &answer {
                     Ok(reply) if reply.status == 409 => Duration::from_millis(
@@ -191,6 +197,7 @@ impl Driver {
         &self,
         charge: &Charge,
         (delay_ms, delay_after_ms): (u64, u64),
+        fail: bool,
         timeout: Duration,
     ) -> Result<http::Reply, NoReply> {
         let body = format!(
@@ -208,6 +215,9 @@ impl Driver {
         if delay_after_ms > 0 {
             headers.push(("x-demo-delay-after-ms", delay_after_ms.to_string()));
         }
+        if fail {
+            headers.push(("x-demo-fail", "503".to_owned()));
+        }
         http::send(&self.addr, "POST", "/charges", &headers, &body, timeout).await
     }
 
@@ -219,7 +229,7 @@ impl Driver {
             let (b, charges) = batch;
             let sends = charges.iter().enumerate().map(|(i, charge)| async move {
                 let sent = Instant::now();
-                let answer = self.send(charge, (0, 0), self.lease * 2).await;
+                let answer = self.send(charge, (0, 0), false, self.lease * 2).await;
                 record(b * 16 + i, 0, sent, answer)
             });
             probes.extend(futures_join_all(sends).await);
@@ -308,6 +318,11 @@ fn verdict(
     if attempt.answer == Ok(422) {
         return Verdict::Wrong; // one body per key: "reused for a different request" is wrong
     }
+    // Every outcome stored here is a 2xx: a replayed failure (a processor's 503 stored)
+    // would keep the key from ever charging.
+    if attempt.replayed && !matches!(attempt.answer, Ok(200..300)) {
+        return Verdict::Wrong;
+    }
     let Some(body) = &attempt.body else {
         return Verdict::Right;
     };
@@ -332,6 +347,52 @@ fn verdict(
     } else {
         Verdict::Wrong
     }
+}
+
+/// A key's attempts and the faults around them, one line: what a second run followed.
+fn timeline(
+    charge: &Charge,
+    attempts: &[&Attempt],
+    reached: &HashMap<String, HashSet<usize>>,
+    windows: &[crate::faults::Window],
+) -> String {
+    let Some(t0) = attempts.iter().map(|a| a.sent).min() else {
+        return format!("chaos: second run of {}: no attempts", charge.key);
+    };
+    let at = |t: Instant| {
+        let ms = |d: Duration| d.as_millis() as i64;
+        ms(t.saturating_duration_since(t0)) - ms(t0.saturating_duration_since(t))
+    };
+    let tried: Vec<String> = attempts
+        .iter()
+        .map(|a| {
+            let answer = match a.answer {
+                Ok(status) if a.replayed => format!("{status}r"),
+                Ok(status) => status.to_string(),
+                Err(NoReply::HungUp) => "hung-up".into(),
+                Err(NoReply::Failed) => "failed".into(),
+            };
+            format!("{}ms..{}ms:{answer}", at(a.sent), at(a.answered))
+        })
+        .collect();
+    let end = attempts.iter().map(|a| a.answered).max().unwrap_or(t0);
+    let faults: Vec<String> = windows
+        .iter()
+        .filter(|w| w.start <= end + Duration::from_secs(5) && t0 <= w.end + Duration::from_secs(5))
+        .map(|w| {
+            let what = w
+                .gateway
+                .map_or("store".to_owned(), |g| format!("gateway {g}"));
+            format!("{what} {:?} {}ms..{}ms", w.excuse, at(w.start), at(w.end))
+        })
+        .collect();
+    format!(
+        "chaos: second run of {} (gateways {:?}): attempts [{}] faults [{}]",
+        charge.key,
+        reached.get(&charge.key),
+        tried.join(" "),
+        faults.join(", ")
+    )
 }
 
 /// What the check found.
@@ -592,7 +653,8 @@ fn rebuilt_unexplained(
 ///   holds), or a body or a status other than the key's first 2xx's (every retry gets the
 ///   stored outcome, byte for byte once parsed); or a 422 (every client sends one body per key:
 ///   "key reused for a different request" is a wrong answer, and refuses a charged client
-///   for good).
+///   for good); or a replayed answer that is not a 2xx (one attempt in twenty asks the
+///   demo's processor to fail with a 503 before charging: such a failure is never stored).
 /// - **stuck**: a key whose final probe, a lease after every fault was cleared, answers
 ///   anything but 2xx (or 422, counted as wrong); or a key told 409 on end during the
 ///   campaign for more than two leases that no fault explains (see [`in_flight_streaks`]).
@@ -622,6 +684,8 @@ pub(crate) async fn check(
         by_charge[attempt.charge].push(attempt);
     }
     let (mut lost_answer, mut stalled_owner, mut reexecuted) = (0, 0, 0);
+    // What each unexcused second run followed, for whoever reads a red campaign.
+    let mut second_runs = Vec::new();
     for (i, charge) in history.charges.iter().enumerate() {
         // The campaign's attempts only: the final probes come after every fault, and timed
         // by them any second run would overlap some window.
@@ -678,6 +742,9 @@ pub(crate) async fn check(
             }
             _ => false,
         });
+        if !lost || probe_ran {
+            second_runs.push(timeline(charge, mine, reached, windows));
+        }
         if probe_ran {
             reexecuted += 1;
         } else if lost {
@@ -781,6 +848,10 @@ pub(crate) async fn check(
             .max()
             .unwrap_or(0),
     );
+    let details = second_runs
+        .iter()
+        .take(5)
+        .fold(details, |details, run| details + "\n" + run);
     Ok(Report {
         requests: history.attempts.len() + probes.len(),
         duplicates,
@@ -865,6 +936,13 @@ mod tests {
         assert_eq!(check(&with(200, first.clone())), Verdict::Right);
         assert_eq!(check(&answered(0, 0, 10, 409, at)), Verdict::Right);
         assert_eq!(check(&answered(0, 0, 10, 422, at)), Verdict::Wrong);
+        // A failure replayed: stored, though the layer stores no 5xx.
+        let replayed_503 = Attempt {
+            replayed: true,
+            ..answered(0, 0, 10, 503, at)
+        };
+        assert_eq!(check(&replayed_503), Verdict::Wrong);
+        assert_eq!(check(&answered(0, 0, 10, 503, at)), Verdict::Right);
         // Replayed with another amount, or another body, than the key's charge.
         assert_eq!(check(&with(201, body("ch_1", 1_000, "t0"))), Verdict::Wrong);
         assert_eq!(check(&with(201, body("ch_1", 1_250, "t1"))), Verdict::Wrong);
