@@ -319,7 +319,9 @@ fn verdict(
         return Verdict::Wrong; // one body per key: "reused for a different request" is wrong
     }
     // Every outcome stored here is a 2xx: a replayed failure (a processor's 503 stored)
-    // would keep the key from ever charging.
+    // would keep the key from ever charging. (The layer's one replayed non-2xx by design,
+    // the 500 `outcome-not-stored` marker of a run whose outcome the store refused for a
+    // lease, is wrong here too: nothing in this campaign should make a store refuse one.)
     if attempt.replayed && !matches!(attempt.answer, Ok(200..300)) {
         return Verdict::Wrong;
     }

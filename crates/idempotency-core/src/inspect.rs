@@ -292,7 +292,9 @@ async fn resolve<S: crate::Store + ?Sized + 'static>(
         // that operator was told is gone, and both would be told they succeeded, which no
         // order of the two gives. The claim goes back.
         Begin::Execute(token) => {
-            return match store.release(id, token).await {
+            let released = store.release(id, token);
+            let released = crate::panic_as_unavailable(released, "the store's release panicked");
+            return match released.await {
                 // Released by an operator meanwhile (`live`): gone all the same.
                 Ok(()) | Err(Error::LeaseLost) => Ok(Resolved::Absent),
                 Err(error) => {
@@ -322,7 +324,10 @@ async fn resolve<S: crate::Store + ?Sized + 'static>(
             // Not stored: the record is an attempt whose outcome is unknown again now,
             // rather than "in flight" to its retries for a lease (or, the store failing,
             // once a retry in a task of its own lands).
-            if let Err(Error::Unavailable(_)) = store.renew(id, token, Duration::ZERO).await {
+            // (A store whose call panics is one that failed: retried as one.)
+            let ended = store.renew(id, token, Duration::ZERO);
+            let ended = crate::panic_as_unavailable(ended, "the store's renew panicked").await;
+            if let Err(Error::Unavailable(_)) = ended {
                 give_back_later(&store, *id, &Begin::TakeOver(token), settling);
             }
             Err(error)
@@ -385,6 +390,8 @@ mod tests {
         writes_take: Duration,
         /// The next `release` or `complete` fails (`Unavailable`: a connection reset).
         fail_next_write: AtomicBool,
+        /// The next `renew` panics (a bug in a store).
+        panic_next_renew: AtomicBool,
     }
 
     impl Raced {
@@ -417,6 +424,10 @@ mod tests {
             self.inner.release(id, token).await
         }
         async fn renew(&self, id: &RecordId, token: LeaseToken, lease: Duration) -> Result<()> {
+            assert!(
+                !self.panic_next_renew.swap(false, Ordering::SeqCst),
+                "the store's renew panics on purpose"
+            );
             self.inner.renew(id, token, lease).await
         }
         async fn purge_expired(&self, batch: usize) -> Result<u64> {
@@ -454,6 +465,23 @@ mod tests {
         (id, fp)
     }
 
+    /// Resolves `id` (as found: a 201), which fails: `Unavailable`, as the store failed.
+    async fn resolution_fails(store: &Arc<Raced>, id: &RecordId) {
+        let found = Outcome::new(201).with_body("ch_1");
+        let resolved = resolve_unknown(store, id, &found, DAY).await;
+        assert!(
+            matches!(resolved, Err(Error::Unavailable(_))),
+            "{resolved:?}"
+        );
+    }
+
+    /// The next request takes the key over: the record is an attempt whose outcome is
+    /// unknown, its lease over.
+    async fn taken_over(store: &Raced, id: &RecordId, fp: &Fingerprint) {
+        let retry = store.begin(id, fp, Duration::from_secs(30)).await.unwrap();
+        assert!(matches!(retry, Begin::TakeOver(_)), "{retry:?}");
+    }
+
     /// Lets the tasks spawned so far run to their end (time is paused: sleeps end at once).
     async fn settle() {
         for _ in 0..8 {
@@ -489,12 +517,7 @@ mod tests {
         let (id, _) = unknown_attempt(&store).await;
         store.release_after_inspect.store(true, Ordering::SeqCst);
         store.fail_next_write.store(true, Ordering::SeqCst);
-        let found = Outcome::new(201).with_body("ch_1");
-        let resolved = resolve_unknown(&store, &id, &found, DAY).await;
-        assert!(
-            matches!(resolved, Err(Error::Unavailable(_))),
-            "{resolved:?}"
-        );
+        resolution_fails(&store, &id).await;
         settle().await;
         assert_eq!(store.inspect(&id).await.unwrap(), None);
     }
@@ -532,19 +555,26 @@ mod tests {
         let store = Arc::new(Raced::default());
         let (id, fp) = unknown_attempt(&store).await;
         store.fail_next_write.store(true, Ordering::SeqCst);
-        let found = Outcome::new(201).with_body("ch_1");
-        let resolved = resolve_unknown(&store, &id, &found, DAY).await;
-        assert!(
-            matches!(resolved, Err(Error::Unavailable(_))),
-            "{resolved:?}"
-        );
+        resolution_fails(&store, &id).await;
         for _ in 0..4 {
             tokio::task::yield_now().await; // the give-back's task
         }
-        let retry = store
-            .begin(&id, &fp, Duration::from_secs(30))
-            .await
-            .unwrap();
-        assert!(matches!(retry, Begin::TakeOver(_)), "{retry:?}");
+        taken_over(&store, &id, &fp).await;
+    }
+
+    /// Storing failed, and so did ending the takeover (the store's renew panicked): the
+    /// caller hears of the failure, and the takeover is ended all the same, by a retry.
+    /// Found by review: the panic unwound the resolution, and the key was held for the
+    /// resolving lease.
+    #[tokio::test(start_paused = true)]
+    async fn a_resolution_whose_store_panicked_ending_its_takeover_still_ends_it() {
+        let store = Arc::new(Raced::default());
+        let (id, fp) = unknown_attempt(&store).await;
+        store.fail_next_write.store(true, Ordering::SeqCst);
+        store.panic_next_renew.store(true, Ordering::SeqCst);
+        resolution_fails(&store, &id).await;
+        // Past the give-back's first backoff, well within the resolving lease.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        taken_over(&store, &id, &fp).await;
     }
 }

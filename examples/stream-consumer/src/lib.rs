@@ -440,7 +440,9 @@ pub struct Consumer {
     /// Messages a poll took (claimed or read) and had not started to handle when it failed
     /// or was dropped, with their delivery counts: the next poll handles them first. Left to
     /// the claim, they waited `claim_idle` (30 s by default) after one failed `XACK`, their
-    /// idle time reset by the claim or the read that took them.
+    /// idle time reset by the claim or the read that took them. (A poll that fails again on
+    /// one of them leaves the rest to the claim: a Redis that keeps failing would otherwise
+    /// fail them one a poll.)
     owed: VecDeque<(Entry, u64)>,
     /// The scopes earlier versions keyed charges by, consulted in order before a charge is
     /// applied ([`Consumer::with_previous_scope`]).
